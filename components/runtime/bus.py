@@ -152,8 +152,11 @@ class NatsBus:
         self._js: nats.js.JetStreamContext | None = None
 
     async def start(self) -> None:
+        connecting = True
+
         async def on_error(e: Exception) -> None:
-            logger.warning("nats: %s", e)
+            if not connecting:  # during start-up the failure is reported once, by the ConnectError below
+                logger.warning("nats: %s", e)
 
         async def on_disconnect() -> None:
             logger.warning("nats: disconnected from %s", self._config.nats_url)
@@ -162,7 +165,8 @@ class NatsBus:
             logger.info("nats: reconnected to %s", self._config.nats_url)
 
         try:
-            self._nc = await nats.connect(
+            # With reconnects unbounded, nats-py retries the first connection forever too: bound it here.
+            self._nc = await asyncio.wait_for(nats.connect(
                 self._config.nats_url,
                 name=self._name,
                 connect_timeout=self._config.connect_timeout_s,
@@ -172,9 +176,11 @@ class NatsBus:
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
-            )
+            ), self._config.connect_timeout_s)
         except (nats.errors.NoServersError, OSError, TimeoutError) as e:
             raise ConnectError("NATS", self._config.nats_url, f"{type(e).__name__} {e}".strip()) from e
+        finally:
+            connecting = False
 
     @property
     def nc(self) -> nats.NATS:

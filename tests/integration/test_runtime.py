@@ -1,0 +1,425 @@
+"""The runtime against real etcd and nats-server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from components.runtime import (
+    ConnectError,
+    InstanceGoneError,
+    NoInstancesError,
+    RemoteHandlerError,
+    RuntimeConfig,
+    StreamInterruptedError,
+    collect,
+)
+from components.runtime.runtime import Runtime
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def stream_handler(body, ctx):
+    for i in range(body.get("n", 1)):
+        if body.get("delay_s"):
+            await asyncio.sleep(body["delay_s"])
+        yield {"i": i}
+
+
+class ChildServer:
+    """tests/helpers/echo_server.py in its own process, so it can be SIGKILLed."""
+
+    def __init__(self, cfg: RuntimeConfig, namespace: str = "t") -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.helpers.echo_server",
+                "--etcd",
+                cfg.etcd_endpoints[0],
+                "--nats",
+                cfg.nats_url,
+                "--namespace",
+                namespace,
+                "--lease-ttl-s",
+                str(cfg.lease_ttl_s),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    async def ready(self) -> int:
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 30)
+        assert line.startswith("READY "), line
+        return int(line.split()[1], 16)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(5)
+
+
+@pytest.fixture
+def child_servers(runtime_config):
+    made: list[ChildServer] = []
+
+    def make(namespace: str = "t") -> ChildServer:
+        c = ChildServer(runtime_config, namespace)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+async def wait_until(pred, timeout_s: float, step_s: float = 0.02) -> float:
+    """Poll ``pred`` until true; returns the seconds it took; fails the test after ``timeout_s``."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(step_s)
+    return time.monotonic() - t0
+
+
+async def test_register_watch_deregister(make_runtime):
+    rt = await make_runtime()
+    other = await make_runtime()
+    ep = rt.namespace("t").component("backend").endpoint("generate")
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    assert client.instance_ids() == []
+
+    served = [await ep.serve(stream_handler, metadata={"model": "m", "n": i}) for i in range(3)]
+    await client.wait_for_instances(3, timeout_s=5)
+    assert sorted(client.instance_ids()) == sorted(s.instance_id for s in served)
+    assert {i.metadata["n"] for i in client.instances()} == {0, 1, 2}
+
+    await served[1].stop()
+    await wait_until(lambda: served[1].instance_id not in client.instance_ids(), 2)
+    assert len(client.instance_ids()) == 2
+
+    # Metadata updates are seen by watchers (the planner changes roles this way).
+    await served[0].update_metadata(role="decode")
+    await wait_until(lambda: client.instance(served[0].instance_id).metadata.get("role") == "decode", 2)
+
+    listed = await other.namespace("t").list_instances()
+    assert {i.instance_id for i in listed} == {served[0].instance_id, served[2].instance_id}
+
+
+async def test_graceful_shutdown_revokes_lease_at_once(make_runtime, child_servers):
+    other = await make_runtime(lease_ttl_s=30)
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    child = child_servers()
+    iid = await child.ready()
+    await client.wait_for_instances(1, timeout_s=5)
+    child.proc.send_signal(signal.SIGTERM)
+    # Well under the 3 s TTL: the key goes with the revoked lease, not with its expiry.
+    took = await wait_until(lambda: iid not in client.instance_ids(), 1.5)
+    assert took < 1.5
+    assert child.proc.wait(10) == 0
+
+
+async def test_lease_expiry_after_sigkill_removes_instance_within_ttl(make_runtime, child_servers, runtime_config):
+    other = await make_runtime()
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    child = child_servers()
+    iid = await child.ready()
+    await client.wait_for_instances(1, timeout_s=5)
+    child.kill()
+    t0 = time.monotonic()
+    await wait_until(lambda: iid not in client.instance_ids(), runtime_config.lease_ttl_s + 2)
+    # etcd expires a lease up to ~1 s after its TTL (its expiry check runs every 500 ms); ttl + 1.5 s bounds it.
+    assert time.monotonic() - t0 <= runtime_config.lease_ttl_s + 1.5
+
+
+async def test_request_to_killed_instance_fails_fast(make_runtime, child_servers, runtime_config):
+    other = await make_runtime()
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    child = child_servers()
+    iid = await child.ready()
+    await client.wait_for_instances(1, timeout_s=5)
+    assert len(await collect(await client.direct({"n": 2}, iid))) == 2
+
+    child.kill()
+    # The instance is still listed (its lease has not expired) but a request to it fails at once.
+    assert iid in client.instance_ids()
+    t0 = time.monotonic()
+    with pytest.raises(InstanceGoneError) as exc:
+        await client.direct({"n": 2}, iid)
+    took = time.monotonic() - t0
+    assert exc.value.instance_id == iid
+    assert "no responders" in str(exc.value)
+    # NATS answers no-responders in about a millisecond; anything near the ack timeout (2 s) or the TTL would fail.
+    assert took < 0.5, took
+
+
+async def test_inflight_stream_from_killed_instance_is_interrupted(make_runtime, child_servers):
+    other = await make_runtime()
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    child = child_servers()
+    iid = await child.ready()
+    await client.wait_for_instances(1, timeout_s=5)
+    stream = await client.direct({"n": 1000, "delay_s": 0.05}, iid)
+    got = []
+    with pytest.raises(StreamInterruptedError) as exc:
+        async for item in stream:
+            got.append(item["i"])
+            if len(got) == 5:
+                child.kill()
+    assert got[:5] == [0, 1, 2, 3, 4]
+    assert got == list(range(len(got)))  # nothing lost or reordered before the interruption
+    assert exc.value.instance_id == iid
+
+
+async def test_cancellation_reaches_the_handler(make_runtime, child_servers):
+    other = await make_runtime()
+    ns = other.namespace("t")
+    cancelled = await ns.events.subscribe("handler_cancelled")
+    client = await ns.component("backend").endpoint("generate").client()
+    child = child_servers()
+    iid = await child.ready()
+    await client.wait_for_instances(1, timeout_s=5)
+
+    # 1) aclose() on the stream.
+    stream = await client.direct({"n": 1000, "delay_s": 0.01}, iid)
+    assert (await stream.__anext__())["i"] == 0
+    t0 = time.monotonic()
+    await stream.aclose()
+    ev = await cancelled.get(timeout_s=2)
+    took = time.monotonic() - t0
+    assert ev.payload["request_id"] == stream.request_id
+    # The issue asks for 100 ms; the event itself needs a NATS round trip. 250 ms leaves room for a loaded CI box.
+    assert took < 0.25, took
+
+    # 2) Cancelling the task that iterates.
+    stream2 = await client.direct({"n": 1000, "delay_s": 0.01}, iid)
+
+    async def consume():
+        async for _ in stream2:
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    ev = await cancelled.get(timeout_s=2)
+    assert ev.payload["request_id"] == stream2.request_id
+
+
+async def test_handler_error_is_reported_and_instance_keeps_serving(make_runtime):
+    rt = await make_runtime()
+
+    async def handler(body, ctx):
+        yield 1
+        if body == "boom":
+            raise ValueError("bad body")
+        yield 2
+
+    ep = rt.namespace("t").component("backend").endpoint("generate")
+    await ep.serve(handler)
+    client = await ep.client()
+    await client.wait_for_instances(1)
+    stream = await client.generate("boom")
+    assert await stream.__anext__() == 1
+    with pytest.raises(RemoteHandlerError) as exc:
+        await stream.__anext__()
+    assert exc.value.error_type == "ValueError" and "bad body" in exc.value.message
+    assert await collect(await client.generate("ok")) == [1, 2]
+
+
+async def test_no_instances_error(make_runtime):
+    rt = await make_runtime()
+    client = await rt.namespace("t").component("nobody").endpoint("generate").client()
+    with pytest.raises(NoInstancesError):
+        await client.generate({})
+    with pytest.raises(TimeoutError):
+        await client.wait_for_instances(1, timeout_s=0.2)
+
+
+async def test_round_robin_and_random_spread_requests(make_runtime):
+    rt = await make_runtime()
+    ep = rt.namespace("t").component("backend").endpoint("generate")
+    seen: dict[int, int] = {}
+
+    def handler_for(i):
+        async def handler(body, ctx):
+            seen[i] = seen.get(i, 0) + 1
+            yield ctx.instance_id
+
+        return handler
+
+    served = [await ep.serve(handler_for(i)) for i in range(3)]
+    rr = await ep.client("round_robin")
+    await rr.wait_for_instances(3)
+    for _ in range(9):
+        await collect(await rr.generate({}))
+    assert sorted(seen.values()) == [3, 3, 3]
+    rnd = await ep.client("random")
+    await rnd.wait_for_instances(3)
+    ids = [(await collect(await rnd.generate({})))[0] for _ in range(30)]
+    assert set(ids) <= {s.instance_id for s in served}
+    assert len(set(ids)) > 1
+
+
+async def test_drain_finishes_inflight_and_refuses_new(make_runtime):
+    rt = await make_runtime()
+    other = await make_runtime()
+    ep = rt.namespace("t").component("backend").endpoint("generate")
+    served = await ep.serve(stream_handler)
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    await client.wait_for_instances(1)
+    streams = [await client.generate({"n": 10, "delay_s": 0.02}) for _ in range(5)]
+    stop = asyncio.create_task(served.stop(drain_timeout_s=10))
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    assert await stop == 0
+    assert all([r["i"] for r in res] == list(range(10)) for res in results)
+
+
+async def test_unreachable_servers_give_clear_errors(runtime_config):
+    bad_etcd = runtime_config.model_copy(
+        update={"etcd_endpoints": ["http://127.0.0.1:1"], "connect_timeout_s": 1.0}
+    )
+    with pytest.raises(ConnectError) as exc:
+        await Runtime.connect(bad_etcd)
+    assert exc.value.service == "etcd" and "127.0.0.1:1" in str(exc.value)
+
+    bad_nats = runtime_config.model_copy(update={"nats_url": "nats://127.0.0.1:1", "connect_timeout_s": 1.0})
+    with pytest.raises(ConnectError) as exc:
+        await Runtime.connect(bad_nats)
+    assert exc.value.service == "NATS" and "127.0.0.1:1" in str(exc.value)
+
+
+async def test_etcd_restart_is_survived(make_runtime, etcd_server):
+    rt = await make_runtime()
+    other = await make_runtime()
+    ep = rt.namespace("t").component("backend").endpoint("generate")
+    served = await ep.serve(stream_handler)
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    await client.wait_for_instances(1)
+
+    # 1) A restart that keeps the data: the lease survives, the registration stays.
+    etcd_server.stop()
+    await asyncio.sleep(1.0)
+    etcd_server.start()
+    served2 = await ep.serve(stream_handler)  # a registration made after the restart is seen by the old watch
+    await client.wait_for_instances(2, timeout_s=10)
+    assert set(client.instance_ids()) == {served.instance_id, served2.instance_id}
+
+    # 2) A restart that loses the data: the lease is re-acquired, every registration restored without a restart.
+    etcd_server.stop()
+    etcd_server.wipe()
+    etcd_server.start()
+    await wait_until(lambda: rt.discovery.lease_reacquisitions(rt.primary_lease) >= 1, 10)
+    fresh = await make_runtime()
+    listed = await fresh.namespace("t").list_instances()
+    assert {i.instance_id for i in listed} == {served.instance_id, served2.instance_id}
+    await wait_until(lambda: set(client.instance_ids()) == {served.instance_id, served2.instance_id}, 10)
+    assert [x["i"] for x in await collect(await client.generate({"n": 3}))] == [0, 1, 2]
+
+
+async def test_nats_restart_is_survived(make_runtime, nats_server):
+    rt = await make_runtime()
+    other = await make_runtime()
+    ep = rt.namespace("t").component("backend").endpoint("generate")
+    await ep.serve(stream_handler)
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    await client.wait_for_instances(1)
+    assert len(await collect(await client.generate({"n": 3}))) == 3
+
+    nats_server.stop()
+    await asyncio.sleep(0.5)
+    nats_server.start()
+    await wait_until(lambda: rt.bus.is_connected and other.bus.is_connected, 10)
+
+    async def call():
+        return await collect(await client.generate({"n": 3}))
+
+    # Re-subscription after reconnect races with the first request; a request that finds no responder yet fails
+    # fast with InstanceGoneError, so retry for a bounded while.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            got = await call()
+            break
+        except InstanceGoneError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+    assert [x["i"] for x in got] == [0, 1, 2]
+
+
+async def test_event_plane_typed_and_ordered(make_runtime):
+    rt = await make_runtime()
+    other = await make_runtime()
+    sub = await other.namespace("t").events.subscribe("load", decode=lambda d: (d["seq"], d["kv"]))
+    await other.bus.flush()
+    for i in range(200):
+        await rt.namespace("t").events.publish("load", {"seq": i, "kv": i / 200}, source_id=7)
+    got = [await sub.get(timeout_s=5) for _ in range(200)]
+    assert [e.payload[0] for e in got] == list(range(200))
+    assert {e.source_id for e in got} == {7}
+    # Another namespace sees nothing.
+    other_ns = await other.namespace("u").events.subscribe("load")
+    await rt.namespace("t").events.publish("load", {"seq": 0, "kv": 0})
+    with pytest.raises(TimeoutError):
+        await other_ns.get(timeout_s=0.2)
+
+
+async def test_jetstream_work_queue(make_runtime):
+    rt = await make_runtime()
+    other = await make_runtime()
+    q1 = await rt.namespace("t").work_queue("prefill")
+    q2 = await other.namespace("t").work_queue("prefill")
+    for i in range(10):
+        await q1.push(str(i).encode())
+    assert await q1.size() == 10
+    got = []
+    for q in (q1, q2) * 5:
+        item = await q.pop(timeout_s=5)
+        assert item is not None
+        got.append(int(item.data))
+        await item.ack()
+    assert sorted(got) == list(range(10))  # each item delivered to exactly one consumer
+    assert await q2.pop(timeout_s=0.2) is None
+    # An item that is nak'ed comes back.
+    await q1.push(b"again")
+    item = await q2.pop(timeout_s=5)
+    await item.nak()
+    item = await q1.pop(timeout_s=5)
+    assert item.data == b"again"
+    await item.ack()
+
+
+@pytest.mark.slow
+async def test_thousand_concurrent_streams_in_order(make_runtime):
+    rt = await make_runtime()
+    other = await make_runtime()
+    ep = rt.namespace("t").component("backend").endpoint("generate")
+    for _ in range(2):
+        await ep.serve(stream_handler)
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    await client.wait_for_instances(2)
+    n_chunks = 20
+
+    async def one():
+        return [x["i"] for x in await collect(await client.generate({"n": n_chunks}))]
+
+    results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(1000))), 120)
+    assert len(results) == 1000
+    assert all(r == list(range(n_chunks)) for r in results)
+
