@@ -21,8 +21,8 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import aetcd
 import aetcd.exceptions
@@ -31,6 +31,8 @@ from components.runtime.config import RuntimeConfig, parse_host_port
 from components.runtime.errors import ConnectError, ShutdownError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class WatchEventKind(enum.StrEnum):
@@ -98,9 +100,32 @@ class EtcdDiscovery:
 
     # -- connection ---------------------------------------------------------------------------------------------
 
+    # gRPC backs off up to 120 s between reconnection attempts by default; after an etcd restart that would leave
+    # keep-alives and puts failing for minutes. Cap it at 1 s.
+    _GRPC_OPTIONS = {
+        "grpc.initial_reconnect_backoff_ms": 100,
+        "grpc.min_reconnect_backoff_ms": 100,
+        "grpc.max_reconnect_backoff_ms": 1000,
+    }
+
     def _new_client(self) -> aetcd.Client:
         host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
-        return aetcd.Client(host=host, port=port, timeout=max(1, int(self._config.connect_timeout_s)))
+        return aetcd.Client(
+            host=host, port=port, timeout=max(1, int(self._config.connect_timeout_s)), options=self._GRPC_OPTIONS
+        )
+
+    async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """Run ``op``, retrying connection failures (etcd restarting) for up to ``connect_timeout_s``."""
+        deadline = time.monotonic() + self._config.connect_timeout_s
+        backoff_s = 0.05
+        while True:
+            try:
+                return await op()
+            except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError) as e:
+                if time.monotonic() + backoff_s > deadline:
+                    raise ConnectError("etcd", ",".join(self._config.etcd_endpoints), f"{what}: {e}") from e
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 0.5)
 
     async def start(self) -> None:
         """Connect to the first reachable endpoint; ConnectError names every endpoint tried."""
@@ -150,13 +175,13 @@ class EtcdDiscovery:
         if self._client is not None:
             try:
                 await self._client.close()
-            except Exception as e:  # noqa: BLE001 - closing must not raise over the caller's own error
+            except Exception as e:
                 logger.debug("closing etcd client: %s", e)
 
     # -- leases -------------------------------------------------------------------------------------------------
 
     async def grant_lease(self, ttl_s: int) -> int:
-        lease = await self._c().lease(ttl_s)
+        lease = await self._retry("grant lease", lambda: self._c().lease(ttl_s))
         handle = self._next_handle
         self._next_handle += 1
         st = _LeaseState(handle=handle, ttl_s=ttl_s, server_id=lease.id, last_ok_s=time.monotonic())
@@ -221,15 +246,15 @@ class EtcdDiscovery:
             st = self._leases[lease]
             st.keys[key] = value
             server_lease = st.server_id
-        await self._c().put(key.encode(), value, lease=server_lease)
+        await self._retry(f"put {key}", lambda: self._c().put(key.encode(), value, lease=server_lease))
 
     async def delete(self, key: str) -> None:
         for st in self._leases.values():
             st.keys.pop(key, None)
-        await self._c().delete(key.encode())
+        await self._retry(f"delete {key}", lambda: self._c().delete(key.encode()))
 
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
-        listing, _ = await self._list(self._c(), prefix)
+        listing, _ = await self._retry(f"list {prefix}", lambda: self._list(self._c(), prefix))
         return listing
 
     @staticmethod

@@ -64,7 +64,9 @@ class StreamInterruptedError(RecoverableError):
     """A stream that had started ended without its end-of-stream frame (the instance died, or frames were lost)."""
 
     def __init__(self, instance_id: int, request_id: str, num_frames: int, reason: str) -> None:
-        super().__init__(f"stream {request_id} from instance {instance_id:x} interrupted after {num_frames} frames: {reason}")
+        super().__init__(
+            f"stream {request_id} from instance {instance_id:x} interrupted after {num_frames} frames: {reason}"
+        )
         self.instance_id = instance_id
         self.request_id = request_id
         self.num_frames = num_frames

@@ -20,7 +20,15 @@ import random
 from collections import deque
 from collections.abc import AsyncIterator
 
-from components.runtime.bus import BusMessage, MessageCallback, NoRespondersError, WorkItem, WorkQueue
+from components.runtime.bus import (
+    NO_RESPONDERS_HEADERS,
+    BusMessage,
+    MessageCallback,
+    NoRespondersError,
+    WorkItem,
+    WorkQueue,
+    is_no_responders,
+)
 from components.runtime.discovery import WatchEvent, WatchEventKind, diff_listing
 from components.runtime.errors import RequestTimeoutError, ShutdownError
 
@@ -291,7 +299,7 @@ class MemoryBus:
     def _deliver_status(self, reply: str) -> None:
         for s in self._subs:
             if subject_matches(s.subject, reply):
-                s.deliver(BusMessage(reply, b"", "", no_responders=True))
+                s.deliver(BusMessage(reply, b"", "", dict(NO_RESPONDERS_HEADERS)))
 
     async def subscribe(self, subject: str, callback: MessageCallback, queue: str = "") -> _MemSub:
         sub = _MemSub(self, subject, callback, queue)
@@ -313,7 +321,7 @@ class MemoryBus:
                 msg = await asyncio.wait_for(fut, timeout_s)
             except TimeoutError:
                 raise RequestTimeoutError(f"request on {subject}", timeout_s) from None
-            if msg.no_responders:
+            if is_no_responders(msg):
                 raise NoRespondersError(subject)
             return msg.data
         finally:

@@ -144,22 +144,22 @@ class Runtime:
         for served in list(self._served):
             try:
                 await served.stop(drain_timeout_s=drain_timeout_s)
-            except Exception as e:  # noqa: BLE001 - keep releasing the rest
+            except Exception as e:
                 logger.warning("stopping %s: %s", served.info.subject, e)
         for client in list(self._clients):
             await client.close()
         try:
             await self.supervisor.close()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.warning("closing supervisor: %s", e)
         try:
             await self.discovery.close(revoke=True)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.warning("closing discovery: %s", e)
         try:
             await self.mux.stop()
             await self.bus.close()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.warning("closing bus: %s", e)
 
     async def __aenter__(self) -> Runtime:
@@ -288,7 +288,7 @@ class ServedEndpoint:
         rt = self.endpoint.runtime
         try:
             await rt.discovery.delete(self.key)
-        except Exception as e:  # noqa: BLE001 - etcd may be down; the lease will expire the key anyway
+        except Exception as e:
             logger.warning("deregistering %s: %s", self.key, e)
         cancelled = await self.server.drain(drain_timeout_s)
         await self.server.stop()
@@ -313,7 +313,9 @@ class Client:
         self._listeners: list[Callable[[], None]] = []
 
     async def start(self) -> None:
-        prefix = instances_prefix(self.endpoint.component.namespace.name, self.endpoint.component.name, self.endpoint.name)
+        prefix = instances_prefix(
+            self.endpoint.component.namespace.name, self.endpoint.component.name, self.endpoint.name
+        )
         self._task = self.runtime.supervisor.spawn(self._watch(prefix), name=f"watch:{self.endpoint.path}")
         # The watch yields every existing key first; wait for the initial listing to be applied.
         listing = await self.runtime.discovery.get_prefix(prefix)

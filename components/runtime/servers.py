@@ -78,7 +78,7 @@ class ServerProcess:
         raise NotImplementedError
 
     def start(self, timeout_s: float = 20.0) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed in stop()
+        log = open(self.log_path, "ab")
         self._log = log
         self.proc = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -123,7 +123,9 @@ class EtcdServer(ServerProcess):
         super().__init__(data_dir, host, port)
         self.peer_port = free_port(host)
         self.binary = find_binary(
-            "etcd", "KVMESH_ETCD_BIN", "install Debian's etcd-server (apt-get install etcd-server) or set KVMESH_ETCD_BIN"
+            "etcd",
+            "KVMESH_ETCD_BIN",
+            "install Debian's etcd-server (apt-get install etcd-server) or set KVMESH_ETCD_BIN",
         )
 
     @property
