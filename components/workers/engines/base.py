@@ -200,7 +200,10 @@ class Engine(Protocol):
         ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        """(An async generator.) Stream the request's output. Closing the iterator early aborts the request and frees its blocks."""
+        """(An async generator.) Stream the request's output.
+
+        Closing the iterator early aborts the request and frees its blocks.
+        """
         ...
 
     async def abort(self, request_id: str) -> None:

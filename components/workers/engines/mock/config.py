@@ -1,0 +1,149 @@
+"""Configuration of the simulated vLLM engine (``MockEngineConfig``): one pydantic model, every knob documented.
+
+Names and defaults follow vLLM's engine arguments where vLLM has the knob (``num_gpu_blocks``, ``block_size``,
+``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
+``max_model_len``) and Dynamo's mocker where it does not (``speedup_ratio``).
+
+The step-time model is ``step_ms = prefill_ms + decode_ms`` with
+
+* ``prefill_ms = prefill_base_ms + prefill_ms_per_token * n + prefill_ms_per_token_sq * n**2`` when the step
+  computes ``n > 0`` prompt tokens (a prefill chunk, or a recompute after preemption), else 0;
+* ``decode_ms = decode_base_ms + decode_ms_per_seq * b + decode_ms_per_kv_token * k`` when the step decodes
+  ``b > 0`` sequences that attend to ``k`` KV tokens in all, else 0.
+
+Adding the two parts counts the fixed cost twice in a mixed step, where a real engine runs one forward pass; with the
+defaults that overestimates a mixed step by ~5 ms out of ~40-200 ms, well inside how approximate these numbers are.
+
+The defaults are the order of magnitude of Llama-3-8B (bf16) on one H100 and are approximate, not measured here:
+
+* prefill: the polynomial Dynamo's mocker uses (``lib/mocker`` in ai-dynamo/dynamo:
+  ``4.209989e-07 * n^2 + 1.518344e-02 * n + 1.650142e+01`` ms; the source does not say which model or GPU it was fit
+  on). It gives 16.5 ms + 15 us/token, 170 ms for an 8192-token prompt, i.e. ~48k prompt tokens/s.
+* decode, from first principles on an H100 SXM (3.35 TB/s HBM, ~990 TFLOP/s bf16 dense): reading 16 GB of weights
+  once per step is ~4.8 ms, so the base is 5 ms (Dynamo's mocker: 5.74 ms at an empty cache); each sequence adds its
+  MLP/projection FLOPs (2 * 8e9 = 16 GFLOP) at ~70% utilisation, ~0.02 ms; each attended KV token reads
+  2 (K, V) * 32 layers * 8 KV heads * 128 dims * 2 bytes = 128 KiB, ~0.04 us at full bandwidth, 0.03 us taken here
+  (Dynamo's mocker's decode curve, -25.74 p^2 + 54.01 p + 5.74 ms over 2^20 tokens, has a chord slope of 0.027 us).
+  Example: 64 sequences of 2048 tokens: 5 + 1.3 + 3.9 = 10.2 ms per step, ~6300 output tokens/s.
+
+This module imports only the standard library and pydantic.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class MockEngineConfig(BaseModel):
+    """Everything a simulated engine needs; a worker builds it from its CLI flags or graph YAML."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- KV cache -------------------------------------------------------------------------------------------------
+    num_gpu_blocks: int = Field(
+        default=16384,
+        ge=1,
+        description="KV cache size in blocks; Dynamo's mocker's default count. 16384 x 16 tokens = 262144 tokens = "
+        "32 GiB at Llama-3-8B's 128 KiB per token, somewhat less than the ~50 GiB an 80 GB H100 leaves for KV cache "
+        "at 0.9 memory utilisation.",
+    )
+    block_size: int = Field(default=16, ge=1, description="Tokens per KV block (vLLM's default on CUDA).")
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="Keep full blocks, keyed by their chained hash, after their requests finish and reuse them for "
+        "later requests with the same prefix. Off: no KV events are emitted at all.",
+    )
+
+    # --- Scheduler --------------------------------------------------------------------------------------------------
+    max_num_seqs: int = Field(default=256, ge=1, description="Most running sequences (vLLM's long-standing default).")
+    max_num_batched_tokens: int = Field(
+        default=8192,
+        ge=1,
+        description="Token budget of one step: prefill chunk tokens plus one per decoding sequence (vLLM V1's "
+        "OpenAI-server default on large-memory GPUs such as the H100).",
+    )
+    enable_chunked_prefill: bool = Field(
+        default=True,
+        description="Split a prompt longer than the remaining token budget over several steps. Off: a prompt is "
+        "admitted only when it fits the step whole (then max_num_batched_tokens must be >= max_model_len).",
+    )
+    max_model_len: int = Field(
+        default=8192,
+        ge=1,
+        description="Most tokens (prompt + output) of one sequence; Llama-3-8B's context length. Longer prompts are "
+        "rejected with EngineRequestError, and generation stops with finish_reason 'length' when it is reached.",
+    )
+
+    # --- Time -------------------------------------------------------------------------------------------------------
+    speedup_ratio: float = Field(
+        default=1.0,
+        gt=0,
+        description="Simulated time runs this many times faster than the wall clock: a step modelled at 20 ms sleeps "
+        "20 / speedup_ratio ms. float('inf') (or the string 'inf') skips every sleep: each step only yields to the "
+        "event loop, so hundreds of engines share one loop as fast as the CPU allows.",
+    )
+    prefill_base_ms: float = Field(
+        default=16.5, ge=0, description="Fixed cost of a step that prefills any tokens, in ms."
+    )
+    prefill_ms_per_token: float = Field(default=1.518e-2, ge=0, description="Prefill cost per new prompt token, in ms.")
+    prefill_ms_per_token_sq: float = Field(
+        default=4.21e-7, ge=0, description="Prefill cost per new prompt token squared (attention), in ms."
+    )
+    decode_base_ms: float = Field(
+        default=5.0, ge=0, description="Fixed cost of a step that decodes any sequence, in ms."
+    )
+    decode_ms_per_seq: float = Field(default=0.02, ge=0, description="Decode cost per sequence in the batch, in ms.")
+    decode_ms_per_kv_token: float = Field(
+        default=3e-5, ge=0, description="Decode cost per KV token attended (summed over the batch), in ms."
+    )
+
+    # --- Output tokens ----------------------------------------------------------------------------------------------
+    vocab_size: int = Field(
+        default=128256,
+        ge=2,
+        description="Output token ids are drawn from [0, vocab_size); prompt ids must lie there too (Llama-3).",
+    )
+    eos_token_id: int | None = Field(
+        default=128009,
+        ge=0,
+        description="Generation stops ('stop') when this id is drawn, unless the request sets ignore_eos "
+        "(Llama-3-Instruct's <|eot_id|>). With the default vocabulary a 1000-token answer ends early with "
+        "probability 1 - (1 - 1/128256)^1000 = 0.8%. None: only max_tokens and stop_token_ids end a request.",
+    )
+    seed: int = Field(
+        default=0,
+        description="Mixed into every output token. Engines that share it produce identical tokens for identical "
+        "requests, which tests of routing and migration rely on; give a fleet one seed.",
+    )
+
+    # --- KV events --------------------------------------------------------------------------------------------------
+    max_pending_kv_event_batches: int = Field(
+        default=4096,
+        ge=1,
+        description="Batches of KV events buffered for a slow or absent kv_events() consumer; beyond it the oldest "
+        "batch is dropped, the consumer sees a gap in event ids and resynchronises from kv_state().",
+    )
+
+    @property
+    def is_infinitely_fast(self) -> bool:
+        return math.isinf(self.speedup_ratio)
+
+    @model_validator(mode="after")
+    def _check_consistent(self) -> MockEngineConfig:
+        # vLLM refuses the same combinations at startup: a sequence that cannot fit the whole cache would be preempted
+        # forever, and without chunked prefill a max_model_len prompt must fit one step's budget.
+        if self.num_gpu_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_gpu_blocks * block_size = {self.num_gpu_blocks * self.block_size} tokens cannot hold one "
+                f"sequence of max_model_len = {self.max_model_len} tokens"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if self.eos_token_id is not None and self.eos_token_id >= self.vocab_size:
+            raise ValueError(f"eos_token_id {self.eos_token_id} is outside the vocabulary of {self.vocab_size}")
+        return self

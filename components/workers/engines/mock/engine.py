@@ -1,0 +1,267 @@
+"""``MockEngine``: the simulated vLLM engine behind the ``Engine`` protocol, for fleets of hundreds on one machine.
+
+What it owns: one step-loop task per engine, named ``mock-engine-step:<name>``, that runs ``Scheduler.step``, waits
+the modelled step time divided by ``speedup_ratio``, then hands each request its new tokens and publishes the step's
+KV events. It waits on an ``asyncio.Event`` while there is nothing to do, so an idle engine costs nothing, and with
+``speedup_ratio = inf`` it never sleeps: each step ends with ``asyncio.sleep(0)``, a bare yield, so a few hundred
+engines interleave on one event loop at the speed of the CPU.
+
+Timing: the sleep after a step is ``step_time / speedup - (time spent computing the step)``, not the full step time,
+so Python overhead (0.1-1 ms per step with 256 running requests) does not slow the simulated GPU down; when the
+overhead exceeds the modelled time the step simply does not sleep (it does not catch up later either).
+
+Tokens reach ``generate()`` through one ``asyncio.Queue`` per request; tokens that pile up while the consumer is busy
+are merged into one chunk. KV events go into a bounded buffer (``max_pending_kv_event_batches``); when it overflows
+the oldest batch is dropped and the single ``kv_events()`` consumer sees a gap in event ids, its cue to resynchronise
+from ``kv_state()``.
+
+Imports asyncio, the engine contract and this package; no network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+
+from ..base import (
+    EngineDeadError,
+    EngineError,
+    FinishReason,
+    GenerateRequest,
+    KvEvent,
+    KvStateSnapshot,
+    LoadSnapshot,
+    TokenChunk,
+)
+from .config import MockEngineConfig
+from .scheduler import DuplicateRequestError, Scheduler, StepOutput
+
+__all__ = ["MockEngine"]
+
+logger = logging.getLogger(__name__)
+
+_QueueItem = TokenChunk | EngineError
+
+
+class MockEngine:
+    """A simulated vLLM engine. ``start()`` it, ``generate()`` on it, ``shutdown()`` it."""
+
+    def __init__(
+        self,
+        config: MockEngineConfig | None = None,
+        *,
+        name: str = "mock",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or MockEngineConfig()
+        self.name = name
+        self.block_size = self.config.block_size
+        self._clock = clock
+        self._scheduler = Scheduler(self.config)
+        self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
+        self._wakeup = asyncio.Event()
+        self._kv_batches: collections.deque[list[KvEvent]] = collections.deque()
+        self._kv_ready = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._dead: EngineDeadError | None = None
+        # Observable counters (tests, metrics): steps run, steps followed by a real (positive) sleep, the simulated
+        # time those steps modelled, and KV event batches dropped because nobody consumed them.
+        self.num_steps = 0
+        self.num_timed_sleeps = 0
+        self.simulated_time_s = 0.0
+        self.num_dropped_kv_event_batches = 0
+
+    # --- lifecycle --------------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            return
+        if self._closed:
+            raise EngineDeadError(f"mock engine {self.name!r} was shut down")
+        self._loop_task = asyncio.create_task(self._run_step_loop(), name=f"mock-engine-step:{self.name}")
+
+    async def shutdown(self) -> None:
+        """Stop the step loop, end every open ``generate()`` with an ``abort`` chunk, and end ``kv_events()``."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._loop_task = self._loop_task, None
+        try:
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise  # our own caller is cancelling us: let it through
+        finally:
+            self._scheduler.abort_all()
+            # Every open generate() ends; one whose final chunk is already queued sees that chunk first.
+            for rid in list(self._queues):
+                self._push(rid, TokenChunk(token_ids=[], finish_reason=FinishReason.ABORT))
+            self._kv_ready.set()
+
+    # --- requests ---------------------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Stream the request's tokens; the last chunk has a ``finish_reason``.
+
+        Raises ``EngineRequestError`` (on first iteration) for a prompt longer than ``max_model_len``, an empty prompt,
+        token ids outside the vocabulary, ``max_tokens < 1`` or a request id already in flight; ``EngineDeadError``
+        if the engine is not started, shut down or crashed. Closing the iterator early aborts the request.
+        """
+        self._check_alive()
+        rid = request.request_id
+        if rid in self._queues:
+            # Finished in the scheduler but its last chunk not yet delivered: reusing the id now would hand this
+            # stream the previous request's final chunk.
+            raise DuplicateRequestError(rid)
+        self._scheduler.add_request(request, self._clock())
+        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                # Merge whatever else is already queued: one chunk per wakeup of the consumer, not per token.
+                while not isinstance(item, EngineError) and item.finish_reason is None and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, EngineError):
+                        item = nxt
+                        break
+                    item = _merge(item, nxt)
+                if isinstance(item, EngineError):
+                    finished = True  # the engine is gone; there is nothing to abort
+                    # A fresh exception per stream: the shared one would collect every stream's traceback.
+                    raise EngineDeadError(str(item)) from item.__cause__
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if self._queues.get(rid) is queue:
+                del self._queues[rid]
+            if not finished:
+                self._scheduler.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks; its ``generate()`` ends with an ``abort`` chunk."""
+        self._scheduler.abort(request_id)
+        self._push(request_id, TokenChunk(token_ids=[], finish_reason=FinishReason.ABORT))
+
+    # --- observation ------------------------------------------------------------------------------------------------
+
+    def snapshot(self) -> LoadSnapshot:
+        return self._scheduler.snapshot(self._clock())
+
+    def kv_state(self) -> KvStateSnapshot:
+        return self._scheduler.kv_state()
+
+    async def kv_events(self) -> AsyncGenerator[list[KvEvent], None]:
+        """Batches of KV events in event-id order until shutdown (one consumer: two would split the batches)."""
+        while True:
+            while not self._kv_batches:
+                if self._closed or self._dead is not None:
+                    return
+                self._kv_ready.clear()
+                await self._kv_ready.wait()
+            yield self._kv_batches.popleft()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (an ``ALL_CLEARED`` event follows on ``kv_events()``)."""
+        self._scheduler.reset_prefix_cache()
+        self._publish_kv_events(self._scheduler.take_kv_events())
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The pure scheduler inside, for tests and diagnostics; do not mutate it."""
+        return self._scheduler
+
+    # --- the step loop ----------------------------------------------------------------------------------------------
+
+    async def _run_step_loop(self) -> None:
+        try:
+            await self._step_loop()
+        except Exception as exc:  # a bug in the simulator: fail every consumer loudly instead of hanging them
+            logger.exception("mock engine %s: step loop crashed", self.name)
+            dead = EngineDeadError(f"mock engine {self.name!r} step loop crashed: {exc!r}")
+            dead.__cause__ = exc
+            self._dead = dead
+            for rid in list(self._queues):
+                self._push(rid, dead)
+            self._kv_ready.set()
+
+    async def _step_loop(self) -> None:
+        sched = self._scheduler
+        infinite = self.config.is_infinitely_fast
+        speedup = self.config.speedup_ratio
+        while True:
+            if not sched.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            started_s = self._clock()
+            out = sched.step(started_s)
+            self.num_steps += 1
+            self.simulated_time_s += out.step_time_s
+            if out.batch_size == 0 and not out.preempted_ids:
+                # Cannot happen with a validated config (an empty pool always fits one max_model_len sequence and
+                # a step that preempts has changed state); waiting for the next request or abort beats spinning at
+                # 100% CPU if it ever does.
+                logger.warning("mock engine %s: nothing schedulable with %d waiting", self.name, len(sched.waiting))
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if infinite:
+                await asyncio.sleep(0)
+            else:
+                delay_s = out.step_time_s / speedup - (self._clock() - started_s)
+                if delay_s > 0:
+                    self.num_timed_sleeps += 1
+                    await asyncio.sleep(delay_s)
+                else:
+                    await asyncio.sleep(0)
+            self._deliver(out)
+            self._publish_kv_events(sched.take_kv_events())
+
+    def _deliver(self, out: StepOutput) -> None:
+        for rid, chunk in out.chunks.items():
+            self._push(rid, chunk)
+
+    def _push(self, request_id: str, item: _QueueItem) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:  # None: the consumer already left (its generate() aborted the request)
+            queue.put_nowait(item)
+
+    def _publish_kv_events(self, events: list[KvEvent]) -> None:
+        if not events:
+            return
+        if len(self._kv_batches) >= self.config.max_pending_kv_event_batches:
+            self._kv_batches.popleft()
+            self.num_dropped_kv_event_batches += 1
+        self._kv_batches.append(events)
+        self._kv_ready.set()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead)) from self._dead.__cause__
+        if self._closed:
+            raise EngineDeadError(f"mock engine {self.name!r} was shut down")
+        if self._loop_task is None:
+            raise EngineDeadError(f"mock engine {self.name!r} is not started: await start() first")
+
+
+def _merge(a: TokenChunk, b: TokenChunk) -> TokenChunk:
+    return TokenChunk(
+        token_ids=a.token_ids + b.token_ids,
+        finish_reason=b.finish_reason,
+        num_prompt_tokens=a.num_prompt_tokens or b.num_prompt_tokens,
+        num_cached_tokens=a.num_cached_tokens or b.num_cached_tokens,
+    )

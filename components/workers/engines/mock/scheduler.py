@@ -1,0 +1,440 @@
+"""The simulated engine's scheduler: vLLM V1's continuous batching, minus the GPU.
+
+NOTE on the scheduling algorithm (after vLLM V1's ``Scheduler.schedule``): there are no separate prefill and decode
+phases. Every request has ``num_computed_tokens`` (whose KV is in its blocks) and ``num_tokens`` (prompt plus the
+outputs sampled so far); a step gives each scheduled request up to ``num_tokens - num_computed_tokens`` new tokens
+out of a budget of ``max_num_batched_tokens``. A request whose computed tokens catch up with its tokens samples one
+output token at the end of the step. So a decode is simply "one new token", a prefill chunk is "many", and a request
+preempted mid-answer recomputes prompt and outputs in one go.
+
+One step:
+
+1. Running requests, oldest first, each get ``min(remaining, budget)`` tokens. When their blocks cannot be allocated,
+   the newest running request is preempted by recompute: its blocks are freed (full ones stay in the prefix cache,
+   so recomputing them is usually a cache hit), its computed tokens reset to 0, its sampled outputs kept, and it
+   goes to the front of the waiting queue. The request being scheduled may be the one preempted.
+2. Only if nothing was preempted: waiting requests, first come first served, while the budget lasts and fewer than
+   ``max_num_seqs`` run. Admission first looks the request's chained block hashes up in the prefix cache: hit blocks
+   are shared (reference counted) and their tokens not recomputed, capped so that at least one token is computed
+   (the step needs it to produce logits, as in vLLM). Without chunked prefill a prompt that does not fit the budget
+   whole waits (head of line: later requests wait behind it).
+3. Bookkeeping: blocks that became full get their hashes (a ``BLOCK_STORED`` event), requests that caught up sample
+   a token, and finished requests free their blocks.
+
+Output tokens are a pure function of (config seed, request sampling seed, every token before them): token ``i`` is
+``xxh3_64(all tokens before i, seed=request_seed) % vocab_size``, computed with one streaming hasher per request.
+Identical requests get identical answers on every engine, and a request re-sent with its first ``k`` outputs appended
+to its prompt (migration) continues with the same tokens. Temperature, top-p and top-k are accepted and ignored.
+
+Pure: no asyncio, no clock (``now_s`` is an argument), no I/O. Imports the engine contract, this package, the
+runtime's ``kv_hashing`` and xxhash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+
+import xxhash
+
+from components.runtime.kv_hashing import block_hashes, pack_token_ids
+
+from ..base import (
+    EngineRequestError,
+    FinishReason,
+    GenerateRequest,
+    KvEvent,
+    KvStateSnapshot,
+    LoadSnapshot,
+    SamplingParams,
+    TokenChunk,
+)
+from .block_pool import BlockPool
+from .config import MockEngineConfig
+from .perf_model import step_time_ms
+
+__all__ = [
+    "DuplicateRequestError",
+    "PromptTooLongError",
+    "Request",
+    "RequestStatus",
+    "Scheduler",
+    "StepOutput",
+]
+
+
+class PromptTooLongError(EngineRequestError):
+    """The prompt has more tokens than ``max_model_len``."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"request {request_id!r}: prompt of {num_prompt_tokens} tokens is longer than the maximum model "
+            f"length of {max_model_len} tokens"
+        )
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class DuplicateRequestError(EngineRequestError):
+    """A request with this id is already in the engine."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id!r} is already running or waiting in this engine")
+        self.request_id = request_id
+
+
+class RequestStatus(enum.StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, at the front of the queue, after being preempted
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Request:
+    """One request's scheduling state. ``all_token_ids`` is the prompt followed by the outputs sampled so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_s: float
+    all_token_ids: list[int]
+    sampler: xxhash.xxh3_64  # has consumed exactly all_token_ids
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Chained hashes of the full blocks of all_token_ids, extended lazily (only with prefix caching on).
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
+    num_stored_blocks: int = 0  # leading blocks whose hashes the pool already holds for this request
+    num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """True when the next step computes just the last sampled token (a decode, not a prefill chunk)."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == len(self.all_token_ids) - 1
+
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens still to be computed before this request decodes; 0 while decoding."""
+        return 0 if self.is_decoding else len(self.all_token_ids) - self.num_computed_tokens
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    """What one step did: the unit-testable result of ``Scheduler.step``."""
+
+    now_s: float
+    step_time_s: float  # modelled duration, before speedup_ratio
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step, in scheduling order
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_decode_kv_tokens: int
+    chunks: dict[str, TokenChunk]  # request id -> the token it sampled (with finish_reason when it finished)
+    preempted_ids: list[str]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    @property
+    def finished(self) -> dict[str, FinishReason]:
+        return {rid: c.finish_reason for rid, c in self.chunks.items() if c.finish_reason is not None}
+
+
+class Scheduler:
+    """Waiting and running queues over a ``BlockPool``; ``step(now_s)`` runs one simulated forward pass."""
+
+    def __init__(self, config: MockEngineConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(config.num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.num_preemptions = 0  # cumulative
+        self.num_steps = 0
+        self._last_batch_size = 0
+        self._last_decode_kv_tokens = 0
+
+    # --- requests in and out ----------------------------------------------------------------------------------------
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise ``EngineRequestError`` (or a subclass) if the request can never be served."""
+        cfg = self.config
+        rid = request.request_id
+        n = len(request.token_ids)
+        if n == 0:
+            raise EngineRequestError(f"request {rid!r}: the prompt is empty")
+        if n > cfg.max_model_len:
+            raise PromptTooLongError(rid, n, cfg.max_model_len)
+        lo, hi = min(request.token_ids), max(request.token_ids)
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise EngineRequestError(
+                f"request {rid!r}: token ids must lie in [0, {cfg.vocab_size}), got min {lo} and max {hi}"
+            )
+        if request.sampling.max_tokens < 1:
+            raise EngineRequestError(f"request {rid!r}: max_tokens must be >= 1, got {request.sampling.max_tokens}")
+        if rid in self.requests:
+            raise DuplicateRequestError(rid)
+
+    def add_request(self, request: GenerateRequest, now_s: float) -> Request:
+        """Validate and queue a request at the back of the waiting queue."""
+        self.validate(request)
+        seed_material = f"{self.config.seed}/{request.sampling.seed}".encode()
+        sampler = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(seed_material))
+        sampler.update(pack_token_ids(request.token_ids))
+        req = Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.token_ids),
+            sampling=request.sampling,
+            arrival_s=now_s,
+            all_token_ids=list(request.token_ids),
+            sampler=sampler,
+        )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Remove a waiting or running request and free its blocks; False if the id is unknown (or finished)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req, FinishReason.ABORT)
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Abort every unfinished request; returns their ids."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step ---------------------------------------------------------------------------------------------------
+
+    def step(self, now_s: float) -> StepOutput:
+        """Schedule one batch, account its modelled time, and apply its results (tokens, stored blocks, finishes)."""
+        scheduled, preempted = self._schedule()
+        num_prefill = num_decode = kv_tokens = 0
+        for req, n, is_decode in scheduled:
+            if is_decode:
+                num_decode += 1
+                kv_tokens += req.num_tokens  # the context it attends to, the token being computed included
+            else:
+                num_prefill += n
+        ms = step_time_ms(
+            self.config, num_prefill_tokens=num_prefill, num_decode_seqs=num_decode, num_decode_kv_tokens=kv_tokens
+        )
+        chunks: dict[str, TokenChunk] = {}
+        any_finished = False
+        for req, n, _ in scheduled:
+            req.num_computed_tokens += n
+            if self.pool.enable_caching:
+                self._store_full_blocks(req)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that does not reach the end of the prompt samples nothing
+            chunk = self._sample(req)
+            chunks[req.request_id] = chunk
+            if chunk.finish_reason is not None:
+                del self.requests[req.request_id]
+                self._release(req, chunk.finish_reason)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        self.num_steps += 1
+        self._last_batch_size = len(scheduled)
+        self._last_decode_kv_tokens = kv_tokens
+        return StepOutput(
+            now_s=now_s,
+            step_time_s=ms / 1000.0,
+            num_scheduled_tokens={req.request_id: n for req, n, _ in scheduled},
+            num_prefill_tokens=num_prefill,
+            num_decode_seqs=num_decode,
+            num_decode_kv_tokens=kv_tokens,
+            chunks=chunks,
+            preempted_ids=[r.request_id for r in preempted],
+        )
+
+    def _schedule(self) -> tuple[list[tuple[Request, int, bool]], list[Request]]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[Request, int, bool]] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            is_decode = req.is_decoding
+            got_blocks = True
+            while not self._allocate_slots(req, n):
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    got_blocks = False
+                    break
+            if not got_blocks:
+                break  # req was the newest: everything before it is scheduled, nothing after it runs
+            scheduled.append((req, n, is_decode))
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, first come first served; none in a step that had to preempt (memory is short).
+        if preempted:
+            return scheduled, preempted
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            hits = self._prefix_hits(req)
+            n = req.num_tokens - len(hits) * self.block_size
+            if n > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self._allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = len(hits) * self.block_size
+            req.num_stored_blocks = len(hits)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n, False))
+            budget -= n
+        return scheduled, preempted
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        if not self.pool.enable_caching:
+            return []
+        # At most num_tokens - 1 tokens from the cache: the last one must be computed to get logits.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._ensure_hashes(req, max_blocks)
+        return self.pool.lookup_prefix(req.block_hashes[:max_blocks])
+
+    def _allocate_slots(self, req: Request, num_new_tokens: int, hit_blocks: list[int] | None = None) -> bool:
+        """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``hit_blocks``); False, changing nothing,
+        if the pool cannot."""
+        hits = hit_blocks or []
+        bs = self.block_size
+        num_computed = req.num_computed_tokens + len(hits) * bs
+        num_blocks_needed = -(-(num_computed + num_new_tokens) // bs)
+        num_new_blocks = max(0, num_blocks_needed - len(req.block_ids) - len(hits))
+        # Touching a cached free hit block takes it out of the free count too.
+        if num_new_blocks + self.pool.num_reactivated(hits) > self.pool.num_free_blocks:
+            return False
+        if hits:
+            self.pool.touch(hits)
+            req.block_ids.extend(hits)
+        if num_new_blocks:
+            req.block_ids.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_stored_blocks = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request, reason: FinishReason) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def _ensure_hashes(self, req: Request, num_blocks: int) -> None:
+        have = len(req.block_hashes)
+        if have >= num_blocks:
+            return
+        bs = self.block_size
+        parent = req.block_hashes[-1] if have else None
+        req.block_hashes.extend(block_hashes(req.all_token_ids[have * bs : num_blocks * bs], bs, parent))
+
+    def _store_full_blocks(self, req: Request) -> None:
+        full = req.num_computed_tokens // self.block_size
+        start = req.num_stored_blocks
+        if full <= start:
+            return
+        self._ensure_hashes(req, full)
+        parent = req.block_hashes[start - 1] if start else None
+        self.pool.cache_full_blocks(req.block_ids[start:full], req.block_hashes[start:full], parent)
+        req.num_stored_blocks = full
+
+    def _sample(self, req: Request) -> TokenChunk:
+        cfg = self.config
+        token = req.sampler.intdigest() % cfg.vocab_size
+        req.sampler.update(token.to_bytes(4, "little"))
+        req.all_token_ids.append(token)
+        req.output_token_ids.append(token)
+        first = len(req.output_token_ids) == 1
+        return TokenChunk(
+            token_ids=[token],
+            finish_reason=self._stop_reason(req, token),
+            num_prompt_tokens=req.num_prompt_tokens if first else 0,
+            num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
+        )
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        # vLLM V1's check_stop order: length caps first, then EOS, then stop token ids.
+        sp = req.sampling
+        if req.num_tokens >= self.config.max_model_len or len(req.output_token_ids) >= sp.max_tokens:
+            return FinishReason.LENGTH
+        if not sp.ignore_eos and token == self.config.eos_token_id:
+            return FinishReason.STOP
+        if token in sp.stop_token_ids:
+            return FinishReason.STOP
+        return None
+
+    # --- observation ------------------------------------------------------------------------------------------------
+
+    def take_kv_events(self) -> list[KvEvent]:
+        return self.pool.take_events()
+
+    def kv_state(self) -> KvStateSnapshot:
+        return self.pool.kv_state()
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def snapshot(self, now_s: float) -> LoadSnapshot:
+        pool = self.pool
+        idle = not self.requests  # the last step's batch says nothing about an engine that has gone idle
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        pending += sum(r.num_pending_prefill_tokens for r in self.running)
+        return LoadSnapshot(
+            now_s=now_s,
+            kv_usage=pool.usage,
+            num_total_blocks=pool.num_blocks,
+            num_active_blocks=pool.num_active_blocks,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_prefill_tokens=pending,
+            num_preemptions=self.num_preemptions,
+            batch_size=0 if idle else self._last_batch_size,
+            num_kv_tokens=0 if idle else self._last_decode_kv_tokens,
+        )
