@@ -1,0 +1,61 @@
+"""Command-line flags derived from pydantic configs, so defaults and help live in one place (the config model).
+
+``add_model_arguments(parser, Model)`` adds ``--field-name`` for every field (help = the field's description,
+default = the model's); ``model_from_args(Model, args)`` builds the model back, letting pydantic validate.
+Lists take comma-separated values; booleans take ``--flag/--no-flag``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0]) if len(args) == 1 else str
+    return annotation
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], skip: set[str] | None = None) -> None:
+    group = parser.add_argument_group(model.__name__, (model.__doc__ or "").strip().split("\n")[0])
+    for name, field in model.model_fields.items():
+        if skip and name in skip:
+            continue
+        base = _base_type(field.annotation)
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description or ''} (default: {default})".replace("%", "%%")
+        if base is bool:
+            group.add_argument(
+                _flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif typing.get_origin(base) is list:
+            group.add_argument(_flag(name), dest=name, default=None, help=help_text + "; comma-separated")
+        else:
+            group.add_argument(_flag(name), dest=name, default=None, help=help_text)
+
+
+def model_from_args(model: type[M], args: argparse.Namespace, **extra: Any) -> M:
+    """Only flags that were given override the model's defaults; pydantic validates and converts the strings."""
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        v = getattr(args, name, None)
+        if v is None:
+            continue
+        if typing.get_origin(_base_type(field.annotation)) is list and isinstance(v, str):
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        values[name] = v
+    values.update(extra)
+    return model.model_validate(values)

@@ -1,0 +1,69 @@
+"""The ``kvmesh`` command: one subcommand per component, and ``bench`` with one subcommand per benchmark.
+
+Every benchmark prints one JSON object as its last line, so results can be compared run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+Runner = Callable[[argparse.Namespace], int]
+
+
+def _bench_transport(sub: argparse._SubParsersAction) -> None:
+    from components.runtime import bench_transport
+
+    p = sub.add_parser("transport", help="runtime request plane vs a bare nats-py loop (chunks/s, first-chunk latency)")
+    bench_transport.add_arguments(p)
+    p.set_defaults(run=bench_transport.main)
+
+
+def _bench_fleet(sub: argparse._SubParsersAction) -> None:
+    from components.workers import bench_fleet
+
+    p = sub.add_parser("fleet", help="cost of a fleet of simulated workers in one process (requests/s, CPU-ms/request)")
+    bench_fleet.add_arguments(p)
+    p.set_defaults(run=bench_fleet.main)
+
+
+def _status(sub: argparse._SubParsersAction) -> None:
+    from components.cli import status
+
+    p = sub.add_parser("status", help="list every instance registered in etcd")
+    status.add_arguments(p)
+    p.set_defaults(run=status.main)
+
+
+def _worker(sub: argparse._SubParsersAction) -> None:
+    from components.workers import main as worker_main
+
+    p = sub.add_parser("worker", help="run engine workers that register in etcd and serve over NATS")
+    worker_main.add_arguments(p)
+    p.set_defaults(run=worker_main.main)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    ap.add_argument("--log-level", default="WARNING", help="Python logging level (DEBUG, INFO, WARNING, ...)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _status(sub)
+    _worker(sub)
+    bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object as its last line")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    _bench_transport(bench_sub)
+    _bench_fleet(bench_sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run: Runner = args.run
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

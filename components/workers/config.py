@@ -1,0 +1,43 @@
+"""The worker's configuration: one pydantic model; ``kvmesh worker`` flags are derived from it."""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, Field
+
+
+class EngineKind(enum.StrEnum):
+    MOCK = "mock"
+    VLLM = "vllm"
+
+
+class WorkerRole(enum.StrEnum):
+    AGGREGATED = "aggregated"  # prefill and decode on the same engine
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class WorkerConfig(BaseModel):
+    """A worker process: which engine, where it registers, how often it reports."""
+
+    engine: EngineKind = Field(default=EngineKind.MOCK, description="Inference engine: mock (simulated) or vllm.")
+    namespace: str = Field(default="kvmesh", description="Namespace to register in.")
+    component: str = Field(default="backend", description="Component name the worker registers under.")
+    model: str = Field(default="mock-model", description="Served model name, as clients will ask for it.")
+    model_path: str = Field(
+        default="", description="Local model directory (config and tokenizer); announced to frontends for tokenising."
+    )
+    role: WorkerRole = Field(default=WorkerRole.AGGREGATED, description="aggregated, prefill or decode.")
+    num_workers: int = Field(
+        default=1, ge=1, le=4096, description="Independent workers in this process, each with its own id and lease."
+    )
+    metrics_interval_ms: int = Field(
+        default=100, ge=10, description="How often each worker publishes its LoadSnapshot on the event plane."
+    )
+    kv_events_batch_ms: int = Field(
+        default=10, ge=0, description="KV events are gathered this long before one batch is published (0: at once)."
+    )
+    drain_timeout_s: float = Field(
+        default=60.0, gt=0, description="On SIGTERM, how long in-flight requests may run before they are cancelled."
+    )

