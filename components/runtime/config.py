@@ -74,7 +74,10 @@ class RuntimeConfig(BaseModel):
         if url := os.environ.get("KVMESH_NATS_URL"):
             values["nats_url"] = url
         if ttl := os.environ.get("KVMESH_LEASE_TTL_S"):
-            values["lease_ttl_s"] = int(ttl)
+            try:
+                values["lease_ttl_s"] = int(ttl)
+            except ValueError:  # int() would escape as a bare ValueError that names no variable
+                raise ConfigError(f"KVMESH_LEASE_TTL_S={ttl!r} is not a whole number of seconds") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls.model_validate(values)

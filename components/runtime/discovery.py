@@ -9,7 +9,9 @@ Semantics both implementations keep:
   a new one is granted and every key put under the handle is put again. Callers never see the server lease id change.
 - ``watch_prefix`` first yields a PUT for every key already present, then changes in revision order. After a
   reconnection it lists the prefix again and yields only the difference (DELETE for keys that vanished, PUT for keys
-  that appeared or changed), then watches from the listing's revision + 1: no change is lost or repeated.
+  that appeared or changed), then watches from the listing's revision + 1: no change is lost or repeated. A caller
+  that already applied a listing of its own passes it as ``known``: the first listing then yields only the difference
+  from it too, so a key deleted between the caller's listing and the watch's is reported (not silently kept).
 - Deleting or revoking is idempotent.
 """
 
@@ -21,7 +23,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Protocol, TypeVar
 
 import aetcd
@@ -62,7 +64,7 @@ class Discovery(Protocol):
 
     async def get_prefix(self, prefix: str) -> dict[str, bytes]: ...
 
-    def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]: ...
+    def watch_prefix(self, prefix: str, known: Mapping[str, bytes] | None = None) -> AsyncIterator[WatchEvent]: ...
 
     def server_lease_id(self, lease: int) -> int: ...
 
@@ -262,27 +264,27 @@ class EtcdDiscovery:
         res = await client.get_prefix(prefix.encode())
         return {kv.key.decode(): kv.value for kv in res}, res.header.revision
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def watch_prefix(self, prefix: str, known: Mapping[str, bytes] | None = None) -> AsyncIterator[WatchEvent]:
         """See the module docstring. Runs until the consumer stops iterating or discovery closes."""
-        known: dict[str, bytes] = {}
+        seen: dict[str, bytes] = dict(known or {})
         backoff_s = 0.1
         while not self._closed:
             client = self._new_client()
             watch = None
             try:
                 listing, revision = await self._list(client, prefix)
-                for ev in diff_listing(known, listing):
+                for ev in diff_listing(seen, listing):
                     yield ev
-                known = listing
+                seen = listing
                 watch = await client.watch_prefix(prefix.encode(), start_revision=revision + 1)
                 backoff_s = 0.1
                 async for ev in watch:
                     key = ev.kv.key.decode()
                     if ev.kind == aetcd.rtypes.EventKind.PUT:
-                        known[key] = ev.kv.value
+                        seen[key] = ev.kv.value
                         yield WatchEvent(WatchEventKind.PUT, key, ev.kv.value)
                     else:
-                        known.pop(key, None)
+                        seen.pop(key, None)
                         yield WatchEvent(WatchEventKind.DELETE, key, None)
             except (aetcd.exceptions.ClientError, OSError, TimeoutError) as e:
                 if self._closed:

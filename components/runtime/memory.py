@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 import random
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from components.runtime.bus import (
     NO_RESPONDERS_HEADERS,
@@ -179,10 +179,10 @@ class MemoryDiscovery:
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
         return self.store.listing(prefix)
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def watch_prefix(self, prefix: str, known: Mapping[str, bytes] | None = None) -> AsyncIterator[WatchEvent]:
         q = self.store.add_watcher(prefix)
         try:
-            for ev in diff_listing({}, self.store.listing(prefix)):
+            for ev in diff_listing(dict(known or {}), self.store.listing(prefix)):
                 yield ev
             while True:
                 yield await q.get()

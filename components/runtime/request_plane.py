@@ -255,11 +255,15 @@ class ResponseStream:
         self._next_seq += 1
         if kind == DATA:
             return payload
-        self._finish()
         if kind == END:
+            self._finish()
             raise StopAsyncIteration
         if kind == ERROR:
+            self._finish()
             raise RemoteHandlerError(self.instance_id, payload.get("type", "?"), payload.get("message", ""))
+        # A frame this client does not understand (a newer instance mid-upgrade): the handler may still be running,
+        # so cancel it as for a sequence gap rather than leave it generating into an inbox nobody reads.
+        self._cancel_in_background()
         raise StreamInterruptedError(self.instance_id, self.request_id, seq, f"unexpected frame kind {kind}")
 
     async def _next_frame(self) -> BusMessage:

@@ -316,16 +316,19 @@ class Client:
         prefix = instances_prefix(
             self.endpoint.component.namespace.name, self.endpoint.component.name, self.endpoint.name
         )
-        self._task = self.runtime.supervisor.spawn(self._watch(prefix), name=f"watch:{self.endpoint.path}")
-        # The watch yields every existing key first; wait for the initial listing to be applied.
+        # Apply a listing now, so the client knows the instances when start() returns. The watch lists again when it
+        # starts; it is handed this listing as ``known`` so that an instance deregistered between the two listings
+        # arrives as a DELETE. Without it the watch's listing merely lacked the key and the client kept routing to
+        # a stopped instance forever (test_request_plane.py::test_client_created_just_before_an_instance_stops...).
         listing = await self.runtime.discovery.get_prefix(prefix)
         for v in listing.values():
             info = InstanceInfo.from_json(v)
             self._instances[info.instance_id] = info
         self._ids = sorted(self._instances)
+        self._task = self.runtime.supervisor.spawn(self._watch(prefix, listing), name=f"watch:{self.endpoint.path}")
 
-    async def _watch(self, prefix: str) -> None:
-        async for ev in self.runtime.discovery.watch_prefix(prefix):
+    async def _watch(self, prefix: str, known: Mapping[str, bytes]) -> None:
+        async for ev in self.runtime.discovery.watch_prefix(prefix, known=known):
             iid = int(ev.key.rsplit("/", 1)[1], 16)
             if ev.kind == WatchEventKind.PUT and ev.value is not None:
                 self._instances[iid] = InstanceInfo.from_json(ev.value)
