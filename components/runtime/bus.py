@@ -216,7 +216,7 @@ class NatsBus:
         self._closing = True
         try:
             await asyncio.wait_for(self._nc.drain(), 5.0)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             logger.debug("nats drain: %s", e)
         if not self._nc.is_closed:
             await self._nc.close()

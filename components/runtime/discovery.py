@@ -177,7 +177,7 @@ class EtcdDiscovery:
         if self._client is not None:
             try:
                 await self._client.close()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 logger.debug("closing etcd client: %s", e)
 
     # -- leases -------------------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ class InstanceServer:
         try:
             frame = unpack(msg.data)
             kind, request_id = frame[0], frame[1]
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             logger.warning("malformed frame on %s: %s", self.subject, e)
             return
         if kind == REQ:
@@ -120,7 +120,7 @@ class InstanceServer:
             await publish(reply, pack([seq, END, None]))
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             logger.info("handler for %s raised %s: %s", request_id, type(e).__name__, e)
             with contextlib.suppress(Exception):
                 await publish(reply, pack([seq, ERROR, {"type": type(e).__name__, "message": str(e)}]))

@@ -144,22 +144,22 @@ class Runtime:
         for served in list(self._served):
             try:
                 await served.stop(drain_timeout_s=drain_timeout_s)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 logger.warning("stopping %s: %s", served.info.subject, e)
         for client in list(self._clients):
             await client.close()
         try:
             await self.supervisor.close()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             logger.warning("closing supervisor: %s", e)
         try:
             await self.discovery.close(revoke=True)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             logger.warning("closing discovery: %s", e)
         try:
             await self.mux.stop()
             await self.bus.close()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             logger.warning("closing bus: %s", e)
 
     async def __aenter__(self) -> Runtime:
@@ -288,7 +288,7 @@ class ServedEndpoint:
         rt = self.endpoint.runtime
         try:
             await rt.discovery.delete(self.key)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             logger.warning("deregistering %s: %s", self.key, e)
         cancelled = await self.server.drain(drain_timeout_s)
         await self.server.stop()

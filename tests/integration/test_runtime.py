@@ -291,9 +291,7 @@ async def test_drain_finishes_inflight_and_refuses_new(make_runtime):
 
 
 async def test_unreachable_servers_give_clear_errors(runtime_config):
-    bad_etcd = runtime_config.model_copy(
-        update={"etcd_endpoints": ["http://127.0.0.1:1"], "connect_timeout_s": 1.0}
-    )
+    bad_etcd = runtime_config.model_copy(update={"etcd_endpoints": ["http://127.0.0.1:1"], "connect_timeout_s": 1.0})
     with pytest.raises(ConnectError) as exc:
         await Runtime.connect(bad_etcd)
     assert exc.value.service == "etcd" and "127.0.0.1:1" in str(exc.value)
@@ -422,4 +420,3 @@ async def test_thousand_concurrent_streams_in_order(make_runtime):
     results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(1000))), 120)
     assert len(results) == 1000
     assert all(r == list(range(n_chunks)) for r in results)
-
