@@ -47,6 +47,7 @@ class Worker:
             "role": str(self.config.role),
             "engine": str(self.config.engine),
             "block_size": self.engine.block_size,
+            "max_model_len": self.engine.max_model_len,
             "node": socket.gethostname(),
             "pid": os.getpid(),
             "unit": self.index,

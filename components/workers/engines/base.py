@@ -194,6 +194,7 @@ class Engine(Protocol):
     """
 
     block_size: int
+    max_model_len: int  # prompt + output tokens one request may hold; the frontend rejects longer ones up front
 
     async def start(self) -> None:
         """Allocate resources; called once before the first request."""

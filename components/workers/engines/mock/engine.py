@@ -59,6 +59,7 @@ class MockEngine:
         self.config = config or MockEngineConfig()
         self.name = name
         self.block_size = self.config.block_size
+        self.max_model_len = self.config.max_model_len
         self._clock = clock
         self._scheduler = Scheduler(self.config)
         self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
