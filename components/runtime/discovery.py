@@ -260,36 +260,57 @@ class EtcdDiscovery:
         return listing
 
     @staticmethod
+    async def _server_revision(client: aetcd.Client) -> int:
+        res = await client.get_prefix(b"kvmesh/__revision_probe__")
+        return int(res.header.revision)
+
+    @staticmethod
     async def _list(client: aetcd.Client, prefix: str) -> tuple[dict[str, bytes], int]:
         res = await client.get_prefix(prefix.encode())
         return {kv.key.decode(): kv.value for kv in res}, res.header.revision
 
     async def watch_prefix(self, prefix: str, known: Mapping[str, bytes] | None = None) -> AsyncIterator[WatchEvent]:
-        """See the module docstring. Runs until the consumer stops iterating or discovery closes."""
+        """See the module docstring. Runs until the consumer stops iterating or discovery closes.
+
+        After a broken watch, the new one resumes from the last revision seen, so every change in between arrives
+        as it happened. Only when etcd can no longer replay that history (compacted, or the server came back with a
+        lower revision: its data was lost) does it list the prefix again and yield the difference.
+        """
         seen: dict[str, bytes] = dict(known or {})
+        last_rev = 0  # 0: list first
         backoff_s = 0.1
         while not self._closed:
             client = self._new_client()
             watch = None
             try:
-                listing, revision = await self._list(client, prefix)
-                for ev in diff_listing(seen, listing):
-                    yield ev
-                seen = listing
-                watch = await client.watch_prefix(prefix.encode(), start_revision=revision + 1)
+                if last_rev and await self._server_revision(client) < last_rev:
+                    logger.warning("etcd revision went backwards (data lost); re-listing %s", prefix)
+                    last_rev = 0
+                if not last_rev:
+                    listing, last_rev = await self._list(client, prefix)
+                    for ev in diff_listing(seen, listing):
+                        yield ev
+                    seen = listing
+                watch = await client.watch_prefix(prefix.encode(), start_revision=last_rev + 1)
                 backoff_s = 0.1
                 async for ev in watch:
                     key = ev.kv.key.decode()
+                    last_rev = max(last_rev, ev.kv.mod_revision)
                     if ev.kind == aetcd.rtypes.EventKind.PUT:
                         seen[key] = ev.kv.value
                         yield WatchEvent(WatchEventKind.PUT, key, ev.kv.value)
                     else:
                         seen.pop(key, None)
                         yield WatchEvent(WatchEventKind.DELETE, key, None)
+            except aetcd.exceptions.RevisionCompactedError:
+                logger.warning("watch history of %s compacted past revision %d; re-listing", prefix, last_rev)
+                last_rev = 0
             except (aetcd.exceptions.ClientError, OSError, TimeoutError) as e:
                 if self._closed:
                     break
-                logger.warning("watch on %s broke (%s); re-listing in %.1f s", prefix, e, backoff_s)
+                logger.warning(
+                    "watch on %s broke (%s); resuming after revision %d in %.1f s", prefix, e, last_rev, backoff_s
+                )
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self._config.reconnect_backoff_max_s)
             finally:
