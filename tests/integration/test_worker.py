@@ -168,3 +168,39 @@ async def _eventually_empty(client) -> bool:
             return True
         await asyncio.sleep(0.02)
     return False
+
+
+async def test_sigkill_mid_stream_interrupts_only_that_workers_streams(make_runtime, runtime_config):
+    """SIGKILL loses the process; its streams end with StreamInterruptedError, nothing hangs, others keep serving."""
+    from components.runtime import StreamInterruptedError
+
+    env = os.environ | {
+        "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
+        "KVMESH_NATS_URL": runtime_config.nats_url,
+    }
+    base = [sys.executable, "-m", "components.cli.main", "worker", "--namespace", NS, "--speedup-ratio", "1"]
+    base += ["--vocab-size", "1000", "--eos-token-id", "999", "--num-gpu-blocks", "1024", "--max-model-len", "4096"]
+    procs = [subprocess.Popen(base, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]  # noqa: ASYNC220
+    try:
+        ids = []
+        for p in procs:
+            line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)
+            assert line.startswith("READY 1 workers: "), line
+            ids.append(int(line.split(": ")[1], 16))
+        crt = await make_runtime()
+        client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        await client.wait_for_instances(2, timeout_s=5)
+        doomed = [await client.direct(request(f"k{i}", [1, 2, 3, i], max_tokens=2000), ids[0]) for i in range(3)]
+        for s in doomed:
+            await s.__anext__()
+        procs[0].kill()
+        for s in doomed:
+            with pytest.raises(StreamInterruptedError):
+                await asyncio.wait_for(tokens_of(s), 10)  # bounded: a hang fails the test
+        survivor = await tokens_of(await client.direct(request("ok", [1, 2, 3], max_tokens=16), ids[1]))
+        assert len(survivor) == 16
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)
