@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,6 +39,7 @@ class Worker:
         self._pending_events: list[KvEvent] = []
         self._events_ready = asyncio.Event()
         self.num_kv_batches_published = 0
+        self.started_at = 0.0  # set when it registers
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -51,12 +53,15 @@ class Worker:
             "node": socket.gethostname(),
             "pid": os.getpid(),
             "unit": self.index,
+            # Wall-clock registration time, so `kvmesh status` can show an instance's age from etcd alone.
+            "started_at": self.started_at,
         }
 
     async def start(self) -> None:
         await self.engine.start()
         self.lease = await self.runtime.create_lease()
         comp = self.runtime.namespace(self.config.namespace).component(self.config.component)
+        self.started_at = time.time()
         meta = self.metadata
         # kv_state first: once generate is discoverable, a router may ask for the KV state at once.
         self._served.append(
