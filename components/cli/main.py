@@ -29,6 +29,14 @@ def _bench_fleet(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=bench_fleet.main)
 
 
+def _bench_load(sub: argparse._SubParsersAction) -> None:
+    from components.cli import bench_load
+
+    p = sub.add_parser("load", help="load an OpenAI-compatible URL: concurrency or trace replay (latencies, tokens/s)")
+    bench_load.add_arguments(p)
+    p.set_defaults(run=bench_load.main)
+
+
 def _status(sub: argparse._SubParsersAction) -> None:
     from components.cli import status
 
@@ -55,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     _bench_transport(bench_sub)
     _bench_fleet(bench_sub)
+    _bench_load(bench_sub)
     return ap
 
 
