@@ -37,6 +37,14 @@ def _bench_load(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=bench_load.main)
 
 
+def _frontend(sub: argparse._SubParsersAction) -> None:
+    from components.frontend import main as frontend_main
+
+    p = sub.add_parser("frontend", help="serve the OpenAI API for a namespace's workers (models discovered from etcd)")
+    frontend_main.add_arguments(p)
+    p.set_defaults(run=frontend_main.main)
+
+
 def _status(sub: argparse._SubParsersAction) -> None:
     from components.cli import status
 
@@ -59,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _status(sub)
     _worker(sub)
+    _frontend(sub)
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object as its last line")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     _bench_transport(bench_sub)

@@ -1,0 +1,86 @@
+"""The frontend's configuration: one pydantic model; ``kvmesh frontend`` flags are derived from it
+(components/cli/args.py), and so will be the graph file's ``frontend:`` section.
+
+Flag names follow ``vllm serve`` where it has the knob (``--host``, ``--port``, ``--api-key``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from components.router.policies import POLICIES
+
+
+class FrontendConfig(BaseModel):
+    """The OpenAI-compatible HTTP frontend: where it listens, what it watches, how it routes and retries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(default="kvmesh", description="Namespace whose workers this frontend serves.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address to listen on. Loopback by default: anything reachable from elsewhere should set "
+        "--api-key too.",
+    )
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on; 0 picks a free one.")
+    api_key: str | None = Field(
+        default=None,
+        description="If set, every request but GET /health must carry 'Authorization: Bearer <key>' (401 otherwise). "
+        "Read from $KVMESH_API_KEY when not given, which keeps it out of the process list.",
+    )
+    router_policy: str = Field(
+        default="round_robin", description="Routing policy, by its registered name (components/router/policies)."
+    )
+    components: list[str] = Field(
+        default_factory=lambda: ["backend"],
+        min_length=1,
+        description="Components whose 'generate' instances serve requests; their metadata names the model.",
+    )
+    max_retries: int = Field(
+        default=3,
+        ge=0,
+        le=64,
+        description="Other workers to try when the chosen one is gone, draining or fails before the first token. "
+        "Nothing has reached the client then, so a retry is invisible to it.",
+    )
+    first_token_timeout_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Longest wait for a request's first token (queueing + prefill) before it fails with 504; "
+        "0: no limit. A dead worker is noticed by the runtime's probes within ~1.5 s, so this only bounds a live "
+        "but stuck one.",
+    )
+    request_timeout_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="Longest a whole request may run; 0: no limit. An 8k-token answer at 10 tokens/s takes ~820 s.",
+    )
+    retry_after_s: int = Field(
+        default=2,
+        ge=1,
+        description="Retry-After header of a 503 (no workers): the usual time for a worker that is starting to "
+        "register, or for a draining one's replacement.",
+    )
+    default_max_tokens: int = Field(
+        default=16,
+        ge=1,
+        description="max_tokens of a /v1/completions request that sets none (the OpenAI API's default). Chat "
+        "requests without one may use the rest of the context, as in the OpenAI API.",
+    )
+    max_request_body_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=1024,
+        description="Largest accepted request body (413 beyond). 32 MiB holds a 128k-token prompt as token ids.",
+    )
+    shutdown_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM/SIGINT, how long requests in flight may finish before they are cancelled.",
+    )
+
+    @field_validator("router_policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(sorted(POLICIES))}")
+        return v

@@ -1,0 +1,73 @@
+"""``Frontend``: one frontend's parts wired together (model registry, router, service, HTTP server) over a runtime.
+
+    frontend = Frontend(FrontendConfig(port=0), runtime)
+    url = await frontend.start()      # listening; models appear as their workers register
+    ...
+    await frontend.stop()             # stop listening, let requests finish (shutdown_timeout_s), release the rest
+
+The runtime is the caller's: ``stop`` does not shut it down.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+
+from components.frontend.app import FrontendApp
+from components.frontend.config import FrontendConfig
+from components.frontend.metrics import FrontendMetrics
+from components.frontend.models import ModelRegistry
+from components.frontend.service import FrontendService
+from components.frontend.tokenizer import Tokenizer, load_tokenizer
+from components.router import Router
+from components.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+
+class Frontend:
+    def __init__(
+        self,
+        config: FrontendConfig,
+        runtime: Runtime,
+        tokenizer_loader: Callable[[str], Tokenizer] = load_tokenizer,
+    ) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.router = Router(config.router_policy)
+        self.metrics = FrontendMetrics()
+        self.registry = ModelRegistry(runtime, config.namespace, config.components, self.router, tokenizer_loader)
+        self.service = FrontendService(config, self.registry, self.router, self.metrics)
+        self.app = FrontendApp(config, self.service, self.registry, self.metrics)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        """Follow the workers, then listen; returns the base URL (``http://host:port``, the real port if 0)."""
+        await self.registry.start()
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels its request upstream.
+        runner = web.AppRunner(
+            self.app.build(),
+            handler_cancellation=True,
+            access_log=None,  # one log line per request would cost more than the rest of the request's Python
+            shutdown_timeout=self.config.shutdown_timeout_s,
+        )
+        await runner.setup()
+        self._runner = runner
+        site = web.TCPSite(runner, self.config.host, self.config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        logger.info("frontend for namespace %s listening on %s", self.config.namespace, self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop accepting connections, give requests in flight ``shutdown_timeout_s`` to finish, release the rest."""
+        runner, self._runner = self._runner, None
+        try:
+            if runner is not None:
+                await runner.cleanup()
+        finally:
+            await self.registry.close()

@@ -1,0 +1,386 @@
+"""The request pipeline, without HTTP: OpenAI request -> token ids -> a worker -> text deltas.
+
+``FrontendService.prepare_*`` turns a parsed request into a ``Prepared`` one (model resolved, prompt tokenised, limits
+checked, sampling parameters built); ``start`` routes it and returns a ``Generation`` once the first output has
+arrived. Until then nothing has reached the client, so a worker that is gone, draining, dead, or whose stream broke
+is replaced by another (up to ``max_retries``) without the client seeing anything. After that a failure ends the
+generation with ``UpstreamError``; the migration issue will make it seamless.
+
+``Generation`` is the hot path: per chunk from the worker it decodes the new tokens once (no per-token Python work
+beyond list extension), checks stop strings on the new text only, and keeps the counters usage and metrics need.
+Closing it (``aclose``) closes the runtime stream, which cancels the request on the worker; the engine aborts it and
+frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import Any
+
+from components.frontend.config import FrontendConfig
+from components.frontend.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from components.frontend.metrics import FrontendMetrics, ModelMetrics
+from components.frontend.models import Model, ModelRegistry
+from components.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from components.router import NoWorkersError, Router, RouteRequest
+from components.runtime import (
+    InstanceDrainingError,
+    InstanceGoneError,
+    RemoteHandlerError,
+    ResponseStream,
+    StreamInterruptedError,
+)
+from components.workers.engines.base import GenerateRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Errors after which the same request may go to another worker, provided nothing has reached the client yet.
+_RETRIABLE = (InstanceGoneError, InstanceDrainingError, StreamInterruptedError)
+# A handler error the worker raised because its engine is gone, not because of the request: another worker may serve.
+_RETRIABLE_REMOTE = {"EngineDeadError"}
+# Engine errors about the request itself: retrying elsewhere would fail the same way, and it is the client's to fix.
+_CLIENT_REMOTE = {"EngineRequestError", "PromptTooLongError"}
+
+
+class Prepared:
+    """A validated request, ready to route."""
+
+    __slots__ = (
+        "arrival_s",
+        "max_tokens",
+        "model",
+        "prompt_ids",
+        "request_id",
+        "sampling",
+        "stops",
+        "tokenizer",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        model: Model,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stops: list[str],
+        arrival_s: float,
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.stops = stops
+        self.arrival_s = arrival_s
+        self.max_tokens = sampling.max_tokens
+
+
+class Generation:
+    """One request running on a worker: an async iterator of ``(text, finish_reason)`` per chunk received.
+
+    ``finish_reason`` is None until the last item. Counters (``num_output_tokens``, timings) are up to date after
+    each item.
+    """
+
+    def __init__(
+        self,
+        service: FrontendService,
+        prepared: Prepared,
+        stream: ResponseStream,
+        route_id: str,
+        first: dict[str, Any],
+    ) -> None:
+        self._service = service
+        self.prepared = prepared
+        self._stream = stream
+        self._route_id = route_id
+        self._first: dict[str, Any] | None = first
+        self._detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
+        self._stop = StopStringMatcher(prepared.stops) if prepared.stops else None
+        self.num_prompt_tokens = len(prepared.prompt_ids)
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.first_token_s = 0.0
+        self.last_token_s = 0.0
+        self.finish_reason: str | None = None
+        self._closed = False
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> tuple[str, str | None]:
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        item = self._first
+        if item is not None:
+            self._first = None
+        else:
+            try:
+                item = await self._stream.__anext__()
+            except StopAsyncIteration:
+                raise UpstreamError("the worker ended the stream without a finish reason") from None
+            except RemoteHandlerError as e:
+                raise UpstreamError(f"the worker failed mid-stream: {e.error_type}: {e.message}") from e
+            except StreamInterruptedError as e:
+                raise UpstreamError(f"the worker stopped answering mid-stream: {e.reason}") from e
+        return self._process(item)
+
+    def _process(self, item: dict[str, Any]) -> tuple[str, str | None]:
+        ids: list[int] = item["token_ids"]
+        finish: str | None = item["finish_reason"]
+        if ids:
+            now = time.monotonic()
+            if not self.num_output_tokens:
+                self.first_token_s = now
+                self.num_cached_tokens = item.get("num_cached_tokens", 0)
+            self.last_token_s = now
+            self.num_output_tokens += len(ids)
+            text = self._detok.feed(ids)
+        else:
+            text = ""
+        if finish == "abort":
+            # The worker gave up on the request (its engine shut down, its drain timed out): not a normal end.
+            raise UpstreamError("the worker aborted the request")
+        stop = self._stop
+        if stop is not None:
+            text = stop.feed(text)
+            if stop.stopped:
+                finish = "stop"
+                # The consumer closes this generation right after the last item, which cancels the rest of the
+                # request on the worker (it would otherwise generate past the stop string up to max_tokens).
+        if finish is not None:
+            if stop is None:
+                text += self._detok.flush()
+            elif not stop.stopped:
+                text += stop.feed(self._detok.flush())
+                text += stop.flush()
+            self.finish_reason = finish
+        return text, finish
+
+    async def aclose(self) -> None:
+        """Cancel the request on its worker if it is still running, and settle the router's bookkeeping. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._stream.aclose()
+        finally:
+            self._service._finished(self)
+
+    @property
+    def route_id(self) -> str:
+        return self._route_id
+
+
+class FrontendService:
+    def __init__(
+        self, config: FrontendConfig, registry: ModelRegistry, router: Router, metrics: FrontendMetrics
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.router = router
+        self.metrics = metrics
+        # Request ids: unique per process by the counter, across frontends by the random prefix (the engine refuses a
+        # duplicate id, and several frontends may share a worker).
+        self._prefix = os.urandom(6).hex()
+        self._ids = itertools.count()
+        self.num_inflight = 0
+
+    # --- preparation ------------------------------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return f"{self._prefix}{next(self._ids):x}"
+
+    def resolve_model(self, name: str) -> Model:
+        model = self.registry.models.get(name)
+        if model is not None:
+            return model
+        if name in self.registry.seen or not self.registry.models:
+            # Its workers left (or none has registered yet): a worker that is starting or restarting may serve it in
+            # a moment, so this is "try again", not "does not exist".
+            raise ServiceUnavailableError(f"no workers serve model {name!r} right now")
+        raise ModelNotFoundError(name, sorted(self.registry.models))
+
+    async def prepare_completion(self, req: CompletionRequest, arrival_s: float) -> Prepared:
+        model = self.resolve_model(req.model)
+        tok = await model.tokenizer()
+        prompt = req.prompt_input()
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+        else:
+            ids = prompt
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= tok.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token ids must lie in [0, {tok.vocab_size}), got {lo if lo < 0 else hi}", param="prompt"
+                )
+        return self._prepare(req, model, tok, ids, req.max_tokens, "prompt", arrival_s, chat=False)
+
+    async def prepare_chat(self, req: ChatCompletionRequest, arrival_s: float) -> Prepared:
+        model = self.resolve_model(req.model)
+        tok = await model.tokenizer()
+        ids = tok.apply_chat_template(req.conversation())
+        return self._prepare(req, model, tok, ids, req.requested_max_tokens, "messages", arrival_s, chat=True)
+
+    def _prepare(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        model: Model,
+        tok: Tokenizer,
+        ids: list[int],
+        max_tokens: int | None,
+        prompt_param: str,
+        arrival_s: float,
+        chat: bool,
+    ) -> Prepared:
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param=prompt_param)
+        limit = model.max_model_len
+        if limit and n >= limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {n} tokens, which leaves "
+                "no room for output. Shorten the prompt.",
+                prompt_param,
+                n,
+                limit,
+            )
+        if max_tokens is None:
+            # OpenAI's defaults: 16 for completions, the rest of the context for chat; never more than fits.
+            room = limit - n if limit else self.config.default_max_tokens
+            max_tokens = room if chat else min(self.config.default_max_tokens, room)
+        elif limit and n + max_tokens > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens, but {n + max_tokens} were requested "
+                f"({n} in the prompt, {max_tokens} for the completion). Reduce max_tokens to at most {limit - n}.",
+                "max_completion_tokens"
+                if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
+                else "max_tokens",
+                n,
+                limit,
+            )
+        stops = req.stop_strings()
+        stop_ids = list(req.stop_token_ids or ())
+        for s in stops:
+            tid = tok.single_token_stop(s)
+            if tid is not None and tid not in stop_ids:
+                stop_ids.append(tid)
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+        )
+        return Prepared(self.new_request_id(), model, tok, ids, sampling, stops, arrival_s)
+
+    # --- routing and retries ----------------------------------------------------------------------------------------
+
+    async def start(self, p: Prepared) -> Generation:
+        """Route ``p`` and wait for its first output, trying other workers while nothing has been produced.
+
+        Raises ServiceUnavailableError (no worker could take it), UpstreamTimeoutError (no first output within
+        ``first_token_timeout_s``), InvalidRequestError (the engine refused the request) or UpstreamError.
+        """
+        cfg = self.config
+        body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
+        excluded: set[int] = set()
+        last_error = ""
+        for attempt in range(cfg.max_retries + 1):
+            route = RouteRequest(
+                p.prompt_ids, p.model.name, time.monotonic(), excluded_instance_ids=frozenset(excluded)
+            )
+            try:
+                decision = self.router.select(route)
+            except NoWorkersError as e:
+                detail = f"; last failure: {last_error}" if last_error else ""
+                raise ServiceUnavailableError(f"{e.reason}{detail}") from None
+            iid = decision.instance_id
+            assert iid is not None
+            client = self.registry.client_for(iid)
+            if client is None:  # discovery changed between the router's view and the registry's
+                excluded.add(iid)
+                continue
+            # The engine refuses an id it already holds; a retry may land where an earlier attempt is being aborted.
+            route_id = p.request_id if attempt == 0 else f"{p.request_id}.{attempt}"
+            if attempt:
+                body["request_id"] = route_id
+            self.router.on_routed(route_id, decision, route)
+            stream: ResponseStream | None = None
+            first: dict[str, Any] | None = None
+            try:
+                stream = await client.generate(body, instance_id=iid)
+                first = await self._first_item(stream, iid)
+            except (*_RETRIABLE, _Aborted) as e:
+                failure: Exception = e
+            except RemoteHandlerError as e:
+                if e.error_type in _CLIENT_REMOTE:
+                    raise InvalidRequestError(e.message, param="prompt") from e
+                if e.error_type not in _RETRIABLE_REMOTE:
+                    raise UpstreamError(f"the worker failed the request: {e.error_type}: {e.message}") from e
+                failure = e
+            finally:
+                if first is None:  # failed, or cancelled (the client left): release the attempt
+                    self.router.on_finished(route_id)
+                    if stream is not None:
+                        await stream.aclose()
+            if first is not None and stream is not None:
+                self.router.on_first_token(route_id)
+                self.num_inflight += 1
+                return Generation(self, p, stream, route_id, first)
+            excluded.add(iid)
+            last_error = str(failure)
+            self.metrics.retries.labels(reason=type(failure).__name__).inc()
+            logger.info("request %s: worker %x failed before its first output (%s)", p.request_id, iid, last_error)
+        raise ServiceUnavailableError(
+            f"no worker could take the request after {cfg.max_retries + 1} attempts; last failure: {last_error}"
+        )
+
+    async def _first_item(self, stream: ResponseStream, instance_id: int) -> dict[str, Any]:
+        timeout_s = self.config.first_token_timeout_s or None
+        try:
+            async with asyncio.timeout(timeout_s):
+                item: dict[str, Any] = await stream.__anext__()
+        except TimeoutError:
+            raise UpstreamTimeoutError(
+                f"no output from worker {instance_id:x} within {timeout_s:g} s (first_token_timeout_s)"
+            ) from None
+        except StopAsyncIteration:
+            raise _Aborted(f"worker {instance_id:x} ended the stream without output") from None
+        if item["finish_reason"] == "abort" and not item["token_ids"]:
+            raise _Aborted(f"worker {instance_id:x} aborted the request before its first token")
+        return item
+
+    # --- completion -------------------------------------------------------------------------------------------------
+
+    def _finished(self, gen: Generation) -> None:
+        self.num_inflight -= 1
+        self.router.on_finished(gen.route_id)
+
+    def observe(self, gen: Generation, mm: ModelMetrics) -> None:
+        """Token counters and latency histograms of a finished (or failed) generation."""
+        mm.input_tokens.inc(gen.num_prompt_tokens)
+        if gen.num_output_tokens:
+            mm.output_tokens.inc(gen.num_output_tokens)
+            mm.ttft.observe(gen.first_token_s - gen.prepared.arrival_s)
+            if gen.num_output_tokens > 1:
+                mm.itl.observe((gen.last_token_s - gen.first_token_s) / (gen.num_output_tokens - 1))
+
+
+class _Aborted(Exception):
+    """A stream that ended before its first output: the worker gave up on it (retriable)."""
