@@ -246,46 +246,8 @@ class FrontendService:
         arrival_s: float,
         chat: bool,
     ) -> Prepared:
-        n = len(ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param=prompt_param)
-        limit = model.max_model_len
-        if limit and n >= limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has {n} tokens, which leaves "
-                "no room for output. Shorten the prompt.",
-                prompt_param,
-                n,
-                limit,
-            )
-        if max_tokens is None:
-            # OpenAI's defaults: 16 for completions, the rest of the context for chat; never more than fits.
-            room = limit - n if limit else self.config.default_max_tokens
-            max_tokens = room if chat else min(self.config.default_max_tokens, room)
-        elif limit and n + max_tokens > limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens, but {n + max_tokens} were requested "
-                f"({n} in the prompt, {max_tokens} for the completion). Reduce max_tokens to at most {limit - n}.",
-                "max_completion_tokens"
-                if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
-                else "max_tokens",
-                n,
-                limit,
-            )
-        stops = req.stop_strings()
-        stop_ids = list(req.stop_token_ids or ())
-        for s in stops:
-            tid = tok.single_token_stop(s)
-            if tid is not None and tid not in stop_ids:
-                stop_ids.append(tid)
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            seed=req.seed,
-            stop_token_ids=stop_ids,
-            ignore_eos=req.ignore_eos,
+        sampling, stops = build_sampling(
+            req, model, tok, ids, max_tokens, prompt_param, self.config.default_max_tokens, chat
         )
         return Prepared(self.new_request_id(), model, tok, ids, sampling, stops, arrival_s)
 
@@ -380,6 +342,63 @@ class FrontendService:
             mm.ttft.observe(gen.first_token_s - gen.prepared.arrival_s)
             if gen.num_output_tokens > 1:
                 mm.itl.observe((gen.last_token_s - gen.first_token_s) / (gen.num_output_tokens - 1))
+
+
+def build_sampling(
+    req: CompletionRequest | ChatCompletionRequest,
+    model: Model,
+    tok: Tokenizer,
+    ids: list[int],
+    max_tokens: int | None,
+    prompt_param: str,
+    default_max_tokens: int,
+    chat: bool,
+) -> tuple[SamplingParams, list[str]]:
+    """Check the prompt against the model's context and build the worker's sampling parameters (pure).
+
+    Returns them with the stop strings the frontend itself must watch for.
+    """
+    n = len(ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", param=prompt_param)
+    limit = model.max_model_len
+    if limit and n >= limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens, but the prompt has {n} tokens, which leaves "
+            "no room for output. Shorten the prompt.",
+            prompt_param,
+            n,
+            limit,
+        )
+    if max_tokens is None:
+        # OpenAI's defaults: 16 for completions, the rest of the context for chat; never more than fits.
+        room = limit - n if limit else default_max_tokens
+        max_tokens = room if chat else min(default_max_tokens, room)
+    elif limit and n + max_tokens > limit:
+        chat_param = isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens, but {n + max_tokens} were requested "
+            f"({n} in the prompt, {max_tokens} for the completion). Reduce max_tokens to at most {limit - n}.",
+            "max_completion_tokens" if chat_param else "max_tokens",
+            n,
+            limit,
+        )
+    stops = req.stop_strings()
+    stop_ids = list(req.stop_token_ids or ())
+    for s in stops:
+        tid = tok.single_token_stop(s)
+        if tid is not None and tid not in stop_ids:
+            stop_ids.append(tid)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        seed=req.seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+    )
+    return sampling, stops
 
 
 class _Aborted(Exception):

@@ -124,9 +124,10 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Cuts the output text at the first stop string; holds back a tail that may be the start of one.
 
-    Streaming cannot take text back, so the last ``max(len(stop)) - 1`` characters wait until the next chunk shows
-    they are not a stop string's beginning (vLLM does the same). Each ``feed`` looks only at the held-back tail plus
-    the new text: an occurrence that ends in the new text starts at most ``len(stop) - 1`` characters earlier.
+    Streaming cannot take text back, so a tail of the text that is the beginning of a stop string (at most
+    ``max(len(stop)) - 1`` characters) waits until the next chunk shows whether the stop string follows. Each ``feed``
+    looks only at the held-back tail plus the new text: an occurrence that ends in the new text starts at most
+    ``len(stop) - 1`` characters earlier, inside the held-back tail.
     """
 
     __slots__ = ("_hold", "_pending", "_stops", "stopped")
@@ -151,10 +152,15 @@ class StopStringMatcher:
             self.stopped = True
             self._pending = ""
             return buf[:cut]
-        keep = len(buf) - self._hold
-        if keep <= 0:
-            self._pending = buf
-            return ""
+        # Hold back only the longest tail that could still grow into a stop string ("ST" for "STOP"), so text with
+        # no such tail streams out at once.
+        held = 0
+        for k in range(min(self._hold, len(buf)), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                held = k
+                break
+        keep = len(buf) - held
         self._pending = buf[keep:]
         return buf[:keep]
 

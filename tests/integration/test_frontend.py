@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import json
 import re
+import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -619,3 +621,41 @@ async def test_health_lists_models_and_workers(stack: Stack):
     async with aiohttp.ClientSession() as session, session.get(stack.url + "/health") as r:
         assert r.status == 200
         assert await r.json() == {"status": "healthy", "models": [MODEL], "num_workers": 2}
+
+
+# --- the kvmesh frontend command ----------------------------------------------------------------------------------
+
+
+async def test_kvmesh_frontend_command_serves_until_sigterm(runtime_config, make_runtime):
+    worker_rt = await make_runtime()
+    w = Worker(
+        worker_rt, WorkerConfig(namespace="cli", model=MODEL, model_path=MODEL_PATH), MockEngine(engine_config())
+    )
+    await w.start()
+    cmd = [sys.executable, "-m", "components.cli.main", "frontend", "--namespace", "cli", "--port", "0"]
+    cmd += ["--etcd", runtime_config.etcd_endpoints[0], "--nats", runtime_config.nats_url, "--api-key", "k"]
+    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.startswith("READY http://127.0.0.1:"), line
+        url = line.split()[1]
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        try:
+            for _ in range(100):  # the model appears once the frontend's watch has seen the worker
+                if (await client.models.list()).data:
+                    break
+                await asyncio.sleep(0.05)
+            r = await client.completions.create(model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+            assert r.usage is not None and r.usage.completion_tokens == 3
+        finally:
+            await client.close()
+        proc.send_signal(signal.SIGTERM)
+        rest = (await asyncio.wait_for(proc.stdout.read(), 30)).decode()
+        assert await proc.wait() == 0
+        assert rest.strip().endswith("STOPPED")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await w.stop()
