@@ -53,6 +53,30 @@ def _status(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=status.main)
 
 
+def _serve(sub: argparse._SubParsersAction) -> None:
+    from components.cli import serve
+
+    p = sub.add_parser("serve", help="run a graph file on this machine under circus (Ctrl-C or 'kvmesh stop' ends it)")
+    serve.add_arguments(p)
+    p.set_defaults(run=serve.main)
+
+
+def _stop(sub: argparse._SubParsersAction) -> None:
+    from components.cli import serve
+
+    p = sub.add_parser("stop", help="stop a graph served with 'kvmesh serve --detach' (workers drain first)")
+    serve.add_stop_arguments(p)
+    p.set_defaults(run=serve.stop_main)
+
+
+def _logs(sub: argparse._SubParsersAction) -> None:
+    from components.cli import logs
+
+    p = sub.add_parser("logs", help="print or follow (-f) a served component's log, state/logs/NAME.log")
+    logs.add_arguments(p)
+    p.set_defaults(run=logs.main)
+
+
 def _worker(sub: argparse._SubParsersAction) -> None:
     from components.workers import main as worker_main
 
@@ -67,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _status(sub)
     _worker(sub)
+    _serve(sub)
+    _stop(sub)
+    _logs(sub)
     _frontend(sub)
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object as its last line")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,324 @@
+"""The circus launcher: a graph becomes watcher plans (pure), and the plans run under a circus arbiter (I/O).
+
+Pure part, unit-tested without processes:
+
+- ``assign_gpus`` gives each worker replica ``gpus_per_replica`` consecutive GPUs, groups in file order;
+- ``plan_watchers`` turns a graph into one ``WatcherPlan`` per process: ``frontend`` and ``<group>-<i>``, each with
+  its argv (``python -m components.cli.main ... worker|frontend``), the environment kvmesh adds, its GPUs, its log.
+
+``CircusLauncher`` runs the plans in this process's asyncio loop (tornado's IOLoop wraps it), with the controller on
+``tcp://127.0.0.1:<free port>``: the planner adds and removes watchers later through ``circus.client`` the same way.
+Circus starts every process in its own session (``os.setsid``), so a Ctrl-C in the terminal reaches ``kvmesh serve``
+alone, which then stops the watchers itself: SIGTERM, up to ``graceful_timeout_s`` to drain, then SIGKILL of the
+process and its children.
+
+circus is imported lazily: importing it calls ``logging.basicConfig()``, which would otherwise configure logging
+before ``kvmesh --log-level`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from components.cli.errors import GpuAssignmentError
+from components.cli.graph import FRONTEND_WATCHER, Graph, WorkerGroup
+from components.cli.state import CircusState, ProcessRecord
+from components.runtime.servers import free_port
+
+logger = logging.getLogger(__name__)
+
+# Where ``python -m components.cli.main`` resolves, whichever directory kvmesh serve was started from.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+REDACTED = "<redacted>"
+SECRET_ENV = frozenset({"KVMESH_API_KEY"})
+# Each watcher's log rotates at this size, keeping this many old files: a runaway log cannot fill the disk.
+LOG_MAX_BYTES = 64 * 1024 * 1024
+LOG_BACKUP_COUNT = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WatcherPlan:
+    """One watcher to start: what it runs, with which environment and GPUs, where its output goes."""
+
+    name: str
+    kind: Literal["frontend", "worker"]
+    cmd: list[str]
+    env: dict[str, str]  # on top of kvmesh serve's own environment
+    log: Path
+    graceful_timeout_s: float
+    gpus: list[str] = dataclasses.field(default_factory=list)
+    group: str | None = None
+    replica: int | None = None
+    component: str | None = None
+    num_workers: int = 0
+
+    def redacted_env(self) -> dict[str, str]:
+        """``env`` as it may be written down (the state file): secrets replaced."""
+        return {k: REDACTED if k in SECRET_ENV else v for k, v in self.env.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPUs
+
+
+def detect_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
+    """GPU ids kvmesh may hand out: ``CUDA_VISIBLE_DEVICES`` if kvmesh itself runs under one, else nvidia-smi's.
+
+    No nvidia-smi (or one that fails) means no GPUs: a graph that asks for none still runs.
+    """
+    environ = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("nvidia-smi failed (%s): assuming no GPUs", e)
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def assign_gpus(groups: Sequence[WorkerGroup], available: Sequence[str]) -> dict[str, list[str]]:
+    """Watcher name -> its GPUs: consecutive blocks of ``gpus_per_replica``, groups and replicas in order.
+
+    Example: groups a (2 replicas x 1 GPU) and b (1 x 2) over GPUs 0-3 give a-0: [0], a-1: [1], b-0: [2, 3].
+    """
+    needed = sum(g.replicas * g.gpus_per_replica for g in groups)
+    if needed > len(available):
+        detail = ", ".join(f"{g.name}: {g.replicas} x {g.gpus_per_replica}" for g in groups if g.gpus_per_replica)
+        raise GpuAssignmentError(needed, list(available), detail)
+    out: dict[str, list[str]] = {}
+    next_gpu = 0
+    for g in groups:
+        for name in g.watcher_names():
+            out[name] = list(available[next_gpu : next_gpu + g.gpus_per_replica])
+            next_gpu += g.gpus_per_replica
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plans
+
+
+def flag_args(args: Mapping[str, Any]) -> list[str]:
+    """engine_args as ``kvmesh worker`` flags, the convention of components/cli/args.py.
+
+    ``speedup_ratio: .inf`` -> ``--speedup-ratio inf``; ``enable_prefix_caching: false`` ->
+    ``--no-enable-prefix-caching``; a list -> comma-separated.
+    """
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            out += [flag, ",".join(_scalar(v) for v in value)]
+        else:
+            out += [flag, _scalar(value)]
+    return out
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return str(v)
+
+
+def kvmesh_argv(python: str, log_level: str, *args: str) -> list[str]:
+    return [python, "-m", "components.cli.main", "--log-level", log_level, *args]
+
+
+def plan_watchers(
+    graph: Graph,
+    *,
+    etcd_endpoints: Sequence[str],
+    nats_url: str,
+    frontend_port: int,
+    gpus: Mapping[str, list[str]],
+    log_dir: Path,
+    python: str = sys.executable,
+) -> list[WatcherPlan]:
+    """Every watcher of ``graph``: the frontend first, then each group's replicas in order."""
+    base_env = {
+        "KVMESH_ETCD_ENDPOINTS": ",".join(etcd_endpoints),
+        "KVMESH_NATS_URL": nats_url,
+        "PYTHONUNBUFFERED": "1",  # a log line reaches state/logs/ when it is written, not when a buffer fills
+    }
+    plans: list[WatcherPlan] = []
+    fe = graph.frontend
+    if fe.enabled:
+        fe_args = ["frontend", "--namespace", graph.namespace, "--host", fe.host, "--port", str(frontend_port)]
+        fe_args += ["--router-policy", fe.router]
+        if "components" not in fe.args:  # the frontend routes to every component the graph's workers register under
+            fe_args += ["--components", ",".join(dict.fromkeys(g.component for g in graph.workers))]
+        fe_args += flag_args(fe.args)
+        fe_env = dict(base_env)
+        if fe.api_key:
+            # The environment, not argv: argv is world-readable in the process list (the frontend reads both).
+            fe_env["KVMESH_API_KEY"] = fe.api_key
+        plans.append(
+            WatcherPlan(
+                name=FRONTEND_WATCHER,
+                kind="frontend",
+                cmd=kvmesh_argv(python, graph.log_level, *fe_args),
+                env=fe_env,
+                log=log_dir / f"{FRONTEND_WATCHER}.log",
+                graceful_timeout_s=fe.graceful_timeout_s,
+            )
+        )
+    for g in graph.workers:
+        worker_args = ["worker", "--engine", str(g.engine), "--namespace", graph.namespace]
+        worker_args += ["--component", g.component, "--model", g.model, "--model-path", g.model_path]
+        worker_args += ["--num-workers", str(g.num_workers), *flag_args(g.engine_args)]
+        for i, name in enumerate(g.watcher_names()):
+            env = base_env | g.env
+            if g.gpus_per_replica:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[name])
+            plans.append(
+                WatcherPlan(
+                    name=name,
+                    kind="worker",
+                    cmd=kvmesh_argv(python, graph.log_level, *worker_args),
+                    env=env,
+                    log=log_dir / f"{name}.log",
+                    graceful_timeout_s=g.graceful_timeout_s,
+                    gpus=list(gpus.get(name, [])),
+                    group=g.name,
+                    replica=i,
+                    component=g.component,
+                    num_workers=g.num_workers,
+                )
+            )
+    return plans
+
+
+def rotate_log(path: Path) -> None:
+    """Keep the previous run's log as ``<name>.log.1``: a restart should not erase why the last run ended."""
+    if path.exists():
+        os.replace(path, path.with_name(path.name + ".1"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# circus
+
+
+class CircusLauncher:
+    """A circus arbiter in the running asyncio loop, its controller and publisher on free loopback ports."""
+
+    def __init__(self, *, check_delay_s: float = 1.0, proc_name: str = "kvmesh-serve") -> None:
+        self.check_delay_s = check_delay_s
+        self.proc_name = proc_name
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.pubsub_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._arbiter: Any = None
+
+    @property
+    def circus_state(self) -> CircusState:
+        return CircusState(endpoint=self.endpoint, pubsub_endpoint=self.pubsub_endpoint)
+
+    def _watcher(self, plan: WatcherPlan, loop: Any) -> Any:
+        from circus.stream import FileStream
+        from circus.watcher import Watcher
+
+        plan.log.parent.mkdir(parents=True, exist_ok=True)
+        # One stream object for stdout and stderr: one file handle, so their lines stay in order.
+        stream = FileStream(filename=str(plan.log), max_bytes=LOG_MAX_BYTES, backup_count=LOG_BACKUP_COUNT)
+        return Watcher(
+            plan.name,
+            shlex.quote(plan.cmd[0]),  # circus shlex-splits cmd; args are taken as given
+            args=plan.cmd[1:],
+            env=dict(os.environ) | plan.env,
+            working_dir=str(PACKAGE_ROOT),
+            graceful_timeout=plan.graceful_timeout_s,
+            stop_signal=signal.SIGTERM,  # workers deregister, drain, then exit 0
+            stdout_stream={"stream": stream},
+            stderr_stream={"stream": stream},
+            # A crash is restarted, up to 5 times in a row, then the watcher is stopped (circus's default).
+            max_retry=5,
+            loop=loop,
+        )
+
+    async def start(self, plans: Sequence[WatcherPlan]) -> None:
+        """Start the arbiter and every watcher; returns once each process is spawned (not yet ready)."""
+        from circus.arbiter import Arbiter
+        from tornado.ioloop import IOLoop
+
+        loop = IOLoop.current()
+        watchers = [self._watcher(p, loop) for p in plans]
+        self._arbiter = Arbiter(
+            watchers,
+            self.endpoint,
+            self.pubsub_endpoint,
+            check_delay=self.check_delay_s,
+            loop=loop,
+            proc_name=self.proc_name,
+            multicast_endpoint="",  # circus's default joins a UDP multicast group for discovery: stay on loopback
+        )
+        await self._arbiter.start()
+
+    def processes(self) -> dict[str, list[ProcessRecord]]:
+        """Watcher name -> its live processes (circus's view; a process that just exited may still be listed)."""
+        out: dict[str, list[ProcessRecord]] = {}
+        if self._arbiter is None:
+            return out
+        for w in self._arbiter.watchers:
+            records = []
+            for pid in sorted(w.processes):
+                try:
+                    records.append(ProcessRecord.of(pid))
+                except Exception as e:  # noqa: BLE001 - psutil.NoSuchProcess and friends: it just exited
+                    logger.debug("process %d of %s: %s", pid, w.name, e)
+            out[w.name] = records
+        return out
+
+    def watcher_names(self) -> list[str]:
+        return [w.name for w in self._arbiter.watchers] if self._arbiter is not None else []
+
+    @property
+    def stopping(self) -> bool:
+        """True once the arbiter is stopping, whoever asked (us, or ``circusctl quit`` on the controller)."""
+        return self._arbiter is not None and bool(self._arbiter._stopping)
+
+    async def stop(self) -> None:
+        """Stop every watcher (SIGTERM, graceful timeout, SIGKILL), then the controller."""
+        arbiter, self._arbiter = self._arbiter, None
+        if arbiter is None:
+            return
+        if not arbiter._stopping:
+            await arbiter.stop()
+        else:
+            # Stopped through the controller ("quit"): circus is already stopping each watcher within its graceful
+            # timeout; wait as long as the slowest may take.
+            import asyncio
+
+            longest_s = max([w.graceful_timeout for w in arbiter.watchers] + [0.0]) + 5.0
+            for _ in range(int(longest_s / 0.1)):
+                if not any(w.processes for w in arbiter.watchers):
+                    break
+                await asyncio.sleep(0.1)
+        # With a provided loop, circus closes its controller socket in a callback after stop(); let it run.
+        await _yield_to_loop()
+
+
+async def _yield_to_loop() -> None:
+    import asyncio
+
+    await asyncio.sleep(0)
+    await asyncio.sleep(0.05)

@@ -1,0 +1,341 @@
+"""`kvmesh serve` end to end: real etcd, nats-server, circus, workers and frontend on loopback, in a temporary state
+directory, each on free ports (`--set frontend.port=0`; the embedded servers always take free ports).
+
+Every wait is bounded; every test kills whatever its deployment left running, even when it fails, so one failure
+does not leak processes into the next test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from components.cli.state import ProcessRecord, ServeState, read_state, state_path
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[2]
+MOCK_AGG = ROOT / "graphs" / "mock_agg.yaml"
+NS = "mock"  # graphs/mock_agg.yaml's namespace
+FAST = ["--set", "frontend.port=0", "--set", "workers[0].engine_args.speedup_ratio=.inf"]
+SMALL = [*FAST, "--set", "workers[0].replicas=1", "--set", "workers[0].num_workers=2"]
+START_TIMEOUT_S = 90.0  # two cores shared with other tests: imports alone take seconds per process
+
+
+def kvmesh(*args: str) -> list[str]:
+    return [sys.executable, "-m", "components.cli.main", *args]
+
+
+def clean_env() -> dict[str, str]:
+    """The developer's KVMESH_* settings must not point a test at their own servers or state."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+
+
+def run_kvmesh(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(kvmesh(*args), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout_s)
+
+
+class Serve:
+    """A foreground `kvmesh serve` subprocess whose stdout lines are read in a thread (so waits can time out)."""
+
+    def __init__(self, state_dir: Path, *args: str, graph: Path = MOCK_AGG) -> None:
+        self.state_dir = state_dir
+        self.proc = subprocess.Popen(
+            kvmesh("serve", str(graph), "--state-dir", str(state_dir), *args),
+            cwd=ROOT,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                pytest.fail(f"kvmesh serve exited ({self.proc.wait()}) before READY:\n{''.join(self.output)}{err}")
+            self.output.append(line)
+            if line.startswith("READY "):
+                return line.split()[1]
+        pytest.fail(f"no READY line within {timeout_s} s:\n{''.join(self.output)}")
+
+    def state(self, namespace: str = NS) -> ServeState:
+        return read_state(state_path(self.state_dir, namespace))
+
+
+def kill_leftovers(state_dir: Path) -> list[int]:
+    """SIGKILL every process a state file in ``state_dir`` still names (a failed test's deployment)."""
+    killed = []
+    for path in state_dir.glob("*.json"):
+        with contextlib.suppress(Exception):
+            for p in read_state(path).all_processes():
+                if p.alive():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGKILL)
+                    killed.append(p.pid)
+    return killed
+
+
+@contextlib.contextmanager
+def serving(state_dir: Path, *args: str) -> Iterator[Serve]:
+    serve = Serve(state_dir, *args)
+    try:
+        yield serve
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.send_signal(signal.SIGTERM)
+            try:
+                serve.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                serve.proc.kill()
+                serve.proc.wait(10)
+        kill_leftovers(state_dir)
+
+
+def wait_gone(records: list[ProcessRecord], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p.pid for p in records if p.alive()]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p.pid for p in records if p.alive()]
+
+
+def http_get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.status, r.read()
+
+
+# -- one served mock_agg for the read-only checks ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mock_agg(tmp_path_factory) -> Iterator[tuple[Serve, str]]:
+    state_dir = tmp_path_factory.mktemp("state")
+    with serving(state_dir, *FAST) as serve:
+        url = serve.wait_ready()
+        yield serve, url
+
+
+def test_the_served_graph_answers_the_official_openai_client(mock_agg):
+    import openai
+
+    _, url = mock_agg
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30, max_retries=0)
+    assert "tiny-llama" in [m.id for m in client.models.list().data]
+
+    done = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=8, extra_body={"ignore_eos": True})
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert done.choices[0].finish_reason == "length"
+
+    stream = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+
+
+def test_the_state_file_records_watchers_processes_and_endpoints(mock_agg):
+    serve, url = mock_agg
+    st = serve.state()
+    assert st.status == "ready" and st.frontend_url == url
+    assert st.serve.pid == serve.proc.pid and st.serve.alive()
+    assert [(w.name, w.kind, w.num_workers) for w in st.watchers] == [
+        ("frontend", "frontend", 0),
+        ("mock-0", "worker", 8),
+        ("mock-1", "worker", 8),
+    ]
+    for w in st.watchers:
+        assert len(w.processes) == 1 and w.processes[0].alive()
+        assert w.env["KVMESH_ETCD_ENDPOINTS"] == st.etcd_endpoints[0]
+        assert Path(w.log) == serve.state_dir / "logs" / f"{w.name}.log"
+        assert w.gpus == []  # no GPU asked for
+    assert st.embedded_etcd and st.embedded_etcd.process and st.embedded_etcd.process.alive()
+    assert st.embedded_nats and st.embedded_nats.process and st.embedded_nats.process.alive()
+    assert st.circus and st.circus.endpoint.startswith("tcp://127.0.0.1:")
+    assert http_get(f"{url}/health")[0] == 200
+
+
+def test_the_circus_controller_lists_the_watchers(mock_agg):
+    # The planner adds and removes watchers through this endpoint; here it only has to answer.
+    from circus.client import CircusClient
+
+    serve, _ = mock_agg
+    st = serve.state()
+    assert st.circus is not None
+    client = CircusClient(endpoint=st.circus.endpoint, timeout=10)
+    try:
+        reply = client.call({"command": "list", "properties": {}})
+    finally:
+        client.stop()
+    assert reply["status"] == "ok" and sorted(reply["watchers"]) == ["frontend", "mock-0", "mock-1"]
+
+
+def test_status_shows_every_worker_with_model_load_and_age(mock_agg):
+    serve, _ = mock_agg
+    done = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--namespace", NS, "--json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    workers = [r for r in rows if r["component"] == "backend"]
+    assert len(workers) == 16
+    assert {r["model"] for r in workers} == {"tiny-llama"}
+    assert all(sorted(r["endpoints"]) == ["generate", "kv_state"] for r in workers)
+    assert all(
+        r["load"] is not None and 0.0 <= r["load"]["kv_usage"] <= 1.0 for r in workers
+    )  # every 100 ms, heard in 1 s
+    assert all(r["age_s"] is not None and 0.0 <= r["age_s"] < 600 for r in workers)
+    table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--load-wait-s", "0").stdout
+    assert table.splitlines()[0].split()[:4] == ["NAMESPACE", "COMPONENT", "INSTANCE", "MODEL"]
+    assert table.strip().endswith("16 instances")
+
+
+def test_logs_prints_a_watchers_output_and_names_the_known_logs_otherwise(mock_agg):
+    serve, _ = mock_agg
+    done = run_kvmesh("logs", "mock-0", "--state-dir", str(serve.state_dir))
+    assert done.returncode == 0 and "READY 8 workers" in done.stdout
+    done = run_kvmesh("logs", "mock-7", "--state-dir", str(serve.state_dir))
+    assert done.returncode == 1 and "frontend, mock-0, mock-1" in done.stderr
+
+
+# -- lifecycle -------------------------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_the_workers_and_leaves_no_process_behind(tmp_path):
+    with serving(tmp_path, *SMALL) as serve:
+        serve.wait_ready()
+        st = serve.state()
+        records = st.all_processes()
+        assert len(records) == 5  # serve, frontend, one worker replica, etcd, nats
+        assert all(p.alive() for p in records)
+        follower = subprocess.Popen(
+            kvmesh("logs", "mock-0", "-f", "--state-dir", str(tmp_path)),
+            cwd=ROOT,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            serve.proc.send_signal(signal.SIGTERM)
+            assert serve.proc.wait(60) == 0
+            assert wait_gone(records, 10) == []
+            time.sleep(1.0)  # the follower polls every 0.2 s
+        finally:
+            follower.send_signal(signal.SIGINT)
+            followed, _ = follower.communicate(timeout=10)
+        assert "draining 2 workers" in followed and "STOPPED" in followed  # the worker drained, and -f saw it
+        assert follower.returncode == 0
+        assert serve.state().status == "stopped"
+
+
+def test_detach_returns_once_ready_and_stop_ends_everything(tmp_path):
+    try:
+        done = run_kvmesh(
+            "serve", str(MOCK_AGG), "--detach", "--state-dir", str(tmp_path), *SMALL, timeout_s=START_TIMEOUT_S + 30
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        url = next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("READY "))
+        st = read_state(state_path(tmp_path, NS))
+        assert st.status == "ready" and st.serve.alive() and st.serve.pid != os.getpid()
+        assert st.serve_log == str(tmp_path / "logs" / f"{NS}.serve.log")
+        assert http_get(f"{url}/health")[0] == 200
+
+        again = run_kvmesh("serve", str(MOCK_AGG), "--state-dir", str(tmp_path), *SMALL)
+        assert again.returncode == 1 and f"namespace 'mock' is already served by pid {st.serve.pid}" in again.stderr
+
+        assert "READY " in run_kvmesh("logs", f"{NS}.serve", "--state-dir", str(tmp_path)).stdout
+
+        stopped = run_kvmesh("stop", NS, "--state-dir", str(tmp_path), timeout_s=120)
+        assert stopped.returncode == 0, stopped.stderr
+        assert f"stopped {NS}" in stopped.stdout
+        assert [p.pid for p in st.all_processes() if p.alive()] == []  # stop waited for all of them
+        assert read_state(state_path(tmp_path, NS)).status == "stopped"
+        assert "was not running" in run_kvmesh("stop", NS, "--state-dir", str(tmp_path)).stdout
+    finally:
+        kill_leftovers(tmp_path)
+
+
+def test_stop_cleans_up_after_a_serve_that_was_killed(tmp_path):
+    with serving(tmp_path, *SMALL) as serve:
+        serve.wait_ready()
+        records = serve.state().all_processes()
+        serve.proc.kill()  # SIGKILL: circus gets no chance to stop its watchers
+        serve.proc.wait(10)
+        assert [p.pid for p in records[1:] if not p.alive()] == []  # the orphans still run
+        stopped = run_kvmesh("stop", NS, "--state-dir", str(tmp_path), timeout_s=120)
+        assert stopped.returncode == 0, stopped.stderr
+        assert "stopped the 4 processes it left" in stopped.stdout
+        assert wait_gone(records, 5) == []
+
+
+def test_a_broken_graph_exits_nonzero_naming_file_line_and_field(tmp_path):
+    graph = tmp_path / "graphs" / "broken.yaml"
+    graph.parent.mkdir()
+    graph.write_text(MOCK_AGG.read_text().replace("replicas: 2", "replicas: two"))
+    line = next(i for i, s in enumerate(graph.read_text().splitlines(), 1) if "replicas: two" in s)
+    done = run_kvmesh("serve", str(graph), "--state-dir", str(tmp_path / "state"))
+    assert done.returncode == 2
+    assert f"{graph}:{line}: workers[0].replicas: Input should be a valid integer" in done.stderr
+    assert "(got 'two')" in done.stderr
+    assert not (tmp_path / "state" / f"{NS}.json").exists()  # nothing was started
+
+
+def test_a_worker_that_crashes_at_start_fails_serve_with_its_log_and_stops_the_rest(tmp_path):
+    bad_env = "workers[0].env.KVMESH_LEASE_TTL_S=soon"  # the worker's RuntimeConfig.from_env rejects it
+    done = run_kvmesh(
+        "serve", str(MOCK_AGG), "--state-dir", str(tmp_path), *SMALL, "--set", bad_env, "--max-start-restarts", "0"
+    )
+    try:
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "mock-0: exited once during start-up" in done.stderr
+        assert "KVMESH_LEASE_TTL_S='soon' is not a whole number" in done.stderr  # the tail of its log
+        st = read_state(state_path(tmp_path, NS))
+        assert st.status == "failed" and "mock-0" in st.reason
+        assert [p.pid for p in st.all_processes() if p.alive()] == []
+    finally:
+        kill_leftovers(tmp_path)
+
+
+def test_a_frontend_port_in_use_fails_before_anything_starts(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_kvmesh("serve", str(MOCK_AGG), "--state-dir", str(tmp_path), "--set", f"frontend.port={port}")
+    assert done.returncode == 1
+    assert f"frontend.port {port} on 127.0.0.1 cannot be bound" in done.stderr
+    assert not (tmp_path / "logs").exists()  # no watcher was started
