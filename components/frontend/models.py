@@ -145,7 +145,7 @@ class ModelRegistry:
             self.seen.add(name)
             self._created.setdefault(name, int(time.time()))
             logger.info("model %s is served (path %r, max_model_len %d)", name, path, max_model_len)
-        if before is None or before.instances.keys() != instances.keys():
+        if before is None or before.instances != instances:  # a worker joined, left, or changed its metadata
             self._router.set_workers(name, ((iid, i.metadata) for iid, i in instances.items()))
         return Model(name, path, max_model_len, self._created[name], instances, self._tokenizer_task(path))
 

@@ -36,11 +36,21 @@ class Tokenizer:
         self.vocab_size = len(hf)
         self.has_chat_template = getattr(hf, "chat_template", None) is not None
         self._single_token_stops: dict[str, int | None] = {}
+        # The detokeniser decodes twice per chunk from the worker, and a chunk is often one token. transformers'
+        # decode() wraps the Rust tokenizer's in ~7 us of argument conversion per call (1.8 of 10.5 CPU-s in a
+        # profile of 2000 streamed requests of 64 tokens); call the Rust one directly when nothing else is needed.
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is not None and not getattr(hf, "clean_up_tokenization_spaces", False):
+            self._backend_decode = backend.decode
+        else:
+            self._backend_decode = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._backend_decode is not None:
+            return str(self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens))
         return str(self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
