@@ -1,0 +1,426 @@
+"""``VllmEngine``: vLLM's V1 ``AsyncLLM`` behind kvmesh's ``Engine`` protocol.
+
+What it owns, per engine:
+
+* one ``AsyncLLM`` in this process (which spawns ``VLLM::EngineCore`` and ``VLLM::Worker`` processes; the CPU
+  platform forces ``spawn``, so every entry point that can start an engine keeps its ``if __name__ == "__main__"``
+  guard), fed token ids (``skip_tokenizer_init``) and streaming ``DELTA`` outputs;
+* a stat logger that vLLM calls once per engine step, feeding ``VllmStats`` (KV usage, running, waiting,
+  preemptions, batch size) for ``snapshot()``;
+* a private temporary directory (0700) holding the ``ipc://`` sockets of vLLM's KV-event publisher and its replay
+  socket, and one task, ``vllm-kv-events:<name>``, that subscribes to them and turns vLLM's events into kvmesh's
+  (``convert.KvEventTranslator``) for ``kv_events()`` and ``kv_state()``.
+
+Blocking calls stay off the event loop: ``import vllm`` (~3 s), ``AsyncLLM.from_engine_args`` (~10 s on 2 cores)
+and ``AsyncLLM.shutdown`` (~4 s) run in threads, so a worker's lease keep-alives (every 3.3 s at the default 10 s TTL)
+and its other engines go on meanwhile. vLLM's output handler is an asyncio task; when the engine is built in a
+thread there is no running loop, so ``start()`` starts that task itself, back on the loop, before any request (vLLM
+would otherwise start it lazily on the first request and could miss an early engine failure).
+
+Errors: a prompt id outside the vocabulary, an empty prompt, bad sampling values, a prompt longer than
+``max_model_len`` and a duplicate in-flight request id raise ``EngineRequestError`` (the engine keeps serving);
+a dead engine core raises ``EngineDeadError``.
+
+Shutdown on SIGTERM: the worker drains its requests, then ``shutdown()`` aborts what is left, stops the subscriber
+and calls ``AsyncLLM.shutdown()``, which terminates the engine-core and model processes. A SIGKILL of the worker
+leaves them orphaned (vLLM has no parent-death signal; docs/vllm-cpu.md), so supervisors should start workers in
+their own process group and kill the group as a backstop.
+
+Imports vLLM lazily (in ``start()``), so importing this module costs nothing and the mock path never loads vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from ..base import (
+    EngineDeadError,
+    EngineRequestError,
+    GenerateRequest,
+    KvEvent,
+    KvStateSnapshot,
+    LoadSnapshot,
+    TokenChunk,
+)
+from .config import VllmEngineConfig, apply_vllm_environment, engine_arguments
+from .convert import (
+    DuplicateRequestError,
+    KvEventTranslator,
+    RequestProgress,
+    VllmStats,
+    decode_kv_event_batch,
+    finish_reason,
+    load_snapshot,
+    sampling_kwargs,
+    validate_prompt,
+)
+
+__all__ = ["VllmEngine"]
+
+logger = logging.getLogger(__name__)
+
+KV_EVENTS_TOPIC = "kv"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Vllm:
+    """The vLLM names the adapter uses, imported once (``_import_vllm``)."""
+
+    AsyncEngineArgs: Any
+    AsyncLLM: Any
+    SamplingParams: Any
+    RequestOutputKind: Any
+    KVEventsConfig: Any
+    StatLoggerBase: Any
+    tokens_input: Callable[[list[int]], Any]
+    EngineDeadError: type[BaseException]
+    EngineGenerateError: type[BaseException]
+    ClientError: type[BaseException]  # VLLMClientError: bad request (validation, admission)
+
+
+def _import_vllm() -> _Vllm:
+    import vllm.exceptions
+    import vllm.inputs
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.config import KVEventsConfig
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    # Older vLLM raised ValueError for bad requests (before VLLMClientError) and took a TokensPrompt dict (0.32
+    # still does, with a deprecation warning); GPU deployments may run another version than the CPU tests.
+    client_error: type[BaseException] = getattr(vllm.exceptions, "VLLMClientError", ValueError)
+    tokens_input: Callable[[list[int]], Any] = getattr(
+        vllm.inputs, "tokens_input", lambda ids: {"prompt_token_ids": ids}
+    )
+
+    return _Vllm(
+        AsyncEngineArgs=AsyncEngineArgs,
+        AsyncLLM=AsyncLLM,
+        SamplingParams=SamplingParams,
+        RequestOutputKind=RequestOutputKind,
+        KVEventsConfig=KVEventsConfig,
+        StatLoggerBase=StatLoggerBase,
+        tokens_input=tokens_input,
+        EngineDeadError=VllmEngineDeadError,
+        EngineGenerateError=EngineGenerateError,
+        ClientError=client_error,
+    )
+
+
+def _stat_logger_class(base: type, stats: VllmStats) -> type:
+    """A ``StatLoggerBase`` that feeds ``stats``; vLLM calls ``record`` on its output-handler task, i.e. on this
+    process's event loop, so no locking is needed."""
+
+    class KvmeshStatLogger(base):  # type: ignore[valid-type,misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
+            stats.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass  # num_gpu_blocks is read from the engine's config once start() has it
+
+    return KvmeshStatLogger
+
+
+class VllmEngine:
+    """A vLLM engine. ``start()`` it (~10 s), ``generate()`` on it, ``shutdown()`` it (~4 s)."""
+
+    def __init__(
+        self, config: VllmEngineConfig, *, name: str = "vllm", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.name = name
+        # Both are replaced by what vLLM settled on once start() returns (max_model_len may come from the model).
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or 0
+        self.vocab_size = 0
+        self._clock = clock
+        self._vllm: _Vllm | None = None
+        self._llm: Any = None
+        self._stats = VllmStats()
+        self._requests: dict[str, RequestProgress] = {}
+        self._translator = KvEventTranslator(config.block_size)
+        self._kv_batches: collections.deque[list[KvEvent]] = collections.deque()
+        self._kv_ready = asyncio.Event()
+        self._subscriber: Any = None
+        self._subscriber_task: asyncio.Task[None] | None = None
+        self._tmpdir: str | None = None
+        self._closed = False
+        self.num_dropped_kv_event_batches = 0
+        self.num_bad_kv_event_batches = 0
+
+    # --- lifecycle --------------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        if self._closed:
+            raise EngineDeadError(f"vLLM engine {self.name!r} was shut down")
+        changed = apply_vllm_environment(self.config, os.environ)
+        if changed:
+            logger.debug("vLLM environment: %s", changed)
+        t0 = time.perf_counter()
+        v = self._vllm = await asyncio.to_thread(_import_vllm)
+        # mkdtemp makes the directory 0700: only this user can reach the sockets inside.
+        self._tmpdir = tempfile.mkdtemp(prefix=f"kvmesh-{self.name}-")
+        args = v.AsyncEngineArgs(**engine_arguments(self.config), kv_events_config=self._kv_events_config(v))
+        build = asyncio.ensure_future(
+            asyncio.to_thread(
+                v.AsyncLLM.from_engine_args, args, stat_loggers=[_stat_logger_class(v.StatLoggerBase, self._stats)]
+            )
+        )
+        try:
+            llm = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped and its engine processes would outlive us: let it finish, then shut the
+            # engine down before letting the cancellation through (up to ~10 s late).
+            await self._discard(build)
+            raise
+        except Exception as exc:  # vLLM raises RuntimeError, ValueError, OSError... all mean "no engine"
+            self._remove_tmpdir()
+            raise EngineDeadError(f"vLLM engine {self.name!r} failed to start: {exc}") from exc
+        if self._closed:  # shutdown() ran while we were starting
+            await self._discard(build)
+            raise EngineDeadError(f"vLLM engine {self.name!r} was shut down while starting")
+        self._llm = llm
+        if hasattr(llm, "_run_output_handler"):
+            llm._run_output_handler()
+        cache = llm.vllm_config.cache_config
+        self.block_size = int(cache.block_size)
+        self._stats.num_total_blocks = int(cache.num_gpu_blocks) - 1  # vLLM keeps one null block
+        self.max_model_len = int(llm.model_config.max_model_len)
+        self.vocab_size = int(llm.model_config.get_vocab_size())
+        self._translator = KvEventTranslator(self.block_size)
+        if self.config.enable_prefix_caching:
+            self._start_subscriber(llm)
+        logger.info(
+            "vLLM engine %s ready in %.1f s: %s, %d blocks of %d tokens, max_model_len %d, vocabulary %d",
+            self.name,
+            time.perf_counter() - t0,
+            self.config.model_path,
+            self._stats.num_total_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.vocab_size,
+        )
+
+    def _kv_events_config(self, v: _Vllm) -> Any:
+        if not self.config.enable_prefix_caching:
+            return None  # vLLM publishes events only for its prefix cache
+        assert self._tmpdir is not None
+        return v.KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            # ipc:// endpoints are bound by vLLM's publisher (it connects to plain tcp://host:port ones): local only.
+            endpoint=f"ipc://{self._tmpdir}/kv-events.sock",
+            replay_endpoint=f"ipc://{self._tmpdir}/kv-events-replay.sock",
+            buffer_steps=self.config.kv_events_replay_steps,
+            topic=KV_EVENTS_TOPIC,
+        )
+
+    def _start_subscriber(self, llm: Any) -> None:
+        from .events import KvEventSubscriber
+
+        # The publisher reports the endpoints it actually bound (the same ipc paths; read back to be sure).
+        source = llm.engine_core.get_kv_event_sources()[0]
+        self._subscriber = KvEventSubscriber(
+            source.endpoint, source.replay_endpoint, self._on_kv_batch, topic=KV_EVENTS_TOPIC
+        )
+        self._subscriber_task = asyncio.create_task(self._subscriber.run(), name=f"vllm-kv-events:{self.name}")
+
+    async def shutdown(self) -> None:
+        """Abort what is still running, stop the KV-event subscriber, shut vLLM's processes down, end
+        ``kv_events()``."""
+        if self._closed:
+            return
+        self._closed = True
+        llm, self._llm = self._llm, None
+        try:
+            if llm is not None and self._requests:
+                try:
+                    await llm.abort(list(self._requests))
+                except Exception as e:  # noqa: BLE001 - the engine may already be dead; release the rest anyway
+                    logger.warning("vLLM engine %s: aborting %d requests: %s", self.name, len(self._requests), e)
+            task, self._subscriber_task = self._subscriber_task, None
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise  # our own caller is cancelling us: let it through (the finally still releases)
+        finally:
+            if self._subscriber is not None:
+                self._subscriber.close()
+                self._subscriber = None
+            if llm is not None:
+                t0 = time.perf_counter()
+                # Stop vLLM's output handler first: shutdown() runs in a thread while this loop keeps going, and the
+                # handler would otherwise see the engine core exit and log it as a failure ("EngineDeadError").
+                handler = getattr(llm, "output_handler", None)
+                if isinstance(handler, asyncio.Task) and not handler.done():
+                    handler.cancel()
+                    await asyncio.wait({handler})  # not `await handler`: its CancelledError is not ours to swallow
+                try:
+                    await asyncio.to_thread(llm.shutdown)
+                finally:
+                    # Drop the last reference while the interpreter is whole: AsyncLLM.__del__ shuts down again, and
+                    # at interpreter exit vLLM's module globals are already None.
+                    del llm
+                    logger.info("vLLM engine %s shut down in %.1f s", self.name, time.perf_counter() - t0)
+            self._remove_tmpdir()
+            self._kv_ready.set()
+
+    async def _discard(self, build: asyncio.Future[Any]) -> None:
+        """Shut down the engine ``build`` makes, once it is made; release the temporary directory."""
+        try:
+            llm = await build
+        except Exception as exc:  # noqa: BLE001 - it failed to start: there is nothing to shut down
+            logger.debug("vLLM engine %s: discarded start failed: %r", self.name, exc)
+        else:
+            await asyncio.to_thread(llm.shutdown)
+            del llm
+        finally:
+            self._remove_tmpdir()
+
+    def _remove_tmpdir(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    # --- requests ---------------------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Stream the request's new tokens; the first chunk carries the prompt and prefix-cache counts, the last a
+        ``finish_reason``. Closing the iterator early aborts the request in vLLM (its blocks are freed)."""
+        llm, v = self._check_alive()
+        rid = request.request_id
+        validate_prompt(request.token_ids, self.vocab_size)
+        if rid in self._requests:
+            raise DuplicateRequestError(rid)
+        try:
+            params = v.SamplingParams(
+                **sampling_kwargs(request.sampling), output_kind=v.RequestOutputKind.DELTA, detokenize=False
+            )
+        except (ValueError, TypeError, v.ClientError) as exc:
+            raise EngineRequestError(f"request {rid!r}: {exc}") from exc
+        progress = RequestProgress(num_prompt_tokens=len(request.token_ids))
+        self._requests[rid] = progress
+        stream = llm.generate(v.tokens_input(list(request.token_ids)), params, rid)
+        try:
+            while True:
+                try:
+                    out = await anext(stream)
+                except StopAsyncIteration:
+                    return  # vLLM ends a stream only after its finished output; nothing more to say
+                except v.ClientError as exc:  # prompt too long, admission control
+                    raise EngineRequestError(f"request {rid!r}: {exc}") from exc
+                except v.EngineDeadError as exc:
+                    raise EngineDeadError(f"vLLM engine {self.name!r} died: {exc}") from exc
+                except v.EngineGenerateError as exc:  # recoverable per vLLM: this request failed
+                    raise EngineRequestError(f"request {rid!r} failed in vLLM: {exc.__cause__!r}") from exc
+                completion = out.outputs[0]
+                chunk = TokenChunk(token_ids=list(completion.token_ids))
+                if not progress.started:
+                    progress.started = True
+                    chunk.num_prompt_tokens = progress.num_prompt_tokens
+                    chunk.num_cached_tokens = int(out.num_cached_tokens or 0)
+                progress.num_output_tokens += len(chunk.token_ids)
+                if out.finished:
+                    chunk.finish_reason = finish_reason(completion.finish_reason)
+                yield chunk
+                if out.finished:
+                    return
+        finally:
+            if self._requests.get(rid) is progress:
+                del self._requests[rid]
+            # A no-op for a finished stream; otherwise vLLM's generator aborts the request on GeneratorExit.
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request wherever it is; its ``generate()`` ends with an ``abort`` chunk. Unknown ids are ignored."""
+        if request_id in self._requests and self._llm is not None:
+            await self._llm.abort(request_id)
+
+    def _check_alive(self) -> tuple[Any, _Vllm]:
+        if self._closed:
+            raise EngineDeadError(f"vLLM engine {self.name!r} was shut down")
+        llm, v = self._llm, self._vllm
+        if llm is None or v is None:
+            raise EngineDeadError(f"vLLM engine {self.name!r} is not started: await start() first")
+        if llm.errored:
+            raise EngineDeadError(f"vLLM engine {self.name!r} is dead: {llm.dead_error!r}")
+        return llm, v
+
+    # --- observation ------------------------------------------------------------------------------------------------
+
+    def snapshot(self) -> LoadSnapshot:
+        return load_snapshot(self._stats, self._requests.values(), self._clock())
+
+    @property
+    def stats(self) -> VllmStats:
+        """vLLM's latest numbers, as the stat logger saw them (tests, diagnostics); do not mutate."""
+        return self._stats
+
+    @property
+    def translator(self) -> KvEventTranslator:
+        """The KV-event translator and its mirror of cached blocks (tests, diagnostics); do not mutate."""
+        return self._translator
+
+    @property
+    def subscriber(self) -> Any:
+        """The KV-event subscriber (its counters: batches, replayed, lost), or None without prefix caching."""
+        return self._subscriber
+
+    def kv_state(self) -> KvStateSnapshot:
+        return self._translator.kv_state()
+
+    async def kv_events(self) -> AsyncGenerator[list[KvEvent], None]:
+        """Batches of KV events in event-id order until shutdown (one consumer: two would split the batches)."""
+        while True:
+            while not self._kv_batches:
+                if self._closed:
+                    return
+                self._kv_ready.clear()
+                await self._kv_ready.wait()
+            yield self._kv_batches.popleft()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Ask vLLM to forget every cached block (``ALL_CLEARED`` follows with vLLM's next engine step); False when
+        running requests hold blocks."""
+        llm, _ = self._check_alive()
+        return bool(await llm.reset_prefix_cache())
+
+    def _on_kv_batch(self, seq: int, payload: bytes) -> None:
+        try:
+            _ts, events = decode_kv_event_batch(payload)
+            converted = self._translator.translate(events)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            # A malformed batch (another vLLM version's layout) must not stop the subscriber; the next ones may do.
+            self.num_bad_kv_event_batches += 1
+            logger.warning("vLLM engine %s: undecodable KV-event batch %d: %r", self.name, seq, e)
+            return
+        if not converted:
+            return
+        if len(self._kv_batches) >= self.config.max_pending_kv_event_batches:
+            self._kv_batches.popleft()
+            self.num_dropped_kv_event_batches += 1
+        self._kv_batches.append(converted)
+        self._kv_ready.set()
