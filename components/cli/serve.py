@@ -167,6 +167,19 @@ class _Interrupted(CliError):
 def check_not_serving(state_dir: Path, graph: Graph) -> None:
     """The namespace must not be served from this state dir already, nor may a watcher name (it names a log file)."""
     mine = set(graph.watcher_names())
+    try:
+        prev: ServeState | None = read_state(state_path(state_dir, graph.namespace))
+    except CliError:
+        prev = None  # never served here, or an unreadable file that the new one replaces
+    if prev is not None and not prev.serve.alive():
+        if left := [p.pid for p in prev.all_processes()[1:] if p.alive()]:
+            # A serve that was SIGKILLed leaves its watchers and its etcd running; starting again would wipe the
+            # data directory under a live etcd and double the workers.
+            raise AlreadyServingError(
+                graph.namespace,
+                prev.serve.pid,
+                f"it is gone but left processes {left} running; 'kvmesh stop {graph.namespace}' ends them",
+            )
     for st in live_states(state_dir):
         if st.namespace == graph.namespace:
             raise AlreadyServingError(st.namespace, st.serve.pid, f"see {state_path(state_dir, st.namespace)}")
@@ -233,7 +246,8 @@ class Deployment:
             self.write()
 
         port = fe.port or free_port("127.0.0.1" if fe.host in ("0.0.0.0", "::") else fe.host)
-        self.state.frontend_url = f"http://{_client_host(fe.host)}:{port}"
+        if fe.enabled:
+            self.state.frontend_url = f"http://{_client_host(fe.host)}:{port}"
         logs = log_dir(self.state_dir)
         self.plans = plan_watchers(
             self.graph,
@@ -420,14 +434,16 @@ def ready_message(state: ServeState, state_dir: Path, elapsed_s: float) -> str:
     lines = [
         f"kvmesh serve: namespace {state.namespace} ready in {elapsed_s:.1f} s: "
         f"{sum(w.num_workers for w in workers)} workers in {len(workers)} watchers",
-        f"  frontend  {state.frontend_url}  (OpenAI API at {state.frontend_url}/v1)",
+        f"  frontend  {state.frontend_url}  (OpenAI API at {state.frontend_url}/v1)"
+        if state.frontend_url
+        else "  frontend  none (frontend.enabled is false)",
         f"  etcd      {','.join(state.etcd_endpoints)}" + (" (embedded)" if state.embedded_etcd else ""),
         f"  nats      {state.nats_url}" + (" (embedded)" if state.embedded_nats else ""),
         f"  circus    {state.circus.endpoint if state.circus else '-'}",
         f"  state     {state_path(state_dir, state.namespace)}",
         f"  logs      {log_dir(state_dir)}/<watcher>.log  (kvmesh logs {example} -f)",
         f"  stop      Ctrl-C, or kvmesh stop {state.namespace}",
-        f"READY {state.frontend_url}",
+        f"READY {state.frontend_url or ''}".rstrip(),
     ]
     return "\n".join(lines)
 

@@ -81,8 +81,8 @@ class Serve:
                 err = self.proc.stderr.read() if self.proc.stderr else ""
                 pytest.fail(f"kvmesh serve exited ({self.proc.wait()}) before READY:\n{''.join(self.output)}{err}")
             self.output.append(line)
-            if line.startswith("READY "):
-                return line.split()[1]
+            if line.startswith("READY"):
+                return line[len("READY") :].strip()  # the frontend's URL; empty without a frontend
         pytest.fail(f"no READY line within {timeout_s} s:\n{''.join(self.output)}")
 
     def state(self, namespace: str = NS) -> ServeState:
@@ -103,8 +103,8 @@ def kill_leftovers(state_dir: Path) -> list[int]:
 
 
 @contextlib.contextmanager
-def serving(state_dir: Path, *args: str) -> Iterator[Serve]:
-    serve = Serve(state_dir, *args)
+def serving(state_dir: Path, *args: str, graph: Path = MOCK_AGG) -> Iterator[Serve]:
+    serve = Serve(state_dir, *args, graph=graph)
     try:
         yield serve
     finally:
@@ -294,6 +294,8 @@ def test_stop_cleans_up_after_a_serve_that_was_killed(tmp_path):
         serve.proc.kill()  # SIGKILL: circus gets no chance to stop its watchers
         serve.proc.wait(10)
         assert [p.pid for p in records[1:] if not p.alive()] == []  # the orphans still run
+        again = run_kvmesh("serve", str(MOCK_AGG), "--state-dir", str(tmp_path), *SMALL)
+        assert again.returncode == 1 and f"'kvmesh stop {NS}' ends them" in again.stderr
         stopped = run_kvmesh("stop", NS, "--state-dir", str(tmp_path), timeout_s=120)
         assert stopped.returncode == 0, stopped.stderr
         assert "stopped the 4 processes it left" in stopped.stdout
@@ -339,3 +341,32 @@ def test_a_frontend_port_in_use_fails_before_anything_starts(tmp_path):
     assert done.returncode == 1
     assert f"frontend.port {port} on 127.0.0.1 cannot be bound" in done.stderr
     assert not (tmp_path / "logs").exists()  # no watcher was started
+
+
+def test_a_workers_only_graph_joins_external_etcd_and_nats_and_leaves_them_running(tmp_path, etcd_server, nats_server):
+    graph = tmp_path / "graphs" / "workers.yaml"
+    graph.parent.mkdir()
+    graph.write_text(
+        f"""
+namespace: extra
+infrastructure:
+  etcd: {{endpoints: ["{etcd_server.endpoint}"]}}
+  nats: {{url: "{nats_server.url}"}}
+frontend: {{enabled: false}}
+workers:
+  - {{name: more, engine: mock, model: tiny-llama, model_path: {ROOT / "models" / "tiny-llama"}, num_workers: 3}}
+"""
+    )
+    with serving(tmp_path, graph=graph) as serve:
+        assert serve.wait_ready() == ""
+        st = serve.state("extra")
+        assert st.embedded_etcd is None and st.embedded_nats is None
+        assert st.etcd_endpoints == [etcd_server.endpoint] and st.nats_url == nats_server.url
+        assert [w.name for w in st.watchers] == ["more-0"]
+        assert "frontend  none" in "".join(serve.output)
+        records = st.all_processes()
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.proc.wait(60) == 0
+        assert wait_gone(records, 10) == []
+    assert etcd_server.proc is not None and etcd_server.proc.poll() is None  # not ours to stop
+    assert nats_server.proc is not None and nats_server.proc.poll() is None
