@@ -51,7 +51,9 @@ _RETRIABLE = (InstanceGoneError, InstanceDrainingError, StreamInterruptedError)
 # A handler error the worker raised because its engine is gone, not because of the request: another worker may serve.
 _RETRIABLE_REMOTE = {"EngineDeadError"}
 # Engine errors about the request itself: retrying elsewhere would fail the same way, and it is the client's to fix.
-_CLIENT_REMOTE = {"EngineRequestError", "PromptTooLongError"}
+# The worker reports only the class name; these are EngineRequestError and the subclasses the mock and vLLM engines
+# raise for a bad prompt (the frontend checks length and vocabulary first, so they are a second line of defence).
+_CLIENT_REMOTE = {"EngineRequestError": None, "PromptTooLongError": "prompt", "TokenIdOutOfRangeError": "prompt"}
 
 
 class Prepared:
@@ -292,7 +294,7 @@ class FrontendService:
                 failure: Exception = e
             except RemoteHandlerError as e:
                 if e.error_type in _CLIENT_REMOTE:
-                    raise InvalidRequestError(e.message, param="prompt") from e
+                    raise InvalidRequestError(e.message, param=_CLIENT_REMOTE[e.error_type]) from e
                 if e.error_type not in _RETRIABLE_REMOTE:
                     raise UpstreamError(f"the worker failed the request: {e.error_type}: {e.message}") from e
                 failure = e

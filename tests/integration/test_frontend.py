@@ -560,6 +560,30 @@ async def test_a_draining_worker_is_skipped_before_the_first_token(stack: Stack)
     assert metric(text, "kvmesh_frontend_retries_total", reason="InstanceDrainingError") >= 1
 
 
+async def test_a_worker_whose_engine_died_is_skipped_before_the_first_token(stack: Stack):
+    dead, alive = stack.workers
+    await mock(dead).shutdown()  # still registered, but every generate() now raises EngineDeadError
+    for _ in range(3):
+        r = await stack.openai().completions.create(
+            model=MODEL, prompt="hi", max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert r.usage is not None and r.usage.completion_tokens == 4
+    text = await metrics_text(stack.url)
+    assert metric(text, "kvmesh_frontend_retries_total", reason="RemoteHandlerError") >= 1
+    assert mock(alive).num_steps > 0
+
+
+async def test_a_request_the_engine_refuses_is_a_400_with_its_reason(make_stack):
+    s: Stack = await make_stack()
+    # An engine with a smaller vocabulary than the tokenizer's 384 ids: id 350 passes the frontend's check and is
+    # refused by the engine (EngineRequestError); another worker would refuse it too, so no retry, and a 400.
+    await s.add_worker(vocab_size=300, eos_token_id=257)
+    status, _, body = await post(s.url + "/v1/completions", {"model": MODEL, "prompt": [1, 350], "max_tokens": 2})
+    assert status == 400
+    assert "[0, 300)" in assert_error(body, "invalid_request_error", None, None)
+    assert metric(await metrics_text(s.url), "kvmesh_frontend_retries_total", reason="RemoteHandlerError") == 0
+
+
 async def test_all_workers_failing_before_the_first_token_is_a_503(stack: Stack):
     for w in stack.workers:
         w._served[-1].server.draining = True
