@@ -356,6 +356,19 @@ async def test_models_appear_with_their_first_worker_and_disappear_with_their_la
     await s.remove_worker(other)
 
 
+async def test_a_model_whose_tokenizer_cannot_load_is_listed_but_answers_500(make_stack, tmp_path):
+    s: Stack = await make_stack()
+    cfg = WorkerConfig(namespace=NS, model="broken", model_path=str(tmp_path / "missing"))
+    w = Worker(s.worker_rt, cfg, MockEngine(engine_config()))
+    await w.start()
+    s.workers.append(w)
+    await s.wait_for_workers("broken", 1)
+    assert [m.id for m in (await s.openai().models.list()).data] == ["broken"]
+    status, _, body = await post(s.url + "/v1/completions", {"model": "broken", "prompt": "x"})
+    assert status == 500
+    assert "missing" in assert_error(body, "server_error", None, "model_unavailable")
+
+
 async def test_no_workers_at_all_is_503_with_retry_after(make_stack):
     s: Stack = await make_stack(retry_after_s=7)
     for path, body in (
