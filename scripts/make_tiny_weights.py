@@ -105,7 +105,10 @@ def write_weights(model_dir: Path, force: bool) -> None:
     # Contiguous, unshared tensors: safetensors refuses views and tied storage.
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     tmp = path.with_suffix(".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", "seed": str(SEED)})
+    # One metadata key only: safetensors writes the metadata from a Rust HashMap, so with two keys their order (and
+    # the file's sha256) changed from run to run although every tensor was identical (measured: 849dbeb2... and
+    # a088a32a... alternating). The seed is in this script, not in the file.
+    save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.chmod(0o644)  # safetensors creates the file 0600; other users of a shared checkout must read it
     tmp.replace(path)  # atomic: a crashed run never leaves a half-written file that a later run would skip
     n_params = sum(t.numel() for t in state.values())
