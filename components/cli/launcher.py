@@ -301,6 +301,12 @@ class CircusLauncher:
         arbiter, self._arbiter = self._arbiter, None
         if arbiter is None:
             return
+        # circus's periodic process check takes the same exclusive lock as stop() and fails with ConflictError (a
+        # logged traceback every check_delay_s) for as long as the watchers drain, tens of seconds for vLLM.
+        # Nothing is restarted once stopping anyway, so stop the check first.
+        caller = getattr(arbiter.ctrl, "caller", None)
+        if caller is not None:
+            caller.stop()
         if not arbiter._stopping:
             await arbiter.stop()
         else:
