@@ -21,6 +21,14 @@ def _bench_transport(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=bench_transport.main)
 
 
+def _bench_frontend(sub: argparse._SubParsersAction) -> None:
+    from components.frontend import bench
+
+    p = sub.add_parser("frontend", help="the frontend's own CPU cost per request on mock_agg.yaml at infinite speed")
+    bench.add_arguments(p)
+    p.set_defaults(run=bench.main)
+
+
 def _bench_fleet(sub: argparse._SubParsersAction) -> None:
     from components.workers import bench_fleet
 
@@ -107,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     _bench_transport(bench_sub)
     _bench_fleet(bench_sub)
+    _bench_frontend(bench_sub)
     _bench_load(bench_sub)
     _bench_vs_vllm(bench_sub)
     return ap

@@ -1,0 +1,48 @@
+"""Every benchmark runs end to end on tiny settings and prints one JSON object as its last line.
+
+These check behaviour (the benchmark completes, loses nothing, reports its fields), never speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench(*argv: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "components.cli.main", "bench", *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_transport():
+    r = bench("transport", "--requests", "100", "--concurrency", "8", "--chunks", "8", "--latency-requests", "20",
+              "--rounds", "1")  # fmt: skip
+    assert r["bench"] == "transport"
+    assert r["bare_nats"]["chunks_per_s"] > 0 and r["runtime"]["chunks_per_s"] > 0
+    assert r["throughput_ratio_bare_over_runtime"] > 0
+
+
+def test_bench_fleet():
+    r = bench("fleet", "--workers", "8", "--requests", "100", "--concurrency", "8", "--idle-s", "0.2")
+    assert r["fleet"]["workers"] == 8 and r["fleet"]["errors"] == 0
+    assert r["baseline_one_worker"]["errors"] == 0
+    assert r["fleet"]["fleet_cpu_ms_per_request"] > 0
+
+
+def test_bench_frontend(tmp_path):
+    r = bench("frontend", "--requests", "40", "--concurrency", "4", "--prompt-tokens", "64", "--max-tokens", "8",
+              "--state-dir", str(tmp_path))  # fmt: skip
+    assert r["requests_completed"] == 40 and r["errors"] == {}
+    assert r["frontend"]["frontend_cpu_ms_per_request"] > 0
+    assert r["baseline_runtime_client"]["client_cpu_ms_per_request"] > 0
