@@ -2,7 +2,8 @@
 
 ``add_model_arguments(parser, Model)`` adds ``--field-name`` for every field (help = the field's description,
 default = the model's); ``model_from_args(Model, args)`` builds the model back, letting pydantic validate.
-Lists take comma-separated values; booleans take ``--flag/--no-flag``.
+Lists take comma-separated values; booleans take ``--flag/--no-flag``. A field may name extra spellings of its flag in
+``json_schema_extra={"cli_aliases": ["--seed-system-name"]}`` (the router keeps Dynamo's flag names this way).
 """
 
 from __future__ import annotations
@@ -37,14 +38,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel],
         base = _base_type(field.annotation)
         default = field.get_default(call_default_factory=True)
         help_text = f"{field.description or ''} (default: {default})".replace("%", "%%")
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        aliases = extra.get("cli_aliases")
+        flags = (
+            [_flag(name), *(a for a in aliases if isinstance(a, str))] if isinstance(aliases, list) else [_flag(name)]
+        )
         if base is bool:
-            group.add_argument(
-                _flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif typing.get_origin(base) is list:
-            group.add_argument(_flag(name), dest=name, default=None, help=help_text + "; comma-separated")
+            group.add_argument(*flags, dest=name, default=None, help=help_text + "; comma-separated")
         else:
-            group.add_argument(_flag(name), dest=name, default=None, help=help_text)
+            group.add_argument(*flags, dest=name, default=None, help=help_text)
 
 
 def model_from_args(model: type[M], args: argparse.Namespace, **extra: Any) -> M:

@@ -61,6 +61,14 @@ def _frontend(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=frontend_main.main)
 
 
+def _router(sub: argparse._SubParsersAction) -> None:
+    from components.router import main as router_main
+
+    p = sub.add_parser("router", help="a standalone router: serves 'route'/'report' for a namespace's workers")
+    router_main.add_arguments(p)
+    p.set_defaults(run=router_main.main)
+
+
 def _status(sub: argparse._SubParsersAction) -> None:
     from components.cli import status
 
@@ -111,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _stop(sub)
     _logs(sub)
     _frontend(sub)
+    _router(sub)
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object as its last line")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     _bench_transport(bench_sub)

@@ -24,3 +24,7 @@ class NoWorkersError(RouterError):
         super().__init__(reason)
         self.model = model
         self.reason = reason
+
+
+class RouterProtocolError(RouterError, ValueError):
+    """A message on the router's endpoints or sync topic that does not parse (a bug or a foreign publisher)."""

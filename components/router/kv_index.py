@@ -92,6 +92,12 @@ class KvIndex:
         st = self._workers.get(worker_id)
         return bool(st and st.stale)
 
+    def mark_stale(self, worker_id: int) -> None:
+        """Buffer the worker's events from now on until ``load_snapshot``: a resync the caller starts on its own (a
+        worker it has just discovered, whose earlier events it never saw), so events that race the snapshot are
+        replayed after it rather than wiped by it."""
+        self._worker(worker_id).stale = True
+
     def remove_worker(self, worker_id: int) -> None:
         """A worker left: its blocks leave with it."""
         st = self._workers.pop(worker_id, None)

@@ -1,7 +1,12 @@
 """What a routing policy sees and returns: plain dataclasses, no I/O.
 
-A policy is a pure function ``select(request, workers, state) -> (RouteDecision, state)`` over these (STYLE.md habit 1);
-``components.router.adapter.Router`` builds them from discovery and from its own bookkeeping of requests in flight.
+A policy is a pure function ``select(request, workers, state, rng) -> (RouteDecision, state)`` over these (STYLE.md
+habit 1); ``components.router.adapter.Router`` builds them from discovery, the workers' load metrics and KV events, and
+its own bookkeeping of requests in flight. Time comes in as ``RouteRequest.now_s`` and randomness as the
+``random.Random`` argument: a policy reads no clock and no global random state.
+
+"Unknown" is a value here, not an exception: a worker that has not reported load metrics yet has ``kv_usage`` etc.
+None, and a policy decides what that means (see ``policies/common.py``).
 
 This module imports only the standard library.
 """
@@ -9,55 +14,114 @@ This module imports only the standard library.
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class RouteRequest:
-    """One request to place. ``now_s`` is the caller's monotonic clock (a policy never reads one itself)."""
+    """One request to place. ``now_s`` is the caller's monotonic clock (a policy never reads one itself).
+
+    ``block_hashes`` (the prompt's chained block hashes, ``components.runtime.kv_hashing``) and ``overlap_blocks`` are
+    filled in by the ``Router`` for KV-aware policies: hashes once per request (``Router.prepare``), overlaps at each
+    ``select`` from the KV index. ``overlap_blocks`` is a mapping on the request rather than a field of each
+    ``WorkerSnapshot`` because it changes with every request: rebuilding 256 frozen snapshots per decision would cost
+    ~300 us, more than the whole decision budget (200 us at 256 workers).
+    """
 
     token_ids: Sequence[int]
     model: str
     now_s: float
     program_id: str | None = None  # a multi-turn conversation or agent program, for affinity policies
+    ends_program: bool = False  # the program's last request: affinity policies forget it once it is placed
     pinned_instance_id: int | None = None  # the caller insists on this worker (a migration, a debugging client)
     excluded_instance_ids: frozenset[int] = frozenset()  # workers already tried for this request (retries)
+    block_size: int = 0  # tokens per KV block of the model's workers; 0: not hashed (non-KV policies)
+    block_hashes: Sequence[int] | None = None  # chained hashes of the full blocks; None: not computed
+    # instance id -> leading blocks of the prompt that worker caches (absent: none)
+    overlap_blocks: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class WorkerSnapshot:
     """One worker as the router knows it at ``RouteRequest.now_s``.
 
-    ``active_requests`` and ``active_prompt_tokens`` are the router's own count of what it sent there and has not seen
-    finish; load reported by the worker itself (KV usage, queue length) is added by the router issue.
+    Counted by the router from its own assignments (and, with replica sync, its replicas'): exact between metric
+    updates, never stale.
+    - ``active_requests``: requests routed here and not finished;
+    - ``active_prompt_tokens``: their prompt tokens;
+    - ``active_prefill_tokens``: prompt tokens still to prefill, of the requests that have no first token yet (the
+      cached prefix at routing time is not counted);
+    - ``active_blocks``: KV blocks those requests hold (their prompts, rounded up to whole blocks): the "active
+      decode blocks" of the kv cost.
+
+    Reported by the worker (``LoadSnapshot`` on the event plane), None until its first report:
+    ``kv_usage`` (0..1), ``num_running``, ``num_waiting``, ``num_waiting_prefill_tokens``.
+    ``metrics_received_s`` is when the last report arrived (router's clock), ``metrics_interval_s`` the worker's
+    observed publishing interval, ``metrics_stale_after_s`` the instant from which the report counts as stale
+    (``stale_after``; ``inf`` while there is no report or no interval yet).
     """
 
     instance_id: int
     metadata: Mapping[str, Any]
     active_requests: int = 0
     active_prompt_tokens: int = 0
+    active_prefill_tokens: int = 0
+    active_blocks: int = 0
+    kv_usage: float | None = None
+    num_running: int | None = None
+    num_waiting: int | None = None
+    num_waiting_prefill_tokens: int | None = None
+    metrics_received_s: float | None = None
+    metrics_interval_s: float | None = None
+    metrics_stale_after_s: float = math.inf
+
+    def has_fresh_metrics(self, now_s: float) -> bool:
+        return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
+
+
+def stale_after(received_s: float | None, interval_s: float | None, intervals: float, min_s: float) -> float:
+    """When a worker's last load report goes stale: ``received + max(min_s, intervals * interval)``.
+
+    No report, or a single one (no interval observed yet), never goes stale: a worker that just started is not
+    presumed dead before it has shown how often it reports.
+    """
+    if received_s is None or interval_s is None:
+        return math.inf
+    return received_s + max(min_s, intervals * interval_s)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class RouteDecision:
-    """Where to send a request, and why. ``instance_id`` None means "nowhere": the reason says what was missing."""
+    """Where to send a request, and why. ``instance_id`` None means "nowhere": the reason says what was missing.
+
+    ``overlap_blocks`` is how many leading prompt blocks the chosen worker caches (0 for non-KV policies): the router
+    counts only the rest as prefill work on that worker.
+    """
 
     instance_id: int | None
     reason: str
+    overlap_blocks: int = 0
 
 
 S = TypeVar("S")
 
 
 class RoutingPolicy(Protocol[S]):
-    """A routing policy: a readable ``name`` and a pure ``select``.
+    """A routing policy: a readable ``name``, whether it needs prefix overlaps, and a pure ``select``.
 
-    ``workers`` come in ascending ``instance_id`` order, so a policy that walks them is deterministic given its state.
+    ``workers`` come in ascending ``instance_id`` order, so a policy that walks them is deterministic given its state
+    and ``rng``. ``uses_kv``: the router hashes the prompt and fills ``RouteRequest.overlap_blocks`` only for
+    policies that read them (hashing an 8k-token prompt costs ~110 us).
     """
 
     name: str
+    uses_kv: bool
 
     def initial_state(self) -> S: ...
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerSnapshot], state: S) -> tuple[RouteDecision, S]: ...
+    def select(
+        self, request: RouteRequest, workers: Sequence[WorkerSnapshot], state: S, rng: random.Random
+    ) -> tuple[RouteDecision, S]: ...

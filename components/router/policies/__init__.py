@@ -1,18 +1,63 @@
 """Routing policies by readable name. Each module is pure: it imports only the standard library and
-``components.router.types`` (checked by tests/unit/test_layering.py).
+``components.router``'s ``types``/``config`` (checked by tests/unit/test_layering.py).
 
-To add a policy: write ``policies/<name>.py`` with a class that satisfies ``types.RoutingPolicy`` and register it in
-``POLICIES`` below under its readable name (and any alias a seed system used for it).
+| name           | module             | places a request on                                                       |
+|----------------|--------------------|---------------------------------------------------------------------------|
+| ``round_robin``  | round_robin.py     | the next worker in instance-id order                                      |
+| ``random``       | random_pick.py     | a uniformly random worker                                                 |
+| ``power_of_two`` | power_of_two.py    | the less loaded of two random workers                                     |
+| ``least_loaded`` | least_loaded.py    | the worker with the fewest requests (or prompt tokens) in flight          |
+| ``autellix``     | autellix.py        | least loaded if short; its program's worker if long (Autellix Alg. 2)     |
+| ``kv``           | kv.py              | the lowest prefill + decode cost given its cached prefix (Dynamo's cost)  |
+| ``kv+autellix``  | kv_autellix.py     | its program's worker if long, else the lowest kv cost                     |
+
+Aliases (``ALIASES``) accept the spellings of the systems these come from: Dynamo's ``--router-mode`` values
+(``round-robin``, ``power-of-two``, ``least-loaded``), Autellix's ``least_used`` (its LEAST_USED), and ``kv_autellix``
+for places that do not allow a ``+`` (graph files name the policy with ``[A-Za-z0-9_-]``).
+
+Every policy reads its parameters from ``RouterConfig`` (its module docstring lists which) and every one shares the
+rules of ``common.py``: pins, retries, stale workers.
+
+To add a policy: write ``policies/<name>.py`` with a class that satisfies ``types.RoutingPolicy`` and takes a
+``RouterConfig``, and register it below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from components.router.policies.autellix import AutellixPolicy
+from components.router.policies.kv import KvPolicy
+from components.router.policies.kv_autellix import KvAutellixPolicy
+from components.router.policies.least_loaded import LeastLoadedPolicy
+from components.router.policies.power_of_two import PowerOfTwoPolicy
+from components.router.policies.random_pick import RandomPolicy
 from components.router.policies.round_robin import RoundRobinPolicy
-from components.router.types import RoutingPolicy
 
-POLICIES: dict[str, Callable[[], RoutingPolicy[Any]]] = {
+if TYPE_CHECKING:
+    from components.router.config import RouterConfig
+    from components.router.types import RoutingPolicy
+
+POLICIES: dict[str, Callable[[RouterConfig], RoutingPolicy[Any]]] = {
     "round_robin": RoundRobinPolicy,
+    "random": RandomPolicy,
+    "power_of_two": PowerOfTwoPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "autellix": AutellixPolicy,
+    "kv": KvPolicy,
+    "kv+autellix": KvAutellixPolicy,
 }
+
+ALIASES: dict[str, str] = {
+    "round-robin": "round_robin",
+    "power-of-two": "power_of_two",
+    "least-loaded": "least_loaded",
+    "least_used": "least_loaded",
+    "kv_autellix": "kv+autellix",
+}
+
+
+def canonical_name(name: str) -> str:
+    """The registered name for ``name`` or one of its aliases; unknown names are returned as they are."""
+    return ALIASES.get(name, name)

@@ -1,16 +1,21 @@
-"""Round robin: each request goes to the next worker in instance-id order, skipping workers already tried.
+"""Round robin: each request goes to the next worker in instance-id order, skipping workers already tried and, while
+a fresh one remains, workers whose load metrics went stale (``common.candidates``).
 
-The state is the index of the next worker to try. When workers come and go the index is taken modulo the current count,
-so a change shifts the rotation by at most one full turn; nothing depends on which workers existed before.
+Parameters: none. The state is the index of the next worker to try. When workers come and go the index is taken
+modulo the current count, so a change shifts the rotation by at most one full turn; nothing depends on which workers
+existed before.
 
-Pure: imports only the standard library and ``components.router.types``.
+Pure: imports only the standard library and ``components.router``'s ``types``/``config``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 
+from components.router.config import RouterConfig
+from components.router.policies import common
 from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
 
 
@@ -21,12 +26,16 @@ class RoundRobinState:
 
 class RoundRobinPolicy:
     name = "round_robin"
+    uses_kv = False
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        del config  # no parameters
 
     def initial_state(self) -> RoundRobinState:
         return RoundRobinState()
 
     def select(
-        self, request: RouteRequest, workers: Sequence[WorkerSnapshot], state: RoundRobinState
+        self, request: RouteRequest, workers: Sequence[WorkerSnapshot], state: RoundRobinState, rng: random.Random
     ) -> tuple[RouteDecision, RoundRobinState]:
         return select(request, workers, state)
 
@@ -34,22 +43,22 @@ class RoundRobinPolicy:
 def select(
     request: RouteRequest, workers: Sequence[WorkerSnapshot], state: RoundRobinState
 ) -> tuple[RouteDecision, RoundRobinState]:
-    if not workers:
-        return RouteDecision(None, f"no workers serve model {request.model!r}"), state
-    if request.pinned_instance_id is not None:
-        if any(w.instance_id == request.pinned_instance_id for w in workers):
-            return RouteDecision(request.pinned_instance_id, "pinned"), state
-        # Pinning is a request, not a promise: the worker may have left. Falling through to the rotation keeps the
-        # request alive; the reason tells the caller it did not land where it asked.
-        pinned_gone = True
-    else:
-        pinned_gone = False
+    pinned, pin_note = common.pin(request, workers)
+    if pinned is not None:
+        return pinned, state
+    cands, note = common.candidates(request, workers)
+    if not cands:
+        return common.nowhere(request, workers), state
+    # Pinning is a request, not a promise: the worker may have left. Falling through to the rotation keeps the
+    # request alive; the reason tells the caller it did not land where it asked.
+    reason = f"round robin{pin_note}{note}"
     n = len(workers)
-    excluded = request.excluded_instance_ids
+    if len(cands) == n:
+        i = state.next_index % n
+        return RouteDecision(workers[i].instance_id, reason), RoundRobinState((i + 1) % n)
+    allowed = {w.instance_id for w in cands}
     for step in range(n):
         i = (state.next_index + step) % n
-        worker = workers[i]
-        if worker.instance_id not in excluded:
-            reason = "round robin, pinned worker gone" if pinned_gone else "round robin"
-            return RouteDecision(worker.instance_id, reason), RoundRobinState((i + 1) % n)
-    return RouteDecision(None, f"all {n} workers of model {request.model!r} were already tried"), state
+        if workers[i].instance_id in allowed:
+            return RouteDecision(workers[i].instance_id, reason), RoundRobinState((i + 1) % n)
+    raise AssertionError("unreachable: candidates are a subset of workers")  # pragma: no cover

@@ -1,0 +1,39 @@
+"""Random: a uniformly random candidate (``common.candidates``: not already tried, not stale while a fresh one
+remains), drawn from the ``random.Random`` the caller passes in.
+
+Parameters: none (the router's ``router_seed`` seeds the generator). Stateless.
+
+Pure: imports only the standard library and ``components.router``'s ``types``/``config``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from components.router.config import RouterConfig
+from components.router.policies import common
+from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
+
+
+class RandomPolicy:
+    name = "random"
+    uses_kv = False
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        del config  # no parameters
+
+    def initial_state(self) -> None:
+        return None
+
+    def select(
+        self, request: RouteRequest, workers: Sequence[WorkerSnapshot], state: None, rng: random.Random
+    ) -> tuple[RouteDecision, None]:
+        pinned, pin_note = common.pin(request, workers)
+        if pinned is not None:
+            return pinned, state
+        cands, note = common.candidates(request, workers)
+        if not cands:
+            return common.nowhere(request, workers), state
+        w = cands[rng.randrange(len(cands))]
+        return RouteDecision(w.instance_id, f"random among {len(cands)}{pin_note}{note}"), state
