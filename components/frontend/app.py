@@ -39,7 +39,7 @@ from components.frontend.errors import (
 from components.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from components.frontend.models import ModelRegistry
 from components.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from components.frontend.service import FrontendService, Generation, Prepared
+from components.frontend.service import FrontendService, Generation, Prepared, routing_hints
 
 logger = logging.getLogger(__name__)
 
@@ -179,10 +179,13 @@ class FrontendApp:
                     req: CompletionRequest | ChatCompletionRequest
                     if chat:
                         req = parse_request(ChatCompletionRequest, body)
+                        hints = routing_hints(request.headers, req.user)
                         prepared = await self.service.prepare_chat(req, arrival_s)
                     else:
                         req = parse_request(CompletionRequest, body)
+                        hints = routing_hints(request.headers, req.user)
                         prepared = await self.service.prepare_completion(req, arrival_s)
+                    prepared.hints = hints
                     model_label = prepared.model.name
                     gen = await self.service.start(prepared)
             except TimeoutError:

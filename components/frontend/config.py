@@ -1,17 +1,19 @@
 """The frontend's configuration: one pydantic model; ``kvmesh frontend`` flags are derived from it
 (components/cli/args.py), and so will be the graph file's ``frontend:`` section.
 
-Flag names follow ``vllm serve`` where it has the knob (``--host``, ``--port``, ``--api-key``).
+Flag names follow ``vllm serve`` where it has the knob (``--host``, ``--port``, ``--api-key``). The frontend routes
+with an embedded router, so every ``RouterConfig`` knob is a frontend flag too (``--router-policy kv
+--router-temperature 0.1``), as on Dynamo's frontend; they are inherited, so their defaults live in one place.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
-from components.router.policies import POLICIES
+from components.router.config import RouterConfig
 
 
-class FrontendConfig(BaseModel):
+class FrontendConfig(RouterConfig):
     """The OpenAI-compatible HTTP frontend: where it listens, what it watches, how it routes and retries."""
 
     model_config = ConfigDict(extra="forbid")
@@ -27,9 +29,6 @@ class FrontendConfig(BaseModel):
         default=None,
         description="If set, every request but GET /health must carry 'Authorization: Bearer <key>' (401 otherwise). "
         "Read from $KVMESH_API_KEY when not given, which keeps it out of the process list.",
-    )
-    router_policy: str = Field(
-        default="round_robin", description="Routing policy, by its registered name (components/router/policies)."
     )
     components: list[str] = Field(
         default_factory=lambda: ["backend"],
@@ -77,10 +76,3 @@ class FrontendConfig(BaseModel):
         ge=0,
         description="On SIGTERM/SIGINT, how long requests in flight may finish before they are cancelled.",
     )
-
-    @field_validator("router_policy")
-    @classmethod
-    def _known_policy(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(sorted(POLICIES))}")
-        return v

@@ -21,7 +21,7 @@ from components.frontend.metrics import FrontendMetrics
 from components.frontend.models import ModelRegistry
 from components.frontend.service import FrontendService
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
-from components.router import Router
+from components.router import Router, RouterFeed
 from components.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,9 @@ class Frontend:
     ) -> None:
         self.config = config
         self.runtime = runtime
-        self.router = Router(config.router_policy)
+        self.router = Router(config)
+        # Load metrics, KV events (KV policies) and replica sync; membership comes from the registry below.
+        self.feed = RouterFeed(runtime, self.router, config.namespace, config.components)
         self.metrics = FrontendMetrics()
         self.registry = ModelRegistry(runtime, config.namespace, config.components, self.router, tokenizer_loader)
         self.service = FrontendService(config, self.registry, self.router, self.metrics)
@@ -46,6 +48,7 @@ class Frontend:
 
     async def start(self) -> str:
         """Follow the workers, then listen; returns the base URL (``http://host:port``, the real port if 0)."""
+        await self.feed.start()  # first: workers the registry announces get their KV state fetched as they appear
         await self.registry.start()
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request upstream.
         runner = web.AppRunner(
@@ -70,4 +73,7 @@ class Frontend:
             if runner is not None:
                 await runner.cleanup()
         finally:
-            await self.registry.close()
+            try:
+                await self.registry.close()
+            finally:
+                await self.feed.stop()

@@ -15,10 +15,12 @@ frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from components.frontend.config import FrontendConfig
@@ -56,11 +58,49 @@ _RETRIABLE_REMOTE = {"EngineDeadError"}
 _CLIENT_REMOTE = {"EngineRequestError": None, "PromptTooLongError": "prompt", "TokenIdOutOfRangeError": "prompt"}
 
 
+# Routing hints a client may send as headers (the OpenAI body has no room for them, and must not get any).
+HEADER_PROGRAM_ID = "x-program-id"  # an agent program / conversation: Autellix's program id
+HEADER_SESSION_ID = "x-session-id"  # the same, under the name session-based clients use
+HEADER_PROGRAM_END = "x-program-end"  # "1"/"true" on a program's last request: affinity policies forget it after
+HEADER_WORKER_PIN = "x-worker-instance-id"  # hex instance id, as `kvmesh status` prints it: send it there (debugging)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class RoutingHints:
+    """What the client told the router about a request besides its prompt."""
+
+    program_id: str | None = None
+    ends_program: bool = False
+    pinned_instance_id: int | None = None
+
+
+def routing_hints(headers: Mapping[str, str], user: str | None) -> RoutingHints:
+    """Hints from request headers (case-insensitive mapping) and the OpenAI ``user`` field.
+
+    The program id is the ``x-program-id`` header, else ``user``, else the ``x-session-id`` header: an explicit
+    program beats an end user, who may run several. Raises ``InvalidRequestError`` for a pin that is not a hex id.
+    """
+    program = headers.get(HEADER_PROGRAM_ID) or user or headers.get(HEADER_SESSION_ID) or None
+    ends = headers.get(HEADER_PROGRAM_END, "").strip().lower() in ("1", "true", "yes")
+    pin_text = headers.get(HEADER_WORKER_PIN)
+    pin = None
+    if pin_text:
+        try:
+            pin = int(pin_text.strip(), 16)
+        except ValueError:
+            raise InvalidRequestError(
+                f"header {HEADER_WORKER_PIN} must be a worker's instance id in hex (as `kvmesh status` shows it), "
+                f"got {pin_text!r}"
+            ) from None
+    return RoutingHints(program, ends, pin)
+
+
 class Prepared:
     """A validated request, ready to route."""
 
     __slots__ = (
         "arrival_s",
+        "hints",
         "max_tokens",
         "model",
         "prompt_ids",
@@ -88,6 +128,7 @@ class Prepared:
         self.stops = stops
         self.arrival_s = arrival_s
         self.max_tokens = sampling.max_tokens
+        self.hints = RoutingHints()
 
 
 class Generation:
@@ -265,10 +306,21 @@ class FrontendService:
         body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
         excluded: set[int] = set()
         last_error = ""
-        for attempt in range(cfg.max_retries + 1):
-            route = RouteRequest(
-                p.prompt_ids, p.model.name, time.monotonic(), excluded_instance_ids=frozenset(excluded)
+        hints = p.hints
+        # Prepared once: KV-aware policies hash the prompt here, not again on every retry.
+        route = self.router.prepare(
+            RouteRequest(
+                p.prompt_ids,
+                p.model.name,
+                time.monotonic(),
+                program_id=hints.program_id,
+                ends_program=hints.ends_program,
+                pinned_instance_id=hints.pinned_instance_id,
             )
+        )
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                route = dataclasses.replace(route, now_s=time.monotonic(), excluded_instance_ids=frozenset(excluded))
             try:
                 decision = self.router.select(route)
             except NoWorkersError as e:
