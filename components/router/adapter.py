@@ -390,25 +390,40 @@ class Router:
         if self.sync_listeners:
             self._emit(msg)
 
+    def _table_of(self, request_id: str, first: dict[str, Assignment] | None = None) -> dict[str, Assignment] | None:
+        """The table (this router's, or a replica's) that holds ``request_id``, looking in ``first`` first."""
+        if first is not None and request_id in first:
+            return first
+        if request_id in self._inflight:
+            return self._inflight
+        for table in self._remote.values():
+            if request_id in table:
+                return table
+        return None
+
     def on_first_token(self, request_id: str) -> None:
-        a = self._inflight.get(request_id)
-        if a is None or a.first_token_seen:
+        """The request's first token arrived. It may be another replica's request (a standalone router's caller
+        reports to any replica): the report is applied and shared all the same."""
+        table = self._table_of(request_id)
+        if table is None or table[request_id].first_token_seen:
             return
-        self._first_token(a)
+        self._first_token(table[request_id])
         if self.sync_listeners:
             self._emit({"op": "first_token", "rid": request_id})
 
     def on_finished(self, request_id: str) -> None:
-        """The request ended on its worker (finished, failed, or cancelled); unknown ids are ignored."""
-        a = self._inflight.pop(request_id, None)
-        if a is None:
+        """The request ended on its worker (finished, failed, or cancelled); unknown ids are ignored. Like
+        ``on_first_token``, it settles another replica's request too, and that replica hears of it."""
+        table = self._table_of(request_id)
+        if table is None:
             return
-        self._sub(a)
+        self._sub(table.pop(request_id))
         if self.sync_listeners:
             self._emit({"op": "finished", "rid": request_id})
 
     def is_inflight(self, request_id: str) -> bool:
-        return request_id in self._inflight
+        """Whether this router counts ``request_id`` as in flight (routed here or by a replica)."""
+        return self._table_of(request_id) is not None
 
     def active_requests(self, instance_id: int) -> int:
         load = self._loads.get(instance_id)
@@ -473,14 +488,16 @@ class Router:
                 hashes = msg.get("hashes")
                 if hashes and self.approximate:
                     self.index.record_routed(a.instance_id, [int(h) for h in hashes], now_s)
-            elif op == "first_token":
-                a_ = table.get(str(msg["rid"]))
-                if a_ is not None:
-                    self._first_token(a_)
-            elif op == "finished":
-                a_ = table.pop(str(msg["rid"]), None)
-                if a_ is not None:
-                    self._sub(a_)
+            elif op in ("first_token", "finished"):
+                # Usually the sender's own request; but a replica reports whatever its caller told it, so the request
+                # may be this router's or a third one's. Request ids are unique across routers.
+                rid = str(msg["rid"])
+                holder = self._table_of(rid, first=table)
+                if holder is not None:
+                    if op == "finished":
+                        self._sub(holder.pop(rid))
+                    else:
+                        self._first_token(holder[rid])
             elif op == "state":
                 fresh = [Assignment.from_list(v) for v in msg["inflight"]]
                 for old in table.values():

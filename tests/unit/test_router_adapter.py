@@ -210,6 +210,21 @@ def test_replicas_count_each_others_assignments():
     assert b.active_requests(da.instance_id) == 0
 
 
+def test_a_request_routed_by_one_replica_may_be_reported_to_another():
+    # A standalone router's caller reports to whichever replica its call reaches.
+    a, b = linked(2)
+    req = RouteRequest(PROMPT, "m", 0.0)
+    d = a.select(req)
+    a.on_routed("x", d, req)
+    assert b.is_inflight("x")
+    b.on_first_token("x")
+    assert a.workers("m")[[10, 20].index(d.instance_id)].active_prefill_tokens == 0
+    b.on_finished("x")
+    assert not a.is_inflight("x") and not b.is_inflight("x")
+    b.apply_sync(a.replica_id, a.sync_state(), 0.0)  # a's next state no longer holds x: nothing comes back
+    assert a.active_requests(d.instance_id) == 0 == b.active_requests(d.instance_id)
+
+
 def test_a_state_message_replaces_a_replicas_view_and_bye_forgets_it():
     a, b = linked(2)
     req = RouteRequest(PROMPT, "m", 0.0)
