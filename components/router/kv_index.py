@@ -38,6 +38,11 @@ class _WorkerState:
     buffered: list[KvEvent] = dataclasses.field(default_factory=list)
 
 
+# Bit positions set in each byte value: expanding a mask of 256 workers that drop out together (the end of a system
+# prompt every worker caches) byte by byte costs ~15 us, against ~75 us peeling one bit at a time off a 256-bit int.
+_BYTE_BITS = tuple(tuple(p for p in range(8) if b >> p & 1) for b in range(256))
+
+
 @dataclasses.dataclass(slots=True)
 class KvIndexStats:
     num_events: int = 0
@@ -56,6 +61,7 @@ class KvIndex:
         self._masks: dict[int, int] = {}
         self._workers: dict[int, _WorkerState] = {}
         self._bit_owner: dict[int, int] = {}
+        self._pos_owner: list[int] = []  # bit position -> worker id (stale entries for free positions are never read)
         self._free_bits: list[int] = []
         self._next_bit = 0
         self.approx_ttl_s = approx_ttl_s
@@ -76,6 +82,11 @@ class KvIndex:
             st = _WorkerState(bit=bit)
             self._workers[worker_id] = st
             self._bit_owner[bit] = worker_id
+            pos = bit.bit_length() - 1
+            if pos == len(self._pos_owner):
+                self._pos_owner.append(worker_id)
+            else:
+                self._pos_owner[pos] = worker_id
         return st
 
     @property
@@ -210,23 +221,28 @@ class KvIndex:
         active = masks.get(hashes[0], 0)
         if not active:
             return result
-        owner = self._bit_owner
+        expand = self._expand
         i = 1
         n = len(hashes)
         while i < n:
             nxt = active & masks.get(hashes[i], 0)
             if nxt != active:
-                dropped = active & ~nxt
-                while dropped:
-                    low = dropped & -dropped
-                    result[owner[low]] = i
-                    dropped ^= low
+                expand(active & ~nxt, i, result)
                 active = nxt
                 if not active:
                     return result
             i += 1
-        while active:
-            low = active & -active
-            result[owner[low]] = n
-            active ^= low
+        expand(active, n, result)
         return result
+
+    def _expand(self, mask: int, depth: int, result: dict[int, int]) -> None:
+        """``result[worker] = depth`` for every worker whose bit is set in ``mask``."""
+        pos_owner = self._pos_owner
+        if not mask & (mask - 1):  # one bit: the usual case deep in a prompt
+            result[pos_owner[mask.bit_length() - 1]] = depth
+            return
+        for i, byte in enumerate(mask.to_bytes((mask.bit_length() + 7) >> 3, "little")):
+            if byte:
+                base = i << 3
+                for p in _BYTE_BITS[byte]:
+                    result[pos_owner[base + p]] = depth

@@ -105,3 +105,54 @@ def test_approximate_mode_predicts_and_expires():
     assert idx.overlaps(H) == {7: 2}
     assert idx.expire(now_s=15.0) == 2
     assert idx.overlaps(H) == {}
+
+
+def test_overlaps_of_hundreds_of_workers_match_a_brute_force_count():
+    # 300 workers (bits span 38 bytes), each caching a random-length prefix of one long prompt; some leave and their
+    # bits are reused. Expected: for each worker, the leading blocks of the prompt it holds, counted one by one.
+    import random
+
+    rng = random.Random(5)
+    prompt = list(range(1, 16 * 64 + 1))
+    hashes = block_hashes(prompt, BS)  # 64 blocks
+    idx = KvIndex()
+    held: dict[int, int] = {}
+    for w in range(300):
+        k = rng.choice([0, 8, 8, 8, 31, 64, rng.randrange(65)])  # many share a depth: they drop out together
+        idx.apply(w, [stored(0, hashes[:k])] if k else [])
+        held[w] = k
+    for w in range(0, 300, 7):
+        idx.remove_worker(w)
+        del held[w]
+    for w in range(1000, 1030):  # take the freed bits
+        k = rng.randrange(65)
+        idx.apply(w, [stored(0, hashes[:k])])
+        held[w] = k
+    expected = {w: k for w, k in held.items() if k}
+    assert idx.overlaps(hashes) == expected
+
+
+def test_long_runs_of_a_few_workers_past_a_shared_prefix_are_exact():
+    # 40 workers hold a 32-block system prompt, 5 of them a conversation of up to 512 blocks, two with a hole (a block
+    # evicted mid-run: the run ends there, whatever follows).
+    import random
+
+    rng = random.Random(9)
+    hashes = block_hashes(list(range(1, 16 * 512 + 1)), BS)
+    idx = KvIndex()
+    held: dict[int, set[int]] = {}
+    for w in range(40):
+        k = 32 if w >= 5 else rng.randrange(33, 513)
+        held[w] = set(hashes[:k])
+        idx.apply(w, [stored(0, hashes[:k])])
+    for w, hole in ((1, 100), (3, 40)):
+        if hashes[hole] in held[w]:
+            held[w].discard(hashes[hole])
+            idx.apply(w, [removed(1, [hashes[hole]])])
+
+    def run(s: set[int]) -> int:
+        return next((i for i, h in enumerate(hashes) if h not in s), len(hashes))
+
+    assert idx.overlaps(hashes) == {w: run(s) for w, s in held.items()}
+    for cut in (33, 64, 200, 511):  # shorter prompts end the walk elsewhere
+        assert idx.overlaps(hashes[:cut]) == {w: min(run(s), cut) for w, s in held.items()}
