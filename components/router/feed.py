@@ -126,9 +126,8 @@ class RouterFeed:
         self._resyncing.clear()
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # gather, not "await t" under suppress(CancelledError): a stop() that is itself cancelled must stay cancelled.
+        await asyncio.gather(*tasks, return_exceptions=True)
         for sub in self._subs:
             try:
                 await sub.close()
