@@ -409,10 +409,17 @@ class Client:
         return await self.generate(request, instance_id)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stop following instances. Bounded: a cancel that lands while aetcd sets up its watch can be swallowed
+        (Python 3.11's ``asyncio.wait_for`` loses a cancel that races its inner future), so cancel again until the
+        task ends, and give up waiting after ~2 s rather than hang the caller's shutdown."""
+        task, self._task = self._task, None
+        if task is not None:
+            for _ in range(20):
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=0.1)
+                if done:
+                    break
+            else:
+                logger.warning("watch task of %s did not stop after 20 cancels; leaving it", self.endpoint.path)
         with contextlib.suppress(ValueError):
             self.runtime._clients.remove(self)

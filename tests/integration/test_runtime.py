@@ -420,3 +420,16 @@ async def test_thousand_concurrent_streams_in_order(make_runtime):
     results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(1000))), 120)
     assert len(results) == 1000
     assert all(r == list(range(n_chunks)) for r in results)
+
+
+async def test_closing_a_client_right_after_creating_it_never_hangs(make_runtime):
+    """Regression: a cancel delivered while aetcd sets up the watch could be lost (3.11's wait_for), and close()
+    waited on the watch task forever. Each close must return promptly, however early it comes."""
+    rt = await make_runtime()
+    ep = rt.namespace("t").component("backend").endpoint("generate")
+    for i in range(40):
+        client = await ep.client()
+        if i % 2:
+            await asyncio.sleep(0)  # vary where in the watch set-up the cancel lands
+        await asyncio.wait_for(client.close(), 5)
+    assert rt._clients == []
