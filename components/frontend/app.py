@@ -5,9 +5,11 @@ Routes: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/c
 GET /metrics. Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 
 Streaming: response headers go out only after the first output has arrived, so an error before it (no workers,
-a timeout, a refused request) still gets its real status; after that, a failure ends the stream with an ``error``
-event (which the ``openai`` client raises as ``APIError``). SSE chunks are assembled from byte strings prepared once
-per request around the one ``json.dumps`` of the new text, rather than serialising a fresh dict per chunk.
+a timeout, a refused request) still gets its real status. Like vLLM's server, every worker output that carried tokens
+becomes a chunk, with empty text while a multi-byte character is incomplete, so the first chunk leaves with the first
+token. After the first output, a failure ends the stream with an ``error`` event (which the ``openai`` client raises
+as ``APIError``). SSE chunks are assembled from byte strings prepared once per request around the one ``json.dumps``
+of the new text, rather than serialising a fresh dict per chunk.
 
 Client disconnects: the server runs with aiohttp's ``handler_cancellation``, so a client that goes away cancels its
 handler task; the generation's ``aclose`` then cancels the request on the worker.
@@ -277,8 +279,14 @@ class FrontendApp:
         status = 200
         try:
             async with asyncio.timeout_at(deadline):
+                # A chunk per worker output that carried tokens, even when its text is empty (bytes of an unfinished
+                # UTF-8 character, text held back by a stop string), as vLLM's server streams: with a byte-level
+                # tokenizer a token is often part of a character, and skipping it made the first chunk wait for the
+                # tokens that complete it (issue 4; measured in docs/vllm-cpu.md, "Benchmark: kvmesh bench vs-vllm").
+                num_sent = 0
                 async for text, finish in gen:
-                    if text or finish is not None:
+                    if text or finish is not None or gen.num_output_tokens != num_sent:
+                        num_sent = gen.num_output_tokens
                         await write(enc.chunk(text, finish, gen))
             if req.include_usage:
                 await write(enc.usage(gen))

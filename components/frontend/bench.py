@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,14 +44,22 @@ async def _runtime_baseline(cfg: RuntimeConfig, namespace: str, args: argparse.N
         rng = random.Random(args.seed)
         counter = iter(range(args.requests))
         out_tokens = 0
+        ttfts_ms: list[float] = []
 
         async def loop() -> None:
             nonlocal out_tokens
             for i in counter:
                 prompt = [rng.randrange(0, 256) for _ in range(args.prompt_tokens)]
                 req = GenerateRequest(f"base{i}", prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+                sent = time.perf_counter()
                 async for item in await client.generate(req.to_dict()):
-                    out_tokens += len(TokenChunk.from_dict(item).token_ids)
+                    n = len(TokenChunk.from_dict(item).token_ids)
+                    if n and not out_tokens_of_request[i]:
+                        ttfts_ms.append(1000 * (time.perf_counter() - sent))
+                    out_tokens_of_request[i] += n
+                    out_tokens += n
+
+        out_tokens_of_request = [0] * args.requests
 
         c0, t0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(args.concurrency)))
@@ -59,6 +68,8 @@ async def _runtime_baseline(cfg: RuntimeConfig, namespace: str, args: argparse.N
             "requests_per_s": round(args.requests / wall, 1),
             "output_tokens_per_s": round(out_tokens / wall, 1),
             "client_cpu_ms_per_request": round(1000 * (time.process_time() - c0) / args.requests, 3),
+            # The same moment the loadgen times through the frontend: the first output that carries tokens.
+            "ttft_ms_p50": round(statistics.median(ttfts_ms), 3) if ttfts_ms else None,
         }
     finally:
         await rt.shutdown(drain_timeout_s=1)

@@ -219,6 +219,29 @@ async def test_completions_match_the_workers_tokens_with_and_without_streaming(s
     assert all(c.usage is None for c in chunks)  # no include_usage: no usage anywhere
 
 
+async def test_the_first_chunk_goes_out_with_the_first_token_even_when_it_is_half_a_character(stack: Stack):
+    # Regression (issue 4, +6 ms TTFT p50 over vLLM): tiny-llama's tokenizer is byte-level, so a token is often one
+    # byte of a multi-byte UTF-8 character and decodes to nothing yet. The frontend used to send no chunk for it, so
+    # the first chunk waited for the tokens that complete the character. Like vLLM's server it now sends one chunk
+    # per worker output that carried tokens, with empty text where the character is not complete.
+    ids = list(stack.tokenizer.encode("The quick brown fox"))
+    # A sampling seed whose first output token is half a character (about 1 in 3 of the 384 ids is a byte >= 0x80).
+    for seed in range(200):
+        out = await stack.expected_tokens(ids, 8, ignore_eos=True, seed=seed)
+        if stack.decode(out[:1]) == "\ufffd":
+            break
+    else:
+        raise AssertionError("no seed in 0..199 starts with half a character")
+    stream = await stack.openai().completions.create(
+        model=MODEL, prompt=ids, max_tokens=8, seed=seed, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None
+    assert "".join(c.choices[0].text for c in chunks) == stack.decode(out)
+    # Every output token is accounted for by a chunk (the mock worker streams one token per output here).
+    assert len(chunks) == len(out)
+
+
 async def test_chat_applies_the_template_and_streams_usage_last(stack: Stack):
     messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo, 日本"}]
     ids = stack.chat_ids(messages)
