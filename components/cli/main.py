@@ -53,6 +53,22 @@ def _bench_vs_vllm(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=bench_vs_vllm.main)
 
 
+def _bench_router(sub: argparse._SubParsersAction) -> None:
+    from components.cli import bench_router
+
+    p = sub.add_parser("router", help="cost of one routing decision (kv vs baselines, 8-1024 workers), KV event ingest")
+    bench_router.add_arguments(p)
+    p.set_defaults(run=bench_router.main)
+
+
+def _bench_routing(sub: argparse._SubParsersAction) -> None:
+    from components.cli import bench_routing
+
+    p = sub.add_parser("routing", help="routing quality: a Mooncake trace slice per policy on simulated workers (TTFT)")
+    bench_routing.add_arguments(p)
+    p.set_defaults(run=bench_routing.main)
+
+
 def _frontend(sub: argparse._SubParsersAction) -> None:
     from components.frontend import main as frontend_main
 
@@ -127,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_frontend(bench_sub)
     _bench_load(bench_sub)
     _bench_vs_vllm(bench_sub)
+    _bench_router(bench_sub)
+    _bench_routing(bench_sub)
     return ap
 
 

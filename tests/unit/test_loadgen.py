@@ -209,6 +209,19 @@ def test_build_request_applies_caps_and_picks_the_endpoint():
     assert build_request(TraceRow(index=0, input_length=50), cfg(seed=1), blocks).prompt != a0.prompt
 
 
+def test_program_id_block_names_the_conversation_in_the_user_field():
+    # The conversation trace: block 0 is everyone's system prompt, block 1 the conversation's first own block.
+    blocks = MooncakeBlocks(256, 0)
+    turn1 = TraceRow(index=0, timestamp_s=0.0, input_length=1000, output_length=1, hash_ids=(0, 7))
+    turn2 = TraceRow(index=1, timestamp_s=5.0, input_length=1500, output_length=1, hash_ids=(0, 7, 9))
+    lone = TraceRow(index=2, timestamp_s=6.0, input_length=100, output_length=1, hash_ids=(0,))
+    c = cfg(program_id_block=1)
+    assert [build_request(r, c, blocks).user for r in (turn1, turn2, lone)] == ["conv-7", "conv-7", None]
+    assert request_body(build_request(turn2, c, blocks), "m", True)[1]["user"] == "conv-7"
+    assert build_request(turn2, cfg(), blocks).user is None  # off by default: no "user" field at all
+    assert "user" not in request_body(build_request(turn2, cfg(), blocks), "m", True)[1]
+
+
 # --- Schedule ---------------------------------------------------------------------------------------------------------
 
 
@@ -280,6 +293,20 @@ def test_an_empty_completion_text_is_a_token_but_a_chat_role_preamble_is_not():
     r = RequestResult(index=0)
     c.finish(r, 0.05, prompt_tokens=None)
     assert (r.ttft_s, r.output_tokens, r.itl_s) == (pytest.approx(0.04), 1, [])
+
+
+def test_stream_reads_cached_prompt_tokens_from_usage_details():
+    s = _Stream(0.0)
+    s.event(chunk("a"), 0.1)
+    usage = {"prompt_tokens": 2048, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 1536}}
+    s.event(json.dumps({"choices": [], "usage": usage}), 0.1)
+    r = RequestResult(index=0)
+    s.finish(r, 0.1, prompt_tokens=None)
+    assert (r.prompt_tokens, r.cached_tokens) == (2048, 1536)
+    agg = Aggregate()
+    agg.add(r)
+    agg.add(RequestResult(index=1, prompt_tokens=100))  # no details: nothing cached
+    assert (agg.prompt_tokens, agg.cached_tokens) == (2148, 1536)
 
 
 def test_stream_uses_running_usage_when_chunks_carry_it():

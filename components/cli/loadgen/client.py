@@ -11,6 +11,8 @@ and ``stream_options.include_usage``. Server-sent events are read as they arrive
   ``usage.completion_tokens`` spread evenly over its output chunks (a server that streams one token per chunk, as
   vLLM does, makes that exact).
 * Output tokens come from the final ``usage``; without it, output chunks are counted (``usage_missing`` in the result).
+  Prompt tokens served from the server's prefix cache come from ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's
+  field; kvmesh's frontend sets it, vLLM with ``--enable-prompt-tokens-details``); absent counts as 0.
 
 Every failure is returned as a ``RequestResult`` with an error kind, never raised: ``http_<status>``, ``timeout``,
 ``connection``, ``stream_error`` (an ``{"error": ...}`` event inside a 200 stream) and ``protocol``.
@@ -35,6 +37,8 @@ def request_body(spec: RequestSpec, model: str, ignore_eos: bool) -> tuple[str, 
     body["stream_options"] = {"include_usage": True}
     if ignore_eos:
         body["ignore_eos"] = True
+    if spec.user is not None:
+        body["user"] = spec.user
     if isinstance(spec.prompt, str):
         body["messages"] = [{"role": "user", "content": spec.prompt}]
         return "/v1/chat/completions", body
@@ -135,6 +139,9 @@ class _Stream:
         result.prompt_tokens = (
             usage["prompt_tokens"] if isinstance(usage.get("prompt_tokens"), int) else (prompt_tokens or 0)
         )
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            result.cached_tokens = details["cached_tokens"]
         if n_chunks and result.output_tokens:
             even = result.output_tokens / n_chunks
             for gap, tokens in zip(self.gaps, self.chunk_tokens[1:], strict=True):

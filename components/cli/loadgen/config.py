@@ -63,6 +63,13 @@ class LoadConfig(BaseModel):
         "are BOS/EOS/PAD, up to 384 reserved) and a valid id range in every larger vocabulary.",
     )
     seed: int = Field(default=0, description="Seeds every synthetic prompt and Mooncake block: same seed, same bytes.")
+    program_id_block: int | None = Field(
+        default=None,
+        ge=0,
+        description="Mooncake rows: send the OpenAI 'user' field as 'conv-<hash_ids[k]>', naming the row's "
+        "conversation so program-affinity routers (Autellix) can follow it; rows with fewer blocks send none. 1 for "
+        "the conversation trace, whose block 0 (a system prompt) every row shares. Unset: no 'user' field.",
+    )
 
     # --- When to send ----------------------------------------------------------------------------------------------
     concurrency: int | None = Field(

@@ -219,6 +219,7 @@ async def run_load(config: LoadConfig | Mapping[str, Any], *, progress_stream: I
         "requests_per_s": rate(done),
         "output_tokens": agg.output_tokens,
         "input_tokens": agg.prompt_tokens,
+        "cached_input_tokens": agg.cached_tokens,  # as the server reported them (0 where it does not)
         "output_tokens_per_s": rate(agg.output_tokens),
         "input_tokens_per_s": rate(agg.prompt_tokens),
         "ttft_ms": summarize_ms(agg.ttft_s),

@@ -39,6 +39,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)  # one per token-bearing chunk after the first, per token
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, served from the server's prefix cache (usage.prompt_tokens_details)
     usage_reported: bool = False
 
 
@@ -76,6 +77,7 @@ class Aggregate:
     failed: int = 0
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     usage_missing: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     error_examples: dict[str, str] = field(default_factory=dict)
@@ -93,6 +95,7 @@ class Aggregate:
         self.completed += 1
         self.output_tokens += r.output_tokens
         self.prompt_tokens += r.prompt_tokens
+        self.cached_tokens += r.cached_tokens
         self.usage_missing += not r.usage_reported
         if r.ttft_s is not None:
             self.ttft_s.append(r.ttft_s)

@@ -58,6 +58,7 @@ class RequestSpec:
     index: int
     prompt: str | list[int]
     max_tokens: int
+    user: str | None = None  # the OpenAI 'user' field: a conversation id for program-affinity routing
 
     @property
     def chat(self) -> bool:
@@ -247,7 +248,11 @@ def build_request(row: TraceRow, cfg: LoadConfig, blocks: MooncakeBlocks) -> Req
             prompt = blocks.prompt(row.hash_ids, n)
         else:
             prompt = token_ids(f"{cfg.seed}:prompt:{row.index}", n, cfg.vocab_size)
-    return RequestSpec(index=row.index, prompt=prompt, max_tokens=max_tokens)
+    user = None
+    k = cfg.program_id_block
+    if k is not None and k < len(row.hash_ids):
+        user = f"conv-{row.hash_ids[k]}"
+    return RequestSpec(index=row.index, prompt=prompt, max_tokens=max_tokens, user=user)
 
 
 # --- Schedule ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,73 @@
+"""The router's benchmarks run end to end on tiny settings and print one JSON object with their fields as the last line.
+
+These check behaviour (the benchmark completes, loses no request, reports every field), never speed: the targets'
+``met`` may be anything on a test machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def bench(*argv: str, timeout_s: float = 300) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "components.cli.main", "bench", *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_router_reports_decision_cost_per_fleet_size_and_ingest_rates():
+    r = bench("router", "--workers", "8,32", "--indexed-blocks", "20000", "--families", "16", "--decisions", "100",
+              "--warmup", "10", "--ingest-blocks", "5000")  # fmt: skip
+    assert r["bench"] == "router" and [e["workers"] for e in r["results"]] == [8, 32]
+    for e in r["results"]:
+        assert e["indexed_blocks"] >= 20000 and e["distinct_hashes"] > 0
+        assert set(e["policies"]) == {"kv", "round_robin", "least_loaded"}
+        for stats in e["policies"].values():
+            assert 0 < stats["decision_us"]["p50"] <= stats["decision_us"]["p99"] <= stats["decision_us"]["max"]
+        kv = e["policies"]["kv"]
+        assert kv["hash_us"]["p50"] > 0 and kv["select_us"]["p50"] > 0
+        assert 0 < kv["routed_cached_fraction"] <= 1  # requests continuing a cached conversation found it
+        assert e["kv_overlaps_only_us"]["p50"] > 0
+    ingest = r["ingest"]
+    assert ingest["workers"] == 32  # no 256-worker fleet in this run: the last one is used
+    for profile in ("mixed", "single_block"):
+        for path in ("index", "with_decode"):
+            m = ingest["profiles"][profile][path]
+            assert m["block_events"] >= 5000 and m["events_per_s"] > 0 and m["block_events_per_s"] > 0
+    t = r["targets"]
+    assert t["kv_decision_p99_us_at_256_workers_1m_blocks"]["met"] is None  # not measured at that size
+    assert isinstance(t["ingest_block_events_per_s"]["met"], bool)
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="needs ../shared/traces/mooncake_conversation_trace.jsonl")
+def test_bench_routing_replays_a_trace_slice_per_policy(tmp_path):
+    # 60 requests of the first ~25 trace seconds, 20x compressed, on 4 workers at full simulated speed.
+    r = bench("routing", "--trace", str(TRACE), "--policies", "round_robin,kv,kv+autellix", "--workers", "4",
+              "--max-requests", "60", "--time-scale", "0.05", "--speedup-ratio", "10", "--max-output-tokens", "8",
+              "--state-dir", str(tmp_path))  # fmt: skip
+    assert r["bench"] == "routing" and r["fleet"]["workers"] == 4
+    assert list(r["policies"]) == ["round_robin", "kv", "kv+autellix"]
+    for row in r["policies"].values():
+        assert row["requests_completed"] == 60 and row["errors"] == {}
+        assert row["ttft_ms"]["p50"] > 0 and row["ttft_ms"]["p99"] >= row["ttft_ms"]["p50"]
+        assert 0 < row["prefix_cache_hit_rate"] < 1  # every prompt starts with the trace's shared 512-token block
+        assert row["output_tokens_per_s"] > 0
+        w = row["workers"]
+        assert len(w["mean_in_flight"]) == len(w["computed_tokens"]) == 4
+        assert w["computed_tokens_max_over_mean"] >= 1  # every worker's prefills show in its KV events
+        # Requests in flight are sampled every 100 ms; at this speed a worker may finish each between two samples.
+        assert w["in_flight_max_over_mean"] is None or w["in_flight_max_over_mean"] >= 1
+    t = r["targets"]
+    assert {"kv_ttft_p99_speedup_over_round_robin", "kv_throughput_over_round_robin", "max_over_mean_load"} <= set(t)
