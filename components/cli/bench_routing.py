@@ -55,6 +55,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -207,8 +208,12 @@ def serve_overrides(policy: str, args: argparse.Namespace) -> list[str]:
     return [x for s in sets for x in ("--set", s)]
 
 
+def _dir_name(policy: str) -> str:
+    return policy.replace("+", "_")
+
+
 async def run_policy(policy: str, args: argparse.Namespace, state_root: Path) -> dict[str, Any]:
-    state_dir = resolve_state_dir(state_root / policy.replace("+", "_"))
+    state_dir = resolve_state_dir(state_root / _dir_name(policy))
     state_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     started = await asyncio.to_thread(
@@ -364,11 +369,19 @@ def _fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    temporary = not args.state_dir
     state_root = Path(args.state_dir or tempfile.mkdtemp(prefix="kvmesh-bench-routing-"))
     rows: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
     for policy in args.policies:
-        rows[policy] = await run_policy(policy, args, state_root)
+        try:
+            rows[policy] = await run_policy(policy, args, state_root)
+        except BaseException:
+            print(f"bench routing: {policy} failed; its state and logs are in {state_root}", file=sys.stderr)
+            raise
+        if temporary:
+            # A deployment's state directory holds etcd's preallocated WAL (64 MB) and the logs: ~60 MB per policy.
+            await asyncio.to_thread(shutil.rmtree, state_root / _dir_name(policy), ignore_errors=True)
         r = rows[policy]
         print(
             f"bench routing: {policy}: TTFT p50/p99 {r['ttft_ms']['p50']}/{r['ttft_ms']['p99']} ms, hit rate "
@@ -378,6 +391,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     print(table(rows), file=sys.stderr, flush=True)
+    if temporary:
+        await asyncio.to_thread(shutil.rmtree, state_root, ignore_errors=True)
     return {
         "bench": "routing",
         "trace": str(args.trace),
