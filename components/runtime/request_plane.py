@@ -4,12 +4,16 @@ Wire protocol (msgpack lists, smallest first):
 
     client -> instance subject    [REQ, request_id, body]      reply = the client's inbox token
                                   [CANCEL, request_id]         no reply
-                                  [PROBE, request_id]          request/reply -> [alive: bool]
+                                  [PROBE, request_id]          reply = the stream's inbox token
     instance -> client inbox      [seq, ACK, None]             seq 0, sent before the handler runs
                                   [seq, DATA, item]            seq 1, 2, ...
                                   [seq, END, None]             the stream is complete
                                   [seq, ERROR, {type, message}]
                                   [0, DRAINING, None]          the instance takes no new requests
+                                  [-1, PROBE_ACK, alive]       answer to PROBE, outside the sequence
+
+The probe's answer travels on the stream's own inbox, behind every frame the instance sent before it, so "not alive"
+can never overtake the END frame of a request that just finished.
 
 Failure detection, fastest first:
 - No subscriber on the instance subject: the bus answers ``no_responders`` on the inbox at once -> InstanceGoneError.
@@ -34,7 +38,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from components.runtime.bus import Bus, BusMessage, NoRespondersError, Subscription, is_no_responders
+from components.runtime.bus import Bus, BusMessage, Subscription, is_no_responders
 from components.runtime.codec import pack, unpack
 from components.runtime.errors import (
     InstanceDrainingError,
@@ -47,7 +51,7 @@ from components.runtime.errors import (
 logger = logging.getLogger(__name__)
 
 REQ, CANCEL, PROBE = 0, 1, 2
-ACK, DATA, END, ERROR, DRAINING = 0, 1, 2, 3, 4
+ACK, DATA, END, ERROR, DRAINING, PROBE_ACK = 0, 1, 2, 3, 4, 5
 
 _END_OF_STREAM = object()
 
@@ -107,7 +111,7 @@ class InstanceServer:
             if running is not None:
                 running.cancel()
         elif kind == PROBE and msg.reply:
-            await self._bus.publish(msg.reply, pack([request_id in self._inflight]))
+            await self._bus.publish(msg.reply, pack([-1, PROBE_ACK, request_id in self._inflight]))
 
     async def _run(self, request_id: str, body: Any, reply: str) -> None:
         seq = 1
@@ -246,7 +250,7 @@ class ResponseStream:
         except BaseException:
             self._finish()
             raise
-        seq, kind, payload = unpack(msg.data)
+        seq, kind, payload = msg
         if seq != self._next_seq:
             self._cancel_in_background()
             raise StreamInterruptedError(
@@ -266,37 +270,40 @@ class ResponseStream:
         self._cancel_in_background()
         raise StreamInterruptedError(self.instance_id, self.request_id, seq, f"unexpected frame kind {kind}")
 
-    async def _next_frame(self) -> BusMessage:
-        q = self._q
-        if not q.empty():
-            return q.get_nowait()
-        while True:
-            try:
-                # asyncio.timeout, unlike wait_for on 3.11, creates no task: this runs once per streamed frame.
-                async with asyncio.timeout(self._idle_probe_s):
-                    return await q.get()
-            except TimeoutError:
-                pass
-            alive = await self._probe()
-            if not q.empty():
-                return q.get_nowait()
-            if not alive:
-                # The END frame and the probe answer travel on different subscriptions: give frames already sent a
-                # moment to be delivered before declaring the stream lost.
-                try:
-                    return await asyncio.wait_for(q.get(), 0.05)
-                except TimeoutError:
-                    self._cancel_in_background()
-                    raise StreamInterruptedError(
-                        self.instance_id, self.request_id, self._next_seq - 1, "instance no longer serves the request"
-                    ) from None
+    def _interrupted(self, reason: str) -> StreamInterruptedError:
+        self._cancel_in_background()
+        return StreamInterruptedError(self.instance_id, self.request_id, self._next_seq - 1, reason)
 
-    async def _probe(self) -> bool:
-        try:
-            data = await self._bus.request(self.subject, pack([PROBE, self.request_id]), self._probe_timeout_s)
-        except (NoRespondersError, RequestTimeoutError):
-            return False
-        return bool(unpack(data)[0])
+    async def _next_frame(self) -> list[Any]:
+        """The next sequenced frame, unpacked. After ``idle_probe_s`` of silence, probe the instance on this
+        stream's inbox; its answer (or a no-responders status) arrives in order with the frames."""
+        q = self._q
+        probe_deadline: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            if not q.empty():
+                msg = q.get_nowait()
+            else:
+                wait_s = self._idle_probe_s if probe_deadline is None else max(0.0, probe_deadline - loop.time())
+                try:
+                    # asyncio.timeout, unlike wait_for on 3.11, creates no task: this runs once per streamed frame.
+                    async with asyncio.timeout(wait_s):
+                        msg = await q.get()
+                except TimeoutError:
+                    if probe_deadline is not None:
+                        raise self._interrupted("no answer to a liveness probe") from None
+                    await self._bus.publish(self.subject, pack([PROBE, self.request_id]), reply=self._inbox)
+                    probe_deadline = loop.time() + self._probe_timeout_s
+                    continue
+            if is_no_responders(msg):
+                raise self._interrupted("instance gone (no responders on its subject)")
+            frame = unpack(msg.data)
+            if frame[1] == PROBE_ACK and frame[0] == -1:
+                if not frame[2]:
+                    raise self._interrupted("instance no longer serves the request")
+                probe_deadline = None  # alive: keep waiting, probe again after the next silence
+                continue
+            return frame  # type: ignore[no-any-return]
 
     def _finish(self) -> None:
         if not self._done:

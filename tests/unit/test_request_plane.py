@@ -29,7 +29,7 @@ from components.runtime import (
 from components.runtime.bus import BusMessage
 from components.runtime.codec import pack, unpack
 from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
-from components.runtime.request_plane import ACK, CANCEL, DATA, END, ERROR, PROBE, REQ, RequestContext
+from components.runtime.request_plane import ACK, CANCEL, DATA, END, ERROR, PROBE, PROBE_ACK, REQ, RequestContext
 
 pytestmark = pytest.mark.unit
 
@@ -407,7 +407,9 @@ async def test_instance_that_forgot_the_request_is_detected_by_the_idle_probe(me
     # Cancel on the instance behind the client's back: the handler stops and sends nothing.
     await mesh.bus.publish(served.info.subject, pack([CANCEL, stream.request_id]))
     await wait_until(lambda: probe.cancelled == [stream.request_id])
-    assert await mesh.bus.request(served.info.subject, pack([PROBE, stream.request_id]), 1.0) == pack([False])
+    assert await mesh.bus.request(served.info.subject, pack([PROBE, stream.request_id]), 1.0) == pack(
+        [-1, PROBE_ACK, False]
+    )
     with pytest.raises(StreamInterruptedError, match="no longer serves"):
         await stream.__anext__()
 
