@@ -5,8 +5,9 @@ frontend asks it, so the measured code is the production code path and nothing e
 
 **Decision cost.** For each fleet size (8, 64, 256, 1,024 workers by default) and policy, ``--decisions`` requests of
 ``--prompt-tokens`` (8,192) token ids are placed, one ``perf_counter_ns`` pair around each decision exactly as
-``FrontendService`` makes it: ``Router.prepare`` (hashes the prompt once; KV policies only) then ``Router.select``
-(rebuilds the snapshots of workers that changed, walks the KV index once, runs the pure policy). ``kv`` is the policy
+``FrontendService`` makes it: ``Router.prepare`` (wraps the prompt in a lazy ``PromptHashes``; KV policies only) then ``Router.select``
+(rebuilds the snapshots of workers that changed, searches the KV index once, hashing the prompt as far as the
+search reads it, runs the pure policy). ``kv`` is the policy
 under test; ``round_robin`` and ``least_loaded`` are measured in the same run as the floor (no hashing, no index).
 Bookkeeping the frontend does after the decision (``on_routed``, ``on_first_token``, ``on_finished``) runs between
 timed regions, so the next decision pays for the snapshots it dirtied, as in production.
@@ -19,7 +20,8 @@ on ``--replicas`` workers, each copy a prefix of 64..512 blocks (a conversation'
 evicted it); the rest of each worker's share is other conversations' blocks, which no request matches. A request is
 a cached conversation with a new 512-token turn (``--hit-fraction`` of them: some workers hold up to 480 of its 512
 blocks, the rest only the shared prefix) or a new conversation (the shared prefix only). The shared prefix is the
-costly case for the index walk: at 1,024 workers all 1,024 bits drop out at once where it ends.
+costly case for the index: at 1,024 workers all 1,024 bits drop out at once where it ends (the router reports it as
+the model's common floor, ``RouteRequest.common_overlap_blocks``, instead of 1,024 entries).
 
 Between decisions the workers' load reports arrive as they would at ``--arrival-rate`` requests/s with a report
 every 100 ms from each worker (``n_workers * 10 / arrival_rate`` reports per decision, round-robin over the workers),
@@ -35,10 +37,12 @@ per-event worst case). Each is measured on ``KvEvent`` objects (the index alone)
 
 Targets (issue 6): p99 <= 200 us per ``kv`` decision at 256 workers and 1M blocks; >= 300k block events/s on one core.
 Measured on the 2-core EPYC dev VM (shared with other work: the same run varies by up to 1.5x): at 256 workers a
-``kv`` decision takes 280-330 us at p50 and 360-430 us at p99, of which ~130 us is hashing the 8k-token prompt and
-85-110 us the index walk (512 lookups in a 1M-entry dict, memory-bound), ~45 us the policy over 256 snapshots;
-``round_robin`` ~14 us and ``least_loaded`` ~26 us at p50. Ingest: ~0.9M single-block events/s (~0.5M/s decoding
-the wire dicts too), ~2.6M blocks/s in prefill-sized events.
+``kv`` decision takes ~160-180 us at p50 and ~170-200 us at p99. Most of it is hashing the prompt (~60 us for all
+512 blocks of a conversation hit: ~20 us packing the token ids, ~40 us chaining xxh3) and the policy over 256
+snapshots (~40 us); the KV index search is ~25-50 us (a few dozen lookups: gallop and bisect over prefix-closed
+workers, see ``components.router.kv_index``), the snapshot rebuilds ~10 us. ``round_robin`` ~12 us and
+``least_loaded`` ~23 us at p50. Ingest: ~0.7M single-block events/s (decode blocks naming their parent), ~2M
+blocks/s in prefill-sized events.
 The last line printed is one JSON object; ``--workers 8,64 --indexed-blocks 20000 --decisions 200`` runs in seconds.
 """
 
@@ -92,7 +96,8 @@ class Fleet:
     """The workload of one fleet size: workers, what each caches (block hashes in storing order), the requests."""
 
     worker_ids: list[int]
-    held: dict[int, list[int]]
+    held: dict[int, list[int]]  # every worker's blocks, oldest first
+    runs: dict[int, list[tuple[list[int], int | None]]]  # the same as chained runs: (hashes, parent of the first)
     requests: list[list[int]]
     indexed_blocks: int
 
@@ -110,16 +115,23 @@ def build_fleet(n_workers: int, args: argparse.Namespace, rng: random.Random) ->
     # Each worker's share; the first (indexed_blocks % n_workers) get one more, so the shares sum to indexed_blocks.
     base, extra = divmod(args.indexed_blocks, n_workers)
     budget = {w: base + (i < extra) for i, w in enumerate(worker_ids)}
-    held: dict[int, list[int]] = {w: list(shared_hashes) for w in worker_ids}
+    # Each worker's cache as chained runs (hashes, parent of the first), stored in this order by load_index.
+    runs: dict[int, list[tuple[list[int], int | None]]] = {w: [(list(shared_hashes), None)] for w in worker_ids}
+    n_held = dict.fromkeys(worker_ids, len(shared_hashes))
+    n_shared = len(shared_hashes)
     for fh in family_hashes:
         for w in rng.sample(worker_ids, min(args.replicas, n_workers)):
             length = rng.randint(min(64, n_blocks), n_blocks)
-            seen = set(held[w])
-            held[w] += [h for h in fh[:length] if h not in seen]
+            if length > n_shared:
+                runs[w].append((fh[n_shared:length], fh[n_shared - 1] if n_shared else None))
+                n_held[w] += length - n_shared
     for w in worker_ids:
-        short = budget[w] - len(held[w])
+        short = budget[w] - n_held[w]
         if short > 0:
-            held[w] += [rng.getrandbits(64) for _ in range(short)]  # other conversations' blocks: match nothing
+            # Other conversations' blocks (chains of random hashes): no request matches them.
+            for i in range(0, short, n_blocks):
+                runs[w].append(([rng.getrandbits(64) for _ in range(min(n_blocks, short - i))], None))
+    held = {w: [h for run, _ in rs for h in run] for w, rs in runs.items()}
     keep = n_tokens - NEW_TURN_TOKENS
     requests = []
     for _ in range(args.request_pool):
@@ -128,7 +140,7 @@ def build_fleet(n_workers: int, args: argparse.Namespace, rng: random.Random) ->
             requests.append(rng.choice(families)[:keep] + turn)
         else:
             requests.append(shared + [rng.randrange(VOCAB) for _ in range(n_tokens - len(shared))])
-    return Fleet(worker_ids, held, requests, sum(len(h) for h in held.values()))
+    return Fleet(worker_ids, held, runs, requests, sum(len(h) for h in held.values()))
 
 
 def _load_snapshot(now_s: float, rng: random.Random) -> LoadSnapshot:
@@ -154,15 +166,18 @@ def new_router(policy: str, fleet: Fleet, seed: int, bs: int) -> Router:
 
 
 def load_index(router: Router, fleet: Fleet, bs: int, chunk: int = 512) -> dict[int, int]:
-    """Store every worker's blocks through ``apply_kv_events``; returns each worker's next event id."""
+    """Store every worker's blocks through ``apply_kv_events`` (chained runs, at most ``chunk`` blocks per event, each
+    naming its parent as engines do); returns each worker's next event id."""
     next_id: dict[int, int] = {}
-    for w, hashes in fleet.held.items():
+    for w, runs in fleet.runs.items():
         eid = 0
-        for i in range(0, len(hashes), chunk):
-            ev = KvEvent(eid, KvEventKind.BLOCK_STORED, hashes[i : i + chunk], None, bs)
-            if not router.apply_kv_events(w, [ev]):
-                raise AssertionError("a gap in generated event ids")  # pragma: no cover - ids are consecutive
-            eid += 1
+        for hashes, parent in runs:
+            for i in range(0, len(hashes), chunk):
+                first_parent = parent if i == 0 else hashes[i - 1]
+                ev = KvEvent(eid, KvEventKind.BLOCK_STORED, hashes[i : i + chunk], first_parent, bs)
+                if not router.apply_kv_events(w, [ev]):
+                    raise AssertionError("a gap in generated event ids")  # pragma: no cover - ids are consecutive
+                eid += 1
         next_id[w] = eid
     return next_id
 
@@ -259,8 +274,9 @@ def ingest_batches(
         if profile == "single_block":
             for _ in range(8):
                 h = rng.getrandbits(64)
+                parent = fifo[-1] if fifo else None  # a decode step extends the worker's newest chain
                 fifo.append(h)
-                events.append(KvEvent(eid, KvEventKind.BLOCK_STORED, [h], None, bs))
+                events.append(KvEvent(eid, KvEventKind.BLOCK_STORED, [h], parent, bs))
                 events.append(KvEvent(eid + 1, KvEventKind.BLOCK_REMOVED, [fifo.popleft()]))
                 eid += 2
                 total += 2
@@ -269,8 +285,9 @@ def ingest_batches(
             for _ in range(8):
                 n = rng.randint(16, 512) if rng.random() < 0.3 else 1
                 hs = [rng.getrandbits(64) for _ in range(n)]
+                parent = fifo[-1] if n == 1 and fifo else None  # decode blocks extend a chain, prefills start one
                 fifo.extend(hs)
-                events.append(KvEvent(eid, KvEventKind.BLOCK_STORED, hs, None, bs))
+                events.append(KvEvent(eid, KvEventKind.BLOCK_STORED, hs, parent, bs))
                 eid += 1
                 stored += n
             events.append(KvEvent(eid, KvEventKind.BLOCK_REMOVED, [fifo.popleft() for _ in range(stored)]))

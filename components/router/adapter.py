@@ -20,10 +20,13 @@ Fed by its owner, with no I/O of its own (``feed.RouterFeed`` does the I/O: even
   ``apply_sync`` applies other replicas' messages, so several routers count each other's requests.
 
 Hot path: ``select`` rebuilds only the snapshots of workers that changed since the last decision (usually one or two:
-the last request's worker and a metrics report), hashes the prompt once per request (``prepare``; KV policies only)
-and walks the KV index once. At 256 workers, 1M indexed blocks and 8k-token prompts (``kvmesh bench router``'s
-workload, 2-core EPYC dev machine) a ``kv`` decision takes ~250-300 us at p50: ~105 us hashing (a third of it packing
-the token ids), 30-100 us walking the index, ~40 us in the policy, the rest rebuilding snapshots.
+the last request's worker and a metrics report), searches the KV index once (KV policies only) with the prompt's
+lazily computed hashes (``prepare`` wraps them in a ``PromptHashes``: only the blocks the search reads are hashed)
+and the model's workers as a group, so a prefix every one of them caches comes back as one number
+(``RouteRequest.common_overlap_blocks``) rather than one entry per worker. At 256 workers, 1M indexed blocks and
+8k-token prompts (``kvmesh bench router``'s workload, 2-core EPYC dev machine) a ``kv`` decision takes ~160-180 us
+at p50: ~60 us hashing a 512-block conversation hit, 25-50 us searching the index, ~40 us in the policy, ~10 us
+rebuilding snapshots.
 
 Single-threaded: every method is called from the event loop, none awaits.
 """
@@ -45,7 +48,7 @@ from components.router.policies import ALIASES, POLICIES, canonical_name, common
 from components.router.policies.kv import DEFAULT_BLOCK_SIZE
 from components.router.protocol import Assignment
 from components.router.types import RouteDecision, RouteRequest, RoutingPolicy, WorkerSnapshot, stale_after
-from components.runtime.kv_hashing import block_hashes
+from components.runtime.kv_hashing import HASH_SCHEME_VERSION, PromptHashes
 from components.workers.engines.base import KvEvent, KvStateSnapshot, LoadSnapshot
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,9 @@ class _ModelState:
     policy_state: Any
     workers: list[WorkerSnapshot] = dataclasses.field(default_factory=list)
     position: dict[int, int] = dataclasses.field(default_factory=dict)
+    # The KV index bits of the model's workers (0: one has none yet) and the index's bits_version they were read at.
+    kv_group: int = 0
+    kv_group_version: int = -1
 
 
 @dataclasses.dataclass(slots=True)
@@ -154,6 +160,9 @@ class Router:
         self._remote: dict[int, dict[str, Assignment]] = {}
         self._remote_seen: dict[int, float] = {}
         self._departed: dict[int, None] = {}  # an insertion-ordered set
+        # Workers announcing another KV hash scheme (``kv_hash_scheme`` in their metadata): their events could
+        # never match this router's prompt hashes, so they are not indexed.
+        self._foreign_hashes: set[int] = set()
 
     # --- membership -------------------------------------------------------------------------------------------------
 
@@ -183,7 +192,18 @@ class Router:
                     if not models:
                         del self._member_of[iid]
                         removed.add(iid)
-        for iid in meta:
+        for iid, md in meta.items():
+            scheme = md.get("kv_hash_scheme", HASH_SCHEME_VERSION)
+            if scheme != HASH_SCHEME_VERSION and iid not in self._foreign_hashes:
+                logger.warning(
+                    "worker %x hashes KV blocks with scheme %r, this router with %d: its KV events are ignored "
+                    "(upgrade the fleet to one kvmesh version)",
+                    iid,
+                    scheme,
+                    HASH_SCHEME_VERSION,
+                )
+                self._foreign_hashes.add(iid)
+                self.index.remove_worker(iid)
             models = self._member_of.get(iid)
             if models is None:
                 self._member_of[iid] = {model}
@@ -207,6 +227,7 @@ class Router:
 
     def _forget(self, iid: int) -> None:
         self.index.remove_worker(iid)
+        self._foreign_hashes.discard(iid)
         load = self._loads.get(iid)
         if load is not None:
             load.metrics = None
@@ -284,12 +305,13 @@ class Router:
 
     def prepare(self, request: RouteRequest) -> RouteRequest:
         """The request with its prompt's block hashes, for KV-aware policies (others: unchanged). Call it once per
-        request and reuse the result for retries: hashing an 8k-token prompt costs ~105 us."""
+        request and reuse the result for retries. The hashes are lazy (``PromptHashes``): ``select`` computes only
+        as many as the KV index search reads (all 512 of an 8k-token prompt cost ~75 us)."""
         if not self.uses_kv or request.block_hashes is not None:
             return request
         state = self._models.get(request.model)
         bs = state.block_size if state is not None else DEFAULT_BLOCK_SIZE
-        return dataclasses.replace(request, block_size=bs, block_hashes=block_hashes(request.token_ids, bs))
+        return dataclasses.replace(request, block_size=bs, block_hashes=PromptHashes(request.token_ids, bs))
 
     def select(self, request: RouteRequest) -> RouteDecision:
         """Ask the policy; raise ``NoWorkersError`` when it places the request nowhere."""
@@ -304,9 +326,13 @@ class Router:
             if self.approximate:
                 self.index.expire(request.now_s)
             assert request.block_hashes is not None
-            overlaps = self.index.overlaps(request.block_hashes)
-            if overlaps:
-                request = dataclasses.replace(request, overlap_blocks=overlaps)
+            index = self.index
+            if state.kv_group_version != index.bits_version:
+                state.kv_group = index.bits_of(state.metadata)
+                state.kv_group_version = index.bits_version
+            overlaps, floor = index.overlaps_with_floor(request.block_hashes, state.kv_group)
+            if overlaps or floor:
+                request = dataclasses.replace(request, overlap_blocks=overlaps, common_overlap_blocks=floor)
         decision, state.policy_state = self.policy.select(request, state.workers, state.policy_state, self.rng)
         if decision.instance_id is None:
             raise NoWorkersError(request.model, decision.reason)
@@ -448,7 +474,7 @@ class Router:
 
     def apply_kv_events(self, instance_id: int, events: list[KvEvent]) -> bool:
         """Apply a batch of a worker's KV events; False: a gap, fetch its ``kv_state`` and call ``load_kv_state``."""
-        if instance_id in self._departed:
+        if instance_id in self._departed or instance_id in self._foreign_hashes:
             return True
         return self.index.apply(instance_id, events)
 
@@ -460,7 +486,7 @@ class Router:
     def load_kv_state(self, instance_id: int, snapshot: KvStateSnapshot) -> bool:
         """Replace the worker's blocks with its snapshot and replay the events buffered since; False when those
         events had a gap of their own (fetch again)."""
-        if instance_id in self._departed:
+        if instance_id in self._departed or instance_id in self._foreign_hashes:
             return True
         self.index.load_snapshot(instance_id, snapshot)
         return not self.index.is_stale(instance_id)

@@ -5,11 +5,20 @@ event plane and snapshots from the workers' ``kv_state`` endpoint; policies read
 
 Representation, chosen for the routing hot path (8k-token requests = 512 blocks of 16, 1M indexed blocks):
 - every worker gets a bit; ``block hash -> int bitmask`` of the workers holding the block;
-- ``overlaps(hashes)`` walks the request's chained hashes once, AND-ing masks: the number of leading blocks a worker
-  holds is the position where its bit drops out. Because hashes are chained (a block's hash covers its whole prefix),
-  "worker holds block i" implies it held the prefix when the event was emitted, so the walk stops at the first block
-  nobody holds;
-- ``worker -> set of hashes`` makes a worker's departure or a resync O(its blocks).
+- per worker, ``block hash -> parent hash`` (from the chained runs of ``BLOCK_STORED``) and how many held blocks
+  each held block is the parent of. From these the index keeps, exactly and in O(1) per event, how many of the
+  worker's blocks are *orphans* (held while their parent is not) and how many have an *unknown* parent (loaded from
+  a snapshot, which lists hashes only). A worker with neither is **prefix-closed**: holding block ``i`` of a chain
+  means holding blocks ``0..i``. vLLM and the mock engine keep their caches that way (a request releases its blocks
+  tail first and a prefix hit touches every ancestor, so an LRU evicts descendants before ancestors), so in a
+  healthy fleet every worker is;
+- ``overlaps(hashes)`` answers "how many leading blocks of this prompt does each worker hold". For prefix-closed
+  workers that count is monotone along the chain, so it is found by galloping then bisecting between the depths
+  where the set of holders changes: ~10 probes per distinct depth instead of one dict lookup per block (a dict of
+  1M 64-bit keys misses the CPU cache on nearly every lookup, ~100 ns each). Workers that are not prefix-closed
+  are walked block by block, as exactly as before. Both read ``hashes`` lazily (``kv_hashing.PromptHashes``), so a
+  prompt that shares only a system prompt with the fleet is hashed only a little past it;
+- ``worker -> blocks`` makes a worker's departure or a resync O(its blocks).
 
 Event ids: each worker's events must arrive with consecutive ids. A gap (a lost NATS message, a late subscriber)
 marks the worker *stale*: ``apply`` returns False, later events are buffered, and the adapter fetches a
@@ -24,23 +33,36 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, repeat
 
+from components.runtime.kv_hashing import PromptHashes
 from components.workers.engines.base import KvEvent, KvEventKind, KvStateSnapshot
 
 
 @dataclasses.dataclass
 class _WorkerState:
     bit: int
-    blocks: set[int] = dataclasses.field(default_factory=set)
+    # hash -> parent hash (None: the first block of a sequence; _UNKNOWN: loaded from a snapshot)
+    blocks: dict[int, int | None] = dataclasses.field(default_factory=dict)
+    children: dict[int, int] = dataclasses.field(default_factory=dict)  # held hash -> held blocks it is parent of
+    orphans: int = 0  # held blocks whose (known) parent is not held
+    unknown: int = 0  # held blocks whose parent is unknown
     last_event_id: int = -1  # -1: nothing seen yet; the first event is accepted whatever its id
     stale: bool = False
     buffered: list[KvEvent] = dataclasses.field(default_factory=list)
 
 
-# Bit positions set in each byte value: expanding a mask of 256 workers that drop out together (the end of a system
-# prompt every worker caches) byte by byte costs ~15 us, against ~75 us peeling one bit at a time off a 256-bit int.
-_BYTE_BITS = tuple(tuple(p for p in range(8) if b >> p & 1) for b in range(256))
+# The parent of a block loaded from a snapshot (``KvStateSnapshot`` lists hashes, not their chain). Never a real hash:
+# hashes are non-negative.
+_UNKNOWN = -1
+
+# b"0" -> 0 and b"1" -> 1: a mask's bin() digits as compress() selectors.
+_BIN_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
+
+
+def _have(k: int) -> None:
+    """``need`` for a sequence whose hashes are all there already."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,6 +86,8 @@ class KvIndex:
         self._pos_owner: list[int] = []  # bit position -> worker id (stale entries for free positions are never read)
         self._free_bits: list[int] = []
         self._next_bit = 0
+        self._closed = 0  # bits of the prefix-closed workers
+        self.bits_version = 0  # changes whenever a worker gets or gives back its bit (``bits_of`` may differ)
         self.approx_ttl_s = approx_ttl_s
         self._approx: deque[tuple[float, int, tuple[int, ...]]] = deque()
         self._approx_expiry: dict[tuple[int, int], float] = {}
@@ -81,6 +105,8 @@ class KvIndex:
                 self._next_bit += 1
             st = _WorkerState(bit=bit)
             self._workers[worker_id] = st
+            self._closed |= bit
+            self.bits_version += 1
             self._bit_owner[bit] = worker_id
             pos = bit.bit_length() - 1
             if pos == len(self._pos_owner):
@@ -114,15 +140,27 @@ class KvIndex:
         st = self._workers.pop(worker_id, None)
         if st is None:
             return
-        self._drop_blocks(st, st.blocks)
+        self._clear(st)
         del self._bit_owner[st.bit]
         self._free_bits.append(st.bit)
+        self._closed &= ~st.bit
+        self.bits_version += 1
 
-    def _drop_blocks(self, st: _WorkerState, hashes: Iterable[int]) -> None:
+    def is_prefix_closed(self, worker_id: int) -> bool:
+        """Whether every block the worker holds has its whole prefix held too (see the module docstring)."""
+        st = self._workers.get(worker_id)
+        return st is None or not (st.orphans or st.unknown)
+
+    def _update_closed(self, st: _WorkerState) -> None:
+        if st.orphans or st.unknown:
+            self._closed &= ~st.bit
+        else:
+            self._closed |= st.bit
+
+    def _clear(self, st: _WorkerState) -> None:
         masks = self._masks
         keep = ~st.bit
-        dropping = list(hashes)
-        for h in dropping:
+        for h in st.blocks:
             m = masks.get(h)
             if m is None:
                 continue
@@ -131,15 +169,64 @@ class KvIndex:
                 masks[h] = m
             else:
                 del masks[h]
-        st.blocks.difference_update(dropping)
+        st.blocks = {}
+        st.children = {}
+        st.orphans = st.unknown = 0
 
-    def _store(self, st: _WorkerState, hashes: Sequence[int]) -> None:
+    def _drop_blocks(self, st: _WorkerState, hashes: Iterable[int]) -> None:
+        masks = self._masks
+        keep = ~st.bit
+        blocks = st.blocks
+        children = st.children
+        for h in hashes:
+            p = blocks.pop(h, _UNKNOWN - 1)
+            if p == _UNKNOWN - 1:
+                continue  # not held
+            m = masks.get(h, 0) & keep
+            if m:
+                masks[h] = m
+            else:
+                masks.pop(h, None)
+            if p == _UNKNOWN:
+                st.unknown -= 1
+            elif p is not None:
+                n = children[p] - 1
+                if n:
+                    children[p] = n
+                else:
+                    del children[p]
+                if p not in blocks:
+                    st.orphans -= 1  # it was an orphan
+            c = children.get(h)
+            if c:
+                st.orphans += c  # its held children lose their parent
+        self._update_closed(st)
+
+    def _store(self, st: _WorkerState, hashes: Sequence[int], parent: int | None) -> None:
+        """``hashes`` are a chain: ``parent`` is the parent of ``hashes[0]``, each later one's parent the one before."""
         masks = self._masks
         bit = st.bit
         get = masks.get
+        blocks = st.blocks
+        children = st.children
+        p = parent
         for h in hashes:
-            masks[h] = get(h, 0) | bit
-        st.blocks.update(hashes)
+            if h not in blocks:
+                masks[h] = get(h, 0) | bit
+                blocks[h] = p
+                if p == _UNKNOWN:
+                    st.unknown += 1
+                elif p is not None:
+                    children[p] = children.get(p, 0) + 1
+                    if p not in blocks:
+                        st.orphans += 1
+                if st.orphans:
+                    c = children.get(h)
+                    if c:
+                        st.orphans -= c  # its held children were orphans until now
+            if parent != _UNKNOWN:
+                p = h
+        self._update_closed(st)
 
     # -- events ----------------------------------------------------------------------------------------------------
 
@@ -166,19 +253,20 @@ class KvIndex:
         self.stats.num_events += 1
         st.last_event_id = ev.event_id
         if ev.kind == KvEventKind.BLOCK_STORED:
-            self._store(st, ev.block_hashes)
+            self._store(st, ev.block_hashes, ev.parent_hash)
             self.stats.num_blocks_stored += len(ev.block_hashes)
         elif ev.kind == KvEventKind.BLOCK_REMOVED:
             self._drop_blocks(st, ev.block_hashes)
             self.stats.num_blocks_removed += len(ev.block_hashes)
         elif ev.kind == KvEventKind.ALL_CLEARED:
-            self._drop_blocks(st, st.blocks)
+            self._clear(st)
+            self._update_closed(st)
 
     def load_snapshot(self, worker_id: int, snap: KvStateSnapshot) -> None:
         """Replace the worker's blocks with a snapshot, then replay buffered events newer than it."""
         st = self._worker(worker_id)
-        self._drop_blocks(st, st.blocks)
-        self._store(st, snap.block_hashes)
+        self._clear(st)
+        self._store(st, snap.block_hashes, _UNKNOWN)
         st.last_event_id = snap.last_event_id
         st.stale = False
         buffered, st.buffered = st.buffered, []
@@ -190,7 +278,7 @@ class KvIndex:
     def record_routed(self, worker_id: int, hashes: Sequence[int], now_s: float) -> None:
         """Predict that ``worker_id`` now caches ``hashes`` (engines without KV events)."""
         st = self._worker(worker_id)
-        self._store(st, hashes)
+        self._store(st, hashes, None)
         t = now_s + self.approx_ttl_s
         for h in hashes:
             self._approx_expiry[(worker_id, h)] = t
@@ -213,27 +301,120 @@ class KvIndex:
     # -- queries ---------------------------------------------------------------------------------------------------
 
     def overlaps(self, hashes: Sequence[int]) -> dict[int, int]:
-        """Leading blocks of ``hashes`` each worker holds; workers holding none are absent."""
-        masks = self._masks
-        result: dict[int, int] = {}
-        if not hashes:
-            return result
-        active = masks.get(hashes[0], 0)
-        if not active:
-            return result
-        expand = self._expand
-        i = 1
+        """Leading blocks of ``hashes`` each worker holds; workers holding none are absent.
+
+        ``hashes`` may be a lazy ``PromptHashes``: only the blocks the search reads are hashed."""
+        return self.overlaps_with_floor(hashes, 0)[0]
+
+    def overlaps_with_floor(self, hashes: Sequence[int], group: int) -> tuple[dict[int, int], int]:
+        """``overlaps(hashes)`` for a group of workers (``group``: their bits, ``bits_of``) that may all hold a
+        common prefix: returns ``(overlaps, floor)`` where every worker of the group holds at least ``floor``
+        leading blocks and the group's workers holding exactly ``floor`` are left out of ``overlaps``.
+
+        A system prompt every worker caches would otherwise put every worker in the answer (256 entries to build,
+        then to look up per candidate) although it cannot tell them apart; with the floor, only the workers that
+        hold more are listed. ``group`` 0, or a group where some worker lacks block 0: floor 0, the plain answer.
+        """
         n = len(hashes)
+        result: dict[int, int] = {}
+        if not n:
+            return result, 0
+        need: Callable[[int], object]
+        if isinstance(hashes, PromptHashes):
+            need = hashes.ensure
+            hs: Sequence[int] = hashes.ensure(1)
+        else:
+            need = _have
+            hs = hashes
+        first = self._masks.get(hs[0], 0)
+        if not first:
+            return result, 0
+        groups: list[tuple[int, int]] = []  # (workers, the leading blocks they hold)
+        closed = first & self._closed
+        if closed:
+            self._search(hs, need, n, closed, groups)
+        if closed != first:
+            self._walk(hs, need, n, first & ~closed, groups)
+        floor = 0
+        if group and first & group == group:
+            floor = min(d for m, d in groups if m & group)
+        expand = self._expand
+        for m, d in groups:
+            if d == floor:
+                m &= ~group
+                if not m:
+                    continue
+            expand(m, d, result)
+        return result, floor
+
+    def bits_of(self, worker_ids: Iterable[int]) -> int:
+        """The bits of these workers (for ``overlaps_with_floor``); 0 if one of them has none yet (no event)."""
+        workers = self._workers
+        mask = 0
+        for w in worker_ids:
+            st = workers.get(w)
+            if st is None:
+                return 0
+            mask |= st.bit
+        return mask
+
+    def _search(
+        self, hs: Sequence[int], need: Callable[[int], object], n: int, active: int, groups: list[tuple[int, int]]
+    ) -> None:
+        """Prefix-closed workers holding block 0 (``active``): gallop (blocks 1, 3, 7, 15, ...) to bracket the depths
+        where holders drop out, then bisect each bracket. The holders of block ``i``, among these workers, shrink as
+        ``i`` grows, so a bracket whose ends have the same holders has no drop-out inside. ``need(k)`` makes the
+        first ``k`` hashes readable in ``hs`` (a lazy prompt computes them)."""
+        get = self._masks.get
+        split = self._split
+        lo, m_lo = 0, active
+        step = 1
+        while m_lo:
+            hi = lo + step
+            if hi >= n:
+                hi, m_hi = n, 0  # past the end: nobody holds block n
+                need(n)
+            else:
+                need(hi + 1)
+                m_hi = get(hs[hi], 0) & m_lo
+            if m_hi != m_lo:
+                split(hs, lo, m_lo, hi, m_hi, groups)
+            lo, m_lo = hi, m_hi
+            step *= 2
+
+    def _split(self, hs: Sequence[int], lo: int, m_lo: int, hi: int, m_hi: int, groups: list[tuple[int, int]]) -> None:
+        """Workers in ``m_lo`` but not ``m_hi`` hold block ``lo`` but not block ``hi`` (``hs`` is readable up to
+        ``hi - 1``): find where each stops."""
+        get = self._masks.get
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            m_mid = get(hs[mid], 0) & m_lo
+            if m_mid == m_lo:
+                lo = mid  # nobody stops in [lo, mid)
+            elif m_mid == m_hi:
+                hi = mid  # everybody who stops does so in [lo, mid)
+            else:
+                self._split(hs, lo, m_lo, mid, m_mid, groups)
+                lo, m_lo = mid, m_mid
+        groups.append((m_lo & ~m_hi, hi))
+
+    def _walk(
+        self, hs: Sequence[int], need: Callable[[int], object], n: int, active: int, groups: list[tuple[int, int]]
+    ) -> None:
+        """Workers holding block 0 (``active``) that may have holes: one lookup per block while any of them remains."""
+        masks = self._masks
+        i = 1
         while i < n:
-            nxt = active & masks.get(hashes[i], 0)
+            if i >= len(hs):
+                need(i + 1)
+            nxt = active & masks.get(hs[i], 0)
             if nxt != active:
-                expand(active & ~nxt, i, result)
+                groups.append((active & ~nxt, i))
                 active = nxt
                 if not active:
-                    return result
+                    return
             i += 1
-        expand(active, n, result)
-        return result
+        groups.append((active, n))
 
     def _expand(self, mask: int, depth: int, result: dict[int, int]) -> None:
         """``result[worker] = depth`` for every worker whose bit is set in ``mask``."""
@@ -241,8 +422,6 @@ class KvIndex:
         if not mask & (mask - 1):  # one bit: the usual case deep in a prompt
             result[pos_owner[mask.bit_length() - 1]] = depth
             return
-        for i, byte in enumerate(mask.to_bytes((mask.bit_length() + 7) >> 3, "little")):
-            if byte:
-                base = i << 3
-                for p in _BYTE_BITS[byte]:
-                    result[pos_owner[base + p]] = depth
+        # The mask's binary digits, lowest first, as 0/1 bytes select the owners in C: ~4 us for the 256 workers
+        # that drop out together at the end of a system prompt, against ~15 us expanding byte by byte in Python.
+        result.update(zip(compress(pos_owner, bin(mask)[:1:-1].encode().translate(_BIN_DIGITS)), repeat(depth)))

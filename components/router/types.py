@@ -40,8 +40,16 @@ class RouteRequest:
     excluded_instance_ids: frozenset[int] = frozenset()  # workers already tried for this request (retries)
     block_size: int = 0  # tokens per KV block of the model's workers; 0: not hashed (non-KV policies)
     block_hashes: Sequence[int] | None = None  # chained hashes of the full blocks; None: not computed
-    # instance id -> leading blocks of the prompt that worker caches (absent: none)
+    # instance id -> leading blocks of the prompt that worker caches (absent: common_overlap_blocks)
     overlap_blocks: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # leading blocks every worker of the model caches (a shared system prompt): only workers caching more are listed
+    # in overlap_blocks, so a decision does not build and read one entry per worker. Read a worker's overlap with
+    # ``overlap_of``.
+    common_overlap_blocks: int = 0
+
+    def overlap_of(self, instance_id: int) -> int:
+        """Leading blocks of the prompt this worker caches."""
+        return self.overlap_blocks.get(instance_id, self.common_overlap_blocks)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)

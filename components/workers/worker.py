@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from components.runtime import RequestContext, Runtime, ServedEndpoint
+from components.runtime.kv_hashing import HASH_SCHEME_VERSION
 from components.workers.config import WorkerConfig
 from components.workers.engines.base import Engine, GenerateRequest, KvEvent
 from components.workers.protocol import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
@@ -49,6 +50,8 @@ class Worker:
             "role": str(self.config.role),
             "engine": str(self.config.engine),
             "block_size": self.engine.block_size,
+            # How its KV events hash blocks: a router ignores the events of a worker hashing differently.
+            "kv_hash_scheme": HASH_SCHEME_VERSION,
             "max_model_len": self.engine.max_model_len,
             "node": socket.gethostname(),
             "pid": os.getpid(),

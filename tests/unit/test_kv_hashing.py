@@ -8,7 +8,14 @@ import struct
 import pytest
 import xxhash
 
-from components.runtime.kv_hashing import ROOT_PARENT_MARKER, block_hashes, num_full_blocks, pack_token_ids
+from components.runtime.kv_hashing import (
+    HASH_SCHEME_VERSION,
+    ROOT_PARENT_MARKER,
+    PromptHashes,
+    block_hashes,
+    num_full_blocks,
+    pack_token_ids,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -16,19 +23,20 @@ pytestmark = pytest.mark.unit
 def reference_block_hashes(tokens: list[int], bs: int, parent: int | None = None) -> list[int]:
     """The scheme written out the slow, obvious way: one struct.pack per block, per the module docstring."""
     out = []
-    prev = ROOT_PARENT_MARKER if parent is None else struct.pack("<Q", parent)
+    seed = struct.unpack("<Q", ROOT_PARENT_MARKER)[0] if parent is None else parent
     for i in range(len(tokens) // bs):
         block = tokens[i * bs : (i + 1) * bs]
-        h = xxhash.xxh3_64_intdigest(prev + struct.pack(f"<{bs}I", *block))
-        out.append(h)
-        prev = struct.pack("<Q", h)
+        seed = xxhash.xxh3_64_intdigest(struct.pack(f"<{bs}I", *block), seed=seed)
+        out.append(seed)
     return out
 
 
 def test_golden_values_pin_the_wire_scheme():
     # Computed once from the scheme; a change here breaks every router/engine pair of mixed versions.
-    assert block_hashes(list(range(32)), 16) == [10174726997572222408, 16060873115077743493]
-    assert block_hashes([1, 2, 3, 4], 4, parent_hash=0) == [3753813699206364683]
+    # Scheme version 2 (xxh3 seeded with the parent); version 1 gave 10174726997572222408, 16060873115077743493.
+    assert HASH_SCHEME_VERSION == 2
+    assert block_hashes(list(range(32)), 16) == [4098244195692114, 13239350195574388577]
+    assert block_hashes([1, 2, 3, 4], 4, parent_hash=0) == [8052976908588476977]
 
 
 def test_matches_reference_implementation_on_random_prompts():
@@ -88,3 +96,31 @@ def test_rejects_bad_input():
 
 def test_pack_token_ids_is_little_endian_u32():
     assert pack_token_ids([1, 0x01020304]) == b"\x01\x00\x00\x00\x04\x03\x02\x01"
+
+
+def test_prompt_hashes_are_block_hashes_computed_on_demand():
+    rng = random.Random(3)
+    tokens = [rng.randrange(2**17) for _ in range(16 * 200 + 5)]
+    full = block_hashes(tokens, 16)
+    lazy = PromptHashes(tokens, 16)
+    assert len(lazy) == 200 and lazy.num_computed == 0
+    assert lazy[0] == full[0]
+    assert 0 < lazy.num_computed < 200  # one chunk, not the whole prompt
+    assert lazy[70] == full[70] and lazy[-1] == full[-1] and lazy.num_computed == 200
+    assert lazy[5:9] == full[5:9] and list(lazy) == full and lazy == full
+    with pytest.raises(IndexError):
+        lazy[200]
+    assert list(PromptHashes(tokens[:15], 16)) == [] and len(PromptHashes([], 4)) == 0
+    with pytest.raises(ValueError, match="block_size"):
+        PromptHashes(tokens, 0)
+
+
+def test_prompt_hashes_grow_in_chunks_in_order():
+    tokens = list(range(16 * 100))
+    lazy = PromptHashes(tokens, 16)
+    assert lazy.computed(3) == block_hashes(tokens, 16)[:3]
+    first = lazy.num_computed
+    assert first == PromptHashes.MIN_CHUNK_BLOCKS
+    lazy[first]  # one past the chunk: the next chunk doubles
+    assert lazy.num_computed == min(100, 2 * first)
+    assert lazy.computed(100) == block_hashes(tokens, 16)

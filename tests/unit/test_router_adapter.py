@@ -114,6 +114,36 @@ def test_a_worker_that_leaves_takes_its_blocks_and_its_late_events_are_ignored_u
     assert r.index.overlaps(H) == {1: 4}
 
 
+def test_a_worker_hashing_with_another_scheme_is_not_indexed(caplog):
+    # A worker of another kvmesh version announces another kv_hash_scheme: its hashes could never match this
+    # router's, so its events and snapshots are ignored (and said so); it still gets requests by load.
+    r = kv_router()
+    with caplog.at_level("WARNING"):
+        r.set_workers("m", [(1, {**meta(), "kv_hash_scheme": 1}), (2, meta()), (3, {**meta(), "kv_hash_scheme": 2})])
+    assert "worker 1 hashes KV blocks with scheme 1" in caplog.text
+    for w in (1, 2, 3):
+        assert r.apply_kv_events(w, [stored(0, H)])
+    assert r.load_kv_state(1, KvStateSnapshot(last_event_id=3, block_size=BS, block_hashes=H))
+    assert r.index.overlaps(H) == {2: 16, 3: 16}
+    assert {w.instance_id for w in r.workers("m")} == {1, 2, 3}
+
+
+def test_a_prefix_every_worker_caches_is_reported_per_worker_through_the_floor():
+    # Every worker of the model caches the first 4 blocks; worker 2 the whole prompt. A pinned worker's reported
+    # overlap is its own (4 via the common floor), and a worker with no KV event yet (no index bit) caches nothing.
+    r = kv_router()
+    r.set_workers("m", [(1, meta()), (2, meta()), (3, meta())])
+    for w in (1, 3):
+        r.apply_kv_events(w, [stored(0, H[:4])])
+    r.apply_kv_events(2, [stored(0, H)])
+    d = r.select(r.prepare(RouteRequest(PROMPT, "m", 0.0)))
+    assert (d.instance_id, d.overlap_blocks) == (2, 16)
+    assert r.select(r.prepare(RouteRequest(PROMPT, "m", 0.0, pinned_instance_id=3))).overlap_blocks == 4
+    r.set_workers("m", [(1, meta()), (2, meta()), (3, meta()), (4, meta())])
+    assert r.select(r.prepare(RouteRequest(PROMPT, "m", 0.0, pinned_instance_id=4))).overlap_blocks == 0
+    assert r.select(r.prepare(RouteRequest(PROMPT, "m", 0.0, pinned_instance_id=1))).overlap_blocks == 4
+
+
 def test_counts_of_a_worker_that_left_survive_until_its_requests_finish():
     r = Router("least_loaded")
     r.set_workers("m", [(1, meta())])

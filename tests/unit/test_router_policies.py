@@ -266,6 +266,30 @@ def test_kv_with_many_holders_uses_the_same_costs():
     assert (d.instance_id, d.overlap_blocks) == (4, 10) and "cost 6.0" in d.reason
 
 
+def test_kv_with_a_common_prefix_decides_as_with_every_overlap_listed():
+    # Every worker caches a 32-block system prompt (common_overlap_blocks) and only those caching more are listed:
+    # the same decision, costs and reported overlaps as with all of them listed, for the lookup and the bisect path.
+    ws = [worker(i, active_blocks=(i * 7) % 5) for i in range(1, 41)]
+    deep = {4: 90, 17: 60, 30: 33}
+    full = {i: deep.get(i, 32) for i in range(1, 41)}
+    for listed in (deep, {**deep, **{i: 40 for i in range(5, 12)}}):
+        everyone = {i: listed.get(i, 32) for i in range(1, 41)}
+        a = place(KvPolicy(), request(2048, overlap_blocks=everyone), ws)
+        b = place(KvPolicy(), request(2048, overlap_blocks=listed, common_overlap_blocks=32), ws)
+        assert (a.instance_id, a.overlap_blocks, a.reason) == (b.instance_id, b.overlap_blocks, b.reason)
+    req = request(2048, overlap_blocks=deep, common_overlap_blocks=32)
+    assert [req.overlap_of(i) for i in (4, 5)] == [90, 32] and full[5] == 32
+    # Worker 4 has 90 of 128 blocks: 128 - 90 + 3 active blocks = 41, the lowest.
+    assert place(KvPolicy(), req, ws).instance_id == 4
+    # A pin or Autellix reports the common overlap of a worker that is not listed.
+    assert (
+        place(
+            KvPolicy(), request(2048, overlap_blocks=deep, common_overlap_blocks=32, pinned_instance_id=5), ws
+        ).overlap_blocks
+        == 32
+    )
+
+
 def test_kv_without_a_block_size_counts_default_blocks():
     d = place(KvPolicy(), request(256, block_size=0, overlap_blocks={1: 16}), [worker(1), worker(2)])
     assert d.instance_id == 1 and kv.DEFAULT_BLOCK_SIZE == 16 and "cost 0.0" in d.reason

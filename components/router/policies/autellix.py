@@ -143,7 +143,7 @@ def place(
             a = None
         home = common.find(cands, a.instance_id) if a is not None else None
         if a is not None and home is not None:
-            overlap = request.overlap_blocks.get(home.instance_id, 0)
+            overlap = request.overlap_of(home.instance_id)
             why = f"{label}: {n} tokens, program {_short(pid)} stays on its worker (locality hit){suffix}"
             decision = RouteDecision(home.instance_id, why, overlap)
             st = dataclasses.replace(st, num_locality_hits=st.num_locality_hits + 1)
@@ -187,6 +187,6 @@ class AutellixPolicy:
 
         def least_used(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, str, int]:
             w, why = common.least_used(cands, metric, rng)
-            return w, why, request.overlap_blocks.get(w.instance_id, 0)
+            return w, why, request.overlap_of(w.instance_id)
 
         return place(request, workers, state, self.config, least_used)

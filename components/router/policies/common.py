@@ -53,7 +53,7 @@ def pin(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Route
     w = find(workers, iid)
     if w is None:
         return None, ", pinned worker gone"
-    return RouteDecision(iid, "pinned", request.overlap_blocks.get(iid, 0)), ""
+    return RouteDecision(iid, "pinned", request.overlap_of(iid)), ""
 
 
 def candidates(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Sequence[WorkerSnapshot], str]:

@@ -6,10 +6,10 @@ For each candidate worker ``i`` (``common.candidates``: not already tried, not s
     prefill_blocks_to_compute_i = (prompt_tokens + active_prefill_tokens_i) / block_size - overlap_blocks_i
     cost_i = overlap_weight * prefill_blocks_to_compute_i + active_blocks_i
 
-``overlap_blocks_i`` is how many leading blocks of the prompt worker ``i`` caches (the router's KV index, from the
-workers' KV events), ``active_prefill_tokens_i`` the prompt tokens of requests routed there that have no first token
-yet (prefill queued ahead of this one: TTFT), ``active_blocks_i`` the KV blocks of requests in flight there (decode
-load: ITL). This is Dynamo's KV router cost with its defaults; the lowest cost wins.
+``overlap_blocks_i`` is how many leading blocks of the prompt worker ``i`` caches (``RouteRequest.overlap_of``: the
+router's KV index, from the workers' KV events), ``active_prefill_tokens_i`` the prompt tokens of requests routed
+there that have no first token yet (prefill queued ahead of this one: TTFT), ``active_blocks_i`` the KV blocks of
+requests in flight there (decode load: ITL). This is Dynamo's KV router cost with its defaults; the lowest cost wins.
 
 Steps, in order, each with its reason in the decision:
 1. **Pin**: ``pinned_instance_id`` wins when it can (``common.pin``).
@@ -33,9 +33,11 @@ Parameters (``RouterConfig``): ``overlap_weight``, ``router_temperature``, ``act
 Without a block size (``RouteRequest.block_size`` 0: the workers announced none) the policy counts blocks of
 ``DEFAULT_BLOCK_SIZE`` tokens; with no overlaps (no KV events yet, no hashes) the cost is pure load. Stateless.
 
-Cost: a few list comprehensions over the candidates and C-level min/count/index, ~30-50 us at 256 workers on one
-core of the 2-core EPYC dev machine; the router's share around it (hashing an 8k-token prompt ~105 us, the KV index
-walk 30-100 us for a 500-block conversation hit) is larger.
+``RouteRequest.common_overlap_blocks`` is the prefix every worker of the model caches (a system prompt); only the
+workers caching more are in ``overlap_blocks``, so with a shared system prompt the cost is one list comprehension
+over the candidates plus a binary search per listed worker. Cost: ~35-45 us at 256 workers on one core of the
+2-core EPYC dev machine; the router's share around it (hashing an 8k-token prompt ~60 us, the KV index search
+25-50 us) is larger.
 
 Pure: imports only the standard library and ``components.router``'s ``types``/``config``.
 """
@@ -73,25 +75,27 @@ def choose(
             i, _ = common.pick_min(loads, rng)
             w = cands[i]
             why = f"kv imbalance override: {hi} vs {lo} requests in flight, least loaded taken{busy_note}"
-            return w, why, get(w.instance_id, 0)
+            return w, why, request.overlap_of(w.instance_id)
 
     bs = request.block_size or DEFAULT_BLOCK_SIZE
     weight = config.overlap_weight
     per_token = weight / bs
-    base = len(request.token_ids) * per_token
+    floor = request.common_overlap_blocks  # every candidate caches this much; overlaps lists those caching more
+    base = len(request.token_ids) * per_token - weight * floor
     if len(overlaps) * 8 >= len(cands):
-        # Many workers hold some of the prompt (a system prompt they all cache): one lookup per candidate.
+        # Many workers hold more than the common prefix: one lookup per candidate.
         costs = [
-            base + per_token * w.active_prefill_tokens + w.active_blocks - weight * get(w.instance_id, 0) for w in cands
+            base + per_token * w.active_prefill_tokens + w.active_blocks - weight * (get(w.instance_id, floor) - floor)
+            for w in cands
         ]
     else:
         costs = [base + per_token * w.active_prefill_tokens + w.active_blocks for w in cands]
-        # Few hold it (or none): find each by binary search (cands are sorted by id) rather than a dict lookup per
+        # Few hold more (or none): find each by binary search (cands are sorted by id) rather than a dict lookup per
         # candidate, ~8 us less at 256 workers.
         for iid, blocks in overlaps.items():
             i = bisect.bisect_left(cands, iid, key=_instance_id)
             if i < len(cands) and cands[i].instance_id == iid:
-                costs[i] -= weight * blocks
+                costs[i] -= weight * (blocks - floor)
 
     temperature = config.router_temperature
     if temperature <= 0.0 or len(cands) == 1:
@@ -107,7 +111,7 @@ def choose(
             i = rng.choices(range(len(costs)), weights=weights)[0]
         how = f"sampled at T={temperature:g} among {len(cands)}"
     w = cands[i]
-    overlap = get(w.instance_id, 0)
+    overlap = get(w.instance_id, floor)
     n_blocks = len(request.block_hashes) if request.block_hashes is not None else len(request.token_ids) // bs
     why = f"kv: {overlap}/{n_blocks} blocks cached, cost {costs[i]:.1f}, {how}{busy_note}"
     return w, why, overlap
