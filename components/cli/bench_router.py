@@ -5,10 +5,10 @@ frontend asks it, so the measured code is the production code path and nothing e
 
 **Decision cost.** For each fleet size (8, 64, 256, 1,024 workers by default) and policy, ``--decisions`` requests of
 ``--prompt-tokens`` (8,192) token ids are placed, one ``perf_counter_ns`` pair around each decision exactly as
-``FrontendService`` makes it: ``Router.prepare`` (wraps the prompt in a lazy ``PromptHashes``; KV policies only) then ``Router.select``
-(rebuilds the snapshots of workers that changed, searches the KV index once, hashing the prompt as far as the
-search reads it, runs the pure policy). ``kv`` is the policy
-under test; ``round_robin`` and ``least_loaded`` are measured in the same run as the floor (no hashing, no index).
+``FrontendService`` makes it: ``Router.prepare`` (wraps the prompt in a lazy ``PromptHashes``; KV policies only)
+then ``Router.select`` (rebuilds the snapshots of workers that changed, searches the KV index once, hashing the
+prompt as far as the search reads it, runs the pure policy). ``kv`` is the policy under test; ``round_robin`` and
+``least_loaded`` are measured in the same run as the floor (no hashing, no index).
 Bookkeeping the frontend does after the decision (``on_routed``, ``on_first_token``, ``on_finished``) runs between
 timed regions, so the next decision pays for the snapshots it dirtied, as in production.
 

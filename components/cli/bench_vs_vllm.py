@@ -1,6 +1,9 @@
 """``kvmesh bench vs-vllm``: kvmesh (frontend + one vLLM worker) against ``vllm serve`` on the same model and load.
 
-One run of each, one after the other on this machine, with the same engine settings (model, dtype, KV-cache bytes,
+``--rounds`` runs of each (default 2), in ABBA order (``--order`` first, then the other twice, then the first again),
+so that a drift over the minutes of the benchmark (the second server of a pair measured ~5-15% faster on the 2-core
+dev machine, whichever it was) weighs on both sides alike; each side's numbers are the means over its runs. The
+same engine settings (model, dtype, KV-cache bytes,
 block size, max_model_len, max_num_seqs, eager mode, prefix caching, seed, one OpenMP thread) and the same load
 (``loadgen.run_load``: closed loop, synthetic token-id prompts, ``ignore_eos`` so every request produces exactly
 ``max_tokens``). Each server first gets ``warmup_requests`` unmeasured requests (other prompts: the seed differs).
@@ -11,11 +14,12 @@ The last line on stdout is one JSON object::
      "added_ttft_p99_ms": ..., "targets": {...}, "meets_targets": ..., "kvmesh": {...}, "vllm": {...}, ...}
 
 Targets (issue 4): ratio >= 0.95 and added TTFT p50 <= 5 ms. On a 2-core machine both servers, the engine's two
-processes and the load generator share the cores, so a single run is noisy; the numbers say what one run saw.
+processes and the load generator share the cores, so runs are noisy; ``runs`` in the JSON keeps each one.
 
 Everything listens on loopback: etcd and nats-server started here on free ports with temporary data directories,
-the frontend and ``vllm serve`` on 127.0.0.1. Each server runs in its own process group and gets SIGTERM at the end
-(a worker drains and shuts vLLM down), then SIGKILL for the group after ``stop_timeout_s``.
+the frontend and ``vllm serve`` on 127.0.0.1. Each server runs in its own process group, in this process's session
+(one scheduling autogroup for everything: ``components.cli.launcher``'s docstring says why), and gets SIGTERM at the
+end (a worker drains and shuts vLLM down), then SIGKILL for the group after ``stop_timeout_s``.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class VsVllmConfig(BaseModel):
     startup_timeout_s: float = Field(default=180.0, gt=0, description="How long a server may take to get ready.")
     stop_timeout_s: float = Field(default=60.0, gt=0, description="How long a server may take to exit on SIGTERM.")
     order: str = Field(default="vllm,kvmesh", description="Which server runs first: 'vllm,kvmesh' or 'kvmesh,vllm'.")
+    rounds: int = Field(default=2, ge=1, le=10, description="Runs of each server, in ABBA order (A = --order's first).")
     log_dir: str | None = Field(default=None, description="Keep the servers' logs here (default: a temporary dir).")
 
 
@@ -109,8 +114,11 @@ class _Server:
         self.stdout_path = log_dir / f"{name}.out"
         self._out: IO[bytes] = open(self.stdout_path, "wb")  # closed in stop()
         logger.info("starting %s: %s", name, " ".join(cmd))
+        # Its own process group (killed as a whole at the end), in this session: a new session would be a new
+        # scheduling autogroup, and the kernel then shares the 2 cores between groups rather than between processes,
+        # which delays the wake-up of whichever process waits for the busy engine's output (see docs/vllm-cpu.md).
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._out, stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True
+            cmd, env=env, stdout=self._out, stderr=self._log, stdin=subprocess.DEVNULL, process_group=0
         )
 
     def stdout_line(self, prefix: str) -> str | None:
@@ -262,21 +270,57 @@ def compare(kvmesh: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def schedule(order: str, rounds: int) -> list[str]:
+    """Which server runs when: ABBA over ``rounds`` runs of each (pure). ``schedule("vllm,kvmesh", 2)`` is vllm,
+    kvmesh, kvmesh, vllm."""
+    a, b = (s.strip() for s in order.split(","))
+    out: list[str] = []
+    for i in range(rounds):
+        out += [a, b] if i % 2 == 0 else [b, a]
+    return out
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's run summaries (``_summary``) as one (pure): counts summed, the rest averaged over the runs (a
+    percentile is the mean of the runs' percentiles), the worst exit code; ``runs`` keeps each."""
+    if len(runs) == 1:
+        return {**runs[0], "runs": runs}
+
+    def mean(values: list[Any]) -> float | None:
+        nums = [v for v in values if isinstance(v, int | float)]
+        return round(sum(nums) / len(nums), 3) if len(nums) == len(values) and nums else None
+
+    out: dict[str, Any] = {
+        "requests_completed": sum(r["requests_completed"] for r in runs),
+        "requests_failed": sum(r["requests_failed"] for r in runs),
+        "duration_s": round(sum(r["duration_s"] for r in runs), 3),
+        "exit_code": max((r["exit_code"] or 0) for r in runs),
+    }
+    for key in ("output_tokens_per_s", "requests_per_s", "startup_s", "cpu_ms_per_request"):
+        out[key] = mean([r[key] for r in runs])
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        out[key] = {p: mean([r[key].get(p) for r in runs]) for p in runs[0][key]}
+    errors: dict[str, int] = {}
+    for r in runs:
+        for kind, n in r["errors"].items():
+            errors[kind] = errors.get(kind, 0) + n
+    out["errors"] = errors
+    out["runs"] = runs
+    return out
+
+
 async def run(cfg: VsVllmConfig, log_dir: Path) -> dict[str, Any]:
     engine = _engine(cfg)
     model = Path(engine.model_path).name
-    results: dict[str, dict[str, Any]] = {}
-    for name in (s.strip() for s in cfg.order.split(",")):
-        logger.info("running %s", name)
+    runs: dict[str, list[dict[str, Any]]] = {"kvmesh": [], "vllm": []}
+    for i, name in enumerate(schedule(cfg.order, cfg.rounds)):
+        logger.info("run %d: %s", i + 1, name)
         runner = _run_vllm if name == "vllm" else _run_kvmesh
-        results[name] = await runner(cfg, engine, model, log_dir)
-    return {
-        "bench": "vs-vllm",
-        **compare(results["kvmesh"], results["vllm"]),
-        "kvmesh": _summary(results["kvmesh"]),
-        "vllm": _summary(results["vllm"]),
-        "config": cfg.model_dump(),
-    }
+        run_dir = log_dir / f"run{i + 1}-{name}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        runs[name].append({"run": i + 1, **_summary(await runner(cfg, engine, model, run_dir))})
+    kvmesh, vllm = combine(runs["kvmesh"]), combine(runs["vllm"])
+    return {"bench": "vs-vllm", **compare(kvmesh, vllm), "kvmesh": kvmesh, "vllm": vllm, "config": cfg.model_dump()}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,9 +8,13 @@ Pure part, unit-tested without processes:
 
 ``CircusLauncher`` runs the plans in this process's asyncio loop (tornado's IOLoop wraps it), with the controller on
 ``tcp://127.0.0.1:<free port>``: the planner adds and removes watchers later through ``circus.client`` the same way.
-Circus starts every process in its own session (``os.setsid``), so a Ctrl-C in the terminal reaches ``kvmesh serve``
-alone, which then stops the watchers itself: SIGTERM, up to ``graceful_timeout_s`` to drain, then SIGKILL of the
-process and its children.
+Circus starts every process in its own session (``os.setsid``); kvmesh makes that its own *process group* instead
+(``_same_session``), so a Ctrl-C in the terminal still reaches ``kvmesh serve`` alone, which then stops the watchers
+itself: SIGTERM, up to ``graceful_timeout_s`` to drain, then SIGKILL of the process and its children. Not a session:
+with the kernel's scheduler autogroups (on by default) every session is a scheduling group, the cores are shared
+between groups, and a frontend or worker that wakes up to relay a token can wait tens of milliseconds behind an
+engine's group that keeps the cores busy (on the 2-core dev machine: +14 ms TTFT p50 and bursts of whole answers,
+gone with one session; docs/vllm-cpu.md).
 
 circus is imported lazily: importing it calls ``logging.basicConfig()``, which would otherwise configure logging
 before ``kvmesh --log-level`` does.
@@ -237,6 +241,7 @@ class CircusLauncher:
         from circus.stream import FileStream
         from circus.watcher import Watcher
 
+        _same_session()
         plan.log.parent.mkdir(parents=True, exist_ok=True)
         # One stream object for stdout and stderr: one file handle, so their lines stay in order.
         stream = FileStream(filename=str(plan.log), max_bytes=LOG_MAX_BYTES, backup_count=LOG_BACKUP_COUNT)
@@ -321,6 +326,26 @@ class CircusLauncher:
                 await asyncio.sleep(0.1)
         # With a provided loop, circus closes its controller socket in a callback after stop(); let it run.
         await _yield_to_loop()
+
+
+class _SessionKeepingOs:
+    """``os`` as circus's process module sees it, except that ``setsid()`` (called in the child before exec) makes a
+    new process group in the same session rather than a new session (module docstring)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    @staticmethod
+    def setsid() -> None:
+        os.setpgid(0, 0)
+
+
+def _same_session() -> None:
+    """Make circus start its processes in kvmesh serve's session (idempotent)."""
+    import circus.process
+
+    if not isinstance(circus.process.os, _SessionKeepingOs):
+        circus.process.os = _SessionKeepingOs()  # type: ignore[assignment]
 
 
 async def _yield_to_loop() -> None:

@@ -80,8 +80,12 @@ class ServerProcess:
     def start(self, timeout_s: float = 20.0) -> None:
         log = open(self.log_path, "ab")
         self._log = log
+        # Its own process group (a terminal's Ctrl-C does not reach it) but this session: with the kernel's scheduler
+        # autogroups (CONFIG_SCHED_AUTOGROUP, on by default), a new session is a new scheduling group, and on a busy
+        # machine a group that wakes up can wait tens of milliseconds behind a group that keeps the cores busy (an
+        # inference engine); nats-server relaying tokens is exactly such a wake-up. docs/vllm-cpu.md has the figures.
         self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0
         )
         _wait_port(self.host, self.port, self.proc, timeout_s, self.name, self.log_path)
         self._wait_ready(timeout_s)

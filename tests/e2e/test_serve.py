@@ -189,6 +189,20 @@ def test_the_state_file_records_watchers_processes_and_endpoints(mock_agg):
     assert http_get(f"{url}/health")[0] == 200
 
 
+def test_every_process_shares_serves_session_in_its_own_process_group(mock_agg):
+    # One session = one scheduling autogroup for the whole deployment (a session per process made relayed tokens
+    # wait behind the engines' group: launcher module docstring); own process groups keep Ctrl-C away from them.
+    serve, _ = mock_agg
+    st = serve.state()
+    session = os.getsid(serve.proc.pid)
+    procs = [p for w in st.watchers for p in w.processes]
+    procs += [st.embedded_etcd.process, st.embedded_nats.process]  # type: ignore[union-attr]
+    assert len(procs) == 5
+    for p in procs:
+        assert os.getsid(p.pid) == session, p
+        assert os.getpgid(p.pid) == p.pid, p
+
+
 def test_the_circus_controller_lists_the_watchers(mock_agg):
     # The planner adds and removes watchers through this endpoint; here it only has to answer.
     from circus.client import CircusClient
