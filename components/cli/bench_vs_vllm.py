@@ -1,12 +1,15 @@
 """``kvmesh bench vs-vllm``: kvmesh (frontend + one vLLM worker) against ``vllm serve`` on the same model and load.
 
 ``--rounds`` runs of each (default 2), in ABBA order (``--order`` first, then the other twice, then the first again),
-so that a drift over the minutes of the benchmark (the second server of a pair measured ~5-15% faster on the 2-core
-dev machine, whichever it was) weighs on both sides alike; each side's numbers are the means over its runs. The
+so that a drift over the minutes of the benchmark (on the 2-core dev VM, runs of one server differ by up to 19% and
+the later run of a pair was the faster in 6 of 9 pairs) weighs on both sides alike; each side's numbers are the
+means over its runs. The
 same engine settings (model, dtype, KV-cache bytes,
 block size, max_model_len, max_num_seqs, eager mode, prefix caching, seed, one OpenMP thread) and the same load
 (``loadgen.run_load``: closed loop, synthetic token-id prompts, ``ignore_eos`` so every request produces exactly
-``max_tokens``). Each server first gets ``warmup_requests`` unmeasured requests (other prompts: the seed differs).
+``max_tokens``), and vLLM's KV-event publisher on in both (kvmesh's worker needs it for KV-aware routing; ``vllm
+serve`` gets the same ``--kv-events-config``, unread). Each server first gets ``warmup_requests`` unmeasured
+requests (other prompts: the seed differs).
 
 The last line on stdout is one JSON object::
 
@@ -45,6 +48,7 @@ from components.cli.args import add_model_arguments, model_from_args
 from components.cli.loadgen import LoadConfig, LoadgenError, run_load
 from components.runtime.servers import EtcdServer, NatsServer, free_port
 from components.workers.engines.vllm.config import DEFAULT_ENVIRONMENT, VllmEngineConfig
+from components.workers.engines.vllm.engine import KV_EVENTS_TOPIC
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,20 @@ def _engine_flags(e: VllmEngineConfig) -> list[str]:
     if e.max_num_seqs is not None:
         flags += ["--max-num-seqs", str(e.max_num_seqs)]
     return flags
+
+
+def _kv_events_config(e: VllmEngineConfig, log_dir: Path) -> dict[str, Any]:
+    """The KV-event publisher kvmesh's vLLM worker turns on (``VllmEngine._kv_events_config``), for ``vllm serve``
+    too: the engine serialises and publishes its prefix-cache events every step in both runs (nobody reads vLLM's),
+    so the engines do the same work and the comparison shows what kvmesh adds."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{log_dir.resolve()}/kv-events.sock",
+        "replay_endpoint": f"ipc://{log_dir.resolve()}/kv-events-replay.sock",
+        "buffer_steps": e.kv_events_replay_steps,
+        "topic": KV_EVENTS_TOPIC,
+    }
 
 
 class _Server:
@@ -193,6 +211,7 @@ async def _run_vllm(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, log
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.model_path]
     cmd += ["--served-model-name", model, "--host", "127.0.0.1", "--port", str(port)]
     cmd += [*_engine_flags(engine), "--enforce-eager", "--enable-prefix-caching", "--disable-uvicorn-access-log"]
+    cmd += ["--kv-events-config", json.dumps(_kv_events_config(engine, log_dir))]
     server = _Server("vllm-serve", cmd, _env(engine), log_dir)
     base = f"http://127.0.0.1:{port}"
     try:

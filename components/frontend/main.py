@@ -17,7 +17,7 @@ import signal
 from components.cli.args import add_model_arguments, model_from_args
 from components.frontend.config import FrontendConfig
 from components.frontend.server import Frontend
-from components.runtime import Runtime, RuntimeConfig
+from components.runtime import Runtime, RuntimeConfig, eventloop
 
 logger = logging.getLogger(__name__)
 
@@ -61,4 +61,4 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    return asyncio.run(run(args))
+    return eventloop.run(run(args))

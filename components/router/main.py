@@ -19,7 +19,7 @@ import signal
 from components.cli.args import add_model_arguments, model_from_args
 from components.router.config import RouterServiceConfig
 from components.router.service import RouterService
-from components.runtime import Runtime, RuntimeConfig
+from components.runtime import Runtime, RuntimeConfig, eventloop
 
 logger = logging.getLogger(__name__)
 
@@ -54,4 +54,4 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    return asyncio.run(run(args))
+    return eventloop.run(run(args))

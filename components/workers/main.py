@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from components.cli.args import add_model_arguments, model_from_args
-from components.runtime import Runtime, RuntimeConfig
+from components.runtime import Runtime, RuntimeConfig, eventloop
 from components.workers.config import EngineKind, WorkerConfig
 from components.workers.engines.base import Engine
 from components.workers.engines.mock import MockEngine, MockEngineConfig
@@ -130,7 +130,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    return asyncio.run(run(args))
+    return eventloop.run(run(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""The event loop long-running kvmesh processes (worker, frontend, router) run on: uvloop where it is installed.
+
+Every streamed token crosses two kvmesh event loops (the worker's and the frontend's) besides the engine's, so
+their per-wake-up cost is per-token CPU taken from the engine on a busy machine. uvloop (libuv) wakes up and
+dispatches socket events several times cheaper than asyncio's default selector loop; vLLM's own OpenAI server
+runs on it too (uvicorn picks it). ``KVMESH_UVLOOP=0`` falls back to the default loop; without uvloop installed
+(it has no wheels for some platforms) the default loop is used.
+
+Imports: the standard library; ``uvloop`` lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ENV_UVLOOP = "KVMESH_UVLOOP"
+
+
+def uvloop_wanted() -> bool:
+    return os.environ.get(ENV_UVLOOP, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)`` on uvloop when it is installed and not switched off."""
+    if uvloop_wanted():
+        try:
+            import uvloop
+        except ImportError:
+            logger.debug("uvloop is not installed: the default asyncio loop runs")
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
