@@ -35,6 +35,12 @@ class WorkerConfig(BaseModel):
     metrics_interval_ms: int = Field(
         default=100, ge=10, description="How often each worker publishes its LoadSnapshot on the event plane."
     )
+    engine_check_interval_ms: int = Field(
+        default=500,
+        ge=10,
+        description="How often each worker asks its engine whether it died; a dead engine's worker leaves the fleet "
+        "(deregisters) and, once every worker of the process has, the process exits with status 1.",
+    )
     kv_events_batch_ms: int = Field(
         default=10, ge=0, description="KV events are gathered this long before one batch is published (0: at once)."
     )

@@ -21,6 +21,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -118,13 +119,24 @@ async def run(args: argparse.Namespace) -> int:
         ids = ",".join(f"{w.instance_id:x}" for w in workers)
         print(f"READY {len(workers)} workers: {ids}", flush=True)
         logger.info("%d %s workers serving %s in %s", len(workers), cfg.engine, cfg.model, cfg.namespace)
-        await stop.wait()
+        all_dead: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(w.dead.wait() for w in workers)))
+        stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([stopping, all_dead], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            all_dead.cancel()
+            stopping.cancel()
+        dead = [w for w in workers if w.dead.is_set()]
         logger.info("draining %d workers", len(workers))
         cancelled = sum(await asyncio.gather(*(w.stop() for w in workers)))
         if cancelled:
             logger.warning("%d requests outlived the drain timeout and were cancelled", cancelled)
     finally:
         await runtime.shutdown(drain_timeout_s=cfg.drain_timeout_s)
+    if len(dead) == len(workers):
+        # Every engine died: exit non-zero, so a supervisor (circus, Kubernetes) starts a fresh worker.
+        print(f"DEAD {dead[0].dead_reason}", flush=True)
+        return 1
     print("STOPPED", flush=True)
     return 0
 

@@ -4,6 +4,11 @@ Serves ``generate`` and ``kv_state`` (same instance id, so a router can ask the 
 publishes a ``LoadSnapshot`` every ``metrics_interval_ms`` and KV events in batches every ``kv_events_batch_ms``.
 ``stop()`` deregisters first (no new requests are routed here), lets the requests in flight finish (up to
 ``drain_timeout_s``), then revokes the lease and shuts the engine down.
+
+Every ``engine_check_interval_ms`` it asks the engine whether it died (``Engine.dead_reason``: vLLM's engine-core
+process exited, a simulated engine's ``fail_after_s`` fault); a dead engine's worker stops itself, so it leaves the
+fleet within a check interval instead of failing every request routed to it until the lease expires, and sets
+``dead`` (``kvmesh worker`` exits 1 once all its workers are dead, for its supervisor to start a fresh one).
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ class Worker:
         self._events_ready = asyncio.Event()
         self.num_kv_batches_published = 0
         self.started_at = 0.0  # set when it registers
+        # Set once the engine died and this worker left the fleet (``dead_reason`` says why).
+        self.dead = asyncio.Event()
+        self.dead_reason: str | None = None
+        self._stop_task: asyncio.Task[int] | None = None
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -82,7 +91,23 @@ class Worker:
             sup.spawn(self._publish_metrics(), name=f"metrics:{self.instance_id:x}"),
             sup.spawn(self._collect_kv_events(), name=f"kv-collect:{self.instance_id:x}"),
             sup.spawn(self._publish_kv_events(), name=f"kv-publish:{self.instance_id:x}"),
+            sup.spawn(self._watch_engine(), name=f"engine-watch:{self.instance_id:x}"),
         ]
+
+    async def _watch_engine(self) -> None:
+        """Leave the fleet when the engine dies: a dead engine's worker would otherwise stay discoverable and fail
+        every request a router sends it until its process is restarted."""
+        interval_s = self.config.engine_check_interval_ms / 1000
+        while True:
+            reason = self.engine.dead_reason()
+            if reason is not None:
+                break
+            await asyncio.sleep(interval_s)
+        logger.error("worker %x: %s; leaving the fleet", self.instance_id, reason)
+        self.dead_reason = reason
+        self.dead.set()
+        self._tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        await self.stop()
 
     async def _generate(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         request = GenerateRequest.from_dict(body)
@@ -122,7 +147,13 @@ class Worker:
                 self.num_kv_batches_published += 1
 
     async def stop(self) -> int:
-        """Drain and leave; returns how many requests had to be cancelled after ``drain_timeout_s``."""
+        """Drain and leave; returns how many requests had to be cancelled after ``drain_timeout_s``. A second call
+        (SIGTERM while a dead engine's worker is leaving) waits for the first."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop())
+        return await asyncio.shield(self._stop_task)
+
+    async def _stop(self) -> int:
         cancelled = 0
         # generate last in the list: stop it first so routing stops, then kv_state.
         for served in reversed(self._served):

@@ -279,3 +279,22 @@ async def test_load_snapshots_show_a_queue_under_pressure(mesh):
     # Preemption recomputes; greedy output does not change.
     alone = await run("p0-alone", prompts[0])
     assert tokens(alone) == tokens(outs[0])
+
+
+async def test_a_worker_whose_engine_core_dies_leaves_the_fleet(mesh):
+    # Last in the module: it kills worker B's engine. vLLM notices the dead engine-core process (its monitor thread
+    # marks the client errored); the worker's engine check sees it and deregisters, so routers stop sending it
+    # requests, while worker A keeps serving.
+    import os
+    import signal
+
+    b = mesh.b
+    llm = mesh.engine(b)._llm
+    core = llm.engine_core.resources.engine_manager.processes[0]
+    assert core.is_alive() and not b.dead.is_set()
+    os.kill(core.pid, signal.SIGKILL)
+    await asyncio.wait_for(b.dead.wait(), 15)
+    assert "died" in (b.dead_reason or "") and mesh.engine(b).dead_reason() is not None
+    assert await eventually(lambda: mesh.generate.instance_ids() == [mesh.a.instance_id], timeout_s=10)
+    out = tokens(await chunks_of(await mesh.generate.generate(request("after-death", [5, 6, 7], 8))))
+    assert len(out) == 8

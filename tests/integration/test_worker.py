@@ -204,3 +204,47 @@ async def test_sigkill_mid_stream_interrupts_only_that_workers_streams(make_runt
             if p.poll() is None:
                 p.kill()
             p.wait(5)
+
+
+async def test_a_worker_whose_engine_dies_leaves_the_fleet_and_its_process_exits_1(make_runtime, runtime_config):
+    """The engine dies (fault injection: --fail-after-s); its worker deregisters within a check interval, the request
+    it was serving fails (not hangs), a sibling whose engine lives keeps serving, and once every engine of the
+    process has died the process exits 1 so its supervisor starts a fresh one."""
+    from components.runtime import RemoteHandlerError, StreamInterruptedError
+
+    env = os.environ | {
+        "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
+        "KVMESH_NATS_URL": runtime_config.nats_url,
+    }
+    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--namespace", NS, "--speedup-ratio", "1"]
+    cmd += ["--vocab-size", "1000", "--eos-token-id", "999", "--num-gpu-blocks", "1024", "--max-model-len", "4096"]
+    cmd += ["--engine-check-interval-ms", "100"]
+    healthy = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    doomed = subprocess.Popen([*cmd, "--fail-after-s", "3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    try:
+        ids = []
+        for p in (healthy, doomed):
+            line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)
+            assert line.startswith("READY 1 workers: "), line
+            ids.append(int(line.split(": ")[1], 16))
+        crt = await make_runtime()
+        client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        await client.wait_for_instances(2, timeout_s=5)
+        # ~5 ms per decode step: 5000 tokens outlast the 3 s the doomed engine has left.
+        stream = await client.direct(request("long", [1, 2, 3], max_tokens=5000), ids[1])
+        await stream.__anext__()
+        with pytest.raises((RemoteHandlerError, StreamInterruptedError)):
+            await asyncio.wait_for(tokens_of(stream), 15)
+        assert await asyncio.to_thread(doomed.wait, 15) == 1
+        assert "DEAD mock engine" in doomed.stdout.read()
+        for _ in range(100):
+            if client.instance_ids() == [ids[0]]:
+                break
+            await asyncio.sleep(0.05)
+        assert client.instance_ids() == [ids[0]]
+        assert len(await tokens_of(await client.generate(request("ok", [1, 2, 3], max_tokens=16)))) == 16
+    finally:
+        for p in (healthy, doomed):
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)

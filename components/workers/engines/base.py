@@ -223,6 +223,11 @@ class Engine(Protocol):
         """Everything the prefix cache holds now, for a router to resynchronise."""
         ...
 
+    def dead_reason(self) -> str | None:
+        """Why the engine can serve no more requests (its engine process died, its loop crashed); None while it
+        can. Cheap, no I/O: the worker polls it to leave the fleet instead of failing every request routed to it."""
+        ...
+
     async def shutdown(self) -> None:
         """Abort what is left and release resources."""
         ...

@@ -118,6 +118,14 @@ class MockEngineConfig(BaseModel):
         "requests, which tests of routing and migration rely on; give a fleet one seed.",
     )
 
+    # --- Faults -----------------------------------------------------------------------------------------------------
+    fail_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Fault injection: the engine dies this many seconds after start(), as a crashed engine process "
+        "would (every open request fails, dead_reason() says why); unset: never.",
+    )
+
     # --- KV events --------------------------------------------------------------------------------------------------
     max_pending_kv_event_batches: int = Field(
         default=4096,

@@ -69,6 +69,7 @@ class MockEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._fault: asyncio.TimerHandle | None = None
         # Observable counters (tests, metrics): steps run, steps followed by a real (positive) sleep, the simulated
         # time those steps modelled, and KV event batches dropped because nobody consumed them.
         self.num_steps = 0
@@ -84,12 +85,16 @@ class MockEngine:
         if self._closed:
             raise EngineDeadError(f"mock engine {self.name!r} was shut down")
         self._loop_task = asyncio.create_task(self._run_step_loop(), name=f"mock-engine-step:{self.name}")
+        if self.config.fail_after_s is not None:
+            self._fault = asyncio.get_running_loop().call_later(self.config.fail_after_s, self._inject_failure)
 
     async def shutdown(self) -> None:
         """Stop the step loop, end every open ``generate()`` with an ``abort`` chunk, and end ``kv_events()``."""
         if self._closed:
             return
         self._closed = True
+        if self._fault is not None:
+            self._fault.cancel()
         task, self._loop_task = self._loop_task, None
         try:
             if task is not None:
@@ -194,10 +199,23 @@ class MockEngine:
             logger.exception("mock engine %s: step loop crashed", self.name)
             dead = EngineDeadError(f"mock engine {self.name!r} step loop crashed: {exc!r}")
             dead.__cause__ = exc
-            self._dead = dead
-            for rid in list(self._queues):
-                self._push(rid, dead)
-            self._kv_ready.set()
+            self._die(dead)
+
+    def _die(self, dead: EngineDeadError) -> None:
+        self._dead = dead
+        for rid in list(self._queues):
+            self._push(rid, dead)
+        self._kv_ready.set()
+
+    def _inject_failure(self) -> None:
+        """``fail_after_s`` is up: die as a crashed engine process would."""
+        logger.error("mock engine %s: injected failure after %g s", self.name, self.config.fail_after_s)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._die(EngineDeadError(f"mock engine {self.name!r} died (fail_after_s={self.config.fail_after_s:g})"))
+
+    def dead_reason(self) -> str | None:
+        return None if self._dead is None else str(self._dead)
 
     async def _step_loop(self) -> None:
         sched = self._scheduler

@@ -389,6 +389,13 @@ class VllmEngine:
         """The KV-event subscriber (its counters: batches, replayed, lost), or None without prefix caching."""
         return self._subscriber
 
+    def dead_reason(self) -> str | None:
+        """vLLM's own verdict: its output handler marks the client errored when the engine-core process dies."""
+        llm = self._llm
+        if llm is not None and llm.errored:
+            return f"vLLM engine {self.name!r} died: {llm.dead_error!r}"
+        return None
+
     def kv_state(self) -> KvStateSnapshot:
         return self._translator.kv_state()
 
