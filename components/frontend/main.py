@@ -9,10 +9,8 @@ shutdown: stop listening, let requests in flight finish for up to ``--shutdown-t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 
 from components.cli.args import add_model_arguments, model_from_args
 from components.frontend.config import FrontendConfig
@@ -41,10 +39,7 @@ async def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     rcfg = RuntimeConfig.from_env(etcd_endpoints=[args.etcd] if args.etcd else None, nats_url=args.nats)
     runtime = await Runtime.connect(rcfg, name=f"kvmesh-frontend-{cfg.namespace}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = eventloop.stop_on_signals()
     frontend = Frontend(cfg, runtime)
     try:
         url = await frontend.start()

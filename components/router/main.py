@@ -12,9 +12,7 @@ the same namespace and component: they share their in-flight assignments (``--ro
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 
 from components.cli.args import add_model_arguments, model_from_args
 from components.router.config import RouterServiceConfig
@@ -34,10 +32,7 @@ async def run(args: argparse.Namespace) -> int:
     cfg = model_from_args(RouterServiceConfig, args)
     rcfg = RuntimeConfig.from_env(etcd_endpoints=[args.etcd] if args.etcd else None, nats_url=args.nats)
     runtime = await Runtime.connect(rcfg, name=f"kvmesh-router-{cfg.namespace}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = eventloop.stop_on_signals()
     service = RouterService(cfg, runtime)
     try:
         await service.start()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -38,3 +39,13 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         else:
             return uvloop.run(main)
     return asyncio.run(main)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call inside the running loop): a component's ``run`` waits on it, then
+    drains and exits."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -104,10 +103,7 @@ async def run(args: argparse.Namespace) -> int:
     rcfg = RuntimeConfig.from_env(etcd_endpoints=[args.etcd] if args.etcd else None, nats_url=args.nats)
     runtime = await Runtime.connect(rcfg, name=f"kvmesh-worker-{cfg.namespace}")
     workers = [Worker(runtime, cfg, make_engine(cfg, args, i), index=i) for i in range(cfg.num_workers)]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = eventloop.stop_on_signals()
     try:
         # Every start runs to its end before failures are handled: a vLLM engine still starting in a thread when
         # its sibling fails would otherwise outlive the process as orphaned engine-core processes.

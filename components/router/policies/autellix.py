@@ -110,12 +110,9 @@ def place(
     label: str = "autellix",
 ) -> tuple[RouteDecision, AutellixState]:
     """Algorithm 2 over ``workers`` with ``choose`` as the placement rule (LEAST_USED for ``autellix``)."""
-    pinned, pin_note = common.pin(request, workers)
-    if pinned is not None:
-        return pinned, state
-    cands, note = common.candidates(request, workers)
-    if not cands:
-        return common.nowhere(request, workers), state
+    placed, cands, note = common.prelude(request, workers)
+    if placed is not None:
+        return placed, state
     now = request.now_s
     ttl = config.program_ttl_s
     state = _sweep(state, now, ttl)
@@ -124,7 +121,7 @@ def place(
     threshold = config.locality_threshold_tokens
     pid = request.program_id
     programs = state.programs
-    suffix = f"{pin_note}{note}"
+    suffix = note
 
     if n <= threshold:
         w, why, overlap = choose(cands)

@@ -76,6 +76,24 @@ def nowhere(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> RouteDe
     return RouteDecision(None, f"all {len(workers)} workers of model {request.model!r} were already tried")
 
 
+def prelude(
+    request: RouteRequest, workers: Sequence[WorkerSnapshot]
+) -> tuple[RouteDecision | None, Sequence[WorkerSnapshot], str]:
+    """The steps every policy starts with: the pin (``pin``), then the candidates (``candidates``).
+
+    Returns ``(decision, candidates, note)``: a decision when the request is already placed (pinned) or can be
+    placed nowhere, otherwise None with the candidates and the note (pin fallback + skipped workers) for the
+    policy's reason.
+    """
+    pinned, pin_note = pin(request, workers)
+    if pinned is not None:
+        return pinned, (), ""
+    cands, note = candidates(request, workers)
+    if not cands:
+        return nowhere(request, workers), (), ""
+    return None, cands, f"{pin_note}{note}"
+
+
 def is_busy(w: WorkerSnapshot, now_s: float, kv_threshold: float | None, prefill_threshold: int | None) -> bool:
     if not w.has_fresh_metrics(now_s):
         return False

@@ -39,14 +39,11 @@ class PowerOfTwoPolicy:
     def select(
         self, request: RouteRequest, workers: Sequence[WorkerSnapshot], state: None, rng: random.Random
     ) -> tuple[RouteDecision, None]:
-        pinned, pin_note = common.pin(request, workers)
-        if pinned is not None:
-            return pinned, state
-        cands, note = common.candidates(request, workers)
-        if not cands:
-            return common.nowhere(request, workers), state
+        placed, cands, note = common.prelude(request, workers)
+        if placed is not None:
+            return placed, state
         if len(cands) == 1:
-            return RouteDecision(cands[0].instance_id, f"power of two: only candidate{pin_note}{note}"), state
+            return RouteDecision(cands[0].instance_id, f"power of two: only candidate{note}"), state
         i, j = rng.sample(range(len(cands)), 2)
         a, b = cands[i], cands[j]
         la, lb = reported_load(a, request.now_s), reported_load(b, request.now_s)
@@ -55,4 +52,4 @@ class PowerOfTwoPolicy:
         else:
             what = "running + waiting reported"
         w, lw, lo = (b, lb, la) if lb < la else (a, la, lb)
-        return RouteDecision(w.instance_id, f"power of two: {lw} vs {lo} {what}{pin_note}{note}"), state
+        return RouteDecision(w.instance_id, f"power of two: {lw} vs {lo} {what}{note}"), state

@@ -29,11 +29,8 @@ class RandomPolicy:
     def select(
         self, request: RouteRequest, workers: Sequence[WorkerSnapshot], state: None, rng: random.Random
     ) -> tuple[RouteDecision, None]:
-        pinned, pin_note = common.pin(request, workers)
-        if pinned is not None:
-            return pinned, state
-        cands, note = common.candidates(request, workers)
-        if not cands:
-            return common.nowhere(request, workers), state
+        placed, cands, note = common.prelude(request, workers)
+        if placed is not None:
+            return placed, state
         w = cands[rng.randrange(len(cands))]
-        return RouteDecision(w.instance_id, f"random among {len(cands)}{pin_note}{note}"), state
+        return RouteDecision(w.instance_id, f"random among {len(cands)}{note}"), state

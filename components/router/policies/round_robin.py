@@ -43,15 +43,12 @@ class RoundRobinPolicy:
 def select(
     request: RouteRequest, workers: Sequence[WorkerSnapshot], state: RoundRobinState
 ) -> tuple[RouteDecision, RoundRobinState]:
-    pinned, pin_note = common.pin(request, workers)
-    if pinned is not None:
-        return pinned, state
-    cands, note = common.candidates(request, workers)
-    if not cands:
-        return common.nowhere(request, workers), state
+    placed, cands, note = common.prelude(request, workers)
+    if placed is not None:
+        return placed, state
     # Pinning is a request, not a promise: the worker may have left. Falling through to the rotation keeps the
     # request alive; the reason tells the caller it did not land where it asked.
-    reason = f"round robin{pin_note}{note}"
+    reason = f"round robin{note}"
     n = len(workers)
     if len(cands) == n:
         i = state.next_index % n
