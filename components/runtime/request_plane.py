@@ -2,18 +2,25 @@
 
 Wire protocol (msgpack lists, smallest first):
 
-    client -> instance subject    [REQ, request_id, body]      reply = the client's inbox token
-                                  [CANCEL, request_id]         no reply
-                                  [PROBE, request_id]          reply = the stream's inbox token
-    instance -> client inbox      [seq, ACK, None]             seq 0, sent before the handler runs
+    client -> instance subject    [REQ, request_id, body, batch_subject, key]      reply = the stream's inbox
+                                  [CANCEL, request_id]                             no reply
+                                  [PROBE, request_id, batch_subject, key]          reply = the stream's inbox
+    instance -> client            [seq, ACK, None]             seq 0, sent before the handler runs
                                   [seq, DATA, item]            seq 1, 2, ...
                                   [seq, END, None]             the stream is complete
                                   [seq, ERROR, {type, message}]
                                   [0, DRAINING, None]          the instance takes no new requests
                                   [-1, PROBE_ACK, alive]       answer to PROBE, outside the sequence
 
-The probe's answer travels on the stream's own inbox, behind every frame the instance sent before it, so "not alive"
-can never overtake the END frame of a request that just finished.
+Batches: a client runtime receives every stream on one wildcard subscription (``ResponseMux``), so an instance that
+is told the client's ``batch_subject`` and the stream's ``key`` sends ``[[key, seq, kind, payload], ...]`` there:
+every frame it produces for that client in one event-loop round travels as one message. An engine step that yields a
+token for each of 8 streams of one frontend then costs one bus message, not 8: one publish, one message for
+nats-server to route, one for the frontend to parse. Ordering is unchanged: per client, frames leave in the order
+they were produced. A request without ``batch_subject`` (an older client) gets its frames one by one on its inbox.
+
+The probe's answer travels the way the stream's frames do, behind every frame the instance sent before it, so "not
+alive" can never overtake the END frame of a request that just finished.
 
 Failure detection, fastest first:
 - No subscriber on the instance subject: the bus answers ``no_responders`` on the inbox at once -> InstanceGoneError.
@@ -81,13 +88,22 @@ class InstanceServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self.num_served = 0
+        self._outbox = _Outbox(bus)
 
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
 
     async def start(self) -> None:
+        self._outbox.start()
         self._sub = await self._bus.subscribe(self.subject, self._on_message)
+
+    def _sender(self, frame: list[Any], reply: str, at: int) -> Callable[[int, int, Any], None]:
+        """How this request's frames travel: in the client's batches when it named them (``frame[at]``,
+        ``frame[at + 1]``), else one message each on ``reply``."""
+        if len(frame) > at + 1 and isinstance(frame[at], str) and frame[at]:
+            return self._outbox.sender(frame[at], frame[at + 1])
+        return self._outbox.direct_sender(reply)
 
     async def _on_message(self, msg: BusMessage) -> None:
         try:
@@ -99,11 +115,12 @@ class InstanceServer:
         if kind == REQ:
             if not msg.reply:
                 return
+            send = self._sender(frame, msg.reply, 3)
             if self.draining:
-                await self._bus.publish(msg.reply, pack([0, DRAINING, None]))
+                send(0, DRAINING, None)
                 return
-            await self._bus.publish(msg.reply, pack([0, ACK, None]))
-            task = asyncio.create_task(self._run(request_id, frame[2], msg.reply), name=f"handler:{request_id}")
+            send(0, ACK, None)
+            task = asyncio.create_task(self._run(request_id, frame[2], send), name=f"handler:{request_id}")
             self._inflight[request_id] = task
             self._idle.clear()
         elif kind == CANCEL:
@@ -111,23 +128,22 @@ class InstanceServer:
             if running is not None:
                 running.cancel()
         elif kind == PROBE and msg.reply:
-            await self._bus.publish(msg.reply, pack([-1, PROBE_ACK, request_id in self._inflight]))
+            self._sender(frame, msg.reply, 2)(-1, PROBE_ACK, request_id in self._inflight)
 
-    async def _run(self, request_id: str, body: Any, reply: str) -> None:
+    async def _run(self, request_id: str, body: Any, send: Callable[[int, int, Any], None]) -> None:
         seq = 1
         agen = self._handler(body, RequestContext(request_id, self.instance_id))
-        publish = self._bus.publish
         try:
             async for item in agen:
-                await publish(reply, pack([seq, DATA, item]))
+                send(seq, DATA, item)
                 seq += 1
-            await publish(reply, pack([seq, END, None]))
+            send(seq, END, None)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
             logger.info("handler for %s raised %s: %s", request_id, type(e).__name__, e)
             with contextlib.suppress(Exception):
-                await publish(reply, pack([seq, ERROR, {"type": type(e).__name__, "message": str(e)}]))
+                send(seq, ERROR, {"type": type(e).__name__, "message": str(e)})
         finally:
             with contextlib.suppress(Exception):
                 await agen.aclose()  # type: ignore[attr-defined]
@@ -157,36 +173,154 @@ class InstanceServer:
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
+        await self._outbox.close()
+
+
+class _Outbox:
+    """What one instance sends: frames queued during an event-loop round, published by one task in the next round,
+    one message per client runtime (its batch subject) plus one per frame for clients that do not batch.
+
+    Handlers never wait on the bus: ``send`` appends and returns. The flushing task is woken by the first frame of a
+    round, so it runs after every handler task woken in the same round (an engine step wakes them together) has
+    queued its frame. Order is kept per destination and across destinations (one list, published in order).
+    """
+
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self._batches: dict[str, list[list[Any]]] = {}
+        self._singles: list[tuple[str, bytes]] = []
+        self._wake: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.num_messages = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="request-plane-outbox")
+
+    def _kick(self) -> None:
+        w = self._wake
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def sender(self, batch_subject: str, key: Any) -> Callable[[int, int, Any], None]:
+        batches = self._batches
+
+        def send(seq: int, kind: int, payload: Any) -> None:
+            batch = batches.get(batch_subject)
+            if batch is None:
+                batches[batch_subject] = [[key, seq, kind, payload]]
+                self._kick()
+            else:
+                batch.append([key, seq, kind, payload])
+
+        return send
+
+    def direct_sender(self, inbox: str) -> Callable[[int, int, Any], None]:
+        def send(seq: int, kind: int, payload: Any) -> None:
+            self._singles.append((inbox, pack([seq, kind, payload])))
+            self._kick()
+
+        return send
+
+    async def _publish_pending(self) -> None:
+        # Singles first: a non-batching client's frames and a batch never share a destination, so order between
+        # the two lists does not matter, only order within each.
+        singles, self._singles = self._singles, []
+        for inbox, data in singles:
+            await self._publish(inbox, data)
+        while self._batches:
+            subject, items = next(iter(self._batches.items()))
+            del self._batches[subject]
+            await self._publish(subject, pack(items))
+
+    async def _publish(self, subject: str, data: bytes) -> None:
+        try:
+            await self._bus.publish(subject, data)
+            self.num_messages += 1
+        except Exception as e:  # noqa: BLE001 - the client notices through its probe; keep serving the others
+            logger.warning("request plane: publishing to %s failed: %s", subject, e)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._batches and not self._singles:
+                self._wake = loop.create_future()
+                await self._wake
+            await self._publish_pending()
+
+    async def close(self) -> None:
+        """Send what is queued, then stop the task."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        await self._publish_pending()
+
+
+_NO_RESPONDERS: list[Any] = [None, -1, -1, None]  # queued for a stream whose instance subject had no subscriber
 
 
 class ResponseMux:
-    """One wildcard inbox subscription per runtime; each request gets a token and a queue."""
+    """One wildcard inbox subscription per runtime; each stream gets a key, an inbox and a queue.
+
+    Queues hold ``[key, seq, kind, payload]`` items, whether they came in a batch (``<prefix>.b``) or one by one on
+    the stream's inbox (``<prefix>.<key>``: no-responders answers, instances that do not batch).
+    """
 
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
         self._prefix = ""
-        self._queues: dict[str, asyncio.Queue[BusMessage]] = {}
+        self.batch_subject = ""
+        self._queues: dict[int, asyncio.Queue[list[Any]]] = {}
         self._sub: Subscription | None = None
         self._counter = itertools.count()
         self._salt = os.urandom(4).hex()
 
     async def start(self) -> None:
         self._prefix = self._bus.new_inbox()
+        self.batch_subject = self._prefix + ".b"
         self._sub = await self._bus.subscribe(self._prefix + ".*", self._on_message)
 
     async def _on_message(self, msg: BusMessage) -> None:
-        q = self._queues.get(msg.subject)
-        if q is not None:
-            q.put_nowait(msg)
+        queues = self._queues
+        if msg.subject == self.batch_subject:
+            try:
+                items = unpack(msg.data)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("malformed batch on %s: %s", msg.subject, e)
+                return
+            for item in items:
+                q = queues.get(item[0])
+                if q is not None:
+                    q.put_nowait(item)
+            return
+        try:
+            key = int(msg.subject[len(self._prefix) + 1 :])
+        except ValueError:
+            return
+        q = queues.get(key)
+        if q is None:
+            return
+        if is_no_responders(msg):
+            q.put_nowait(_NO_RESPONDERS)
+            return
+        try:
+            seq, kind, payload = unpack(msg.data)
+        except Exception as e:  # noqa: BLE001 - a stream that cannot be read is cut, as for a lost frame
+            logger.warning("malformed frame on %s: %s", msg.subject, e)
+            seq, kind, payload = -2, -1, None
+        q.put_nowait([key, seq, kind, payload])
 
-    def open(self) -> tuple[str, asyncio.Queue[BusMessage]]:
-        inbox = f"{self._prefix}.{next(self._counter)}"
-        q: asyncio.Queue[BusMessage] = asyncio.Queue()
-        self._queues[inbox] = q
-        return inbox, q
+    def open(self) -> tuple[int, str, asyncio.Queue[list[Any]]]:
+        key = next(self._counter)
+        q: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self._queues[key] = q
+        return key, f"{self._prefix}.{key}", q
 
-    def close(self, inbox: str) -> None:
-        self._queues.pop(inbox, None)
+    def close(self, key: int) -> None:
+        self._queues.pop(key, None)
 
     def new_request_id(self) -> str:
         return f"{self._salt}-{next(self._counter)}"
@@ -209,8 +343,9 @@ class ResponseStream:
         subject: str,
         instance_id: int,
         request_id: str,
+        key: int,
         inbox: str,
-        queue: asyncio.Queue[BusMessage],
+        queue: asyncio.Queue[list[Any]],
         idle_probe_s: float,
         probe_timeout_s: float,
     ) -> None:
@@ -219,6 +354,7 @@ class ResponseStream:
         self.subject = subject
         self.instance_id = instance_id
         self.request_id = request_id
+        self._key = key
         self._inbox = inbox
         self._q = queue
         self._idle_probe_s = idle_probe_s
@@ -243,14 +379,13 @@ class ResponseStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            msg = await self._next_frame()
+            _, seq, kind, payload = await self._next_frame()
         except asyncio.CancelledError:
             self._cancel_in_background()
             raise
         except BaseException:
             self._finish()
             raise
-        seq, kind, payload = msg
         if seq != self._next_seq:
             self._cancel_in_background()
             raise StreamInterruptedError(
@@ -275,8 +410,8 @@ class ResponseStream:
         return StreamInterruptedError(self.instance_id, self.request_id, self._next_seq - 1, reason)
 
     async def _next_frame(self) -> list[Any]:
-        """The next sequenced frame, unpacked. After ``idle_probe_s`` of silence, probe the instance on this
-        stream's inbox; its answer (or a no-responders status) arrives in order with the frames."""
+        """The next sequenced frame as ``[key, seq, kind, payload]``. After ``idle_probe_s`` of silence, probe the
+        instance; its answer (or a no-responders status) arrives in order with the frames."""
         q = self._q
         probe_deadline: float | None = None
         loop = asyncio.get_running_loop()
@@ -292,23 +427,26 @@ class ResponseStream:
                 except TimeoutError:
                     if probe_deadline is not None:
                         raise self._interrupted("no answer to a liveness probe") from None
-                    await self._bus.publish(self.subject, pack([PROBE, self.request_id]), reply=self._inbox)
+                    await self._bus.publish(
+                        self.subject,
+                        pack([PROBE, self.request_id, self._mux.batch_subject, self._key]),
+                        reply=self._inbox,
+                    )
                     probe_deadline = loop.time() + self._probe_timeout_s
                     continue
-            if is_no_responders(msg):
+            if msg is _NO_RESPONDERS:
                 raise self._interrupted("instance gone (no responders on its subject)")
-            frame = unpack(msg.data)
-            if frame[1] == PROBE_ACK and frame[0] == -1:
-                if not frame[2]:
+            if msg[2] == PROBE_ACK and msg[1] == -1:
+                if not msg[3]:
                     raise self._interrupted("instance no longer serves the request")
                 probe_deadline = None  # alive: keep waiting, probe again after the next silence
                 continue
-            return frame  # type: ignore[no-any-return]
+            return msg
 
     def _finish(self) -> None:
         if not self._done:
             self._done = True
-            self._mux.close(self._inbox)
+            self._mux.close(self._key)
 
     async def aclose(self) -> None:
         """Cancel the request on the instance if it has not finished."""
@@ -345,9 +483,9 @@ async def open_stream(
 ) -> ResponseStream:
     """Send a request and wait for its ACK; raise InstanceGoneError/InstanceDrainingError when there is none."""
     rid = request_id or mux.new_request_id()
-    inbox, q = mux.open()
+    key, inbox, q = mux.open()
     try:
-        await bus.publish(subject, pack([REQ, rid, body]), reply=inbox)
+        await bus.publish(subject, pack([REQ, rid, body, mux.batch_subject, key]), reply=inbox)
         try:
             async with asyncio.timeout(ack_timeout_s):
                 msg = await q.get()
@@ -355,17 +493,17 @@ async def open_stream(
             with contextlib.suppress(Exception):
                 await bus.publish(subject, pack([CANCEL, rid]))
             raise InstanceGoneError(instance_id, f"no acknowledgement within {ack_timeout_s:g} s") from None
-        if is_no_responders(msg):
+        if msg is _NO_RESPONDERS:
             raise InstanceGoneError(instance_id, "no responders on its subject")
-        seq, kind, _ = unpack(msg.data)
+        _, seq, kind, _ = msg
         if kind == DRAINING:
             raise InstanceDrainingError(instance_id)
         if seq != 0 or kind != ACK:
             raise InstanceGoneError(instance_id, f"protocol error: first frame {seq}/{kind}")
     except BaseException:
-        mux.close(inbox)
+        mux.close(key)
         raise
-    return ResponseStream(bus, mux, subject, instance_id, rid, inbox, q, idle_probe_s, probe_timeout_s)
+    return ResponseStream(bus, mux, subject, instance_id, rid, key, inbox, q, idle_probe_s, probe_timeout_s)
 
 
 async def collect(stream: AsyncIterator[Any]) -> list[Any]:

@@ -146,6 +146,18 @@ async def test_a_request_is_served_end_to_end_through_a_worker(mesh):
     assert tokens(stopped) == free[: first + 1] and stopped[-1].finish_reason is FinishReason.STOP
 
 
+async def test_the_adapter_s_stat_logger_replaces_vllm_s_prometheus_logger(mesh):
+    """One stat logger per engine, the adapter's: vLLM adds its own Prometheus logger (an update of ~30 metrics per
+    engine step, served by no endpoint in a worker) only when none was given."""
+    for w in mesh.workers:
+        stat_loggers = mesh.engine(w)._llm.logger_manager.stat_loggers
+        assert [type(sl).__name__ for sl in stat_loggers] == ["KvmeshStatLogger"]
+    # ...and it is fed: a request's steps reach the adapter's stats.
+    before = mesh.engine(mesh.a)._stats.num_records
+    await chunks_of(await mesh.generate.direct(request("stats", list(b"count me"), max_tokens=4), mesh.a.instance_id))
+    assert mesh.engine(mesh.a)._stats.num_records > before
+
+
 async def test_greedy_decoding_gives_the_same_tokens_on_both_workers_and_on_repeats(mesh):
     prompt = [(7 * i + 3) % 256 for i in range(100)]  # 3 full blocks + 4 tokens
     runs = {}

@@ -67,13 +67,22 @@ async def wait_until(pred: Callable[[], bool], timeout_s: float = 2.0) -> float:
 
 
 class Frames:
-    """Every frame published to any inbox or to one instance subject, decoded."""
+    """Every frame published to any inbox or to one instance subject, decoded; a batch (``<prefix>.b``) counts as
+    its frames, each filed under its stream's inbox (``<prefix>.<key>``)."""
 
     def __init__(self) -> None:
         self.msgs: list[tuple[str, list]] = []
+        self.batches = 0
 
     async def __call__(self, msg: BusMessage) -> None:
-        if msg.data:
+        if not msg.data:
+            return
+        if msg.subject.endswith(".b"):
+            self.batches += 1
+            prefix = msg.subject[:-2]
+            for key, *frame in unpack(msg.data):
+                self.msgs.append((f"{prefix}.{key}", frame))
+        else:
             self.msgs.append((msg.subject, unpack(msg.data)))
 
     def kinds(self, subject: str | None = None) -> list[list]:
@@ -175,6 +184,85 @@ async def test_concurrent_streams_do_not_mix(mesh):
     assert results == [[[k, i] for i in range(20)] for k in range(10)]
 
 
+async def test_frames_of_one_round_travel_as_one_message_per_client(mesh):
+    """An engine step wakes every stream's handler at once: their frames leave as one batch per client runtime."""
+    spy = Frames()
+    await mesh.bus.subscribe("_INBOX.>", spy)
+    steps = [asyncio.Event() for _ in range(3)]
+
+    async def handler(body, ctx):
+        for i in range(3):
+            await steps[i].wait()  # one engine step: every stream gets its item in the same round
+            yield [body, i]
+
+    [served], client = await serve_and_connect(mesh, handler)
+    other = await (await mesh.runtime()).namespace("t").component("backend").endpoint("generate").client()
+    await other.wait_for_instances(1, timeout_s=1.0)
+    streams = [await client.generate(k) for k in range(8)] + [await other.generate(k) for k in range(8, 12)]
+    await wait_until(lambda: len(spy.msgs) == 12)  # the ACKs
+    acks_batches = spy.batches
+    spy.batches = 0
+    results = [asyncio.ensure_future(collect(st)) for st in streams]
+    for i, step in enumerate(steps):
+        step.set()
+        await wait_until(lambda i=i: len(spy.msgs) == 12 * (2 + i) + (12 if i == 2 else 0))
+    assert [await r for r in results] == [[[k, i] for i in range(3)] for k in range(12)]
+    # 12 streams x (3 DATA + END) = 48 frames in one message per step per client: 3 steps (the last one's END
+    # goes with its item) for 2 clients. Unbatched, this would have been 48 messages.
+    assert spy.batches == 3 * 2, spy.batches
+    assert acks_batches <= 12
+    assert served.server._outbox.num_messages == acks_batches + spy.batches
+    for st in streams:
+        frames = spy.kinds(st._inbox)
+        assert [f[0] for f in frames] == [0, 1, 2, 3, 4]
+        assert [f[1] for f in frames] == [ACK, DATA, DATA, DATA, END]
+
+
+async def test_a_client_that_does_not_batch_gets_one_message_per_frame(mesh):
+    """A request without a batch subject (an older client) is answered frame by frame on its reply inbox."""
+
+    async def handler(body, ctx):
+        for i in range(body["n"]):
+            yield i
+
+    [served], _ = await serve_and_connect(mesh, handler)
+    got = Frames()
+    inbox = mesh.bus.new_inbox()
+    await mesh.bus.subscribe(inbox, got)
+    await mesh.bus.publish(served.info.subject, pack([REQ, "old-1", {"n": 3}]), reply=inbox)
+    await wait_until(lambda: len(got.msgs) == 5)
+    assert got.batches == 0
+    assert got.kinds(inbox) == [[0, ACK, None], [1, DATA, 0], [2, DATA, 1], [3, DATA, 2], [4, END, None]]
+    await mesh.bus.publish(served.info.subject, pack([PROBE, "old-1"]), reply=inbox)
+    await wait_until(lambda: len(got.msgs) == 6)
+    assert got.kinds(inbox)[-1] == [-1, PROBE_ACK, False]
+
+
+async def test_a_probe_answer_never_overtakes_the_frames_before_it(mesh):
+    """The last item, END and a probe answered just after END all leave in one batch, in that order: the client
+    reads the whole stream, never 'no longer serves'."""
+    probe = Probe(n=2, gated=True)
+    [served], client = await serve_and_connect(mesh, probe, **FAST)
+    stream = await client.generate({})
+    probe.go.set()
+    # Ask while the handler's last frames may still sit in the outbox (no await between the two).
+    await mesh.bus.publish(
+        served.info.subject, pack([PROBE, stream.request_id, client.runtime.mux.batch_subject, stream._key]),
+        reply=stream._inbox,
+    )
+    assert await collect(stream) == [0, 1]
+
+
+async def test_a_malformed_frame_on_a_stream_inbox_interrupts_it(mesh):
+    probe = Probe(gated=True)
+    _, client = await serve_and_connect(mesh, probe)
+    stream = await client.generate({})
+    await mesh.bus.publish(stream._inbox, b"\xc1not msgpack")
+    with pytest.raises(StreamInterruptedError, match="expected frame 1, got -2"):
+        await stream.__anext__()
+    await wait_until(lambda: probe.cancelled == [stream.request_id])
+
+
 async def test_handler_error_becomes_remote_handler_error_and_the_instance_keeps_serving(mesh):
     async def handler(body, ctx):
         yield 1
@@ -245,7 +333,8 @@ async def test_no_acknowledgement_is_instance_gone_and_the_request_is_cancelled(
         await client.generate({"x": 1}, instance_id=0x77, request_id="r9")
     assert "no acknowledgement within 0.05 s" in exc.value.reason
     await wait_until(lambda: len(hung.msgs) == 2)
-    assert hung.kinds() == [[REQ, "r9", {"x": 1}], [CANCEL, "r9"]]
+    # The request names the client's batch subject and the stream's key, so answers could come batched.
+    assert hung.kinds() == [[REQ, "r9", {"x": 1}, rt.mux.batch_subject, 0], [CANCEL, "r9"]]
 
 
 async def test_no_instances_error_and_wait_for_instances_timeout(mesh):

@@ -80,7 +80,7 @@ class _Vllm:
     SamplingParams: Any
     RequestOutputKind: Any
     KVEventsConfig: Any
-    StatLoggerBase: Any
+    StatLoggerBase: Any  # what the adapter's stat logger extends (``_stat_logger_class``)
     tokens_input: Callable[[list[int]], Any]
     EngineDeadError: type[BaseException]
     EngineGenerateError: type[BaseException]
@@ -96,7 +96,7 @@ def _import_vllm() -> _Vllm:
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
     from vllm.v1.engine.exceptions import EngineGenerateError
-    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.metrics import loggers
 
     # Older vLLM raised ValueError for bad requests (before VLLMClientError) and took a TokensPrompt dict (0.32
     # still does, with a deprecation warning); GPU deployments may run another version than the CPU tests.
@@ -111,7 +111,9 @@ def _import_vllm() -> _Vllm:
         SamplingParams=SamplingParams,
         RequestOutputKind=RequestOutputKind,
         KVEventsConfig=KVEventsConfig,
-        StatLoggerBase=StatLoggerBase,
+        # vLLM adds a PrometheusStatLogger unless one is given: ours stands in for it (a worker serves no vLLM
+        # metrics endpoint; its load goes out on NATS), which saves a Prometheus update per engine step.
+        StatLoggerBase=getattr(loggers, "PrometheusStatLogger", loggers.StatLoggerBase),
         tokens_input=tokens_input,
         EngineDeadError=VllmEngineDeadError,
         EngineGenerateError=EngineGenerateError,
@@ -120,12 +122,18 @@ def _import_vllm() -> _Vllm:
 
 
 def _stat_logger_class(base: type, stats: VllmStats) -> type:
-    """A ``StatLoggerBase`` that feeds ``stats``; vLLM calls ``record`` on its output-handler task, i.e. on this
-    process's event loop, so no locking is needed."""
+    """A stat logger that feeds ``stats``; vLLM calls ``record`` on its output-handler task, i.e. on this process's
+    event loop, so no locking is needed.
+
+    ``base`` is vLLM's ``PrometheusStatLogger`` where it exists: vLLM then takes this logger as the deployment's
+    Prometheus logger and adds none of its own. ``__init__`` registers no metric, and every hook vLLM calls on a
+    logger is overridden, so nothing of the base class runs.
+    """
 
     class KvmeshStatLogger(base):  # type: ignore[valid-type,misc]
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        def __init__(self, vllm_config: Any, engine_indexes: Any = None, engine_index: int = 0) -> None:
             self.engine_index = engine_index
+            self.engine_indexes = engine_indexes if isinstance(engine_indexes, list) else [engine_index]
 
         def record(
             self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
@@ -134,6 +142,15 @@ def _stat_logger_class(base: type, stats: VllmStats) -> type:
 
         def log_engine_initialized(self) -> None:
             pass  # num_gpu_blocks is read from the engine's config once start() has it
+
+        def log(self) -> None:
+            pass
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_admission_rejection(self, reason: str) -> None:
+            pass
 
     return KvmeshStatLogger
 
