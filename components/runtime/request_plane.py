@@ -42,6 +42,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -259,7 +260,17 @@ class _Outbox:
         await self._publish_pending()
 
 
-_NO_RESPONDERS: list[Any] = [None, -1, -1, None]  # queued for a stream whose instance subject had no subscriber
+# Markers queued next to a stream's frames, told apart by identity; their negative seq keeps them off the hot path.
+_NO_RESPONDERS: list[Any] = [None, -1, -1, None]  # the stream's instance subject had no subscriber
+_IDLE: list[Any] = [None, -3, -1, None]  # nothing for idle_probe_s: probe the instance
+_SILENT: list[Any] = [None, -4, -1, None]  # the probe's answer did not come within probe_timeout_s
+
+
+def _on_stream_timer(ref: weakref.ref[ResponseStream]) -> None:
+    # A weak reference: the timer must not keep a dropped stream alive (its __del__ cancels the request).
+    stream = ref()
+    if stream is not None:
+        stream._on_timer()
 
 
 class ResponseMux:
@@ -361,6 +372,13 @@ class ResponseStream:
         self._probe_timeout_s = probe_timeout_s
         self._next_seq = 1
         self._done = False
+        # Silence detection with one lazily re-armed timer per stream, not a timeout per frame: a frame only
+        # stamps _last; the timer, when it fires, re-arms for _last + idle_probe_s or queues _IDLE.
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._probe_deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._arm(self._last + idle_probe_s)
 
     @property
     def done(self) -> bool:
@@ -409,44 +427,77 @@ class ResponseStream:
         self._cancel_in_background()
         return StreamInterruptedError(self.instance_id, self.request_id, self._next_seq - 1, reason)
 
+    def _arm(self, when: float) -> None:
+        self._timer = self._loop.call_at(when, _on_stream_timer, weakref.ref(self))
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._done:
+            return
+        now = self._loop.time()
+        deadline = self._probe_deadline
+        if deadline is not None:
+            if now >= deadline:
+                self._q.put_nowait(_SILENT)
+            else:
+                self._arm(deadline)
+            return
+        due = self._last + self._idle_probe_s
+        if now < due:
+            self._arm(due)
+        elif not self._q.empty():  # frames wait for a slow reader: the instance is not silent
+            self._arm(now + self._idle_probe_s)
+        else:
+            self._q.put_nowait(_IDLE)
+
     async def _next_frame(self) -> list[Any]:
         """The next sequenced frame as ``[key, seq, kind, payload]``. After ``idle_probe_s`` of silence, probe the
         instance; its answer (or a no-responders status) arrives in order with the frames."""
         q = self._q
-        probe_deadline: float | None = None
-        loop = asyncio.get_running_loop()
         while True:
-            if not q.empty():
-                msg = q.get_nowait()
-            else:
-                wait_s = self._idle_probe_s if probe_deadline is None else max(0.0, probe_deadline - loop.time())
-                try:
-                    # asyncio.timeout, unlike wait_for on 3.11, creates no task: this runs once per streamed frame.
-                    async with asyncio.timeout(wait_s):
-                        msg = await q.get()
-                except TimeoutError:
-                    if probe_deadline is not None:
-                        raise self._interrupted("no answer to a liveness probe") from None
+            msg = q.get_nowait() if not q.empty() else await q.get()
+            if msg[1] >= 0:  # a sequenced frame: the hot path
+                self._last = self._loop.time()
+                self._probe_deadline = None
+                return msg
+            if msg is _IDLE:
+                if self._probe_deadline is None:
                     await self._bus.publish(
                         self.subject,
                         pack([PROBE, self.request_id, self._mux.batch_subject, self._key]),
                         reply=self._inbox,
                     )
-                    probe_deadline = loop.time() + self._probe_timeout_s
-                    continue
+                    self._probe_deadline = self._loop.time() + self._probe_timeout_s
+                self._rearm()
+                continue
+            if msg is _SILENT:
+                deadline = self._probe_deadline
+                if deadline is not None and self._loop.time() >= deadline:
+                    raise self._interrupted("no answer to a liveness probe")
+                self._rearm()  # stale: a frame or an answer came first
+                continue
             if msg is _NO_RESPONDERS:
                 raise self._interrupted("instance gone (no responders on its subject)")
             if msg[2] == PROBE_ACK and msg[1] == -1:
                 if not msg[3]:
                     raise self._interrupted("instance no longer serves the request")
-                probe_deadline = None  # alive: keep waiting, probe again after the next silence
+                self._probe_deadline = None  # alive: keep waiting, probe again after the next silence
+                self._last = self._loop.time()
+                self._rearm()
                 continue
-            return msg
+            return msg  # a malformed frame (negative seq): __anext__ reports it as a gap
+
+    def _rearm(self) -> None:
+        if self._timer is None and not self._done:
+            self._arm(self._last + self._idle_probe_s if self._probe_deadline is None else self._probe_deadline)
 
     def _finish(self) -> None:
         if not self._done:
             self._done = True
             self._mux.close(self._key)
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
     async def aclose(self) -> None:
         """Cancel the request on the instance if it has not finished."""
