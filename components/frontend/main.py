@@ -43,6 +43,7 @@ async def run(args: argparse.Namespace) -> int:
     frontend = Frontend(cfg, runtime)
     try:
         url = await frontend.start()
+        eventloop.freeze_startup_heap()
         print(f"READY {url}", flush=True)
         await stop.wait()
         logger.info("shutting down: requests in flight get up to %g s", cfg.shutdown_timeout_s)

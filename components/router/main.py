@@ -36,6 +36,7 @@ async def run(args: argparse.Namespace) -> int:
     service = RouterService(cfg, runtime)
     try:
         await service.start()
+        eventloop.freeze_startup_heap()
         print(f"READY {service.instance_id:x}", flush=True)
         await stop.wait()
         logger.info("router %x shutting down", service.instance_id)

@@ -12,6 +12,7 @@ Imports: the standard library; ``uvloop`` lazily.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -49,3 +50,19 @@ def stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def freeze_startup_heap() -> int:
+    """Put everything start-up allocated out of the cyclic garbage collector's reach; returns how many objects.
+
+    A worker's heap after start-up holds what vLLM and torch imported (importing the adapter's vLLM names alone
+    leaves ~600 k objects tracked), a frontend's what aiohttp and transformers did (~100 k). Each full collection
+    while serving would walk all of it again, a pause on the event loop that relays every token. Frozen objects are
+    never collected (they live as long as the process anyway) and never scanned. vLLM's OpenAI server does the same
+    once it has started.
+    """
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info("start-up heap frozen: %d objects out of the garbage collector's scans", frozen)
+    return frozen

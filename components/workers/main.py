@@ -112,6 +112,7 @@ async def run(args: argparse.Namespace) -> int:
         if failed:
             await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
             raise SystemExit(f"kvmesh worker: {len(failed)} of {len(workers)} workers failed to start: {failed[0]}")
+        eventloop.freeze_startup_heap()
         ids = ",".join(f"{w.instance_id:x}" for w in workers)
         print(f"READY {len(workers)} workers: {ids}", flush=True)
         logger.info("%d %s workers serving %s in %s", len(workers), cfg.engine, cfg.model, cfg.namespace)
@@ -122,6 +123,8 @@ async def run(args: argparse.Namespace) -> int:
         finally:
             all_dead.cancel()
             stopping.cancel()
+            # Collect both outcomes: a cancelled gather left unawaited logs "exception was never retrieved".
+            await asyncio.gather(all_dead, stopping, return_exceptions=True)
         dead = [w for w in workers if w.dead.is_set()]
         logger.info("draining %d workers", len(workers))
         cancelled = sum(await asyncio.gather(*(w.stop() for w in workers)))

@@ -692,11 +692,14 @@ async def test_kvmesh_frontend_command_serves_until_sigterm(runtime_config, make
         worker_rt, WorkerConfig(namespace="cli", model=MODEL, model_path=MODEL_PATH), MockEngine(engine_config())
     )
     await w.start()
-    cmd = [sys.executable, "-m", "components.cli.main", "frontend", "--namespace", "cli", "--port", "0"]
-    cmd += ["--etcd", runtime_config.etcd_endpoints[0], "--nats", runtime_config.nats_url, "--api-key", "k"]
-    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "frontend", "--namespace", "cli"]
+    cmd += ["--port", "0", "--etcd", runtime_config.etcd_endpoints[0], "--nats", runtime_config.nats_url]
+    cmd += ["--api-key", "k"]
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
         assert line.startswith("READY http://127.0.0.1:"), line
         url = line.split()[1]
@@ -714,6 +717,8 @@ async def test_kvmesh_frontend_command_serves_until_sigterm(runtime_config, make
         rest = (await asyncio.wait_for(proc.stdout.read(), 30)).decode()
         assert await proc.wait() == 0
         assert rest.strip().endswith("STOPPED")
+        # Its start-up heap was frozen before READY (eventloop.freeze_startup_heap).
+        assert "start-up heap frozen: " in (await proc.stderr.read()).decode()
     finally:
         if proc.returncode is None:
             proc.kill()

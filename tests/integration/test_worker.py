@@ -137,10 +137,12 @@ async def test_sigterm_drains_with_zero_failed_requests(make_runtime, runtime_co
         "KVMESH_LEASE_TTL_S": "3",
     }
     # Speedup 1 with the default step model: ~5 ms per decode step, so 200 tokens take about 1 s.
-    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--namespace", NS, "--num-workers", "2"]
-    cmd += ["--speedup-ratio", "1", "--vocab-size", "1000", "--eos-token-id", "999"]
+    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "worker", "--namespace", NS]
+    cmd += ["--num-workers", "2", "--speedup-ratio", "1", "--vocab-size", "1000", "--eos-token-id", "999"]
     cmd += ["--num-gpu-blocks", "1024", "--max-model-len", "4096"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
         assert line.startswith("READY 2 workers"), line
@@ -153,8 +155,11 @@ async def test_sigterm_drains_with_zero_failed_requests(make_runtime, runtime_co
         rest = await asyncio.gather(*(tokens_of(s) for s in streams))
         totals = [len(TokenChunk.from_dict(f).token_ids) + len(r) for f, r in zip(first, rest, strict=True)]
         assert totals == [200] * 8
-        assert await asyncio.to_thread(proc.wait, 30) == 0
-        assert proc.stdout.read().strip().endswith("STOPPED")
+        out, err = await asyncio.to_thread(proc.communicate, timeout=30)
+        assert proc.returncode == 0
+        assert out.strip().endswith("STOPPED")
+        assert "start-up heap frozen: " in err  # before READY (eventloop.freeze_startup_heap)
+        assert "ERROR" not in err, err  # a clean exit logs no error (it once logged an unretrieved gather)
         assert client.instance_ids() == [] or await _eventually_empty(client)
     finally:
         if proc.poll() is None:

@@ -53,6 +53,7 @@ def summary(tps: float, p50: float, failed: int = 0, errors: dict | None = None,
         "startup_s": 20.0,
         "exit_code": rc,
         "cpu_ms_per_request": 30.0,
+        "cpu_ms_per_request_by_process": {"worker": tps / 200, "frontend": 3.0},
     }
 
 
@@ -64,9 +65,19 @@ def test_a_sides_runs_are_averaged_and_counted_and_kept():
     )
     assert c["output_tokens_per_s"] == 3500.0 and c["ttft_ms"] == {"p50": 35.0, "p99": 70.0}
     assert c["requests_completed"] == 200 and c["requests_failed"] == 2 and c["errors"] == {"timeout": 3}
-    assert c["exit_code"] == 1 and c["duration_s"] == 10.0 and len(c["runs"]) == 2
+    assert c["duration_s"] == 10.0 and len(c["runs"]) == 2
     assert c["e2e_ms"]["p99"] is None  # a percentile a run lacks is not averaged over the others
+    assert c["cpu_ms_per_request_by_process"] == {"worker": 17.5, "frontend": 3.0}
     one = combine([summary(3000.0, 30.0)])
     assert one["output_tokens_per_s"] == 3000.0 and len(one["runs"]) == 1
     # The headline compares the means: 3500 / 3500 = 1.0, 35 - 30 = 5 ms.
     assert compare(c, combine([summary(3500.0, 30.0), summary(3500.0, 30.0)]))["added_ttft_p50_ms"] == 5.0
+
+
+def test_each_pair_of_consecutive_runs_gives_its_own_ratio():
+    from components.cli.bench_vs_vllm import pair_ratios, schedule
+
+    order = schedule("vllm,kvmesh", 2)  # vllm, kvmesh | kvmesh, vllm
+    runs = [summary(4000.0, 30.0), summary(3000.0, 30.0), summary(3300.0, 30.0), summary(3000.0, 30.0)]
+    assert pair_ratios(order, runs) == [0.75, 1.1]  # 3000 / 4000, then 3300 / 3000: whichever side ran first
+    assert pair_ratios(order, [*runs[:3], summary(0.0, 30.0)]) == [0.75, None]

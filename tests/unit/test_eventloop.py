@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
+import weakref
 
 import pytest
 
@@ -27,3 +29,23 @@ def test_by_default_uvloop_runs_when_installed(monkeypatch):
     assert eventloop.uvloop_wanted()
     expected = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     assert eventloop.run(_loop_class()).startswith(expected)
+
+
+class _Node:
+    pass
+
+
+def test_freezing_the_start_up_heap_keeps_it_out_of_collections():
+    node = _Node()
+    node.self = node  # a cycle allocated during "start-up": only the cyclic collector could free it
+    ref = weakref.ref(node)
+    try:
+        frozen = eventloop.freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() > 0
+        del node
+        gc.collect()
+        assert ref() is not None  # frozen: not even a full collection looks at it
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert ref() is None

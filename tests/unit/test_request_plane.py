@@ -247,7 +247,8 @@ async def test_a_probe_answer_never_overtakes_the_frames_before_it(mesh):
     probe.go.set()
     # Ask while the handler's last frames may still sit in the outbox (no await between the two).
     await mesh.bus.publish(
-        served.info.subject, pack([PROBE, stream.request_id, client.runtime.mux.batch_subject, stream._key]),
+        served.info.subject,
+        pack([PROBE, stream.request_id, client.runtime.mux.batch_subject, stream._key]),
         reply=stream._inbox,
     )
     assert await collect(stream) == [0, 1]
