@@ -8,6 +8,7 @@ servers without flags.
 from __future__ import annotations
 
 import os
+from typing import Literal
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, Field, field_validator
@@ -49,6 +50,17 @@ class RuntimeConfig(BaseModel):
     reconnect_backoff_max_s: float = Field(
         default=2.0, gt=0, description="Upper bound of the exponential back-off between reconnection attempts."
     )
+    response_transport: Literal["tcp", "bus"] = Field(
+        default="tcp",
+        description="How instances send streamed responses to this process: 'tcp', a direct connection to a "
+        "listener of this process (one hop less than through nats-server; falls back to the bus when it cannot "
+        "be reached), or 'bus', through nats-server only.",
+    )
+    response_host: str = Field(
+        default="127.0.0.1",
+        description="Address the response listener binds and names in requests (with response_transport 'tcp'). "
+        "Workers on other machines must be able to reach it: set the pod's or host's IP there.",
+    )
 
     @field_validator("etcd_endpoints")
     @classmethod
@@ -73,6 +85,10 @@ class RuntimeConfig(BaseModel):
             values["etcd_endpoints"] = [e.strip() for e in eps.split(",") if e.strip()]
         if url := os.environ.get("KVMESH_NATS_URL"):
             values["nats_url"] = url
+        if transport := os.environ.get("KVMESH_RESPONSE_TRANSPORT"):
+            values["response_transport"] = transport
+        if host := os.environ.get("KVMESH_RESPONSE_HOST"):
+            values["response_host"] = host
         if ttl := os.environ.get("KVMESH_LEASE_TTL_S"):
             try:
                 values["lease_ttl_s"] = int(ttl)

@@ -2,9 +2,9 @@
 
 Wire protocol (msgpack lists, smallest first):
 
-    client -> instance subject    [REQ, request_id, body, batch_subject, key]      reply = the stream's inbox
-                                  [CANCEL, request_id]                             no reply
-                                  [PROBE, request_id, batch_subject, key]          reply = the stream's inbox
+    client -> instance subject    [REQ, request_id, body, batch_subject, key, address]   reply = the stream's inbox
+                                  [CANCEL, request_id]                                   no reply
+                                  [PROBE, request_id, batch_subject, key, address]       reply = the stream's inbox
     instance -> client            [seq, ACK, None]             seq 0, sent before the handler runs
                                   [seq, DATA, item]            seq 1, 2, ...
                                   [seq, END, None]             the stream is complete
@@ -18,6 +18,9 @@ every frame it produces for that client in one event-loop round travels as one m
 token for each of 8 streams of one frontend then costs one bus message, not 8: one publish, one message for
 nats-server to route, one for the frontend to parse. Ordering is unchanged: per client, frames leave in the order
 they were produced. A request without ``batch_subject`` (an older client) gets its frames one by one on its inbox.
+When the client also names a response ``address`` (``RuntimeConfig.response_transport`` "tcp", the default), the
+batches go on a direct TCP connection to it instead of through nats-server (``response_channel``), and over the bus
+again if it cannot be reached.
 
 The probe's answer travels the way the stream's frames do, behind every frame the instance sent before it, so "not
 alive" can never overtake the END frame of a request that just finished.
@@ -55,6 +58,7 @@ from components.runtime.errors import (
     RequestTimeoutError,
     StreamInterruptedError,
 )
+from components.runtime.response_channel import ResponseConnections, ResponseListener
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +105,11 @@ class InstanceServer:
 
     def _sender(self, frame: list[Any], reply: str, at: int) -> Callable[[int, int, Any], None]:
         """How this request's frames travel: in the client's batches when it named them (``frame[at]``,
-        ``frame[at + 1]``), else one message each on ``reply``."""
+        ``frame[at + 1]``; on a direct connection to ``frame[at + 2]`` when given), else one message each on
+        ``reply``."""
         if len(frame) > at + 1 and isinstance(frame[at], str) and frame[at]:
-            return self._outbox.sender(frame[at], frame[at + 1])
+            address = frame[at + 2] if len(frame) > at + 2 and isinstance(frame[at + 2], str) else ""
+            return self._outbox.sender(frame[at], frame[at + 1], address)
         return self._outbox.direct_sender(reply)
 
     async def _on_message(self, msg: BusMessage) -> None:
@@ -178,21 +184,28 @@ class InstanceServer:
 
 
 class _Outbox:
-    """What one instance sends: frames queued during an event-loop round, published by one task in the next round,
-    one message per client runtime (its batch subject) plus one per frame for clients that do not batch.
+    """What one instance sends: frames queued during an event-loop round, sent by one task in the next round, one
+    batch per client runtime plus one message per frame for clients that do not batch.
 
     Handlers never wait on the bus: ``send`` appends and returns. The flushing task is woken by the first frame of a
     round, so it runs after every handler task woken in the same round (an engine step wakes them together) has
-    queued its frame. Order is kept per destination and across destinations (one list, published in order).
+    queued its frame. A client that named a response address gets its batches on a direct connection
+    (``response_channel``); the others, and any client whose address cannot be reached, on its batch subject.
+    Order is kept per client: everything bound for the bus goes through one FIFO list, and batches that were
+    waiting for a connection that failed join that list before any later one.
     """
 
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
         self._batches: dict[str, list[list[Any]]] = {}
-        self._singles: list[tuple[str, bytes]] = []
+        self._singles: list[tuple[str, bytes]] = []  # (subject, message) for the bus, in order
+        self._address_of: dict[str, str] = {}  # batch subject -> the client's response address
+        self._subject_of: dict[str, str] = {}  # and back
+        self._conns = ResponseConnections(self._fall_back)
         self._wake: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
-        self.num_messages = 0
+        self.num_messages = 0  # sent on the bus
+        self.num_direct = 0  # written to a direct connection
 
     def start(self) -> None:
         if self._task is None:
@@ -203,7 +216,10 @@ class _Outbox:
         if w is not None and not w.done():
             w.set_result(None)
 
-    def sender(self, batch_subject: str, key: Any) -> Callable[[int, int, Any], None]:
+    def sender(self, batch_subject: str, key: Any, address: str = "") -> Callable[[int, int, Any], None]:
+        if address and batch_subject not in self._address_of:
+            self._address_of[batch_subject] = address
+            self._subject_of[address] = batch_subject
         batches = self._batches
 
         def send(seq: int, kind: int, payload: Any) -> None:
@@ -223,16 +239,28 @@ class _Outbox:
 
         return send
 
+    def _fall_back(self, address: str, batches: list[bytes]) -> None:
+        """Batches that waited for a connection that could not be made: to the client's batch subject, in order."""
+        subject = self._subject_of.get(address)
+        self.num_direct -= len(batches)  # counted when queued for the connection; they never went
+        if subject is not None:
+            self._singles.extend((subject, data) for data in batches)
+            self._kick()
+
     async def _publish_pending(self) -> None:
-        # Singles first: a non-batching client's frames and a batch never share a destination, so order between
-        # the two lists does not matter, only order within each.
-        singles, self._singles = self._singles, []
-        for inbox, data in singles:
-            await self._publish(inbox, data)
-        while self._batches:
-            subject, items = next(iter(self._batches.items()))
-            del self._batches[subject]
-            await self._publish(subject, pack(items))
+        while self._singles or self._batches:
+            singles, self._singles = self._singles, []
+            for subject, data in singles:
+                await self._publish(subject, data)
+            batches = self._batches  # the same dict the senders hold: emptied, never replaced
+            while batches:
+                subject = next(iter(batches))
+                data = pack(batches.pop(subject))
+                address = self._address_of.get(subject)
+                if address is not None and self._conns.send(address, data):
+                    self.num_direct += 1
+                else:
+                    self._singles.append((subject, data))  # behind anything _fall_back queued for this client
 
     async def _publish(self, subject: str, data: bytes) -> None:
         try:
@@ -250,7 +278,7 @@ class _Outbox:
             await self._publish_pending()
 
     async def close(self) -> None:
-        """Send what is queued, then stop the task."""
+        """Send what is queued, then stop the task and close the connections."""
         if self._task is None:
             return
         self._task.cancel()
@@ -258,6 +286,7 @@ class _Outbox:
             await self._task
         self._task = None
         await self._publish_pending()
+        await self._conns.close()
 
 
 # Markers queued next to a stream's frames, told apart by identity; their negative seq keeps them off the hot path.
@@ -280,10 +309,13 @@ class ResponseMux:
     the stream's inbox (``<prefix>.<key>``: no-responders answers, instances that do not batch).
     """
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, response_host: str | None = None) -> None:
         self._bus = bus
         self._prefix = ""
         self.batch_subject = ""
+        # Where instances may connect to send batches directly (``response_channel``); "" = over the bus only.
+        self.response_address = ""
+        self._listener = ResponseListener(response_host, self._on_batch) if response_host else None
         self._queues: dict[int, asyncio.Queue[list[Any]]] = {}
         self._sub: Subscription | None = None
         self._counter = itertools.count()
@@ -293,6 +325,16 @@ class ResponseMux:
         self._prefix = self._bus.new_inbox()
         self.batch_subject = self._prefix + ".b"
         self._sub = await self._bus.subscribe(self._prefix + ".*", self._on_message)
+        if self._listener is not None:
+            await self._listener.start()
+            self.response_address = self._listener.address
+
+    def _on_batch(self, items: list[Any]) -> None:
+        queues = self._queues
+        for item in items:
+            q = queues.get(item[0])
+            if q is not None:
+                q.put_nowait(item)
 
     async def _on_message(self, msg: BusMessage) -> None:
         queues = self._queues
@@ -302,10 +344,7 @@ class ResponseMux:
             except Exception as e:  # noqa: BLE001
                 logger.warning("malformed batch on %s: %s", msg.subject, e)
                 return
-            for item in items:
-                q = queues.get(item[0])
-                if q is not None:
-                    q.put_nowait(item)
+            self._on_batch(items)
             return
         try:
             key = int(msg.subject[len(self._prefix) + 1 :])
@@ -339,6 +378,8 @@ class ResponseMux:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+        if self._listener is not None:
+            await self._listener.close()
 
 
 class ResponseStream:
@@ -462,9 +503,10 @@ class ResponseStream:
                 return msg
             if msg is _IDLE:
                 if self._probe_deadline is None:
+                    mux = self._mux
                     await self._bus.publish(
                         self.subject,
-                        pack([PROBE, self.request_id, self._mux.batch_subject, self._key]),
+                        pack([PROBE, self.request_id, mux.batch_subject, self._key, mux.response_address]),
                         reply=self._inbox,
                     )
                     self._probe_deadline = self._loop.time() + self._probe_timeout_s
@@ -536,7 +578,7 @@ async def open_stream(
     rid = request_id or mux.new_request_id()
     key, inbox, q = mux.open()
     try:
-        await bus.publish(subject, pack([REQ, rid, body, mux.batch_subject, key]), reply=inbox)
+        await bus.publish(subject, pack([REQ, rid, body, mux.batch_subject, key, mux.response_address]), reply=inbox)
         try:
             async with asyncio.timeout(ack_timeout_s):
                 msg = await q.get()

@@ -98,7 +98,7 @@ class Runtime:
         self.discovery = discovery
         self.bus = bus
         self.supervisor = Supervisor("runtime")
-        self.mux = ResponseMux(bus)
+        self.mux = ResponseMux(bus, config.response_host if config.response_transport == "tcp" else None)
         self.primary_lease = 0
         self._served: list[ServedEndpoint] = []
         self._clients: list[Client] = []

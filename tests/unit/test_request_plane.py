@@ -1,7 +1,8 @@
 """The request plane and the client over the in-memory twins (components.runtime.request_plane, runtime.Client).
 
 Every runtime here is built with ``Runtime.from_parts`` on one shared MemoryStore and one shared MemoryBus, so a
-"server" runtime and a "client" runtime talk exactly as two processes would, minus the sockets. Frames are spied on
+"server" runtime and a "client" runtime talk exactly as two processes would, minus the sockets; responses go over
+that bus too, except in the tests of the direct response connections (real loopback TCP). Frames are spied on
 with a plain ``_INBOX.>`` subscription (the memory bus delivers to every matching subscriber) and injected by
 publishing straight to a stream's inbox.
 """
@@ -44,6 +45,8 @@ class Mesh:
         self.runtimes: list[Runtime] = []
 
     async def runtime(self, **config: object) -> Runtime:
+        # Responses over the bus unless a test asks for the direct connections: the spies here read the bus.
+        config = {"response_transport": "bus", **config}
         rt = await Runtime.from_parts(RuntimeConfig(**config), MemoryDiscovery(self.store), self.bus)
         self.runtimes.append(rt)
         return rt
@@ -264,6 +267,68 @@ async def test_a_malformed_frame_on_a_stream_inbox_interrupts_it(mesh):
     await wait_until(lambda: probe.cancelled == [stream.request_id])
 
 
+# -- direct response connections (response_transport "tcp") ---------------------------------------------------------
+
+
+async def test_with_tcp_responses_every_batch_takes_the_direct_connection(mesh):
+    spy = Frames()
+    await mesh.bus.subscribe("_INBOX.>", spy)
+
+    async def handler(body, ctx):
+        for i in range(20):
+            await asyncio.sleep(0)
+            yield [body, i]
+
+    [served], client = await serve_and_connect(mesh, handler, response_transport="tcp")
+    assert client.runtime.mux.response_address.startswith("127.0.0.1:")
+    streams = [await client.generate(k) for k in range(6)]
+    assert await asyncio.gather(*(collect(st) for st in streams)) == [[[k, i] for i in range(20)] for k in range(6)]
+    outbox = served.server._outbox
+    assert outbox.num_direct > 0 and outbox.num_messages == 0
+    assert spy.msgs == []  # nothing of the answers crossed the bus
+
+
+async def test_an_unreachable_response_address_falls_back_to_the_bus(mesh, caplog):
+    async def handler(body, ctx):
+        for i in range(5):
+            yield i
+
+    [served], client = await serve_and_connect(mesh, handler, response_transport="tcp")
+    await client.runtime.mux._listener.close()  # still named in requests, but nothing listens there any more
+    with caplog.at_level("WARNING"):
+        assert await collect(await client.generate({})) == [0, 1, 2, 3, 4]
+        assert await collect(await client.generate({})) == [0, 1, 2, 3, 4]
+    outbox = served.server._outbox
+    assert outbox.num_direct == 0 and outbox.num_messages >= 2
+    assert "answering over the bus" in caplog.text
+
+
+async def test_a_connection_lost_mid_stream_is_replaced_by_the_bus(mesh):
+    probe = Probe(n=4, gated=True)
+    [served], client = await serve_and_connect(mesh, probe, response_transport="tcp")
+    stream = await client.generate({})
+    outbox = served.server._outbox
+    await wait_until(lambda: len(outbox._conns._conns) == 1)
+    await client.runtime.mux._listener.close()  # the client side drops every connection and stops listening
+    await wait_until(lambda: not outbox._conns._conns)  # the instance saw it go
+    probe.go.set()
+    assert await collect(stream) == [0, 1, 2, 3]
+    assert outbox.num_messages >= 1
+
+
+async def test_garbage_on_the_response_listener_drops_only_that_connection(mesh):
+    probe = Probe(n=3)
+    [served], client = await serve_and_connect(mesh, probe, response_transport="tcp")
+    host, port = client.runtime.mux.response_address.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"\xc1\xc1\xc1 not msgpack")
+    await writer.drain()
+    assert await reader.read() == b""  # closed by the listener
+    writer.close()
+    assert await collect(await client.generate({})) == [0, 1, 2]
+    assert served.server._outbox.num_direct > 0
+
+
 async def test_handler_error_becomes_remote_handler_error_and_the_instance_keeps_serving(mesh):
     async def handler(body, ctx):
         yield 1
@@ -335,7 +400,8 @@ async def test_no_acknowledgement_is_instance_gone_and_the_request_is_cancelled(
     assert "no acknowledgement within 0.05 s" in exc.value.reason
     await wait_until(lambda: len(hung.msgs) == 2)
     # The request names the client's batch subject and the stream's key, so answers could come batched.
-    assert hung.kinds() == [[REQ, "r9", {"x": 1}, rt.mux.batch_subject, 0], [CANCEL, "r9"]]
+    # ("" for the response address: this runtime takes its answers over the bus.)
+    assert hung.kinds() == [[REQ, "r9", {"x": 1}, rt.mux.batch_subject, 0, ""], [CANCEL, "r9"]]
 
 
 async def test_no_instances_error_and_wait_for_instances_timeout(mesh):
