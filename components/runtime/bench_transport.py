@@ -5,7 +5,9 @@ Both sides stream ``chunks`` msgpack chunks per request from a server process to
   multiplexes replies over one wildcard inbox, as nats-py's own request() does. No acks, no sequence checks, no
   cancellation or liveness: the floor of what streaming over NATS costs in Python.
 - runtime: ``Endpoint.serve`` / ``Client.generate`` with everything the runtime adds (ack, sequence numbers, END
-  frame, discovery, cancellation support).
+  frame, discovery, cancellation support), its answers on a direct TCP connection (``response_transport`` "tcp",
+  the default).
+- runtime_bus: the same client with ``response_transport`` "bus": answers through nats-server, batched per client.
 
 Two phases per side: latency (sequential requests: request -> first chunk p50/p99) and throughput (``concurrency``
 concurrent streams: chunks/s). The last line printed is one JSON object with both sides and their ratios.
@@ -169,7 +171,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     child = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
         [sys.executable, "-m", "components.runtime.bench_transport", "--serve"], stdout=subprocess.PIPE, env=env
     )
-    rt = None
+    rt = rt_bus = None
     nc = None
     try:
         assert child.stdout is not None
@@ -179,19 +181,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         nc = await nats.connect(nats_url)
         bare = BareClient(nc)
         await bare.start()
-        rt = await Runtime.connect(cfg)
+        rt = await Runtime.connect(cfg.model_copy(update={"response_transport": "tcp"}))
         client = await rt.namespace(NAMESPACE).component("backend").endpoint("generate").client()
         await client.wait_for_instances(1)
+        rt_bus = await Runtime.connect(cfg.model_copy(update={"response_transport": "bus"}))
+        client_bus = await rt_bus.namespace(NAMESPACE).component("backend").endpoint("generate").client()
+        await client_bus.wait_for_instances(1)
 
         async def rt_one(k: int) -> tuple[float, int]:
             return await _runtime_stream(client, k)
 
+        async def rt_bus_one(k: int) -> tuple[float, int]:
+            return await _runtime_stream(client_bus, k)
+
         m = (args.chunks, args.latency_requests, args.requests, args.concurrency)
-        # Interleave the two sides so drift on a noisy machine affects both alike.
-        results: dict[str, list[dict[str, Any]]] = {"bare_nats": [], "runtime": []}
+        # Interleave the sides so drift on a noisy machine affects them alike.
+        results: dict[str, list[dict[str, Any]]] = {"bare_nats": [], "runtime": [], "runtime_bus": []}
         for _ in range(args.rounds):
             results["bare_nats"].append(await _measure(bare.stream, *m))
             results["runtime"].append(await _measure(rt_one, *m))
+            results["runtime_bus"].append(await _measure(rt_bus_one, *m))
         best = {
             side: {
                 "chunks_per_s": max(r["chunks_per_s"] for r in rs),
@@ -201,7 +210,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for side, rs in results.items()
         }
-        b, r = best["bare_nats"], best["runtime"]
+        b, r, rb = best["bare_nats"], best["runtime"], best["runtime_bus"]
         return {
             "bench": "transport",
             "chunks_per_request": args.chunks,
@@ -210,14 +219,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.rounds,
             "bare_nats": b,
             "runtime": r,
+            "runtime_bus": rb,
             "throughput_ratio_bare_over_runtime": round(b["chunks_per_s"] / r["chunks_per_s"], 3),
+            "throughput_ratio_tcp_over_bus": round(r["chunks_per_s"] / rb["chunks_per_s"], 3),
+            "first_chunk_p50_ratio_tcp_over_bus": round(r["first_chunk_p50_us"] / rb["first_chunk_p50_us"], 3),
             "first_chunk_p50_ratio_runtime_over_bare": round(r["first_chunk_p50_us"] / b["first_chunk_p50_us"], 3),
             "first_chunk_p99_ratio_runtime_over_bare": round(r["first_chunk_p99_us"] / b["first_chunk_p99_us"], 3),
             "target": "both ratios <= 1.3",
         }
     finally:
-        if rt is not None:
-            await rt.shutdown(drain_timeout_s=1)
+        for runtime in (rt, rt_bus):
+            if runtime is not None:
+                await runtime.shutdown(drain_timeout_s=1)
         if nc is not None:
             await nc.close()
         child.send_signal(signal.SIGTERM)
