@@ -1,12 +1,13 @@
 """``kvmesh bench vs-vllm``: kvmesh (frontend + one vLLM worker) against ``vllm serve`` on the same model and load.
 
 Both sides are started (at once) and warmed up, then measured in turns while both stay up: ``--rounds`` runs of
-``--num-requests`` requests each per side (default 8 x 200), in ABBA order (``--order``'s first, the other twice,
-the first again...). On the 2-core dev VM, runs of one server minutes apart differ by up to 30% (the host's load
-changes what a CPU-second buys), so separate start-measure-stop runs of each server compared the moments as much as
-the servers; short alternating runs spread that drift over both sides, and each pair of consecutive runs (same
-prompts, same minute) gives its own ratio: ``pair_ratios`` and their median show the noise next to the headline.
-The idle side costs the measured one little (an idle engine blocks on its input queue).
+``--num-requests`` requests each per side (default 16 x 200, about 2 minutes), in ABBA order (``--order``'s first,
+the other twice, the first again...). On the 2-core dev VM, runs of one server minutes apart differ by up to 33%,
+and a slow run costs more CPU time per request on both sides alike: the host changed, not the servers. Separate
+start-measure-stop runs of each server therefore compared moments as much as servers; short alternating runs spread
+the drift over both sides, and each pair of consecutive runs (same prompts, same minute) gives its own ratio:
+``pair_ratios`` and their median show the noise next to the headline. The idle side takes 1-2% of one core
+(measured over 5 s: vLLM 1%, kvmesh 2%).
 
 Same engine settings (model, dtype, KV-cache bytes, block size, max_model_len, max_num_seqs, eager mode, prefix
 caching, seed, one OpenMP thread) and the same load (``loadgen.run_load``: closed loop, synthetic token-id
@@ -82,7 +83,7 @@ class VsVllmConfig(BaseModel):
     stop_timeout_s: float = Field(default=60.0, gt=0, description="How long a server may take to exit on SIGTERM.")
     order: str = Field(default="vllm,kvmesh", description="Which server runs first: 'vllm,kvmesh' or 'kvmesh,vllm'.")
     rounds: int = Field(
-        default=8, ge=1, le=100, description="Measured runs of each server, in ABBA order (A = --order's first)."
+        default=16, ge=1, le=100, description="Measured runs of each server, in ABBA order (A = --order's first)."
     )
     log_dir: str | None = Field(default=None, description="Keep the servers' logs here (default: a temporary dir).")
 
