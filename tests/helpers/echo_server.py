@@ -36,9 +36,11 @@ async def main() -> None:
             raise
 
     served = await ns.component("backend").endpoint("generate").serve(handler, metadata={"pid": "child"})
-    print(f"READY {served.instance_id:x}", flush=True)
+    # The handler before READY: a test may send SIGTERM as soon as it reads the line, and on a busy machine that
+    # could reach this process before the next statement ran (the default action would kill it, lease and all).
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print(f"READY {served.instance_id:x}", flush=True)
     await stop.wait()
     await rt.shutdown(drain_timeout_s=10)
     print("STOPPED", flush=True)
