@@ -315,8 +315,11 @@ class ResponseMux:
         self.batch_subject = ""
         # Where instances may connect to send batches directly (``response_channel``); "" = over the bus only.
         self.response_address = ""
-        self._listener = ResponseListener(response_host, self._on_batch) if response_host else None
+        self._listener = (
+            ResponseListener(response_host, self._on_batch, self._on_connection_lost) if response_host else None
+        )
         self._queues: dict[int, asyncio.Queue[list[Any]]] = {}
+        self._source: dict[int, Any] = {}  # stream key -> the direct connection its ACK came on
         self._sub: Subscription | None = None
         self._counter = itertools.count()
         self._salt = os.urandom(4).hex()
@@ -329,12 +332,25 @@ class ResponseMux:
             await self._listener.start()
             self.response_address = self._listener.address
 
-    def _on_batch(self, items: list[Any]) -> None:
+    def _on_batch(self, items: list[Any], source: Any = None) -> None:
         queues = self._queues
         for item in items:
             q = queues.get(item[0])
             if q is not None:
                 q.put_nowait(item)
+                if item[1] == 0 and source is not None:  # the ACK: this stream's frames come on that connection
+                    self._source[item[0]] = source
+
+    def _on_connection_lost(self, conn: Any) -> None:
+        """An instance's connection closed: probe its streams now rather than after ``idle_probe_s`` of silence.
+        A SIGKILLed worker's streams then end within a round trip (no responders); a live instance answers the
+        probe and keeps streaming on a new connection. Everything it sent before closing is already queued."""
+        for key, src in list(self._source.items()):
+            if src is conn:
+                del self._source[key]
+                q = self._queues.get(key)
+                if q is not None:
+                    q.put_nowait(_IDLE)
 
     async def _on_message(self, msg: BusMessage) -> None:
         queues = self._queues
@@ -344,7 +360,7 @@ class ResponseMux:
             except Exception as e:  # noqa: BLE001
                 logger.warning("malformed batch on %s: %s", msg.subject, e)
                 return
-            self._on_batch(items)
+            self._on_batch(items, None)
             return
         try:
             key = int(msg.subject[len(self._prefix) + 1 :])
@@ -371,6 +387,7 @@ class ResponseMux:
 
     def close(self, key: int) -> None:
         self._queues.pop(key, None)
+        self._source.pop(key, None)
 
     def new_request_id(self) -> str:
         return f"{self._salt}-{next(self._counter)}"
@@ -419,6 +436,7 @@ class ResponseStream:
         self._last = self._loop.time()
         self._probe_deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._arm(self._last + idle_probe_s)
 
     @property
@@ -470,6 +488,7 @@ class ResponseStream:
 
     def _arm(self, when: float) -> None:
         self._timer = self._loop.call_at(when, _on_stream_timer, weakref.ref(self))
+        self._timer_at = when
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -530,8 +549,17 @@ class ResponseStream:
             return msg  # a malformed frame (negative seq): __anext__ reports it as a gap
 
     def _rearm(self) -> None:
-        if self._timer is None and not self._done:
-            self._arm(self._last + self._idle_probe_s if self._probe_deadline is None else self._probe_deadline)
+        """Make sure the timer fires by the next moment that matters: the probe's deadline while one is out (it
+        may be earlier than the idle timer already set: a probe sent because a connection closed), else the end of
+        the idle period."""
+        if self._done:
+            return
+        when = self._last + self._idle_probe_s if self._probe_deadline is None else self._probe_deadline
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return
+            self._timer.cancel()
+        self._arm(when)
 
     def _finish(self) -> None:
         if not self._done:

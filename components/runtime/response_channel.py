@@ -30,7 +30,7 @@ import msgpack
 
 logger = logging.getLogger(__name__)
 
-BatchHandler = Callable[[list[Any]], None]
+BatchHandler = Callable[[list[Any], Any], None]  # (batch, the connection it came on)
 
 # A malformed or hostile peer cannot make the listener buffer more than this for one object.
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
@@ -54,7 +54,7 @@ class _Inbound(asyncio.Protocol):
             self._unpacker.feed(data)
             for batch in self._unpacker:
                 if isinstance(batch, list):
-                    self._on_batch(batch)
+                    self._on_batch(batch, self)
         except Exception as e:  # noqa: BLE001 - garbage on the socket: drop this peer, keep serving the others
             logger.warning("response channel: dropping a connection that sent a malformed batch: %s", e)
             if self._transport is not None:
@@ -62,6 +62,8 @@ class _Inbound(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._listener.connections.discard(self)
+        if self._listener.on_lost is not None:
+            self._listener.on_lost(self)
 
     def close(self) -> None:
         if self._transport is not None:
@@ -69,11 +71,13 @@ class _Inbound(asyncio.Protocol):
 
 
 class ResponseListener:
-    """The client side: accepts instances' connections and hands every batch read to ``on_batch``."""
+    """The client side: accepts instances' connections and hands every batch read to ``on_batch`` with the
+    connection it came on; ``on_lost(connection)`` when one closes (its instance's process may have died)."""
 
-    def __init__(self, host: str, on_batch: BatchHandler) -> None:
+    def __init__(self, host: str, on_batch: BatchHandler, on_lost: Callable[[Any], None] | None = None) -> None:
         self.host = host
         self._on_batch = on_batch
+        self.on_lost = on_lost
         self._server: asyncio.Server | None = None
         self.address = ""
         self.connections: set[_Inbound] = set()

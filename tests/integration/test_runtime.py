@@ -189,6 +189,29 @@ async def test_inflight_stream_from_killed_instance_is_interrupted(make_runtime,
     assert exc.value.instance_id == iid
 
 
+async def test_a_killed_instance_s_streams_end_as_soon_as_its_connection_drops(make_runtime, child_servers):
+    """Answers come on a direct connection; the kernel closes a SIGKILLed process's sockets, and the client probes
+    that connection's streams at once instead of after idle_probe_s of silence (30 s here)."""
+    other = await make_runtime(stream_idle_probe_s=30.0)
+    client = await other.namespace("t").component("backend").endpoint("generate").client()
+    child = child_servers()
+    iid = await child.ready()
+    await client.wait_for_instances(1, timeout_s=5)
+    stream = await client.direct({"n": 1000, "delay_s": 0.05}, iid)
+    got = [(await stream.__anext__())["i"] for _ in range(3)]
+    child.kill()
+    t0 = time.monotonic()
+    with pytest.raises(StreamInterruptedError) as exc:
+        async with asyncio.timeout(20):
+            async for item in stream:
+                got.append(item["i"])
+    took = time.monotonic() - t0
+    # No responders at once, or no answer within probe_timeout_s (1 s) if NATS had not yet seen the process go.
+    assert took < 2.5, took
+    assert exc.value.instance_id == iid
+    assert got == list(range(len(got)))  # nothing lost or reordered before the interruption
+
+
 async def test_cancellation_reaches_the_handler(make_runtime, child_servers):
     other = await make_runtime()
     ns = other.namespace("t")
