@@ -31,6 +31,8 @@ Failure detection, fastest first:
 - Mid-stream, nothing for ``stream_idle_probe_s``: the client probes the instance; no responder, no answer within
   ``probe_timeout_s`` or "not alive" -> StreamInterruptedError. A SIGKILLed worker is therefore noticed within about
   0.5 s + a round trip, long before its lease (10 s) expires, without any heartbeat traffic on healthy streams.
+- Mid-stream, the direct connection the stream's frames come on closes (the kernel closes a dead process's sockets):
+  the same probe is sent at once, so a SIGKILLed worker's streams end within a round trip.
 - A gap in sequence numbers (a frame lost) -> StreamInterruptedError.
 
 Cancellation: closing the stream (``aclose``), cancelling the task iterating it, or dropping it unfinished sends
