@@ -31,6 +31,29 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 NS = "wt"
 
+# `kvmesh worker` with mock engines at speedup 1 (~5 ms per decode step); the caller adds its own flags.
+MOCK_WORKER_FLAGS = ["--namespace", NS, "--speedup-ratio", "1", "--vocab-size", "1000", "--eos-token-id", "999"]
+MOCK_WORKER_FLAGS += ["--num-gpu-blocks", "1024", "--max-model-len", "4096"]
+
+
+def worker_command(*flags: str, log_level: str = "WARNING") -> list[str]:
+    return [sys.executable, "-m", "components.cli.main", "--log-level", log_level, "worker", *MOCK_WORKER_FLAGS, *flags]
+
+
+def worker_env(runtime_config, **extra: str) -> dict[str, str]:
+    return os.environ | {
+        "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
+        "KVMESH_NATS_URL": runtime_config.nats_url,
+        **extra,
+    }
+
+
+async def ready_instance_id(proc: subprocess.Popen) -> int:
+    """The instance id a one-worker `kvmesh worker` prints on its READY line."""
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+    assert line.startswith("READY 1 workers: "), line
+    return int(line.split(": ")[1], 16)
+
 
 def request(rid: str, prompt: list[int], max_tokens: int = 8) -> dict:
     return GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).to_dict()
@@ -131,15 +154,9 @@ async def test_engine_request_error_reaches_client_and_worker_keeps_serving(flee
 
 
 async def test_sigterm_drains_with_zero_failed_requests(make_runtime, runtime_config):
-    env = os.environ | {
-        "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
-        "KVMESH_NATS_URL": runtime_config.nats_url,
-        "KVMESH_LEASE_TTL_S": "3",
-    }
+    env = worker_env(runtime_config, KVMESH_LEASE_TTL_S="3")
     # Speedup 1 with the default step model: ~5 ms per decode step, so 200 tokens take about 1 s.
-    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "worker", "--namespace", NS]
-    cmd += ["--num-workers", "2", "--speedup-ratio", "1", "--vocab-size", "1000", "--eos-token-id", "999"]
-    cmd += ["--num-gpu-blocks", "1024", "--max-model-len", "4096"]
+    cmd = worker_command("--num-workers", "2", log_level="INFO")
     proc = subprocess.Popen(  # noqa: ASYNC220
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -179,19 +196,10 @@ async def test_sigkill_mid_stream_interrupts_only_that_workers_streams(make_runt
     """SIGKILL loses the process; its streams end with StreamInterruptedError, nothing hangs, others keep serving."""
     from components.runtime import StreamInterruptedError
 
-    env = os.environ | {
-        "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
-        "KVMESH_NATS_URL": runtime_config.nats_url,
-    }
-    base = [sys.executable, "-m", "components.cli.main", "worker", "--namespace", NS, "--speedup-ratio", "1"]
-    base += ["--vocab-size", "1000", "--eos-token-id", "999", "--num-gpu-blocks", "1024", "--max-model-len", "4096"]
-    procs = [subprocess.Popen(base, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]  # noqa: ASYNC220
+    env = worker_env(runtime_config)
+    procs = [subprocess.Popen(worker_command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]  # noqa: ASYNC220
     try:
-        ids = []
-        for p in procs:
-            line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)
-            assert line.startswith("READY 1 workers: "), line
-            ids.append(int(line.split(": ")[1], 16))
+        ids = [await ready_instance_id(p) for p in procs]
         crt = await make_runtime()
         client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(2, timeout_s=5)
@@ -217,21 +225,12 @@ async def test_a_worker_whose_engine_dies_leaves_the_fleet_and_its_process_exits
     process has died the process exits 1 so its supervisor starts a fresh one."""
     from components.runtime import RemoteHandlerError, StreamInterruptedError
 
-    env = os.environ | {
-        "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
-        "KVMESH_NATS_URL": runtime_config.nats_url,
-    }
-    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--namespace", NS, "--speedup-ratio", "1"]
-    cmd += ["--vocab-size", "1000", "--eos-token-id", "999", "--num-gpu-blocks", "1024", "--max-model-len", "4096"]
-    cmd += ["--engine-check-interval-ms", "100"]
+    env = worker_env(runtime_config)
+    cmd = worker_command("--engine-check-interval-ms", "100")
     healthy = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
     doomed = subprocess.Popen([*cmd, "--fail-after-s", "3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
     try:
-        ids = []
-        for p in (healthy, doomed):
-            line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)
-            assert line.startswith("READY 1 workers: "), line
-            ids.append(int(line.split(": ")[1], 16))
+        ids = [await ready_instance_id(p) for p in (healthy, doomed)]
         crt = await make_runtime()
         client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(2, timeout_s=5)
