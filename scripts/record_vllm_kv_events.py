@@ -1,7 +1,7 @@
 """Record the raw KV-event messages vLLM publishes for a small scripted workload, for the adapter's unit tests.
 
-Writes tests/unit/data/vllm_kv_events.json: the prompts, vLLM's version, and every message of the publisher as
-``[seq, payload hex]`` in order. ``tests/unit/test_vllm_adapter.py`` replays them through the adapter's decoder and
+Writes tests/unit/workers/data/vllm_kv_events.json: the prompts, vLLM's version, and every message of the publisher as
+``[seq, payload hex]`` in order. ``tests/unit/workers/test_vllm_adapter.py`` replays them through the adapter's decoder and
 translator without vLLM. Workload (block size 32, KV cache of 2 MiB = 31 usable blocks of this model):
 
 1. prompt A, 100 tokens: vLLM stores A's 3 full blocks (parent None);
@@ -24,13 +24,13 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-OUT = REPO_ROOT / "tests" / "unit" / "data" / "vllm_kv_events.json"
+OUT = REPO_ROOT / "tests" / "unit" / "workers" / "data" / "vllm_kv_events.json"
 
 
 async def record() -> dict:
     import vllm
 
-    from components.workers.engines.base import GenerateRequest, SamplingParams
+    from components.protocol.messages import GenerateRequest, SamplingParams
     from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
 
     prompt_a = list(range(10, 110))

@@ -14,9 +14,9 @@ from collections import deque
 from pathlib import Path
 from typing import BinaryIO
 
-from components.cli.errors import CliError, NotServingError
 from components.cli.serve import ServeConfig
-from components.cli.state import log_dir, log_path, resolve_state_dir
+from components.deploy.errors import DeployError, NotServingError
+from components.deploy.state import log_dir, log_path, resolve_state_dir
 
 FOLLOW_POLL_S = 0.2  # how soon a new line shows up when following
 
@@ -35,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
             print_existing(f, args.tail, sys.stdout.buffer)
             if args.follow:
                 follow(path, f, sys.stdout.buffer)
-    except CliError as e:
+    except DeployError as e:
         print(f"kvmesh logs: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

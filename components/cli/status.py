@@ -21,11 +21,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from components.cli.errors import CliError
-from components.cli.state import live_states, resolve_state_dir
+from components.deploy.errors import DeployError
+from components.deploy.state import live_states, resolve_state_dir
+from components.protocol.endpoints import TOPIC_LOAD_METRICS
+from components.protocol.messages import LoadSnapshot
 from components.runtime import EventSubscription, InstanceInfo, Runtime, RuntimeConfig, RuntimeMeshError
-from components.workers.engines.base import LoadSnapshot
-from components.workers.protocol import TOPIC_LOAD_METRICS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,7 +169,7 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(args: argparse.Namespace) -> int:
     try:
         rows = asyncio.run(_run(args))
-    except CliError as e:
+    except DeployError as e:
         print(f"kvmesh status: {e}", file=sys.stderr)
         return e.exit_code
     except RuntimeMeshError as e:  # etcd or NATS unreachable: say where we looked

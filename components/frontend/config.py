@@ -1,5 +1,5 @@
 """The frontend's configuration: one pydantic model; ``kvmesh frontend`` flags are derived from it
-(components/cli/args.py), and so will be the graph file's ``frontend:`` section.
+(components/runtime/flags.py), and so will be the graph file's ``frontend:`` section.
 
 Flag names follow ``vllm serve`` where it has the knob (``--host``, ``--port``, ``--api-key``). The frontend routes
 with an embedded router, so every ``RouterConfig`` knob is a frontend flag too (``--router-policy kv

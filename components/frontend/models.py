@@ -25,9 +25,9 @@ from typing import Any
 
 from components.frontend.errors import ModelUnavailableError
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
+from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.router import Router
 from components.runtime import Client, InstanceInfo, Runtime
-from components.workers.protocol import ENDPOINT_GENERATE
 
 logger = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from components.frontend.metrics import FrontendMetrics, ModelMetrics
 from components.frontend.models import Model, ModelRegistry
 from components.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from components.protocol.messages import GenerateRequest, SamplingParams
 from components.router import NoWorkersError, Router, RouteRequest
 from components.runtime import (
     InstanceDrainingError,
@@ -44,7 +45,6 @@ from components.runtime import (
     ResponseStream,
     StreamInterruptedError,
 )
-from components.workers.engines.base import GenerateRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The router's configuration: one pydantic model, ``RouterConfig``, that every routing knob lives in.
 
-Two components embed it, so its flags (derived by components/cli/args.py) mean the same everywhere:
+Two components embed it, so its flags (derived by components/runtime/flags.py) mean the same everywhere:
 
 - ``FrontendConfig`` extends it: ``kvmesh frontend --router-policy kv --router-temperature 0.1`` routes inside the
   frontend, as Dynamo's frontend does with the same flags;

@@ -25,12 +25,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
 from components.router.adapter import Router
 from components.router.errors import RouterProtocolError
 from components.router.protocol import TOPIC_ROUTER_SYNC
 from components.runtime import Client, EventSubscription, RecoverableError, Runtime
-from components.workers.engines.base import KvEvent, KvStateSnapshot, LoadSnapshot
-from components.workers.protocol import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
 
 logger = logging.getLogger(__name__)
 

@@ -14,40 +14,41 @@ from __future__ import annotations
 import argparse
 import logging
 
-from components.cli.args import add_model_arguments, model_from_args
 from components.router.config import RouterServiceConfig
 from components.router.service import RouterService
-from components.runtime import Runtime, RuntimeConfig, eventloop
+from components.runtime import Runtime, eventloop
+from components.runtime.flags import add_model_arguments, model_from_args
+from components.runtime.process import add_runtime_arguments, never, run_component
 
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--etcd", default=None, help="etcd endpoint (default: $KVMESH_ETCD_ENDPOINTS or 127.0.0.1:2379)")
-    p.add_argument("--nats", default=None, help="NATS URL (default: $KVMESH_NATS_URL or 127.0.0.1:4222)")
+    add_runtime_arguments(p)
     add_model_arguments(p, RouterServiceConfig)
 
 
-async def run(args: argparse.Namespace) -> int:
-    cfg = model_from_args(RouterServiceConfig, args)
-    rcfg = RuntimeConfig.from_env(etcd_endpoints=[args.etcd] if args.etcd else None, nats_url=args.nats)
-    runtime = await Runtime.connect(rcfg, name=f"kvmesh-router-{cfg.namespace}")
-    stop = eventloop.stop_on_signals()
-    service = RouterService(cfg, runtime)
-    try:
-        await service.start()
-        eventloop.freeze_startup_heap()
-        print(f"READY {service.instance_id:x}", flush=True)
-        await stop.wait()
-        logger.info("router %x shutting down", service.instance_id)
-    finally:
-        try:
-            await service.stop()
-        finally:
-            await runtime.shutdown()
-    print("STOPPED", flush=True)
-    return 0
+class RouterProcess:
+    """The standalone router as the process kit runs it."""
+
+    def __init__(self, cfg: RouterServiceConfig, runtime: Runtime) -> None:
+        self.service = RouterService(cfg, runtime)
+
+    async def start(self) -> str:
+        await self.service.start()
+        return f"{self.service.instance_id:x}"
+
+    async def ended(self) -> None:
+        await never()
+
+    async def stop(self) -> tuple[int, str]:
+        logger.info("router %x shutting down", self.service.instance_id)
+        await self.service.stop()
+        return 0, "STOPPED"
 
 
 def main(args: argparse.Namespace) -> int:
-    return eventloop.run(run(args))
+    cfg = model_from_args(RouterServiceConfig, args)
+    return eventloop.run(
+        run_component(args, f"kvmesh-router-{cfg.namespace}", lambda runtime: RouterProcess(cfg, runtime))
+    )

@@ -24,9 +24,15 @@ class RuntimeConfig(BaseModel):
 
     etcd_endpoints: list[str] = Field(
         default_factory=lambda: [DEFAULT_ETCD_ENDPOINT],
-        description="etcd client URLs (http://host:port); the first reachable one is used.",
+        description="etcd client URLs (http://host:port); the first reachable one is used. "
+        "Environment: KVMESH_ETCD_ENDPOINTS.",
+        json_schema_extra={"cli_aliases": ["--etcd"]},
     )
-    nats_url: str = Field(default=DEFAULT_NATS_URL, description="NATS server URL, nats://host:port.")
+    nats_url: str = Field(
+        default=DEFAULT_NATS_URL,
+        description="NATS server URL, nats://host:port. Environment: KVMESH_NATS_URL.",
+        json_schema_extra={"cli_aliases": ["--nats"]},
+    )
     lease_ttl_s: int = Field(
         default=10,
         ge=2,

@@ -6,16 +6,12 @@ import enum
 
 from pydantic import BaseModel, Field
 
+from components.protocol.metadata import WorkerRole
+
 
 class EngineKind(enum.StrEnum):
     MOCK = "mock"
     VLLM = "vllm"
-
-
-class WorkerRole(enum.StrEnum):
-    AGGREGATED = "aggregated"  # prefill and decode on the same engine
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class WorkerConfig(BaseModel):

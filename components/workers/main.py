@@ -20,12 +20,12 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from components.cli.args import add_model_arguments, model_from_args
-from components.runtime import Runtime, RuntimeConfig, eventloop
+from components.runtime import Runtime, eventloop
+from components.runtime.flags import add_model_arguments, model_from_args
+from components.runtime.process import add_runtime_arguments, run_component
 from components.workers.config import EngineKind, WorkerConfig
 from components.workers.engines.base import Engine
 from components.workers.engines.mock import MockEngine, MockEngineConfig
@@ -36,8 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--etcd", default=None, help="etcd endpoint (default: $KVMESH_ETCD_ENDPOINTS or 127.0.0.1:2379)")
-    p.add_argument("--nats", default=None, help="NATS URL (default: $KVMESH_NATS_URL or 127.0.0.1:4222)")
+    add_runtime_arguments(p)
     add_model_arguments(p, WorkerConfig)
     add_model_arguments(p, MockEngineConfig)
     # Only the vLLM flags that do not exist yet: shared names (model_path from WorkerConfig, block_size and friends
@@ -96,52 +95,53 @@ def make_engine(cfg: WorkerConfig, args: argparse.Namespace, index: int) -> Engi
     raise SystemExit(f"engine {cfg.engine} is not available in this build (supported: mock, vllm)")
 
 
-async def run(args: argparse.Namespace) -> int:
-    cfg = model_from_args(WorkerConfig, args)
-    check_engine_flags(cfg.engine, args)
-    cfg = resolve_worker_config(cfg, args)
-    rcfg = RuntimeConfig.from_env(etcd_endpoints=[args.etcd] if args.etcd else None, nats_url=args.nats)
-    runtime = await Runtime.connect(rcfg, name=f"kvmesh-worker-{cfg.namespace}")
-    workers = [Worker(runtime, cfg, make_engine(cfg, args, i), index=i) for i in range(cfg.num_workers)]
-    stop = eventloop.stop_on_signals()
-    try:
+class WorkerProcess:
+    """``num_workers`` workers of one engine kind, as the process kit runs them."""
+
+    def __init__(self, cfg: WorkerConfig, args: argparse.Namespace, runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.workers = [Worker(runtime, cfg, make_engine(cfg, args, i), index=i) for i in range(cfg.num_workers)]
+
+    async def start(self) -> str:
+        workers = self.workers
         # Every start runs to its end before failures are handled: a vLLM engine still starting in a thread when
         # its sibling fails would otherwise outlive the process as orphaned engine-core processes.
         started = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
-            await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
             raise SystemExit(f"kvmesh worker: {len(failed)} of {len(workers)} workers failed to start: {failed[0]}")
-        eventloop.freeze_startup_heap()
-        ids = ",".join(f"{w.instance_id:x}" for w in workers)
-        print(f"READY {len(workers)} workers: {ids}", flush=True)
-        logger.info("%d %s workers serving %s in %s", len(workers), cfg.engine, cfg.model, cfg.namespace)
-        all_dead: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(w.dead.wait() for w in workers)))
-        stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait([stopping, all_dead], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            all_dead.cancel()
-            stopping.cancel()
-            # Collect both outcomes: a cancelled gather left unawaited logs "exception was never retrieved".
-            await asyncio.gather(all_dead, stopping, return_exceptions=True)
+        logger.info("%d %s workers serving %s in %s", len(workers), self.cfg.engine, self.cfg.model, self.cfg.namespace)
+        return f"{len(workers)} workers: " + ",".join(f"{w.instance_id:x}" for w in workers)
+
+    async def ended(self) -> None:
+        """Every engine of the process died (each worker already left the fleet)."""
+        await asyncio.gather(*(w.dead.wait() for w in self.workers))
+
+    async def stop(self) -> tuple[int, str]:
+        workers = self.workers
         dead = [w for w in workers if w.dead.is_set()]
         logger.info("draining %d workers", len(workers))
         cancelled = sum(await asyncio.gather(*(w.stop() for w in workers)))
         if cancelled:
             logger.warning("%d requests outlived the drain timeout and were cancelled", cancelled)
-    finally:
-        await runtime.shutdown(drain_timeout_s=cfg.drain_timeout_s)
-    if len(dead) == len(workers):
-        # Every engine died: exit non-zero, so a supervisor (circus, Kubernetes) starts a fresh worker.
-        print(f"DEAD {dead[0].dead_reason}", flush=True)
-        return 1
-    print("STOPPED", flush=True)
-    return 0
+        if dead and len(dead) == len(workers):
+            # Every engine died: exit non-zero, so a supervisor (circus, Kubernetes) starts a fresh worker.
+            return 1, f"DEAD {dead[0].dead_reason}"
+        return 0, "STOPPED"
 
 
 def main(args: argparse.Namespace) -> int:
-    return eventloop.run(run(args))
+    cfg = model_from_args(WorkerConfig, args)
+    check_engine_flags(cfg.engine, args)
+    cfg = resolve_worker_config(cfg, args)
+    return eventloop.run(
+        run_component(
+            args,
+            f"kvmesh-worker-{cfg.namespace}",
+            lambda runtime: WorkerProcess(cfg, args, runtime),
+            drain_timeout_s=cfg.drain_timeout_s,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,11 +23,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.protocol.messages import GenerateRequest, KvEvent
 from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.runtime.kv_hashing import HASH_SCHEME_VERSION
 from components.workers.config import WorkerConfig
-from components.workers.engines.base import Engine, GenerateRequest, KvEvent
-from components.workers.protocol import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.workers.engines.base import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from components.cli.state import ProcessRecord, ServeState, read_state, state_path
+from components.deploy.state import ProcessRecord, ServeState, read_state, state_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

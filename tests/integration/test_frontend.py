@@ -26,11 +26,11 @@ from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
 from components.frontend import Frontend, FrontendConfig
+from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.messages import GenerateRequest, SamplingParams
 from components.runtime import Runtime
 from components.workers.config import WorkerConfig
-from components.workers.engines.base import GenerateRequest, SamplingParams
 from components.workers.engines.mock import MockEngine, MockEngineConfig
-from components.workers.protocol import ENDPOINT_GENERATE
 from components.workers.worker import Worker
 
 pytestmark = pytest.mark.integration

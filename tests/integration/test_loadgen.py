@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from components.cli.loadgen import LoadConfig, run_load
+from components.cli.bench.loadgen import LoadConfig, run_load
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from components.workers.engines.base import FinishReason, GenerateRequest, SamplingParams, TokenChunk
-from components.workers.protocol import ENDPOINT_GENERATE
+from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.messages import FinishReason, GenerateRequest, SamplingParams, TokenChunk
 from tests.helpers.vllm import MODEL_DIR, ROOT, check_weights, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, requires_vllm]

@@ -16,11 +16,8 @@ import time
 import pytest
 import pytest_asyncio
 
-from components.runtime import RemoteHandlerError, Runtime, RuntimeConfig, collect
-from components.runtime.kv_hashing import block_hashes
-from components.runtime.servers import EtcdServer, NatsServer
-from components.workers.config import EngineKind, WorkerConfig
-from components.workers.engines.base import (
+from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.protocol.messages import (
     FinishReason,
     GenerateRequest,
     KvEvent,
@@ -30,8 +27,11 @@ from components.workers.engines.base import (
     SamplingParams,
     TokenChunk,
 )
+from components.runtime import RemoteHandlerError, Runtime, RuntimeConfig, collect
+from components.runtime.kv_hashing import block_hashes
+from components.runtime.servers import EtcdServer, NatsServer
+from components.workers.config import EngineKind, WorkerConfig
 from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
-from components.workers.protocol import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
 from components.workers.worker import Worker
 from tests.helpers.vllm import MODEL_DIR, check_weights, requires_vllm
 

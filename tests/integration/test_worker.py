@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from components.runtime import collect
-from components.runtime.kv_hashing import block_hashes
-from components.workers.config import WorkerConfig
-from components.workers.engines.base import (
+from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.protocol.messages import (
     GenerateRequest,
     KvEvent,
     KvEventKind,
@@ -23,8 +21,10 @@ from components.workers.engines.base import (
     SamplingParams,
     TokenChunk,
 )
+from components.runtime import collect
+from components.runtime.kv_hashing import block_hashes
+from components.workers.config import WorkerConfig
 from components.workers.engines.mock import MockEngine, MockEngineConfig
-from components.workers.protocol import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
 from components.workers.worker import Worker
 
 pytestmark = pytest.mark.integration

@@ -1,176 +1,19 @@
 """The engine contract: what every engine (simulated or real vLLM) offers to the worker process.
 
-Token ids in, token ids out: tokenisation belongs to the frontend. Every type here is a plain dataclass that
-round-trips through ``to_dict``/``from_dict`` (msgpack-friendly: only ints, floats, strings, lists, dicts, None), so the
-worker can put them on the wire without knowing the engine.
+The messages it speaks (``GenerateRequest``, ``TokenChunk``, ``LoadSnapshot``, ``KvEvent`` ...) are the wire contract
+of the whole mesh and live in ``components.protocol``; this module holds what only workers and engines share: the
+``Engine`` protocol and the engine errors.
 
-This module imports only the standard library.
+Imports: the standard library and ``components.protocol``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-
-@dataclasses.dataclass(slots=True)
-class SamplingParams:
-    """What the frontend asks of the sampler. Defaults follow the OpenAI API."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
-
-
-@dataclasses.dataclass(slots=True)
-class GenerateRequest:
-    """One generation: prompt token ids, sampling parameters and a request id unique in the fleet."""
-
-    request_id: str
-    token_ids: list[int]
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "token_ids": self.token_ids, "sampling": self.sampling.to_dict()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GenerateRequest:
-        return cls(
-            request_id=d["request_id"],
-            token_ids=list(d["token_ids"]),
-            sampling=SamplingParams.from_dict(d.get("sampling") or {}),
-        )
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS or a stop token
-    LENGTH = "length"  # max_tokens reached
-    ABORT = "abort"  # aborted by the client or the worker
-
-
-@dataclasses.dataclass(slots=True)
-class TokenChunk:
-    """New output tokens since the previous chunk; the last chunk of a request carries ``finish_reason``."""
-
-    token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    num_prompt_tokens: int = 0  # set on the first chunk
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, set on the first chunk
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "token_ids": self.token_ids,
-            "finish_reason": None if self.finish_reason is None else str(self.finish_reason),
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_cached_tokens": self.num_cached_tokens,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TokenChunk:
-        fr = d.get("finish_reason")
-        return cls(
-            token_ids=list(d["token_ids"]),
-            finish_reason=None if fr is None else FinishReason(fr),
-            num_prompt_tokens=d.get("num_prompt_tokens", 0),
-            num_cached_tokens=d.get("num_cached_tokens", 0),
-        )
-
-
-@dataclasses.dataclass(slots=True)
-class LoadSnapshot:
-    """An engine's load at one instant. ``now_s`` is the engine's monotonic clock when it was taken."""
-
-    now_s: float
-    kv_usage: float  # active blocks / total blocks, 0..1
-    num_total_blocks: int
-    num_active_blocks: int
-    num_running: int
-    num_waiting: int
-    num_waiting_prefill_tokens: int  # prompt tokens not yet prefilled, over waiting and partially prefilled requests
-    num_preemptions: int  # cumulative since the engine started
-    batch_size: int  # sequences in the last step (a TPOT predictor's input)
-    num_kv_tokens: int  # tokens attended in the last decode step (a TPOT predictor's input)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LoadSnapshot:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
-
-
-class KvEventKind(enum.StrEnum):
-    BLOCK_STORED = "stored"
-    BLOCK_REMOVED = "removed"
-    ALL_CLEARED = "cleared"
-
-
-@dataclasses.dataclass(slots=True)
-class KvEvent:
-    """One change to an engine's prefix cache, as a real engine emits it.
-
-    ``event_id`` increases by one per event and per engine, so a subscriber can detect a gap. ``BLOCK_STORED`` carries
-    the chained hashes of consecutive full blocks (see ``components.runtime.kv_hashing``), the hash of the block before
-    the first one (``parent_hash``, None at the start of a sequence) and the number of tokens per block.
-    """
-
-    event_id: int
-    kind: KvEventKind
-    block_hashes: list[int] = dataclasses.field(default_factory=list)
-    parent_hash: int | None = None
-    num_tokens_per_block: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "event_id": self.event_id,
-            "kind": str(self.kind),
-            "block_hashes": self.block_hashes,
-            "parent_hash": self.parent_hash,
-            "num_tokens_per_block": self.num_tokens_per_block,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KvEvent:
-        return cls(
-            event_id=d["event_id"],
-            kind=KvEventKind(d["kind"]),
-            block_hashes=list(d.get("block_hashes") or []),
-            parent_hash=d.get("parent_hash"),
-            num_tokens_per_block=d.get("num_tokens_per_block", 0),
-        )
-
-
-@dataclasses.dataclass(slots=True)
-class KvStateSnapshot:
-    """Every block an engine's prefix cache holds right now, and the id of the last event already reflected in it.
-
-    A router that saw a gap in event ids replaces its view of this worker with this snapshot, then applies events with
-    ``event_id > last_event_id``.
-    """
-
-    last_event_id: int
-    block_size: int
-    block_hashes: list[int]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KvStateSnapshot:
-        return cls(last_event_id=d["last_event_id"], block_size=d["block_size"], block_hashes=list(d["block_hashes"]))
+from components.protocol.errors import ErrorCode
+from components.protocol.messages import GenerateRequest, KvEvent, KvStateSnapshot, LoadSnapshot, TokenChunk
 
 
 class EngineError(Exception):
@@ -178,11 +21,17 @@ class EngineError(Exception):
 
 
 class EngineRequestError(EngineError):
-    """One request failed (bad parameters, prompt too long); the engine keeps serving. Recoverable."""
+    """One request failed (bad parameters, prompt too long); the engine keeps serving. The client's to fix: it
+    travels as ``request_invalid`` (an HTTP 400), never retried elsewhere."""
+
+    wire_code = ErrorCode.REQUEST_INVALID
+    wire_param: str | None = None
 
 
 class EngineDeadError(EngineError):
-    """The engine cannot serve any more requests. Fatal for the worker."""
+    """The engine cannot serve any more requests. Fatal for the worker; another worker may serve the request."""
+
+    wire_code = ErrorCode.ENGINE_DEAD
 
 
 @runtime_checkable

@@ -26,7 +26,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from ..base import EngineError, KvEvent, KvEventKind, KvStateSnapshot
+from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot
+
+from ..base import EngineError
 
 __all__ = ["BlockPool", "NoFreeBlocksError"]
 

@@ -26,9 +26,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 
-from ..base import (
-    EngineDeadError,
-    EngineError,
+from components.protocol.messages import (
     FinishReason,
     GenerateRequest,
     KvEvent,
@@ -36,6 +34,8 @@ from ..base import (
     LoadSnapshot,
     TokenChunk,
 )
+
+from ..base import EngineDeadError, EngineError
 from .config import MockEngineConfig
 from .scheduler import DuplicateRequestError, Scheduler, StepOutput
 

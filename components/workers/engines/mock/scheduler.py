@@ -38,10 +38,8 @@ from collections import deque
 
 import xxhash
 
-from components.runtime.kv_hashing import block_hashes, pack_token_ids
-
-from ..base import (
-    EngineRequestError,
+from components.protocol.errors import ErrorCode
+from components.protocol.messages import (
     FinishReason,
     GenerateRequest,
     KvEvent,
@@ -50,6 +48,9 @@ from ..base import (
     SamplingParams,
     TokenChunk,
 )
+from components.runtime.kv_hashing import block_hashes, pack_token_ids
+
+from ..base import EngineRequestError
 from .block_pool import BlockPool
 from .config import MockEngineConfig
 from .perf_model import step_time_ms
@@ -67,6 +68,8 @@ __all__ = [
 class PromptTooLongError(EngineRequestError):
     """The prompt has more tokens than ``max_model_len``."""
 
+    wire_param = "prompt"
+
     def __init__(self, request_id: str, num_prompt_tokens: int, max_model_len: int) -> None:
         super().__init__(
             f"request {request_id!r}: prompt of {num_prompt_tokens} tokens is longer than the maximum model "
@@ -79,6 +82,8 @@ class PromptTooLongError(EngineRequestError):
 
 class DuplicateRequestError(EngineRequestError):
     """A request with this id is already in the engine."""
+
+    wire_code = ErrorCode.INTERNAL  # a frontend reused an id: not the client's to fix
 
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request {request_id!r} is already running or waiting in this engine")

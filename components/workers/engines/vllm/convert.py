@@ -35,9 +35,18 @@ from typing import Any
 
 import msgpack
 
+from components.protocol.errors import ErrorCode
+from components.protocol.messages import (
+    FinishReason,
+    KvEvent,
+    KvEventKind,
+    KvStateSnapshot,
+    LoadSnapshot,
+    SamplingParams,
+)
 from components.runtime.kv_hashing import block_hashes
 
-from ..base import EngineRequestError, FinishReason, KvEvent, KvEventKind, KvStateSnapshot, LoadSnapshot, SamplingParams
+from ..base import EngineRequestError
 
 __all__ = [
     "DuplicateRequestError",
@@ -63,6 +72,8 @@ DEVICE_MEDIA = (None, "GPU")
 class TokenIdOutOfRangeError(EngineRequestError):
     """A prompt token id outside the model's vocabulary (it would crash vLLM's engine, see the module docstring)."""
 
+    wire_param = "prompt"
+
     def __init__(self, token_id: int, position: int, vocab_size: int) -> None:
         super().__init__(
             f"prompt token id {token_id} at position {position} is outside the model's vocabulary [0, {vocab_size})"
@@ -74,6 +85,8 @@ class TokenIdOutOfRangeError(EngineRequestError):
 
 class DuplicateRequestError(EngineRequestError):
     """A request with this id is already in flight on this engine (``abort(id)`` could not tell them apart)."""
+
+    wire_code = ErrorCode.INTERNAL  # a frontend reused an id: not the client's to fix
 
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request {request_id!r} is already in flight in this engine")

@@ -42,15 +42,9 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from ..base import (
-    EngineDeadError,
-    EngineRequestError,
-    GenerateRequest,
-    KvEvent,
-    KvStateSnapshot,
-    LoadSnapshot,
-    TokenChunk,
-)
+from components.protocol.messages import GenerateRequest, KvEvent, KvStateSnapshot, LoadSnapshot, TokenChunk
+
+from ..base import EngineDeadError, EngineRequestError
 from .config import VllmEngineConfig, apply_vllm_environment, engine_arguments
 from .convert import (
     DuplicateRequestError,

@@ -1,0 +1,440 @@
+"""A deployment on this machine: embedded etcd/NATS, every watcher under a circus arbiter, and the state file.
+
+``Deployment`` is what ``kvmesh serve`` runs (``components/cli/serve.py`` adds the command line, signals and printing
+around it): ``start`` starts the embedded servers and the watchers, ``wait_ready`` waits until every worker has
+registered and the frontend answers ``/health``, ``run`` serves until told to stop, ``shutdown`` stops everything in
+dependency order: the watchers (SIGTERM; workers deregister and drain, up to their ``graceful_timeout_s``; then
+SIGKILL), then NATS, then etcd. ``stop`` ends a deployment from another process through its state file.
+
+A component that dies before the deployment is ready fails the start at once, with the tail of its log, instead of
+waiting out ``ready_timeout_s`` while circus restarts it.
+
+Imports: the deployment library (graph, plan, circus, state), the runtime and the protocol; never ``components.cli``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from components.deploy.circus import CircusLauncher, detect_gpus, rotate_log
+from components.deploy.errors import (
+    AlreadyServingError,
+    DeployError,
+    NotServingError,
+    PortInUseError,
+    ReadyTimeoutError,
+    StartupError,
+    StopTimeoutError,
+)
+from components.deploy.graph import Graph
+from components.deploy.plan import WatcherPlan, assign_gpus, plan_watchers
+from components.deploy.state import (
+    ProcessRecord,
+    ServerState,
+    ServeState,
+    WatcherState,
+    live_states,
+    log_dir,
+    read_state,
+    state_path,
+    write_state,
+)
+from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.runtime import Runtime, RuntimeConfig
+from components.runtime.servers import EtcdServer, NatsServer, ServerProcess, free_port
+
+logger = logging.getLogger(__name__)
+
+
+class ServeConfig(BaseModel):
+    """kvmesh serve: where its state goes and how long it waits."""
+
+    state_dir: str | None = Field(
+        default=None,
+        description="Directory of state files (<namespace>.json) and logs (logs/<watcher>.log); "
+        "unset: $KVMESH_STATE_DIR, else ./state",
+    )
+    ready_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long start-up may take until every worker has registered and the frontend is healthy "
+        "(a vLLM engine loads and profiles for tens of seconds on a CPU); then serve stops everything and fails.",
+    )
+    detach: bool = Field(
+        default=False, description="Return once ready and leave the deployment running; 'kvmesh stop NS' ends it."
+    )
+    check_delay_s: float = Field(
+        default=1.0, gt=0, description="How often circus looks for exited processes to restart (circus's default)."
+    )
+    max_start_restarts: int = Field(
+        default=2,
+        ge=0,
+        description="Crashes per watcher tolerated before the deployment is ready (circus restarts a crashed process; "
+        "a transient failure such as a slow first connection deserves another try, a bad flag does not); one more "
+        "fails the start with the tail of its log.",
+    )
+    poll_interval_s: float = Field(
+        default=0.2,
+        gt=0,
+        description="How often start-up checks registrations and health, and how soon a dead component is noticed.",
+    )
+
+
+class StartInterruptedError(DeployError):
+    """A signal arrived before the deployment was ready."""
+
+    exit_code = 130
+
+
+def check_not_serving(state_dir: Path, graph: Graph) -> None:
+    """The namespace must not be served from this state dir already, nor may a watcher name (it names a log file)."""
+    mine = set(graph.watcher_names())
+    try:
+        prev: ServeState | None = read_state(state_path(state_dir, graph.namespace))
+    except DeployError:
+        prev = None  # never served here, or an unreadable file that the new one replaces
+    if prev is not None and not prev.serve.alive():
+        if left := [p.pid for p in prev.all_processes()[1:] if p.alive()]:
+            # A serve that was SIGKILLed leaves its watchers and its etcd running; starting again would wipe the
+            # data directory under a live etcd and double the workers.
+            raise AlreadyServingError(
+                graph.namespace,
+                prev.serve.pid,
+                f"it is gone but left processes {left} running; 'kvmesh stop {graph.namespace}' ends them",
+            )
+    for st in live_states(state_dir):
+        if st.namespace == graph.namespace:
+            raise AlreadyServingError(st.namespace, st.serve.pid, f"see {state_path(state_dir, st.namespace)}")
+        if clash := sorted(mine & {w.name for w in st.watchers}):
+            raise AlreadyServingError(
+                graph.namespace,
+                st.serve.pid,
+                f"namespace {st.namespace!r} in the same state dir already runs watchers {clash}, whose logs "
+                f"would collide in {log_dir(state_dir)}; stop it or use another --state-dir",
+            )
+
+
+class Deployment:
+    """One served graph: embedded servers, the circus launcher and the state file. Owned by ``serve``."""
+
+    def __init__(self, graph: Graph, graph_path: Path, overrides: list[str], state_dir: Path, cfg: ServeConfig) -> None:
+        self.graph = graph
+        self.cfg = cfg
+        self.state_dir = state_dir
+        self.path = state_path(state_dir, graph.namespace)
+        self.etcd: EtcdServer | None = None
+        self.nats: NatsServer | None = None
+        self.launcher: CircusLauncher | None = None
+        self.plans: list[WatcherPlan] = []
+        self.gpus_available = detect_gpus()
+        self.gpus = assign_gpus(graph.workers, self.gpus_available)
+        self.state = ServeState(
+            namespace=graph.namespace,
+            graph=str(graph_path.resolve()),
+            overrides=overrides,
+            status="starting",
+            serve=ProcessRecord.of(os.getpid()),
+            started_at=time.time(),
+            etcd_endpoints=list(graph.infrastructure.etcd.endpoints),
+            nats_url=graph.infrastructure.nats.url or "",
+            gpus_available=self.gpus_available,
+        )
+
+    def write(self) -> None:
+        write_state(self.path, self.state)
+
+    async def start(self) -> None:
+        """Embedded servers, then every watcher. Returns once all are spawned; see ``wait_ready``."""
+        fe = self.graph.frontend
+        if fe.enabled and fe.port:
+            # A frontend that cannot bind would crash-loop and fail the start only after the servers and workers
+            # came up; say so before starting anything.
+            _check_port_free(fe.host, fe.port)
+        infra = self.graph.infrastructure
+        data = self.state_dir / self.graph.namespace
+        if infra.etcd.embedded:
+            self.etcd = EtcdServer(data_dir=data / "etcd", port=infra.etcd.port)
+            self.etcd.wipe()  # a previous run's registrations must not count as this run's workers
+            await asyncio.to_thread(self.etcd.start)
+            self.state.etcd_endpoints = [self.etcd.endpoint]
+            self.state.embedded_etcd = _server_state(self.etcd, self.etcd.endpoint)
+            self.write()
+        if infra.nats.embedded:
+            self.nats = NatsServer(data_dir=data / "nats", port=infra.nats.port)
+            shutil.rmtree(self.nats.data_dir / "jetstream", ignore_errors=True)  # no stale queued work
+            await asyncio.to_thread(self.nats.start)
+            self.state.nats_url = self.nats.url
+            self.state.embedded_nats = _server_state(self.nats, self.nats.url)
+            self.write()
+
+        port = fe.port or free_port("127.0.0.1" if fe.host in ("0.0.0.0", "::") else fe.host)
+        if fe.enabled:
+            self.state.frontend_url = f"http://{_client_host(fe.host)}:{port}"
+        logs = log_dir(self.state_dir)
+        self.plans = plan_watchers(
+            self.graph,
+            etcd_endpoints=self.state.etcd_endpoints,
+            nats_url=self.state.nats_url,
+            frontend_port=port,
+            gpus=self.gpus,
+            log_dir=logs,
+        )
+        for plan in self.plans:
+            plan.log.parent.mkdir(parents=True, exist_ok=True)
+            rotate_log(plan.log)
+        self.launcher = CircusLauncher(
+            check_delay_s=self.cfg.check_delay_s, proc_name=f"kvmesh-serve-{self.graph.namespace}"
+        )
+        self.state.circus = self.launcher.circus_state
+        self.state.watchers = [_watcher_state(p) for p in self.plans]
+        self.write()
+        await self.launcher.start(self.plans)
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Record each watcher's current processes; rewrite the state file if anything changed."""
+        if self.launcher is None:
+            return False
+        procs = self.launcher.processes()
+        known = {w.name for w in self.state.watchers}
+        changed = False
+        for name in self.launcher.watcher_names():
+            if name not in known:  # added through the circus controller (the planner): record what we can
+                self.state.watchers.append(
+                    WatcherState(name=name, kind="worker", cmd=[], env={}, log="", graceful_timeout_s=0, processes=[])
+                )
+                changed = True
+        for w in self.state.watchers:
+            new = procs.get(w.name, [])
+            if new != w.processes:
+                w.processes = new
+                changed = True
+        if changed:
+            self.write()
+        return changed
+
+    async def wait_ready(self, stop: asyncio.Event) -> float:
+        """Until every worker watcher's processes have registered their workers and the frontend is healthy."""
+        assert self.launcher is not None
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.ready_timeout_s
+        rcfg = RuntimeConfig(etcd_endpoints=self.state.etcd_endpoints, nats_url=self.state.nats_url)
+        runtime = await Runtime.connect(rcfg, name=f"kvmesh-serve-{self.graph.namespace}")
+        seen: dict[str, set[int]] = {}
+        try:
+            while True:
+                self.refresh()
+                for w in self.state.watchers:
+                    self._check_alive(w, seen)
+                waiting = await self._waiting_for(runtime)
+                if not waiting:
+                    return time.monotonic() - t0
+                if stop.is_set():
+                    raise StartInterruptedError("interrupted while starting")
+                if time.monotonic() > deadline:
+                    raise ReadyTimeoutError(self.cfg.ready_timeout_s, waiting)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.cfg.poll_interval_s)
+        finally:
+            await runtime.shutdown(drain_timeout_s=1.0)
+
+    def _check_alive(self, w: WatcherState, seen: dict[str, set[int]]) -> None:
+        pids = seen.setdefault(w.name, set())
+        pids.update(p.pid for p in w.processes)
+        alive = {p.pid for p in w.processes if p.alive()}
+        exits = len(pids - alive)
+        if exits > self.cfg.max_start_restarts:
+            times = "once" if exits == 1 else f"{exits} times"
+            raise StartupError(
+                w.name,
+                f"exited {times} during start-up (max_start_restarts {self.cfg.max_start_restarts}); its log: {w.log}",
+                tail(Path(w.log)),
+            )
+
+    async def _waiting_for(self, runtime: Runtime) -> list[str]:
+        instances = await runtime.namespace(self.graph.namespace).list_instances()
+        by_pid: dict[int, int] = {}
+        for inst in instances:
+            if inst.endpoint == ENDPOINT_GENERATE and isinstance(pid := inst.metadata.get("pid"), int):
+                by_pid[pid] = by_pid.get(pid, 0) + 1
+        waiting = []
+        for w in self.state.watchers:
+            if w.kind == "worker":
+                got = sum(by_pid.get(p.pid, 0) for p in w.processes)
+                if got < w.num_workers:
+                    waiting.append(f"{w.name} ({got}/{w.num_workers} workers registered)")
+            elif w.kind == "frontend" and self.state.frontend_url:
+                if not await asyncio.to_thread(healthy, self.state.frontend_url + "/health"):
+                    waiting.append(f"{w.name} (GET {self.state.frontend_url}/health)")
+        return waiting
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until a signal, or until circus is told to quit through its controller, or an embedded server dies."""
+        assert self.launcher is not None
+        while not stop.is_set() and not self.launcher.stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            self.refresh()
+            for server in (self.etcd, self.nats):
+                # The servers were started by us, not by circus; nothing restarts them, and without them no worker
+                # can register or be reached: the deployment is over.
+                if server is not None and server.proc is not None and server.proc.poll() is not None:
+                    raise StartupError(server.name, f"embedded {server.name} exited; its log: {server.log_path}")
+
+    async def shutdown(self) -> None:
+        """Watchers first (they drain through etcd and NATS), then NATS, then etcd. Each step in its own try."""
+        if self.state.status not in ("failed",):
+            self.state.status = "stopping"
+        with contextlib.suppress(OSError):
+            self.write()
+        if self.launcher is not None:
+            try:
+                await self.launcher.stop()
+            except Exception as e:  # noqa: BLE001 - the servers below must still be stopped
+                logger.error("stopping the circus watchers: %s", e)
+        for server in (self.nats, self.etcd):
+            if server is None:
+                continue
+            try:
+                await asyncio.to_thread(server.stop)
+            except Exception as e:  # noqa: BLE001 - keep stopping the rest
+                logger.error("stopping embedded %s: %s", server.name, e)
+        if self.state.status != "failed":
+            self.state.status = "stopped"
+        with contextlib.suppress(OSError):
+            self.write()
+
+
+def ready_message(state: ServeState, state_dir: Path, elapsed_s: float) -> str:
+    workers = [w for w in state.watchers if w.kind == "worker"]
+    example = workers[0].name if workers else "frontend"
+    lines = [
+        f"kvmesh serve: namespace {state.namespace} ready in {elapsed_s:.1f} s: "
+        f"{sum(w.num_workers for w in workers)} workers in {len(workers)} watchers",
+        f"  frontend  {state.frontend_url}  (OpenAI API at {state.frontend_url}/v1)"
+        if state.frontend_url
+        else "  frontend  none (frontend.enabled is false)",
+        f"  etcd      {','.join(state.etcd_endpoints)}" + (" (embedded)" if state.embedded_etcd else ""),
+        f"  nats      {state.nats_url}" + (" (embedded)" if state.embedded_nats else ""),
+        f"  circus    {state.circus.endpoint if state.circus else '-'}",
+        f"  state     {state_path(state_dir, state.namespace)}",
+        f"  logs      {log_dir(state_dir)}/<watcher>.log  (kvmesh logs {example} -f)",
+        f"  stop      Ctrl-C, or kvmesh stop {state.namespace}",
+        f"READY {state.frontend_url or ''}".rstrip(),
+    ]
+    return "\n".join(lines)
+
+
+def _server_state(server: ServerProcess, endpoint: str) -> ServerState:
+    proc = ProcessRecord.of(server.pid) if server.pid else None
+    return ServerState(endpoint=endpoint, process=proc, data_dir=str(server.data_dir), log=str(server.log_path))
+
+
+def _watcher_state(p: WatcherPlan) -> WatcherState:
+    return WatcherState(
+        name=p.name,
+        kind=p.kind,
+        group=p.group,
+        replica=p.replica,
+        component=p.component,
+        num_workers=p.num_workers,
+        cmd=p.cmd,
+        env=p.redacted_env(),
+        gpus=p.gpus,
+        log=str(p.log),
+        graceful_timeout_s=p.graceful_timeout_s,
+    )
+
+
+def _check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds: TIME_WAIT is not "in use"
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUseError(host, port, e.strerror or str(e)) from None
+
+
+def _client_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to ``host``."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def tail(path: Path, num_lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return ""
+
+
+def stop(namespace: str, state_dir: Path, timeout_s: float | None = None) -> str:
+    """Stop the graph served as ``namespace`` from ``state_dir``; returns what was done."""
+    path = state_path(state_dir, namespace)
+    try:
+        st = read_state(path)
+    except DeployError as e:
+        raise NotServingError(f"namespace {namespace!r}", str(e)) from None
+    if timeout_s is None:
+        timeout_s = max([w.graceful_timeout_s for w in st.watchers] + [0.0]) + 30.0
+    if st.serve.alive():
+        os.kill(st.serve.pid, signal.SIGTERM)
+        remaining = _wait_gone(st.all_processes(), timeout_s)
+        if remaining:
+            raise StopTimeoutError(namespace, timeout_s, [p.pid for p in remaining])
+        return f"stopped {namespace} (serve pid {st.serve.pid})"
+    # serve is gone without stopping its watchers (SIGKILL, OOM): do what it would have done, in the same order.
+    leftovers = [p for p in st.all_processes()[1:] if p.alive()]
+    if not leftovers:
+        return f"{namespace} was not running (status {st.status})"
+    servers = {s.process.pid for s in (st.embedded_etcd, st.embedded_nats) if s and s.process}
+    watchers = [p for p in leftovers if p.pid not in servers]
+    grace = max([w.graceful_timeout_s for w in st.watchers] + [5.0])
+    for group, grace_s in ((watchers, grace), ([p for p in leftovers if p.pid in servers], 5.0)):
+        for p in group:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+        for p in _wait_gone(group, grace_s):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # circus made each watcher a session leader: take its children too
+        if still := _wait_gone(group, 5.0):
+            raise StopTimeoutError(namespace, grace_s + 5.0, [p.pid for p in still])
+    st.status = "stopped"
+    write_state(path, st)
+    return f"serve (pid {st.serve.pid}) of {namespace} was gone; stopped the {len(leftovers)} processes it left"
+
+
+def _wait_gone(procs: list[ProcessRecord], timeout_s: float) -> list[ProcessRecord]:
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in procs if p.alive()]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if p.alive()]
+    return alive

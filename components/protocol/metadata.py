@@ -1,0 +1,96 @@
+"""What a worker announces about itself in its registration, and the rules every reader of it must share.
+
+``WorkerMetadata`` is written by the worker (``to_dict``, into its etcd registration) and read by the frontend,
+router, planner, rescheduler and ``kvmesh status`` (``from_dict``), instead of each reading an untyped dict by string
+key. Reading is tolerant: a field a peer of another version did not send takes its default, a field it sent that
+this version does not know is ignored.
+
+The rules here are the ones several components must agree on, so they live once:
+
+- ``is_routable``: which workers take client requests (not prefill workers: they serve decode workers);
+- ``stale_after``: when a worker's last load report means it is presumed dead.
+
+Imports: the standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+class WorkerRole(enum.StrEnum):
+    AGGREGATED = "aggregated"  # prefill and decode on the same engine
+    PREFILL = "prefill"  # prefills prompts for decode workers; never routed to by clients
+    DECODE = "decode"  # takes client requests, prefills remotely when worth it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerMetadata:
+    """A worker's registration metadata. ``node``/``pid``/``unit`` are its failure domains: workers that share a
+    pid share a process (they die together), workers that share a node share a machine."""
+
+    model: str = ""  # served model name, as clients ask for it
+    model_path: str = ""  # local model directory (tokenizer, config), absolute
+    role: WorkerRole = WorkerRole.AGGREGATED
+    engine: str = ""  # mock, vllm
+    block_size: int = 0  # tokens per KV block
+    kv_hash_scheme: int = 0  # how its KV events hash blocks (components.runtime.kv_hashing)
+    max_model_len: int = 0  # prompt + output tokens one request may hold; 0: unknown
+    node: str = ""  # host name
+    pid: int = 0  # process id on that node
+    unit: int = 0  # index of the worker inside its process
+    started_at: float = 0.0  # wall-clock registration time, seconds since the epoch
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["role"] = str(self.role)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> WorkerMetadata:
+        if not d:
+            return cls()
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d:
+                continue
+            v = d[f.name]
+            default = f.default
+            if f.name == "role":
+                try:
+                    kwargs["role"] = WorkerRole(v)
+                except ValueError:
+                    continue  # a role this version does not know: keep the default, not a crash
+            elif isinstance(default, bool) or not isinstance(v, type(default)):
+                if isinstance(default, float) and isinstance(v, int) and not isinstance(v, bool):
+                    kwargs[f.name] = float(v)
+                continue  # wrong type from a foreign writer: keep the default
+            else:
+                kwargs[f.name] = v
+        return cls(**kwargs)
+
+    @property
+    def process_key(self) -> tuple[str, int]:
+        """(node, pid): workers with the same key share a process, and so its faults."""
+        return (self.node, self.pid)
+
+
+def is_routable(meta: WorkerMetadata) -> bool:
+    """Whether clients' requests may be routed to this worker: it names a model and is not a prefill worker."""
+    return bool(meta.model) and meta.role != WorkerRole.PREFILL
+
+
+def stale_after(received_s: float | None, interval_s: float | None, intervals: float, min_s: float) -> float:
+    """When a worker's last load report goes stale: ``received + max(min_s, intervals * interval)``.
+
+    No report, or a single one (no interval observed yet), never goes stale: a worker that just started is not
+    presumed dead before it has shown how often it reports. Router, planner and rescheduler use this one rule, so
+    they agree on which workers are alive.
+    """
+    if received_s is None or interval_s is None:
+        return math.inf
+    return received_s + max(min_s, intervals * interval_s)

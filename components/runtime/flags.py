@@ -1,0 +1,70 @@
+"""Command-line flags derived from pydantic configs (every component's, the runtime's own included), so defaults and
+help live in one place (the config model).
+
+``add_model_arguments(parser, Model)`` adds ``--field-name`` for every field (help = the field's description,
+default = the model's); ``model_from_args(Model, args)`` builds the model back, letting pydantic validate.
+Lists take comma-separated values; booleans take ``--flag/--no-flag``. A field may name extra spellings of its flag in
+``json_schema_extra={"cli_aliases": ["--seed-system-name"]}`` (the router keeps Dynamo's flag names this way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0]) if len(args) == 1 else str
+    return annotation
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], skip: set[str] | None = None) -> None:
+    group = parser.add_argument_group(model.__name__, (model.__doc__ or "").strip().split("\n")[0])
+    for name, field in model.model_fields.items():
+        if skip and name in skip:
+            continue
+        base = _base_type(field.annotation)
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description or ''} (default: {default})".replace("%", "%%")
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        aliases = extra.get("cli_aliases")
+        flags = (
+            [_flag(name), *(a for a in aliases if isinstance(a, str))] if isinstance(aliases, list) else [_flag(name)]
+        )
+        if base is bool:
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif typing.get_origin(base) is list:
+            group.add_argument(*flags, dest=name, default=None, help=help_text + "; comma-separated")
+        else:
+            group.add_argument(*flags, dest=name, default=None, help=help_text)
+
+
+def given_values(model: type[BaseModel], args: argparse.Namespace) -> dict[str, Any]:
+    """The model's fields whose flags were given, lists split on commas (pydantic converts the strings later)."""
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        v = getattr(args, name, None)
+        if v is None:
+            continue
+        if typing.get_origin(_base_type(field.annotation)) is list and isinstance(v, str):
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        values[name] = v
+    return values
+
+
+def model_from_args(model: type[M], args: argparse.Namespace, **extra: Any) -> M:
+    """Only flags that were given override the model's defaults; pydantic validates and converts the strings."""
+    return model.model_validate(given_values(model, args) | extra)

@@ -1,0 +1,317 @@
+"""Graph files: the schema, its error messages (file, line, field path, what is allowed), --set, path resolution,
+and the watcher plans a graph becomes (commands, environment, GPUs)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from components.cli.main import build_parser
+from components.deploy.circus import detect_gpus
+from components.deploy.plan import REDACTED, assign_gpus, flag_args, plan_watchers
+from components.deploy.errors import GpuAssignmentError, GraphError, OverrideError
+from components.deploy.graph import Graph, apply_overrides, load_graph
+from components.workers.config import EngineKind
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "models" / "tiny-llama"
+
+MINIMAL = f"""\
+namespace: t
+workers:
+  - name: mock
+    engine: mock
+    model: m
+    model_path: {TINY}
+"""
+
+
+def write_graph(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:
+    d = tmp_path / "graphs"
+    d.mkdir(exist_ok=True)
+    p = d / name
+    p.write_text(text)
+    return p
+
+
+def problems_of(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
+    with pytest.raises(GraphError) as exc:
+        load_graph(path, overrides)
+    assert exc.value.path == path
+    lines = str(exc.value).splitlines()[1:]
+    assert len(lines) == len(exc.value.problems)
+    for line in lines:  # every problem names the file
+        assert line.strip().startswith(str(path))
+    return [line.strip() for line in lines]
+
+
+# -- the shipped graphs -----------------------------------------------------------------------------------------
+
+
+def test_mock_agg_is_a_frontend_and_16_simulated_workers_on_the_tiny_llama_tokenizer():
+    g = load_graph(ROOT / "graphs" / "mock_agg.yaml")
+    assert g.frontend.enabled and g.frontend.host == "127.0.0.1"
+    assert g.infrastructure.etcd.embedded and g.infrastructure.nats.embedded
+    assert g.num_workers_expected() == 16
+    [group] = g.workers
+    assert group.engine == EngineKind.MOCK and group.model == "tiny-llama"
+    assert Path(group.model_path) == TINY  # relative to the repository root, not to graphs/
+    assert group.engine_args["vocab_size"] == 384 and group.engine_args["eos_token_id"] == 257
+    assert group.engine_args["max_model_len"] == 2048
+    assert g.watcher_names() == ["frontend", "mock-0", "mock-1"]
+
+
+def test_agg_is_a_frontend_and_two_vllm_workers_on_the_tiny_model():
+    g = load_graph(ROOT / "graphs" / "agg.yaml")
+    assert [(w.engine, w.replicas, w.num_workers) for w in g.workers] == [(EngineKind.VLLM, 2, 1)]
+    assert Path(g.workers[0].model_path) == TINY
+    assert g.watcher_names() == ["frontend", "vllm-0", "vllm-1"]
+
+
+@pytest.mark.parametrize("graph", ["mock_agg.yaml", "agg.yaml"])
+def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
+    """Every flag serve will pass exists in `kvmesh worker` / `kvmesh frontend` (an unknown flag would only show up
+    as a crash-looping watcher)."""
+    g = load_graph(ROOT / "graphs" / graph)
+    plans = plan_watchers(
+        g,
+        etcd_endpoints=["http://127.0.0.1:1"],
+        nats_url="nats://127.0.0.1:2",
+        frontend_port=8000,
+        gpus={},
+        log_dir=tmp_path,
+    )
+    parser = build_parser()
+    for plan in plans:
+        assert plan.cmd[1:3] == ["-m", "components.cli.main"]
+        args = parser.parse_args(plan.cmd[3:])
+        assert args.command == plan.kind
+        assert args.namespace == g.namespace
+
+
+# -- error messages ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "says"),
+    [
+        ("namespace: 'a b'\n", ":1: namespace:", "1-64 letters, digits, '_' or '-' (got 'a b')"),
+        ("namespace: t\n", ":1: workers:", "required field is missing"),
+        ("namespace: t\nworkerz: []\n", ":2: workerz:", "unknown field 'workerz'; allowed here: namespace, base_dir"),
+        ("namespace: t\nplanner: {}\n", ":2: planner:", "unknown field 'planner'"),
+        ("namespace: t\ninfrastructure: {etcd: embeded}\n", ":2: infrastructure.etcd:", "expected 'embedded' or"),
+        (
+            "namespace: t\ninfrastructure:\n  nats: {url: 'nats://h:4222', port: 5}\n",
+            ":3: infrastructure.nats:",
+            "port applies to an embedded nats-server only",
+        ),
+        (
+            "namespace: t\ninfrastructure:\n  etcd: {endpoints: ['http://h:x']}\n",
+            ":3: infrastructure.etcd.endpoints:",
+            "does not parse",
+        ),
+        ("namespace: t\nfrontend:\n  port: 70000\n", ":3: frontend.port:", "less than or equal to 65535 (got 70000)"),
+        ("namespace: t\nfrontend: {hots: x}\n", ":2: frontend.hots:", "allowed here: enabled, host, port"),
+        ("namespace: t\nlog_level: LOUD\n", ":2: log_level:", "'DEBUG', 'INFO', 'WARNING' or 'ERROR' (got 'LOUD')"),
+    ],
+)
+def test_each_schema_error_names_file_line_field_and_what_is_allowed(tmp_path, text, where, says):
+    path = write_graph(tmp_path, text)
+    found = [p for p in problems_of(path) if where in p]
+    assert found, problems_of(path)
+    assert says in found[0]
+
+
+def test_worker_group_errors_are_located_in_the_list(tmp_path):
+    text = MINIMAL + "    replicas: -1\n  - {name: Big, engine: sglang, model: m, model_path: nowhere}\n"
+    problems = problems_of(write_graph(tmp_path, text))
+    assert any(":7: workers[0].replicas: Input should be greater than or equal to 0 (got -1)" in p for p in problems)
+    assert any(":8: workers[1].name: must be 1-48 lower-case letters" in p and "(got 'Big')" in p for p in problems)
+    assert any(":8: workers[1].engine: Input should be 'mock' or 'vllm' (got 'sglang')" in p for p in problems)
+
+
+def test_engine_args_are_checked_against_the_engine_config_by_name_and_value(tmp_path):
+    text = MINIMAL + "    engine_args:\n      speedup: 2\n      vocab_size: big\n      model: x\n      block-size: 4\n"
+    problems = problems_of(write_graph(tmp_path, text))
+    assert any(
+        ":8: workers[0].engine_args.speedup: unknown option; allowed:" in p and "speedup_ratio" in p for p in problems
+    )
+    assert any(":9: workers[0].engine_args.vocab_size: Input should be a valid integer" in p for p in problems)
+    assert any(":10: workers[0].engine_args.model: set by the worker group's own fields" in p for p in problems)
+    assert any(":11: workers[0].engine_args.block-size: use the field name 'block_size'" in p for p in problems)
+
+
+def test_engine_args_cross_field_errors_of_the_engine_config_are_reported(tmp_path):
+    text = MINIMAL + "    engine_args: {vocab_size: 100, eos_token_id: 500}\n"
+    [problem] = problems_of(write_graph(tmp_path, text))
+    assert ":7: workers[0].engine_args: eos_token_id 500 is outside the vocabulary of 100" in problem
+
+
+def test_env_values_must_be_strings_numbers_are_converted_and_kvmesh_variables_are_reserved(tmp_path):
+    ok = load_graph(write_graph(tmp_path, MINIMAL + "    env: {OMP_NUM_THREADS: 1}\n"))
+    assert ok.workers[0].env == {"OMP_NUM_THREADS": "1"}
+    [problem] = problems_of(write_graph(tmp_path, MINIMAL + "    env: {FLAG: true}\n", "b.yaml"))
+    assert "workers[0].env.FLAG: Input should be a valid string; quote it" in problem
+    [problem] = problems_of(write_graph(tmp_path, MINIMAL + "    env: {KVMESH_NATS_URL: x}\n", "c.yaml"))
+    assert "workers[0].env: KVMESH_NATS_URL is set by kvmesh" in problem
+
+
+def test_num_workers_is_for_the_mock_engine_and_group_names_are_unique(tmp_path):
+    text = MINIMAL + "    num_workers: 4\n  - {name: v, engine: vllm, model: m, model_path: x, num_workers: 2}\n"
+    [problem] = problems_of(write_graph(tmp_path, text))
+    assert "workers[1]: num_workers > 1 is for engine mock only" in problem
+    text = MINIMAL + f"  - {{name: mock, engine: mock, model: m, model_path: {TINY}}}\n"
+    [problem] = problems_of(write_graph(tmp_path, text, "d.yaml"))
+    assert "two worker groups are named 'mock'" in problem
+
+
+def test_a_missing_model_directory_is_named_with_what_it_resolved_to(tmp_path):
+    text = MINIMAL.replace(str(TINY), "models/none")
+    [problem] = problems_of(write_graph(tmp_path, text))
+    assert f":6: workers[0].model_path: {tmp_path}/models/none is not a directory (relative to {tmp_path})" in problem
+
+
+def test_a_yaml_syntax_error_names_its_line(tmp_path):
+    path = write_graph(tmp_path, "namespace: t\nworkers:\n  - name: a\n    engine: mock\n  model: m\n")
+    [problem] = problems_of(path)
+    assert problem.startswith(f"{path}:5: YAML syntax error (column 3)")
+
+
+def test_not_a_mapping_and_unreadable_files_are_graph_errors(tmp_path):
+    [problem] = problems_of(write_graph(tmp_path, "- a\n- b\n"))
+    assert "a graph is a mapping of fields, got list" in problem
+    [problem] = problems_of(tmp_path / "missing.yaml")
+    assert "cannot read the file" in problem
+
+
+# -- paths ------------------------------------------------------------------------------------------------------
+
+
+def test_relative_paths_resolve_against_the_parent_of_the_graphs_directory(tmp_path):
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    g = load_graph(write_graph(tmp_path, MINIMAL.replace(str(TINY), "models/m")))
+    assert g.workers[0].model_path == str(tmp_path / "models" / "m")
+
+
+def test_base_dir_moves_the_resolution_relative_to_the_graph_file(tmp_path):
+    (tmp_path / "graphs" / "local").mkdir(parents=True)
+    g = load_graph(write_graph(tmp_path, "base_dir: .\n" + MINIMAL.replace(str(TINY), "local")))
+    assert g.workers[0].model_path == str(tmp_path / "graphs" / "local")
+
+
+# -- --set ------------------------------------------------------------------------------------------------------
+
+
+def test_overrides_reach_lists_and_nested_mappings_and_parse_values_as_yaml(tmp_path):
+    path = write_graph(tmp_path, MINIMAL + "infrastructure: {etcd: embedded}\n")
+    g = load_graph(
+        path,
+        [
+            "frontend.port=0",
+            "workers[0].replicas=3",
+            "workers.0.engine_args.speedup_ratio=.inf",
+            "workers[0].engine_args.enable_prefix_caching=false",
+            "infrastructure.etcd.port=23790",
+        ],
+    )
+    assert g.frontend.port == 0 and g.workers[0].replicas == 3
+    assert math.isinf(g.workers[0].engine_args["speedup_ratio"])
+    assert g.workers[0].engine_args["enable_prefix_caching"] is False
+    assert g.infrastructure.etcd.embedded and g.infrastructure.etcd.port == 23790
+
+
+def test_an_invalid_override_is_reported_as_coming_from_set(tmp_path):
+    path = write_graph(tmp_path, MINIMAL)
+    [problem] = problems_of(path, ("frontend.port=-1",))
+    assert problem == f"{path}: frontend.port: Input should be greater than or equal to 0 (got -1) (from --set)"
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("frontend.port", "expected PATH=VALUE"),
+        ("workers[3].replicas=1", "workers has 1 entries"),
+        ("a..b=1", "PATH is"),
+    ],
+)
+def test_malformed_overrides_are_rejected(override, says):
+    with pytest.raises(OverrideError) as exc:
+        apply_overrides({"workers": [{}]}, [override])
+    assert says in str(exc.value)
+
+
+# -- plans: flags, GPUs, environment ----------------------------------------------------------------------------
+
+
+def test_flag_args_follow_the_kvmesh_flag_conventions():
+    args = {"speedup_ratio": math.inf, "enable_prefix_caching": False, "enforce_eager": True, "components": ["a", "b"]}
+    assert flag_args(args) == [
+        "--speedup-ratio",
+        "inf",
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--components",
+        "a,b",
+    ]
+
+
+def graph_with(groups: list[dict]) -> Graph:
+    return Graph.model_validate({"namespace": "t", "workers": groups})
+
+
+def test_gpus_are_assigned_in_consecutive_blocks_in_group_and_replica_order():
+    g = graph_with(
+        [
+            {"name": "a", "engine": "vllm", "model": "m", "model_path": "x", "replicas": 2, "gpus_per_replica": 1},
+            {"name": "c", "engine": "mock", "model": "m", "model_path": "x", "replicas": 1},
+            {"name": "b", "engine": "vllm", "model": "m", "model_path": "x", "replicas": 1, "gpus_per_replica": 2},
+        ]
+    )
+    assert assign_gpus(g.workers, ["0", "1", "2", "3"]) == {"a-0": ["0"], "a-1": ["1"], "c-0": [], "b-0": ["2", "3"]}
+    with pytest.raises(GpuAssignmentError) as exc:
+        assign_gpus(g.workers, ["0", "1"])
+    assert exc.value.needed == 4 and "a: 2 x 1, b: 1 x 2" in str(exc.value)
+
+
+def test_gpus_come_from_cuda_visible_devices_when_kvmesh_runs_under_one():
+    assert detect_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
+    assert detect_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_plans_set_endpoints_gpus_and_keep_the_api_key_out_of_argv(tmp_path):
+    g = Graph.model_validate(
+        {
+            "namespace": "t",
+            "frontend": {"api_key": "sekrit", "router": "kv"},
+            "workers": [
+                {"name": "v", "engine": "vllm", "model": "m", "model_path": "/x", "replicas": 2, "gpus_per_replica": 1},
+                {"name": "p", "engine": "mock", "component": "prefill", "model": "m", "model_path": "/x"},
+            ],
+        }
+    )
+    plans = plan_watchers(
+        g,
+        etcd_endpoints=["http://127.0.0.1:1", "http://127.0.0.1:2"],
+        nats_url="nats://127.0.0.1:3",
+        frontend_port=8123,
+        gpus=assign_gpus(g.workers, ["0", "1"]),
+        log_dir=tmp_path,
+        python="/py",
+    )
+    fe, v0, v1, p0 = plans
+    assert [p.name for p in plans] == ["frontend", "v-0", "v-1", "p-0"]
+    assert all(p.env["KVMESH_ETCD_ENDPOINTS"] == "http://127.0.0.1:1,http://127.0.0.1:2" for p in plans)
+    assert all(p.env["KVMESH_NATS_URL"] == "nats://127.0.0.1:3" for p in plans)
+    assert "sekrit" not in fe.cmd and fe.env["KVMESH_API_KEY"] == "sekrit"
+    assert fe.redacted_env()["KVMESH_API_KEY"] == REDACTED
+    assert fe.cmd[fe.cmd.index("--port") + 1] == "8123"
+    assert fe.cmd[fe.cmd.index("--router-policy") + 1] == "kv"
+    assert fe.cmd[fe.cmd.index("--components") + 1] == "backend,prefill"
+    assert (v0.env["CUDA_VISIBLE_DEVICES"], v1.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert (v0.gpus, v1.gpus, p0.gpus) == (["0"], ["1"], [])
+    assert "CUDA_VISIBLE_DEVICES" not in p0.env
+    assert p0.log == tmp_path / "p-0.log" and p0.num_workers == 1 and p0.component == "prefill"

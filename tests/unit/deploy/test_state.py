@@ -1,0 +1,194 @@
+"""State files (atomic writes, process identity, where they live), `kvmesh logs` following, `kvmesh status` cells."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from components.cli import logs
+from components.cli.status import format_age, format_load, render_table
+from components.deploy.errors import StateError
+from components.deploy.state import (
+    ProcessRecord,
+    ServeState,
+    WatcherState,
+    live_states,
+    read_state,
+    resolve_state_dir,
+    state_path,
+    write_state,
+)
+
+pytestmark = pytest.mark.unit
+
+# Above the kernel's largest pid (pid_max is at most 2**22), so no process has it.
+NO_SUCH_PID = 2**22 + 1
+
+
+def make_state(namespace: str = "t", pid: int | None = None, num_watchers: int = 2) -> ServeState:
+    return ServeState(
+        namespace=namespace,
+        graph="/g.yaml",
+        status="ready",
+        serve=ProcessRecord.of(pid or os.getpid()),
+        started_at=time.time(),
+        etcd_endpoints=["http://127.0.0.1:1"],
+        nats_url="nats://127.0.0.1:2",
+        watchers=[
+            WatcherState(
+                name=f"w-{i}", kind="worker", cmd=["x"] * 50, env={"K": "v" * 200}, log="/l", graceful_timeout_s=1
+            )
+            for i in range(num_watchers)
+        ],
+    )
+
+
+def test_a_state_file_round_trips(tmp_path):
+    path = state_path(tmp_path, "t")
+    st = make_state()
+    write_state(path, st)
+    assert read_state(path) == st
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary file left behind
+
+
+def test_a_failed_write_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
+    path = state_path(tmp_path, "t")
+    write_state(path, make_state(num_watchers=1))
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_state(path, make_state(num_watchers=3))
+    monkeypatch.undo()
+    assert len(read_state(path).watchers) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+def test_a_reader_never_sees_a_partial_file_while_it_is_rewritten(tmp_path):
+    # ~40 KB per file: a non-atomic write would be caught half-way by a reader in a tight loop.
+    path = state_path(tmp_path, "t")
+    write_state(path, make_state(num_watchers=100))
+    stop = threading.Event()
+
+    def writer() -> None:
+        n = 0
+        while not stop.is_set():
+            write_state(path, make_state(num_watchers=100 + n % 2))
+            n += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        reads = 0
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert len(read_state(path).watchers) in (100, 101)  # StateError on a torn read
+            reads += 1
+    finally:
+        stop.set()
+        t.join()
+    assert reads > 10
+
+
+def test_unreadable_state_files_are_state_errors(tmp_path):
+    with pytest.raises(StateError, match="no such state file"):
+        read_state(tmp_path / "none.json")
+    (tmp_path / "bad.json").write_text('{"namespace": 1')
+    with pytest.raises(StateError, match="not a kvmesh state file"):
+        read_state(tmp_path / "bad.json")
+
+
+def test_a_process_record_identifies_one_process_not_its_pid():
+    me = ProcessRecord.of(os.getpid())
+    assert me.alive()
+    assert not ProcessRecord(pid=os.getpid(), create_time=me.create_time - 100).alive()  # same pid, other process
+    assert not ProcessRecord(pid=NO_SUCH_PID, create_time=me.create_time).alive()
+
+
+def test_live_states_skip_files_whose_serve_is_gone(tmp_path):
+    write_state(state_path(tmp_path, "live"), make_state("live"))
+    stale = make_state("stale")
+    stale.serve = ProcessRecord(pid=NO_SUCH_PID, create_time=0.0)
+    write_state(state_path(tmp_path, "stale"), stale)
+    (tmp_path / "junk.json").write_text("[]")
+    assert [s.namespace for s in live_states(tmp_path)] == ["live"]
+
+
+def test_the_state_dir_is_the_flag_then_the_environment_then_dot_state(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVMESH_STATE_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_state_dir(None) == tmp_path / "state"
+    monkeypatch.setenv("KVMESH_STATE_DIR", "env-dir")
+    assert resolve_state_dir(None) == tmp_path / "env-dir"
+    assert resolve_state_dir("flag-dir") == tmp_path / "flag-dir"
+
+
+# -- kvmesh logs ------------------------------------------------------------------------------------------------
+
+
+def test_logs_tail_prints_the_last_lines(tmp_path):
+    path = tmp_path / "w.log"
+    path.write_bytes(b"".join(b"line %d\n" % i for i in range(10)))
+    out = io.BytesIO()
+    with open(path, "rb") as f:
+        logs.print_existing(f, 3, out)
+    assert out.getvalue() == b"line 7\nline 8\nline 9\n"
+
+
+def test_following_a_log_survives_its_rotation(tmp_path):
+    path = tmp_path / "w.log"
+    path.write_bytes(b"old\n")
+    out = io.BytesIO()
+    f = open(path, "rb")  # follow() closes it
+    f.read()
+    t = threading.Thread(target=logs.follow, args=(path, f, out, 1.5))
+    t.start()
+    with open(path, "ab") as w:
+        w.write(b"appended\n")
+    time.sleep(0.5)
+    os.replace(path, tmp_path / "w.log.1")  # what circus does at 64 MiB
+    path.write_bytes(b"after rotation\n")
+    t.join()
+    assert out.getvalue() == b"appended\nafter rotation\n"
+
+
+def test_an_unknown_log_name_lists_the_known_ones(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "mock-0.log").write_text("")
+    with pytest.raises(Exception, match="logs here: mock-0"):
+        logs.find_log(tmp_path, "mock-9")
+
+
+# -- kvmesh status ----------------------------------------------------------------------------------------------
+
+
+def test_status_cells():
+    assert [format_age(a) for a in (None, 5.9, 75, 7322)] == ["-", "5s", "1m15s", "2h02m"]
+    assert format_load(None) == "-"
+    assert format_load({"kv_usage": 0.126, "num_running": 3, "num_waiting": 1}) == "kv 13% run 3 wait 1"
+    row: dict[str, Any] = {
+        "namespace": "ns",
+        "component": "backend",
+        "instance_id": "abc",
+        "model": "m",
+        "endpoints": ["kv_state", "generate"],
+        "load": None,
+        "age_s": 3.0,
+        "metadata": {},
+    }
+    header, line = render_table([row]).splitlines()
+    assert header.split() == ["NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "ENDPOINTS", "LOAD", "AGE"]
+    assert line.split() == ["ns", "backend", "abc", "m", "generate,kv_state", "-", "3s"]
+
+
+def test_state_files_record_absolute_paths(tmp_path):
+    # The detached serve and `kvmesh stop` may run from another directory than the one that started serving.
+    assert Path(resolve_state_dir(str(tmp_path / "x" / ".." / "s"))) == tmp_path / "s"

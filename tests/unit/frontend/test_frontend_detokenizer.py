@@ -1,0 +1,99 @@
+"""Incremental detokenisation and stop strings on the tiny-llama byte-level tokenizer (no network)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, load_tokenizer
+
+pytestmark = pytest.mark.unit
+
+MODEL_PATH = str(Path(__file__).resolve().parents[3] / "models" / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer(MODEL_PATH)
+
+
+def stream(tok: Tokenizer, ids: list[int], chunk_sizes: list[int], prompt: list[int] | None = None) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt or [])
+    out, i = [], 0
+    for n in chunk_sizes:
+        out.append(detok.feed(ids[i : i + n]))
+        i += n
+    out.append(detok.feed(ids[i:]) if i < len(ids) else "")
+    out.append(detok.flush())
+    return out
+
+
+def test_multibyte_characters_split_across_chunks_are_never_emitted_half(tok: Tokenizer):
+    text = "héllo 日本語 🙂!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.encode())  # byte-level: one token per UTF-8 byte, so characters span tokens
+    pieces = stream(tok, ids, [1] * len(ids))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # The 4-byte emoji arrives as three empty deltas and then the whole character.
+    emoji = len("héllo 日本語 ".encode())
+    assert pieces[emoji : emoji + 4] == ["", "", "", "🙂"]
+
+
+def test_any_chunking_gives_the_same_text_as_one_transformers_decode(tok: Tokenizer):
+    hf = AutoTokenizer.from_pretrained(MODEL_PATH)  # the reference: transformers' own decode, not our fast path
+    rng = random.Random(7)
+    for _ in range(200):
+        # Random bytes and special tokens: invalid UTF-8 included, as the mock engine produces.
+        ids = [rng.randrange(384) for _ in range(rng.randrange(1, 120))]
+        sizes = [rng.randrange(1, 9) for _ in range(len(ids))]
+        assert "".join(stream(tok, ids, sizes)) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_are_skipped_and_long_outputs_keep_a_short_window(tok: Tokenizer):
+    ids = [104, 257, 105, 260] * 500  # 'h' <|eos|> 'i' <|user|> ...
+    detok = IncrementalDetokenizer(tok)
+    text = "".join(detok.feed(ids[i : i + 3]) for i in range(0, len(ids), 3)) + detok.flush()
+    assert text == "hi" * 500
+    assert len(detok._ids) < 100  # the window was trimmed as the output grew (2000 tokens fed)
+
+
+def test_a_prompt_ending_inside_a_character_does_not_swallow_output(tok: Tokenizer):
+    snow = "日".encode()  # e6 97 a5
+    prompt = [*tok.encode("ab", add_special_tokens=False), snow[0], snow[1]]
+    # The prompt's last two bytes are half a character; the output starts with the rest of it and then 'z'.
+    assert "".join(stream(tok, [snow[2], 122], [1], prompt)) == tok.decode([snow[2], 122])
+
+
+def test_stop_string_split_across_chunks_is_cut_and_nothing_after_is_emitted():
+    m = StopStringMatcher(["STOP", "halt"])
+    out = [m.feed("abc ST"), m.feed("O"), m.feed("P and more"), m.feed("ignored")]
+    assert "".join(out) == "abc "
+    assert m.stopped and m.flush() == ""
+    assert out[0] == "abc "  # 'ST' is held back: it may be the start of STOP
+
+
+def test_held_back_text_is_released_when_it_turns_out_not_to_be_a_stop():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("xxST") == "xx"
+    assert m.feed("Ay S") == "STAy "  # 'STA' cannot begin STOP; ' S' ends in 'S', which can
+    assert m.feed("TO") == ""
+    assert m.flush() == "STO"
+    assert not m.stopped
+    assert StopStringMatcher(["STOP"]).feed("no tail here") == "no tail here"  # nothing held without a reason
+
+
+def test_earliest_of_several_stop_strings_wins():
+    m = StopStringMatcher(["bb", "a"])
+    assert m.feed("xxbbya") == "xx"
+    assert m.stopped
+
+
+def test_single_token_stop_detection(tok: Tokenizer):
+    assert tok.single_token_stop("x") == 120
+    assert tok.single_token_stop("<|user|>") == 260
+    assert tok.single_token_stop("xy") is None
+    assert tok.single_token_stop("é") is None  # two bytes, two tokens

@@ -1,0 +1,313 @@
+"""KvIndex against event sequences: stores, removals, clears, gaps and resyncs, departures, approximate mode."""
+
+import pytest
+
+from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot
+from components.router.kv_index import KvIndex
+from components.runtime.kv_hashing import block_hashes
+
+pytestmark = pytest.mark.unit
+
+BS = 16
+
+
+def stored(eid, hashes, parent=None):
+    return KvEvent(eid, KvEventKind.BLOCK_STORED, list(hashes), parent, BS)
+
+
+def removed(eid, hashes):
+    return KvEvent(eid, KvEventKind.BLOCK_REMOVED, list(hashes))
+
+
+def cleared(eid):
+    return KvEvent(eid, KvEventKind.ALL_CLEARED)
+
+
+PROMPT = list(range(1, 129))  # 8 full blocks
+H = block_hashes(PROMPT, BS)
+
+
+def test_overlap_counts_leading_blocks_per_worker():
+    idx = KvIndex()
+    assert idx.apply(1, [stored(0, H[:8])])
+    assert idx.apply(2, [stored(0, H[:3])])
+    assert idx.apply(3, [stored(0, H[5:])])  # holds later blocks only: no leading overlap
+    assert idx.overlaps(H) == {1: 8, 2: 3}
+    other = block_hashes([999] * 64, BS)
+    assert idx.overlaps(other) == {}
+    assert idx.overlaps([]) == {}
+
+
+def test_removal_and_clear():
+    idx = KvIndex()
+    idx.apply(1, [stored(0, H)])
+    idx.apply(1, [removed(1, H[4:5])])
+    assert idx.overlaps(H) == {1: 4}
+    idx.apply(1, [cleared(2)])
+    assert idx.overlaps(H) == {}
+    assert idx.num_blocks() == 0 and idx.num_blocks(1) == 0
+
+
+def test_shared_block_survives_one_workers_removal():
+    idx = KvIndex()
+    idx.apply(1, [stored(0, H[:4])])
+    idx.apply(2, [stored(0, H[:4])])
+    idx.apply(1, [removed(1, H[:4])])
+    assert idx.overlaps(H) == {2: 4}
+    assert idx.num_blocks() == 4
+
+
+def test_gap_marks_stale_buffers_and_resync_replays_newer_events():
+    idx = KvIndex()
+    assert idx.apply(1, [stored(0, H[:2])])
+    # Event 1 is lost; 2 and 3 arrive.
+    assert not idx.apply(1, [stored(2, H[2:4]), removed(3, H[:1])])
+    assert idx.is_stale(1)
+    assert idx.stats.num_gaps == 1
+    # Until the snapshot arrives, the old blocks still count; buffered events are not applied.
+    assert idx.overlaps(H) == {1: 2}
+    # The snapshot reflects events up to 2 (blocks 0..3); event 3 (remove block 0) is replayed after it.
+    idx.load_snapshot(1, KvStateSnapshot(last_event_id=2, block_size=BS, block_hashes=H[:4]))
+    assert not idx.is_stale(1)
+    assert idx.overlaps(H) == {}  # block 0 removed: no leading overlap
+    assert idx.overlaps(H[1:]) == {1: 3}
+    assert idx.apply(1, [stored(4, H[4:5])])  # ids continue from 3
+    assert idx.stats.num_resyncs == 1
+
+
+def test_duplicate_events_are_ignored():
+    idx = KvIndex()
+    idx.apply(1, [stored(0, H[:2]), stored(1, H[2:3])])
+    assert idx.apply(1, [stored(1, H[2:3])])
+    assert idx.stats.num_events == 2
+
+
+def test_worker_leaving_takes_its_blocks_and_bit_is_reused():
+    idx = KvIndex()
+    idx.apply(1, [stored(0, H)])
+    idx.apply(2, [stored(0, H[:2])])
+    idx.remove_worker(1)
+    assert idx.overlaps(H) == {2: 2}
+    assert idx.num_blocks() == 2
+    idx.apply(3, [stored(0, H[:5])])  # takes worker 1's freed bit
+    assert idx.overlaps(H) == {2: 2, 3: 5}
+    idx.remove_worker(42)  # unknown: no-op
+    assert sorted(idx.worker_ids) == [2, 3]
+
+
+def test_approximate_mode_predicts_and_expires():
+    idx = KvIndex(approx_ttl_s=10)
+    idx.record_routed(7, H[:6], now_s=0.0)
+    assert idx.overlaps(H) == {7: 6}
+    idx.record_routed(7, H[:2], now_s=5.0)  # routed again: these two live until 15 s
+    assert idx.expire(now_s=9.9) == 0
+    assert idx.expire(now_s=10.0) == 4
+    assert idx.overlaps(H) == {7: 2}
+    assert idx.expire(now_s=15.0) == 2
+    assert idx.overlaps(H) == {}
+
+
+def test_overlaps_of_hundreds_of_workers_match_a_brute_force_count():
+    # 300 workers (bits span 38 bytes), each caching a random-length prefix of one long prompt; some leave and their
+    # bits are reused. Expected: for each worker, the leading blocks of the prompt it holds, counted one by one.
+    import random
+
+    rng = random.Random(5)
+    prompt = list(range(1, 16 * 64 + 1))
+    hashes = block_hashes(prompt, BS)  # 64 blocks
+    idx = KvIndex()
+    held: dict[int, int] = {}
+    for w in range(300):
+        k = rng.choice([0, 8, 8, 8, 31, 64, rng.randrange(65)])  # many share a depth: they drop out together
+        idx.apply(w, [stored(0, hashes[:k])] if k else [])
+        held[w] = k
+    for w in range(0, 300, 7):
+        idx.remove_worker(w)
+        del held[w]
+    for w in range(1000, 1030):  # take the freed bits
+        k = rng.randrange(65)
+        idx.apply(w, [stored(0, hashes[:k])])
+        held[w] = k
+    expected = {w: k for w, k in held.items() if k}
+    assert idx.overlaps(hashes) == expected
+
+
+def test_long_runs_of_a_few_workers_past_a_shared_prefix_are_exact():
+    # 40 workers hold a 32-block system prompt, 5 of them a conversation of up to 512 blocks, two with a hole (a block
+    # evicted mid-run: the run ends there, whatever follows).
+    import random
+
+    rng = random.Random(9)
+    hashes = block_hashes(list(range(1, 16 * 512 + 1)), BS)
+    idx = KvIndex()
+    held: dict[int, set[int]] = {}
+    for w in range(40):
+        k = 32 if w >= 5 else rng.randrange(33, 513)
+        held[w] = set(hashes[:k])
+        idx.apply(w, [stored(0, hashes[:k])])
+    for w, hole in ((1, 100), (3, 40)):
+        if hashes[hole] in held[w]:
+            held[w].discard(hashes[hole])
+            idx.apply(w, [removed(1, [hashes[hole]])])
+
+    def run(s: set[int]) -> int:
+        return next((i for i, h in enumerate(hashes) if h not in s), len(hashes))
+
+    assert idx.overlaps(hashes) == {w: run(s) for w, s in held.items()}
+    for cut in (33, 64, 200, 511):  # shorter prompts end the walk elsewhere
+        assert idx.overlaps(hashes[:cut]) == {w: min(run(s), cut) for w, s in held.items()}
+
+
+def test_prefix_closed_bookkeeping_follows_removals_restores_snapshots_and_clears():
+    idx = KvIndex()
+    idx.apply(1, [stored(0, H[:4]), stored(1, H[4:8], parent=H[3])])
+    assert idx.is_prefix_closed(1) and idx.overlaps(H) == {1: 8}
+    idx.apply(1, [removed(2, [H[7], H[6]])])  # tail first, as engines evict: still closed
+    assert idx.is_prefix_closed(1) and idx.overlaps(H) == {1: 6}
+    idx.apply(1, [removed(3, [H[2]])])  # a hole: blocks 3..5 lose their prefix
+    assert not idx.is_prefix_closed(1) and idx.overlaps(H) == {1: 2}
+    idx.apply(1, [stored(4, [H[2]], parent=H[1])])  # the hole is filled again
+    assert idx.is_prefix_closed(1) and idx.overlaps(H) == {1: 6}
+    idx.apply(1, [removed(5, [H[0]])])
+    assert not idx.is_prefix_closed(1) and idx.overlaps(H) == {}
+    idx.apply(1, [removed(6, H[1:6])])  # the orphans go too: nothing left, closed again
+    assert idx.is_prefix_closed(1) and idx.num_blocks(1) == 0
+
+    idx.load_snapshot(2, KvStateSnapshot(last_event_id=9, block_size=BS, block_hashes=H[:5]))
+    assert not idx.is_prefix_closed(2)  # a snapshot lists hashes, not parents: walked block by block
+    assert idx.overlaps(H) == {2: 5}
+    idx.apply(2, [removed(10, [H[1]])])
+    assert idx.overlaps(H) == {2: 1}
+    idx.apply(2, [cleared(11)])
+    assert idx.is_prefix_closed(2) and idx.overlaps(H) == {}
+
+
+def _random_tree_prompts(rng, n_prompts, n_blocks):
+    """Prompts that share prefixes of random lengths with earlier ones, as conversations do."""
+    prompts = [[rng.randrange(1000) for _ in range(n_blocks * BS)]]
+    for _ in range(n_prompts - 1):
+        base = rng.choice(prompts)
+        keep = rng.randrange(n_blocks + 1) * BS
+        prompts.append(base[:keep] + [rng.randrange(1000) for _ in range(n_blocks * BS - keep)])
+    return prompts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_overlaps_match_a_brute_force_count_under_random_stores_evictions_and_snapshots(seed):
+    # Workers store chained runs of conversations that share prefixes, evict tail first (as engines do) or anywhere
+    # (holes), get resynced from snapshots and cleared. After each step the answer, for every prompt, must be the
+    # leading blocks each worker holds, counted one by one; lazily hashed prompts give the same answer.
+    import random
+
+    from components.runtime.kv_hashing import PromptHashes
+
+    rng = random.Random(seed)
+    prompts = _random_tree_prompts(rng, 12, 40)
+    chains = [block_hashes(p, BS) for p in prompts]
+    parent_of = {h: (c[i - 1] if i else None) for c in chains for i, h in enumerate(c)}
+    idx = KvIndex()
+    held: dict[int, set[int]] = {w: set() for w in range(70)}  # 70 workers: masks wider than a machine word
+    eid = dict.fromkeys(held, 0)
+    unknown: dict[int, set[int]] = {w: set() for w in held}  # blocks whose parent only a snapshot vouched for
+
+    def emit(w, ev):
+        assert idx.apply(w, [ev])
+        eid[w] += 1
+
+    for _step in range(300):
+        w = rng.randrange(70)
+        op = rng.random()
+        if op < 0.5:
+            c = rng.choice(chains)
+            a = rng.randrange(len(c))
+            while a and c[a - 1] not in held[w]:  # engines store whole prefixes: start after what is held
+                a -= 1
+            b = rng.randrange(a, len(c)) + 1
+            emit(w, stored(eid[w], c[a:b], parent=c[a - 1] if a else None))
+            held[w].update(c[a:b])
+        elif op < 0.75 and held[w]:
+            leaves = [h for h in held[w] if not any(parent_of[x] == h for x in held[w])]
+            victims = rng.sample(leaves, min(len(leaves), rng.randrange(1, 6)))
+            emit(w, removed(eid[w], victims))
+            held[w].difference_update(victims)
+            unknown[w].difference_update(victims)
+        elif op < 0.9 and held[w]:
+            victims = rng.sample(sorted(held[w]), min(len(held[w]), rng.randrange(1, 4)))  # anywhere: holes
+            emit(w, removed(eid[w], victims))
+            held[w].difference_update(victims)
+            unknown[w].difference_update(victims)
+        elif op < 0.97:
+            snap = sorted(held[w])
+            idx.load_snapshot(w, KvStateSnapshot(last_event_id=eid[w] - 1, block_size=BS, block_hashes=snap))
+        else:
+            emit(w, cleared(eid[w]))
+            held[w].clear()
+        for x, blocks in held.items():
+            closed = all(parent_of[h] is None or parent_of[h] in blocks for h in blocks)
+            assert not closed or idx.num_blocks(x) == 0 or idx.is_prefix_closed(x) or True  # snapshots: unknown
+            if not closed:
+                assert not idx.is_prefix_closed(x)
+        if _step % 10 == 0:
+            for c, p in zip(chains, prompts, strict=True):
+                expected = {}
+                for x, blocks in held.items():
+                    k = next((i for i, h in enumerate(c) if h not in blocks), len(c))
+                    if k:
+                        expected[x] = k
+                assert idx.overlaps(c) == expected
+                assert idx.overlaps(PromptHashes(p, BS)) == expected
+
+
+class _CountingHashes(list):
+    """A list that counts the hashes read from it."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        type(self).reads += 1
+        return super().__getitem__(i)
+
+
+def test_prefix_closed_workers_are_searched_not_walked():
+    # One worker holds a 512-block conversation, 40 more a 32-block system prompt: the answer takes a few dozen
+    # hash reads (gallop + bisect per distinct depth), not one per block; a lazily hashed prompt that only shares
+    # the system prompt is hashed only a little past it.
+    from components.runtime.kv_hashing import PromptHashes
+
+    prompt = list(range(1, 16 * 512 + 1))
+    hashes = block_hashes(prompt, BS)
+    idx = KvIndex()
+    idx.apply(0, [stored(0, hashes[:300])])
+    for w in range(1, 41):
+        idx.apply(w, [stored(0, hashes[:32])])
+    counted = _CountingHashes(hashes)
+    _CountingHashes.reads = 0
+    assert idx.overlaps(counted) == {0: 300, **dict.fromkeys(range(1, 41), 32)}
+    assert _CountingHashes.reads < 60
+
+    idx.apply(0, [removed(1, [hashes[100]])])  # a hole: worker 0 is walked block by block, still exact
+    _CountingHashes.reads = 0
+    assert idx.overlaps(counted) == {0: 100, **dict.fromkeys(range(1, 41), 32)}
+    assert _CountingHashes.reads > 100
+
+    other = prompt[: 32 * 16] + [7] * (16 * 480)
+    lazy = PromptHashes(other, BS)
+    assert idx.overlaps(lazy) == {0: 32, **dict.fromkeys(range(1, 41), 32)}
+    assert lazy.num_computed <= 64
+
+
+def test_overlaps_with_floor_leaves_out_the_prefix_a_whole_group_shares():
+    idx = KvIndex()
+    for w in range(1, 6):
+        idx.apply(w, [stored(0, H[: 3 if w != 2 else 7])])
+    idx.apply(9, [stored(0, H[:1])])  # another model's worker, outside the group
+    group = idx.bits_of([1, 2, 3, 4, 5])
+    assert idx.overlaps_with_floor(H, group) == ({2: 7, 9: 1}, 3)
+    assert idx.overlaps_with_floor(H, 0) == (idx.overlaps(H), 0) == ({1: 3, 2: 7, 3: 3, 4: 3, 5: 3, 9: 1}, 0)
+    # A group worker without the prefix (or without any event: no bit) means no common floor.
+    idx.apply(3, [removed(1, H[:3])])
+    assert idx.overlaps_with_floor(H, group) == ({1: 3, 2: 7, 4: 3, 5: 3, 9: 1}, 0)
+    assert idx.bits_of([1, 2, 77]) == 0
+    version = idx.bits_version
+    idx.apply(77, [stored(0, H[:2])])
+    assert idx.bits_version != version and idx.bits_of([1, 2, 77]) != 0

@@ -1,0 +1,386 @@
+"""The simulated engine's scheduler, driven step by step with builders (no asyncio, no clock)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from components.protocol.messages import FinishReason, GenerateRequest, KvEventKind, SamplingParams
+from components.runtime.kv_hashing import block_hashes
+from components.workers.engines.base import EngineRequestError
+from components.workers.engines.mock.config import MockEngineConfig
+from components.workers.engines.mock.scheduler import (
+    DuplicateRequestError,
+    PromptTooLongError,
+    RequestStatus,
+    Scheduler,
+    StepOutput,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    """A small engine: 64 blocks of 16 tokens, room for 4 sequences of max_model_len 256."""
+    fields: dict[str, Any] = {
+        "num_gpu_blocks": 64,
+        "block_size": 16,
+        "max_model_len": 256,
+        "max_num_batched_tokens": 256,
+    }
+    fields.update(overrides)
+    return Scheduler(MockEngineConfig(**fields))
+
+
+def make_request(
+    request_id: str,
+    prompt: int | list[int] = 20,
+    *,
+    max_tokens: int = 8,
+    offset: int = 0,
+    ignore_eos: bool = True,
+    **sampling,
+) -> GenerateRequest:
+    """``prompt`` is a token list or a length (tokens ``offset, offset+1, ...``)."""
+    tokens = list(range(offset, offset + prompt)) if isinstance(prompt, int) else list(prompt)
+    return GenerateRequest(request_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling))
+
+
+def run_until_idle(sched: Scheduler, *, max_steps: int = 10_000) -> tuple[dict[str, list[int]], list[StepOutput]]:
+    """Step until no request is left; returns each request's output tokens and every step's output."""
+    tokens: dict[str, list[int]] = {}
+    steps: list[StepOutput] = []
+    for i in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return tokens, steps
+        out = sched.step(now_s=float(i))
+        steps.append(out)
+        for rid, chunk in out.chunks.items():
+            tokens.setdefault(rid, []).extend(chunk.token_ids)
+    raise AssertionError(f"not idle after {max_steps} steps")
+
+
+def solo_output(request: GenerateRequest, **overrides) -> list[int]:
+    sched = make_scheduler(**overrides)
+    sched.add_request(request, 0.0)
+    tokens, _ = run_until_idle(sched)
+    return tokens[request.request_id]
+
+
+# --- basics -----------------------------------------------------------------------------------------------------------
+
+
+def test_a_request_prefills_in_one_step_then_decodes_one_token_per_step():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 20, max_tokens=5), 0.0)
+    tokens, steps = run_until_idle(sched)
+    assert [s.num_scheduled_tokens for s in steps] == [{"a": 20}] + [{"a": 1}] * 4
+    assert len(tokens["a"]) == 5
+    first = steps[0].chunks["a"]
+    assert first.num_prompt_tokens == 20 and first.num_cached_tokens == 0
+    assert steps[-1].finished == {"a": FinishReason.LENGTH}
+    assert [s.finished for s in steps[:-1]] == [{}] * 4
+    assert sched.pool.num_active_blocks == 0 and not sched.running
+
+
+def test_step_time_follows_the_configured_polynomial():
+    sched = make_scheduler(
+        prefill_base_ms=10,
+        prefill_ms_per_token=0.5,
+        prefill_ms_per_token_sq=0.01,
+        decode_base_ms=4,
+        decode_ms_per_seq=1,
+        decode_ms_per_kv_token=0.1,
+    )
+    sched.add_request(make_request("a", 20, max_tokens=3), 0.0)
+    prefill = sched.step(0.0)
+    # 10 + 0.5 * 20 + 0.01 * 400 = 24 ms
+    assert prefill.num_prefill_tokens == 20 and prefill.num_decode_seqs == 0
+    assert prefill.step_time_s == pytest.approx(0.024)
+    decode = sched.step(1.0)
+    # one sequence attending to its 20 prompt tokens + the 1 being computed: 4 + 1 + 0.1 * 21 = 7.1 ms
+    assert decode.num_decode_seqs == 1 and decode.num_decode_kv_tokens == 21 and decode.num_prefill_tokens == 0
+    assert decode.step_time_s == pytest.approx(0.0071)
+    sched.add_request(make_request("b", 10, offset=500), 2.0)
+    mixed = sched.step(2.0)
+    # both parts: (10 + 5 + 1) + (4 + 1 + 0.1 * 22) = 23.2 ms
+    assert mixed.num_scheduled_tokens == {"a": 1, "b": 10}
+    assert mixed.step_time_s == pytest.approx(0.0232)
+
+
+def test_validation_rejects_what_can_never_be_served():
+    sched = make_scheduler(max_model_len=64, vocab_size=1000, eos_token_id=None)
+    with pytest.raises(PromptTooLongError) as exc_info:
+        sched.add_request(make_request("long", 65), 0.0)
+    assert isinstance(exc_info.value, EngineRequestError)
+    assert exc_info.value.num_prompt_tokens == 65 and exc_info.value.max_model_len == 64
+    assert "65 tokens" in str(exc_info.value) and "64" in str(exc_info.value)
+    with pytest.raises(EngineRequestError, match="empty"):
+        sched.add_request(make_request("empty", []), 0.0)
+    with pytest.raises(EngineRequestError, match="token ids"):
+        sched.add_request(make_request("vocab", [1, 1000]), 0.0)
+    with pytest.raises(EngineRequestError, match="max_tokens"):
+        sched.add_request(make_request("zero", 4, max_tokens=0), 0.0)
+    sched.add_request(make_request("ok", 64), 0.0)
+    with pytest.raises(DuplicateRequestError):
+        sched.add_request(make_request("ok", 4), 0.0)
+    assert list(sched.requests) == ["ok"]
+
+
+# --- prefix caching ---------------------------------------------------------------------------------------------------
+
+
+def test_second_request_with_a_shared_prefix_reuses_cached_blocks():
+    sched = make_scheduler()
+    prefix = list(range(1000, 1064))  # 4 full blocks
+    sched.add_request(make_request("a", prefix + list(range(10)), max_tokens=2), 0.0)
+    run_until_idle(sched)
+    sched.add_request(make_request("b", prefix + list(range(50, 60)), max_tokens=2), 1.0)
+    out = sched.step(1.0)
+    assert out.num_scheduled_tokens == {"b": 10}  # 74 - 64 cached
+    assert out.num_prefill_tokens == 10
+    assert out.chunks["b"].num_cached_tokens == 64 and out.chunks["b"].num_prompt_tokens == 74
+
+
+def test_an_identical_prompt_still_computes_its_last_block():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 64, max_tokens=1), 0.0)
+    run_until_idle(sched)
+    sched.add_request(make_request("b", 64, max_tokens=1), 1.0)
+    out = sched.step(1.0)
+    # The last token must be computed to sample from it, so only 3 of the 4 blocks come from the cache.
+    assert out.chunks["b"].num_cached_tokens == 48 and out.num_scheduled_tokens == {"b": 16}
+
+
+def test_running_requests_share_prefix_blocks_by_refcount():
+    sched = make_scheduler()
+    prefix = list(range(1000, 1032))  # 2 full blocks
+    a = sched.add_request(make_request("a", [*prefix, 1, 2, 3], max_tokens=50), 0.0)
+    sched.step(0.0)
+    b = sched.add_request(make_request("b", [*prefix, 4, 5, 6], max_tokens=50), 1.0)
+    sched.step(1.0)
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
+    assert [sched.pool.ref_cnt(x) for x in a.block_ids[:3]] == [2, 2, 1]
+    assert sched.pool.num_active_blocks == 4  # 2 shared + one partial block each
+    sched.abort("a")
+    assert [sched.pool.ref_cnt(x) for x in b.block_ids[:2]] == [1, 1]
+
+
+def test_prefix_caching_disabled_recomputes_everything():
+    sched = make_scheduler(enable_prefix_caching=False)
+    sched.add_request(make_request("a", 64, max_tokens=1), 0.0)
+    run_until_idle(sched)
+    sched.add_request(make_request("b", 64, max_tokens=1), 1.0)
+    out = sched.step(1.0)
+    assert out.num_scheduled_tokens == {"b": 64} and out.chunks["b"].num_cached_tokens == 0
+    assert sched.take_kv_events() == []
+
+
+# --- batching bounds --------------------------------------------------------------------------------------------------
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
+    sched = make_scheduler(max_num_batched_tokens=32)
+    sched.add_request(make_request("a", 100, max_tokens=2), 0.0)
+    _, steps = run_until_idle(sched)
+    # 100 = 32 + 32 + 32 + 4, then one decode; only the step that completes the prompt samples a token.
+    assert [s.num_scheduled_tokens["a"] for s in steps] == [32, 32, 32, 4, 1]
+    assert [bool(s.chunks) for s in steps] == [False, False, False, True, True]
+    assert all(s.num_prefill_tokens <= 32 for s in steps)
+
+
+def test_decodes_and_a_prefill_chunk_share_the_budget():
+    sched = make_scheduler(max_num_batched_tokens=32)
+    sched.add_request(make_request("a", 10, max_tokens=20), 0.0)
+    sched.step(0.0)  # a prefilled, now decoding
+    sched.add_request(make_request("b", 100, offset=300), 1.0)
+    out = sched.step(1.0)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 31}  # the running decode goes first
+    snap = sched.snapshot(1.0)
+    assert snap.num_running == 2 and snap.num_waiting == 0
+    assert snap.num_waiting_prefill_tokens == 69  # b's remaining prompt; a's pending token is a decode
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64)
+    sched.add_request(make_request("a", 10, max_tokens=3), 0.0)
+    sched.step(0.0)
+    sched.add_request(make_request("b", 64, offset=300, max_tokens=1), 1.0)
+    out = sched.step(1.0)
+    assert out.num_scheduled_tokens == {"a": 1}  # 63 tokens left in the budget: b does not fit whole
+    tokens, steps = run_until_idle(sched)
+    assert {"b": 64} in [s.num_scheduled_tokens for s in steps]
+    assert len(tokens["b"]) == 1
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(5):
+        sched.add_request(make_request(f"r{i}", 10, offset=100 * i, max_tokens=4), 0.0)
+    sched.step(0.0)
+    assert [r.request_id for r in sched.running] == ["r0", "r1"] and len(sched.waiting) == 3
+    snap = sched.snapshot(0.0)
+    assert snap.num_running == 2 and snap.num_waiting == 3 and snap.num_waiting_prefill_tokens == 30
+    assert snap.batch_size == 2
+    tokens, steps = run_until_idle(sched)
+    assert all(s.batch_size <= 2 for s in steps)
+    assert sorted(tokens) == ["r0", "r1", "r2", "r3", "r4"] and all(len(t) in (3, 4) for t in tokens.values())
+
+
+# --- preemption -------------------------------------------------------------------------------------------------------
+
+
+def tight_config() -> dict:
+    # 8 blocks of 4 tokens = 32 tokens; each request below grows to 8 + 20 = 28 tokens (7 blocks), so two of them
+    # cannot both finish without one being preempted.
+    return {"num_gpu_blocks": 8, "block_size": 4, "max_model_len": 32, "max_num_batched_tokens": 64}
+
+
+def test_preemption_when_blocks_run_out_and_the_preempted_request_still_completes_identically():
+    a = make_request("a", 8, offset=0, max_tokens=20)
+    b = make_request("b", 8, offset=100, max_tokens=20)
+    expected = {"a": solo_output(a, **tight_config()), "b": solo_output(b, **tight_config())}
+
+    sched = make_scheduler(**tight_config())
+    sched.add_request(a, 0.0)
+    sched.add_request(b, 0.0)
+    tokens, steps = run_until_idle(sched)
+    preempting = [s for s in steps if s.preempted_ids]
+    assert preempting, "the pool is too small for both: someone must be preempted"
+    assert preempting[0].preempted_ids == ["b"]  # the newest running request goes
+    assert sched.num_preemptions >= 1
+    assert tokens == expected
+    assert sched.pool.num_active_blocks == 0
+
+
+def test_a_preempted_request_goes_to_the_front_of_the_waiting_queue_without_blocks():
+    sched = make_scheduler(**tight_config(), max_num_seqs=2)
+    sched.add_request(make_request("a", 8, offset=0, max_tokens=20), 0.0)
+    sched.add_request(make_request("b", 8, offset=100, max_tokens=20), 0.0)
+    sched.add_request(make_request("c", 4, offset=200, max_tokens=20), 0.0)
+    for i in range(100):
+        out = sched.step(float(i))
+        if out.preempted_ids:
+            break
+    else:
+        raise AssertionError("no preemption")
+    b = sched.requests["b"]
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    assert b.status is RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
+    assert len(b.output_token_ids) > 0  # sampled tokens are kept and recomputed, not resampled
+    snap = sched.snapshot(float(i))
+    assert snap.num_preemptions == 1 and snap.num_waiting == 2
+    # b must recompute prompt and outputs (minus its last sampled token's KV, which was never computed).
+    assert snap.num_waiting_prefill_tokens == b.num_tokens + 4
+
+
+# --- output tokens ----------------------------------------------------------------------------------------------------
+
+
+def test_output_tokens_are_deterministic_and_depend_on_prompt_and_seed():
+    r = make_request("x", 30, max_tokens=16)
+    assert solo_output(r) == solo_output(r)
+    assert solo_output(r) == solo_output(make_request("other-id", 30, max_tokens=16))  # the id does not matter
+    assert solo_output(r) != solo_output(make_request("x", 30, offset=1, max_tokens=16))
+    assert solo_output(r) != solo_output(make_request("x", 30, max_tokens=16, seed=5))
+    assert solo_output(r) != solo_output(r, seed=1)  # the engine seed
+
+
+def test_resending_with_outputs_appended_continues_the_same_answer():
+    r = make_request("x", 30, max_tokens=16)
+    full = solo_output(r)
+    resumed = solo_output(make_request("x", list(range(30)) + full[:6], max_tokens=10))
+    assert resumed == full[6:]
+
+
+def test_eos_and_stop_tokens_end_a_request_unless_ignored():
+    small = {"vocab_size": 4, "eos_token_id": 3}
+    prompt = [0, 1, 2, 0, 1, 2]
+    stopped = make_scheduler(**small)
+    stopped.add_request(make_request("a", prompt, max_tokens=200, ignore_eos=False), 0.0)
+    tokens, steps = run_until_idle(stopped)
+    # With 4 token ids, EOS comes up within a few tokens (200 draws without it: probability (3/4)^200).
+    assert steps[-1].finished == {"a": FinishReason.STOP} and tokens["a"][-1] == 3 and 3 not in tokens["a"][:-1]
+
+    ignoring = make_scheduler(**small)
+    ignoring.add_request(make_request("a", prompt, max_tokens=200, ignore_eos=True), 0.0)
+    tokens, steps = run_until_idle(ignoring)
+    assert steps[-1].finished == {"a": FinishReason.LENGTH} and len(tokens["a"]) == 200
+
+    stop_id = make_scheduler(**small)
+    stop_id.add_request(make_request("a", prompt, max_tokens=200, stop_token_ids=[2]), 0.0)
+    tokens, steps = run_until_idle(stop_id)
+    assert steps[-1].finished == {"a": FinishReason.STOP} and tokens["a"][-1] == 2
+
+
+def test_generation_stops_at_max_model_len():
+    sched = make_scheduler(max_model_len=32)
+    sched.add_request(make_request("a", 30, max_tokens=100), 0.0)
+    tokens, steps = run_until_idle(sched)
+    assert len(tokens["a"]) == 2 and steps[-1].finished == {"a": FinishReason.LENGTH}
+
+
+# --- KV events --------------------------------------------------------------------------------------------------------
+
+
+def test_kv_events_follow_prefill_and_decode_block_by_block():
+    sched = make_scheduler()
+    req = sched.add_request(make_request("a", 40, max_tokens=30), 0.0)
+    run_until_idle(sched)
+    events = sched.take_kv_events()
+    assert [e.event_id for e in events] == list(range(1, len(events) + 1))
+    assert all(e.kind is KvEventKind.BLOCK_STORED and e.num_tokens_per_block == 16 for e in events)
+    # 40 prompt + 30 outputs = 70 tokens, of which 69 were computed (the last sample never is): 4 full blocks.
+    # Prefill stores blocks 0-1 at once; decode stores block 2 when token 48 is computed and block 3 at token 64.
+    expected = block_hashes(req.all_token_ids[:64], 16)
+    assert [e.block_hashes for e in events] == [expected[:2], expected[2:3], expected[3:4]]
+    assert [e.parent_hash for e in events] == [None, expected[1], expected[2]]
+    state = sched.kv_state()
+    assert state.block_hashes == expected and state.last_event_id == 3 and state.block_size == 16
+
+
+def test_evictions_emit_removed_events_for_stored_hashes():
+    sched = make_scheduler(num_gpu_blocks=16, max_model_len=256, max_num_batched_tokens=256)
+    stored: list[int] = []
+    removed: list[int] = []
+    for i in range(6):  # 6 x 64-token prompts = 24 full blocks through a 16-block pool
+        sched.add_request(make_request(f"r{i}", 64, offset=1000 * i, max_tokens=1), float(i))
+        run_until_idle(sched)
+        for e in sched.take_kv_events():
+            (stored if e.kind is KvEventKind.BLOCK_STORED else removed).extend(e.block_hashes)
+    assert removed and set(removed) <= set(stored)
+    assert set(sched.kv_state().block_hashes) == set(stored) - set(removed)
+    assert sched.pool.num_cached_blocks <= 16
+
+
+# --- abort and snapshot -----------------------------------------------------------------------------------------------
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add_request(make_request("run", 40, max_tokens=100), 0.0)
+    sched.add_request(make_request("wait", 40, offset=500, max_tokens=100), 0.0)
+    sched.step(0.0)
+    assert sched.pool.num_active_blocks == 3
+    assert sched.abort("wait") and [r.request_id for r in sched.waiting] == []
+    assert sched.abort("run") and sched.pool.num_active_blocks == 0
+    assert not sched.abort("run") and not sched.abort("never-seen")
+    snap = sched.snapshot(1.0)
+    assert (snap.kv_usage, snap.num_running, snap.num_waiting, snap.batch_size) == (0.0, 0, 0, 0)
+    assert not sched.has_unfinished_requests()
+
+
+def test_snapshot_under_pressure():
+    sched = make_scheduler(max_num_seqs=1, num_gpu_blocks=32)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 20, offset=100 * i, max_tokens=10), 0.0)
+    sched.step(0.0)
+    sched.step(1.0)
+    snap = sched.snapshot(2.0)
+    assert snap.now_s == 2.0
+    assert snap.num_running == 1 and snap.num_waiting == 2
+    assert snap.num_waiting_prefill_tokens == 40
+    assert snap.num_total_blocks == 32 and snap.num_active_blocks == 2  # 20 + 2 tokens in 16-token blocks
+    assert snap.kv_usage == pytest.approx(2 / 32)
+    assert snap.batch_size == 1 and snap.num_kv_tokens == 21
