@@ -1,8 +1,8 @@
 """Record the raw KV-event messages vLLM publishes for a small scripted workload, for the adapter's unit tests.
 
 Writes tests/unit/workers/data/vllm_kv_events.json: the prompts, vLLM's version, and every message of the publisher as
-``[seq, payload hex]`` in order. ``tests/unit/workers/test_vllm_adapter.py`` replays them through the adapter's decoder and
-translator without vLLM. Workload (block size 32, KV cache of 2 MiB = 31 usable blocks of this model):
+``[seq, payload hex]`` in order. ``tests/unit/workers/test_vllm_adapter.py`` replays them through the adapter's
+decoder and translator without vLLM. Workload (block size 32, KV cache of 2 MiB = 31 usable blocks of this model):
 
 1. prompt A, 100 tokens: vLLM stores A's 3 full blocks (parent None);
 2. prompt B = A[:64] + 36 other tokens: vLLM reuses 2 blocks and stores 1 (parent = A's second block);

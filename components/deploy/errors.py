@@ -1,7 +1,8 @@
 """Typed errors of deployments: graph files, state files, the local launcher.
 
 ``DeployError`` is the root; the command line prints any of them as one readable message and exits with its
-``exit_code``, without a traceback. Every error carries the fields a caller (or a test) needs: the file, the field path, the namespace, the watcher.
+``exit_code``, without a traceback. Every error carries the fields a caller (or a test) needs: the file, the field
+path, the namespace, the watcher.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import pytest
 
 from components.cli.main import build_parser
 from components.deploy.circus import detect_gpus
-from components.deploy.plan import REDACTED, assign_gpus, flag_args, plan_watchers
 from components.deploy.errors import GpuAssignmentError, GraphError, OverrideError
 from components.deploy.graph import Graph, apply_overrides, load_graph
+from components.deploy.plan import REDACTED, assign_gpus, flag_args, plan_watchers
 from components.workers.config import EngineKind
 
 pytestmark = pytest.mark.unit

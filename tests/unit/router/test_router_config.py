@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from components.cli.main import build_parser
-from components.deploy.plan import plan_watchers
 from components.deploy.graph import load_graph
+from components.deploy.plan import plan_watchers
 from components.frontend import FrontendConfig
 from components.frontend.main import config_from_args
 from components.router import LoadMetric, Router, RouterConfig, RouterServiceConfig, UnknownPolicyError
