@@ -36,6 +36,7 @@ from components.frontend.metrics import FrontendMetrics, ModelMetrics
 from components.frontend.models import Model, ModelRegistry
 from components.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from components.protocol.errors import ErrorCode
 from components.protocol.messages import GenerateRequest, SamplingParams
 from components.router import NoWorkersError, Router, RouteRequest
 from components.runtime import (
@@ -50,14 +51,6 @@ logger = logging.getLogger(__name__)
 
 # Errors after which the same request may go to another worker, provided nothing has reached the client yet.
 _RETRIABLE = (InstanceGoneError, InstanceDrainingError, StreamInterruptedError)
-# A handler error the worker raised because its engine is gone, not because of the request: another worker may serve.
-_RETRIABLE_REMOTE = {"EngineDeadError"}
-# Engine errors about the request itself: retrying elsewhere would fail the same way, and it is the client's to fix.
-# The worker reports only the class name; these are EngineRequestError and the subclasses the mock and vLLM engines
-# raise for a bad prompt (the frontend checks length and vocabulary first, so they are a second line of defence).
-_CLIENT_REMOTE = {"EngineRequestError": None, "PromptTooLongError": "prompt", "TokenIdOutOfRangeError": "prompt"}
-
-
 # Routing hints a client may send as headers (the OpenAI body has no room for them, and must not get any).
 HEADER_PROGRAM_ID = "x-program-id"  # an agent program / conversation: Autellix's program id
 HEADER_SESSION_ID = "x-session-id"  # the same, under the name session-based clients use
@@ -345,11 +338,13 @@ class FrontendService:
             except (*_RETRIABLE, _Aborted) as e:
                 failure: Exception = e
             except RemoteHandlerError as e:
-                if e.error_type in _CLIENT_REMOTE:
-                    raise InvalidRequestError(e.message, param=_CLIENT_REMOTE[e.error_type]) from e
-                if e.error_type not in _RETRIABLE_REMOTE:
+                # Decided on the wire code, never on the raising class's name (components/protocol/errors.py).
+                if e.code == ErrorCode.REQUEST_INVALID:
+                    # About the request itself: retrying elsewhere would fail the same way; the client's to fix.
+                    raise InvalidRequestError(e.message, param=e.payload.param) from e
+                if not e.recoverable:
                     raise UpstreamError(f"the worker failed the request: {e.error_type}: {e.message}") from e
-                failure = e
+                failure = e  # its engine is gone: another worker may serve it
             finally:
                 if first is None:  # failed, or cancelled (the client left): release the attempt
                     self.router.on_finished(route_id)

@@ -123,7 +123,7 @@ class KvEvent:
     """One change to an engine's prefix cache, as a real engine emits it.
 
     ``event_id`` increases by one per event and per engine, so a subscriber can detect a gap. ``BLOCK_STORED`` carries
-    the chained hashes of consecutive full blocks (see ``components.runtime.kv_hashing``), the hash of the block before
+    the chained hashes of consecutive full blocks (see ``components.protocol.kv_hashing``), the hash of the block before
     the first one (``parent_hash``, None at the start of a sequence) and the number of tokens per block.
     """
 

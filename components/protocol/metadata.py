@@ -38,7 +38,7 @@ class WorkerMetadata:
     role: WorkerRole = WorkerRole.AGGREGATED
     engine: str = ""  # mock, vllm
     block_size: int = 0  # tokens per KV block
-    kv_hash_scheme: int = 0  # how its KV events hash blocks (components.runtime.kv_hashing)
+    kv_hash_scheme: int = 0  # how its KV events hash blocks (components.protocol.kv_hashing)
     max_model_len: int = 0  # prompt + output tokens one request may hold; 0: unknown
     node: str = ""  # host name
     pid: int = 0  # process id on that node

@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from components.protocol.kv_hashing import HASH_SCHEME_VERSION, PromptHashes
 from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
 from components.router.config import RouterConfig
 from components.router.errors import NoWorkersError, RouterProtocolError, UnknownPolicyError
@@ -49,7 +50,6 @@ from components.router.policies import ALIASES, POLICIES, canonical_name, common
 from components.router.policies.kv import DEFAULT_BLOCK_SIZE
 from components.router.protocol import Assignment
 from components.router.types import RouteDecision, RouteRequest, RoutingPolicy, WorkerSnapshot, stale_after
-from components.runtime.kv_hashing import HASH_SCHEME_VERSION, PromptHashes
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, repeat
 
+from components.protocol.kv_hashing import PromptHashes
 from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot
-from components.runtime.kv_hashing import PromptHashes
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 class RouteRequest:
     """One request to place. ``now_s`` is the caller's monotonic clock (a policy never reads one itself).
 
-    ``block_hashes`` (the prompt's chained block hashes, ``components.runtime.kv_hashing``) and ``overlap_blocks`` are
+    ``block_hashes`` (the prompt's chained block hashes, ``components.protocol.kv_hashing``) and ``overlap_blocks`` are
     filled in by the ``Router`` for KV-aware policies: hashes once per request (``Router.prepare``), overlaps at each
     ``select`` from the KV index. ``overlap_blocks`` is a mapping on the request rather than a field of each
     ``WorkerSnapshot`` because it changes with every request: rebuilding 256 frozen snapshots per decision would cost

@@ -4,9 +4,14 @@ Recoverable errors (``RecoverableError``) concern one request or one instance: t
 Fatal errors (``FatalError``) mean this runtime cannot go on (bad configuration, a server that never answered).
 Timeouts inherit from both the package root and the built-in ``TimeoutError``, as nats.py does, so
 ``except TimeoutError`` works for callers who do not know kvmesh.
+
+A handler's error crosses the wire as ``components.protocol.errors.ErrorPayload`` (a code, not a class name) and comes
+back as ``RemoteHandlerError`` carrying it.
 """
 
 from __future__ import annotations
+
+from components.protocol.errors import ErrorCode, ErrorPayload
 
 
 class RuntimeMeshError(Exception):
@@ -74,13 +79,26 @@ class StreamInterruptedError(RecoverableError):
 
 
 class RemoteHandlerError(RecoverableError):
-    """The handler on the instance raised; ``error_type`` is its class name, ``message`` its text."""
+    """The handler on the instance raised. ``payload`` says how, as the wire carries it (``ErrorPayload``): decide on
+    ``code`` and ``recoverable``; ``error_type`` (the raising class's name) and ``message`` are for people."""
 
-    def __init__(self, instance_id: int, error_type: str, message: str) -> None:
-        super().__init__(f"handler on instance {instance_id:x} failed: {error_type}: {message}")
+    def __init__(self, instance_id: int, payload: ErrorPayload) -> None:
+        super().__init__(
+            f"handler on instance {instance_id:x} failed: {payload.type or payload.code}: {payload.message}"
+        )
         self.instance_id = instance_id
-        self.error_type = error_type
-        self.message = message
+        self.payload = payload
+        self.error_type = payload.type
+        self.message = payload.message
+
+    @property
+    def code(self) -> ErrorCode:
+        return self.payload.code
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether the same request may succeed on another instance."""
+        return self.payload.recoverable
 
 
 class RequestTimeoutError(RecoverableError, TimeoutError):

@@ -51,6 +51,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from components.protocol.errors import ErrorPayload
 from components.runtime.bus import Bus, BusMessage, Subscription, is_no_responders
 from components.runtime.codec import pack, unpack
 from components.runtime.errors import (
@@ -152,7 +153,7 @@ class InstanceServer:
         except Exception as e:  # noqa: BLE001
             logger.info("handler for %s raised %s: %s", request_id, type(e).__name__, e)
             with contextlib.suppress(Exception):
-                send(seq, ERROR, {"type": type(e).__name__, "message": str(e)})
+                send(seq, ERROR, ErrorPayload.of(e).to_dict())
         finally:
             with contextlib.suppress(Exception):
                 await agen.aclose()  # type: ignore[attr-defined]
@@ -478,7 +479,7 @@ class ResponseStream:
             raise StopAsyncIteration
         if kind == ERROR:
             self._finish()
-            raise RemoteHandlerError(self.instance_id, payload.get("type", "?"), payload.get("message", ""))
+            raise RemoteHandlerError(self.instance_id, ErrorPayload.from_dict(payload))
         # A frame this client does not understand (a newer instance mid-upgrade): the handler may still be running,
         # so cancel it as for a sequence gap rather than leave it generating into an inbox nobody reads.
         self._cancel_in_background()

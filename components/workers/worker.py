@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.protocol.kv_hashing import HASH_SCHEME_VERSION
 from components.protocol.messages import GenerateRequest, KvEvent
 from components.runtime import RequestContext, Runtime, ServedEndpoint
-from components.runtime.kv_hashing import HASH_SCHEME_VERSION
 from components.workers.config import WorkerConfig
 from components.workers.engines.base import Engine
 

@@ -27,11 +27,11 @@ from openai import AsyncOpenAI
 
 from components.frontend import Frontend, FrontendConfig
 from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
 from components.router import Router, RouterConfig, RouteRequest, RouterFeed, RouterServiceConfig
 from components.router.service import RouterClient, RouterService
 from components.runtime import Client, Runtime
-from components.runtime.kv_hashing import block_hashes
 from components.workers.config import WorkerConfig
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 from components.workers.worker import Worker

@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import (
     FinishReason,
     GenerateRequest,
@@ -28,7 +29,6 @@ from components.protocol.messages import (
     TokenChunk,
 )
 from components.runtime import RemoteHandlerError, Runtime, RuntimeConfig, collect
-from components.runtime.kv_hashing import block_hashes
 from components.runtime.servers import EtcdServer, NatsServer
 from components.workers.config import EngineKind, WorkerConfig
 from components.workers.engines.vllm import VllmEngine, VllmEngineConfig

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import (
     GenerateRequest,
     KvEvent,
@@ -22,7 +23,6 @@ from components.protocol.messages import (
     TokenChunk,
 )
 from components.runtime import collect
-from components.runtime.kv_hashing import block_hashes
 from components.workers.config import WorkerConfig
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 from components.workers.worker import Worker

@@ -62,9 +62,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from components.cli.bench.loadgen.stats import percentile
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import KvEvent, KvEventKind, LoadSnapshot
 from components.router import Router, RouterConfig, RouteRequest
-from components.runtime.kv_hashing import block_hashes
 
 MODEL = "bench-model"
 TARGET_DECISION_P99_US = 200.0

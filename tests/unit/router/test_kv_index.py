@@ -2,9 +2,9 @@
 
 import pytest
 
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot
 from components.router.kv_index import KvIndex
-from components.runtime.kv_hashing import block_hashes
 
 pytestmark = pytest.mark.unit
 
@@ -199,7 +199,7 @@ def test_overlaps_match_a_brute_force_count_under_random_stores_evictions_and_sn
     # leading blocks each worker holds, counted one by one; lazily hashed prompts give the same answer.
     import random
 
-    from components.runtime.kv_hashing import PromptHashes
+    from components.protocol.kv_hashing import PromptHashes
 
     rng = random.Random(seed)
     prompts = _random_tree_prompts(rng, 12, 40)
@@ -272,7 +272,7 @@ def test_prefix_closed_workers_are_searched_not_walked():
     # One worker holds a 512-block conversation, 40 more a 32-block system prompt: the answer takes a few dozen
     # hash reads (gallop + bisect per distinct depth), not one per block; a lazily hashed prompt that only shares
     # the system prompt is hashed only a little past it.
-    from components.runtime.kv_hashing import PromptHashes
+    from components.protocol.kv_hashing import PromptHashes
 
     prompt = list(range(1, 16 * 512 + 1))
     hashes = block_hashes(prompt, BS)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import KvEventKind
-from components.runtime.kv_hashing import block_hashes
 from components.workers.engines.mock.block_pool import BlockPool, NoFreeBlocksError
 
 pytestmark = pytest.mark.unit

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import FinishReason, GenerateRequest, KvEvent, KvEventKind, SamplingParams, TokenChunk
-from components.runtime.kv_hashing import block_hashes
 from components.workers.engines.base import Engine, EngineDeadError, EngineRequestError
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import FinishReason, GenerateRequest, KvEventKind, SamplingParams
-from components.runtime.kv_hashing import block_hashes
 from components.workers.engines.base import EngineRequestError
 from components.workers.engines.mock.config import MockEngineConfig
 from components.workers.engines.mock.scheduler import (

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import FinishReason, KvEventKind, SamplingParams
-from components.runtime.kv_hashing import block_hashes
 from components.workers.engines.base import EngineRequestError
 from components.workers.engines.vllm.config import VllmEngineConfig, apply_vllm_environment, engine_arguments
 from components.workers.engines.vllm.convert import (

@@ -5,7 +5,7 @@ states:
 
 * **active**: ``ref_cnt > 0``; one or more requests use it (requests that share a cached prefix share its blocks);
 * **cached free**: ``ref_cnt == 0`` but it still holds a full block of KV whose chained hash
-  (``components.runtime.kv_hashing``) is in the prefix cache; a later request with the same prefix can take it back
+  (``components.protocol.kv_hashing``) is in the prefix cache; a later request with the same prefix can take it back
   (``touch``) without recomputing, and it is evicted, least recently freed first, only when a fresh block is needed;
 * **empty free**: ``ref_cnt == 0`` and no hash (never filled, or a partial block, or cleared by a reset).
 

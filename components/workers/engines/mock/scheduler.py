@@ -39,6 +39,7 @@ from collections import deque
 import xxhash
 
 from components.protocol.errors import ErrorCode
+from components.protocol.kv_hashing import block_hashes, pack_token_ids
 from components.protocol.messages import (
     FinishReason,
     GenerateRequest,
@@ -48,7 +49,6 @@ from components.protocol.messages import (
     SamplingParams,
     TokenChunk,
 )
-from components.runtime.kv_hashing import block_hashes, pack_token_ids
 
 from ..base import EngineRequestError
 from .block_pool import BlockPool

@@ -13,7 +13,7 @@
 * ``VllmStats``: the numbers a ``LoadSnapshot`` needs, updated from vLLM's ``SchedulerStats``/``IterationStats``.
 
 Why translate hashes at all: vLLM's block hash is its own (sha256-based, seeded, 64-bit-truncated), the router's is
-``components.runtime.kv_hashing``'s. vLLM's ``BlockStored`` carries the stored blocks' token ids and the parent
+``components.protocol.kv_hashing``'s. vLLM's ``BlockStored`` carries the stored blocks' token ids and the parent
 block's (vLLM) hash, so the kvmesh hashes follow from ``block_hashes(token_ids, block_size, parent_hash=kvmesh hash
 of that parent)``: each block's hash covers the whole prefix up to it, so the chain equals ``block_hashes`` of the
 full prompt. A vLLM -> kvmesh map lets ``BlockRemoved`` (which carries only vLLM hashes) translate.
@@ -23,7 +23,7 @@ either was cached each store it and each evict it). The translator counts copies
 the last copy goes, so a router's set of (worker, hash) pairs stays exact; a repeated store is announced again, which
 a set ignores.
 
-Imports: the standard library, ``msgpack``, the engine contract and ``components.runtime.kv_hashing``.
+Imports: the standard library, ``msgpack``, the engine contract and ``components.protocol.kv_hashing``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 import msgpack
 
 from components.protocol.errors import ErrorCode
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import (
     FinishReason,
     KvEvent,
@@ -44,7 +45,6 @@ from components.protocol.messages import (
     LoadSnapshot,
     SamplingParams,
 )
-from components.runtime.kv_hashing import block_hashes
 
 from ..base import EngineRequestError
 

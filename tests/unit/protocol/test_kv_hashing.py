@@ -1,4 +1,4 @@
-"""The chained block hash shared by engines and the router (components.runtime.kv_hashing)."""
+"""The chained block hash shared by engines and the router (components.protocol.kv_hashing)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 import pytest
 import xxhash
 
-from components.runtime.kv_hashing import (
+from components.protocol.kv_hashing import (
     HASH_SCHEME_VERSION,
     ROOT_PARENT_MARKER,
     PromptHashes,
