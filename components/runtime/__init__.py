@@ -6,6 +6,7 @@ the in-memory twins for unit tests.
 
 from components.runtime.config import RuntimeConfig
 from components.runtime.errors import (
+    BusUnavailableError,
     ConfigError,
     ConnectError,
     FatalError,
@@ -24,6 +25,7 @@ from components.runtime.request_plane import RequestContext, ResponseStream, col
 from components.runtime.runtime import Client, Endpoint, InstanceInfo, RouterMode, Runtime, ServedEndpoint
 
 __all__ = [
+    "BusUnavailableError",
     "Client",
     "ConfigError",
     "ConnectError",

@@ -104,6 +104,10 @@ class Bus(Protocol):
     @property
     def is_connected(self) -> bool: ...
 
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """Return True once connected (at once when connected already), False after ``timeout_s`` without."""
+        ...
+
 
 class _NatsSubscription:
     def __init__(self, sub: Any) -> None:
@@ -162,6 +166,7 @@ class NatsBus:
         self._nc: nats.NATS | None = None
         self._js: nats.js.JetStreamContext | None = None
         self._closing = False
+        self._connected = asyncio.Event()
 
     async def start(self) -> None:
         connecting = True
@@ -173,9 +178,11 @@ class NatsBus:
         async def on_disconnect() -> None:
             if self._closing:
                 return
+            self._connected.clear()
             logger.warning("nats: disconnected from %s", self._config.nats_url)
 
         async def on_reconnect() -> None:
+            self._connected.set()
             logger.info("nats: reconnected to %s", self._config.nats_url)
 
         try:
@@ -198,6 +205,7 @@ class NatsBus:
             raise ConnectError("NATS", self._config.nats_url, f"{type(e).__name__} {e}".strip()) from e
         finally:
             connecting = False
+        self._connected.set()
         self.publish = self._nc.publish  # type: ignore[method-assign,assignment]
 
     @property
@@ -209,6 +217,18 @@ class NatsBus:
     @property
     def is_connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        if self.is_connected:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.is_connected and (left_s := deadline - loop.time()) > 0:
+            # Woken by the reconnect callback; re-checked every 50 ms as the callback may lag nats-py's own state.
+            self._connected.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._connected.wait(), min(0.05, left_s))
+        return self.is_connected
 
     async def close(self) -> None:
         if self._nc is None or self._nc.is_closed:

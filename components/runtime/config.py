@@ -56,6 +56,26 @@ class RuntimeConfig(BaseModel):
     reconnect_backoff_max_s: float = Field(
         default=2.0, gt=0, description="Upper bound of the exponential back-off between reconnection attempts."
     )
+    bus_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="A request made while NATS is unreachable waits up to this long for the connection to come "
+        "back (a restarting nats-server is back within a second or two) before failing with BusUnavailableError.",
+    )
+    client_check_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="How often an instance checks that the client of each request it runs still exists (one probe "
+        "per client process); requests whose client is gone are cancelled. Bounds how long a dead frontend's "
+        "requests keep running. 0: never.",
+    )
+    vanished_instance_trust_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="When etcd comes back without its data, every registration vanishes while its instances still "
+        "run. A client keeps such an instance for up to this long (2 lease TTLs by default; live instances "
+        "re-register within about a second) and drops it sooner only when the request plane says it is gone.",
+    )
     response_transport: Literal["tcp", "bus"] = Field(
         default="tcp",
         description="How instances send streamed responses to this process: 'tcp', a direct connection to a "

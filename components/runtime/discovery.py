@@ -47,6 +47,10 @@ class WatchEvent:
     kind: WatchEventKind
     key: str
     value: bytes | None  # None for DELETE
+    # True for an event derived from a re-listing after the watch's history was lost (etcd came back without its
+    # data, or compacted past the last revision seen): a DELETE then means "not in the listing", which may be a key
+    # lost with the data while its owner is alive, not a deregistration (components/runtime/runtime.py: Client).
+    relisted: bool = False
 
 
 class Discovery(Protocol):
@@ -80,10 +84,10 @@ class _LeaseState:
     num_reacquired: int = 0
 
 
-def diff_listing(known: dict[str, bytes], listing: dict[str, bytes]) -> list[WatchEvent]:
+def diff_listing(known: dict[str, bytes], listing: dict[str, bytes], relisted: bool = False) -> list[WatchEvent]:
     """Events that turn ``known`` into ``listing`` (used after a reconnection)."""
-    events = [WatchEvent(WatchEventKind.DELETE, k, None) for k in known if k not in listing]
-    events += [WatchEvent(WatchEventKind.PUT, k, v) for k, v in listing.items() if known.get(k) != v]
+    events = [WatchEvent(WatchEventKind.DELETE, k, None, relisted) for k in known if k not in listing]
+    events += [WatchEvent(WatchEventKind.PUT, k, v, relisted) for k, v in listing.items() if known.get(k) != v]
     return events
 
 
@@ -218,17 +222,22 @@ class EtcdDiscovery:
         """
         interval_s = st.ttl_s / 3
         backoff_s = 0.1
+        delay_s = interval_s
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(delay_s)
             try:
                 reply = await asyncio.wait_for(self._c().refresh_lease(st.server_id), interval_s)
                 if reply is None or reply.TTL <= 0:
                     await self._reacquire(st)
                 st.last_ok_s = time.monotonic()
                 backoff_s = 0.1
+                delay_s = interval_s
             except (TimeoutError, aetcd.exceptions.ClientError, OSError) as e:
-                logger.warning("lease %x keep-alive failed (%s); retrying", st.server_id, e)
-                await asyncio.sleep(backoff_s)
+                # Retry on the back-off, not after another TTL/3: an etcd that comes back without its data must
+                # see this process's registrations again within about a second (the back-off's cap), not 3-4 s
+                # later while frontends find no instance.
+                logger.warning("lease %x keep-alive failed (%s); retrying in %.1f s", st.server_id, e, backoff_s)
+                delay_s = backoff_s
                 backoff_s = min(backoff_s * 2, self._config.reconnect_backoff_max_s)
 
     async def _reacquire(self, st: _LeaseState) -> None:
@@ -278,6 +287,7 @@ class EtcdDiscovery:
         """
         seen: dict[str, bytes] = dict(known or {})
         last_rev = 0  # 0: list first
+        listed_once = False  # a later listing is a recovery: its DELETEs are marked ``relisted``
         backoff_s = 0.1
         while not self._closed:
             client = self._new_client()
@@ -288,9 +298,10 @@ class EtcdDiscovery:
                     last_rev = 0
                 if not last_rev:
                     listing, last_rev = await self._list(client, prefix)
-                    for ev in diff_listing(seen, listing):
+                    for ev in diff_listing(seen, listing, relisted=listed_once):
                         yield ev
                     seen = listing
+                    listed_once = True
                 watch = await client.watch_prefix(prefix.encode(), start_revision=last_rev + 1)
                 backoff_s = 0.1
                 async for ev in watch:

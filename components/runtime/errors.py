@@ -110,6 +110,15 @@ class RequestTimeoutError(RecoverableError, TimeoutError):
         self.timeout_s = timeout_s
 
 
+class BusUnavailableError(RecoverableError, TimeoutError):
+    """NATS stayed unreachable for ``bus_wait_s``: the request was not sent."""
+
+    def __init__(self, url: str, waited_s: float) -> None:
+        super().__init__(f"NATS at {url} unreachable for {waited_s:g} s; the request was not sent")
+        self.url = url
+        self.waited_s = waited_s
+
+
 class LeaseLostError(RecoverableError):
     """The primary lease expired on the server; the runtime re-acquires it and re-registers everything."""
 

@@ -272,7 +272,8 @@ class MemoryBus:
         self._inbox_ids = itertools.count()
         self._rng = random.Random(seed)
         self._queues: dict[str, _MemWorkQueue] = {}
-        self.is_connected = True
+        self._connected = asyncio.Event()
+        self._connected.set()
 
     async def start(self) -> None:
         pass
@@ -305,6 +306,23 @@ class MemoryBus:
         sub = _MemSub(self, subject, callback, queue)
         self._subs.add(sub)
         return sub
+
+    @property
+    def is_connected(self) -> bool:
+        return self._connected.is_set()
+
+    @is_connected.setter
+    def is_connected(self, value: bool) -> None:
+        """A test takes the twin's connection down and back up by setting this; waiters wake up when it is back."""
+        if value:
+            self._connected.set()
+        else:
+            self._connected.clear()
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._connected.wait(), timeout_s)
+        return self.is_connected
 
     async def request(self, subject: str, data: bytes, timeout_s: float) -> bytes:
         inbox = self.new_inbox()

@@ -42,21 +42,24 @@ CANCEL; the instance cancels the handler's task, so the handler sees CancelledEr
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
 import logging
 import os
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from components.protocol.errors import ErrorPayload
-from components.runtime.bus import Bus, BusMessage, Subscription, is_no_responders
+from components.runtime.bus import Bus, BusMessage, NoRespondersError, Subscription, is_no_responders
 from components.runtime.codec import pack, unpack
 from components.runtime.errors import (
     InstanceDrainingError,
     InstanceGoneError,
+    RecoverableError,
     RemoteHandlerError,
     RequestTimeoutError,
     StreamInterruptedError,
@@ -69,6 +72,10 @@ REQ, CANCEL, PROBE = 0, 1, 2
 ACK, DATA, END, ERROR, DRAINING, PROBE_ACK = 0, 1, 2, 3, 4, 5
 
 _END_OF_STREAM = object()
+# A client remembers this many streams it gave up on (to cancel again if their frames keep coming), and re-sends a
+# CANCEL at most this often per stream.
+ABANDONED_MAX = 4096
+CANCEL_RESEND_S = 1.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -85,12 +92,25 @@ Handler = Callable[[Any, RequestContext], AsyncIterator[Any]]
 class InstanceServer:
     """Serves one instance subject: dispatches requests to handler tasks, answers cancels and probes."""
 
-    def __init__(self, bus: Bus, subject: str, instance_id: int, handler: Handler) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        subject: str,
+        instance_id: int,
+        handler: Handler,
+        client_check_s: float = 0.0,
+        probe_timeout_s: float = 1.0,
+    ) -> None:
         self._bus = bus
         self.subject = subject
         self.instance_id = instance_id
         self._handler = handler
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._client_of: dict[str, str] = {}  # request id -> its client's batch subject
+        self._client_check_s = client_check_s
+        self._probe_timeout_s = probe_timeout_s
+        self._check_task: asyncio.Task[None] | None = None
+        self.num_orphans_cancelled = 0  # requests cancelled because their client process was gone
         self._sub: Subscription | None = None
         self.draining = False
         self._idle = asyncio.Event()
@@ -105,6 +125,39 @@ class InstanceServer:
     async def start(self) -> None:
         self._outbox.start()
         self._sub = await self._bus.subscribe(self.subject, self._on_message)
+        if self._client_check_s > 0:
+            self._check_task = asyncio.get_running_loop().create_task(
+                self._check_clients(), name=f"client-check:{self.subject}"
+            )
+
+    async def _check_clients(self) -> None:
+        """Cancel requests whose client runtime is gone (its process exited: nobody answers on its subjects).
+
+        The client cancels what it gives up on (CANCEL, re-sent when frames keep coming: ``ResponseMux``), but a
+        client that died cannot, and a CANCEL sent while the bus was down may be lost. So every
+        ``client_check_s`` each distinct client of the requests in flight is probed once; no responders means
+        its process is gone and its requests run for nobody. A probe that times out (the bus is down) decides
+        nothing. Bound: a dead client's requests end within ``client_check_s`` + a round trip of the bus's return.
+        """
+        while True:
+            await asyncio.sleep(self._client_check_s)
+            by_client: dict[str, list[str]] = {}
+            for rid, client in self._client_of.items():
+                by_client.setdefault(client, []).append(rid)
+            for client, rids in by_client.items():
+                if not client.endswith(".b"):
+                    continue
+                alive = await probe_instance(self._bus, client[:-2] + ".alive", self._probe_timeout_s)
+                if alive is not False:
+                    continue
+                gone = [t for rid in rids if (t := self._inflight.get(rid)) is not None and not t.done()]
+                for t in gone:
+                    t.cancel()
+                self.num_orphans_cancelled += len(gone)
+                if gone:
+                    logger.warning(
+                        "%s: cancelled %d requests whose client is gone (%s)", self.subject, len(gone), client
+                    )
 
     def _sender(self, frame: list[Any], reply: str, at: int) -> Callable[[int, int, Any], None]:
         """How this request's frames travel: in the client's batches when it named them (``frame[at]``,
@@ -132,6 +185,8 @@ class InstanceServer:
             send(0, ACK, None)
             task = asyncio.create_task(self._run(request_id, frame[2], send), name=f"handler:{request_id}")
             self._inflight[request_id] = task
+            if len(frame) > 3 and isinstance(frame[3], str) and frame[3]:
+                self._client_of[request_id] = frame[3]
             self._idle.clear()
         elif kind == CANCEL:
             running = self._inflight.get(request_id)
@@ -158,6 +213,7 @@ class InstanceServer:
             with contextlib.suppress(Exception):
                 await agen.aclose()  # type: ignore[attr-defined]
             self._inflight.pop(request_id, None)
+            self._client_of.pop(request_id, None)
             self.num_served += 1
             if not self._inflight:
                 self._idle.set()
@@ -178,6 +234,11 @@ class InstanceServer:
         return len(left)
 
     async def stop(self) -> None:
+        if self._check_task is not None:
+            self._check_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._check_task
+            self._check_task = None
         for t in list(self._inflight.values()):
             t.cancel()
         if self._sub is not None:
@@ -316,6 +377,7 @@ class ResponseMux:
         self._bus = bus
         self._prefix = ""
         self.batch_subject = ""
+        self._alive_subject = "-"
         # Where instances may connect to send batches directly (``response_channel``); "" = over the bus only.
         self.response_address = ""
         self._listener = (
@@ -323,6 +385,10 @@ class ResponseMux:
         )
         self._queues: dict[int, asyncio.Queue[list[Any]]] = {}
         self._source: dict[int, Any] = {}  # stream key -> the direct connection its ACK came on
+        # Streams given up on before their end: key -> [instance subject, request id, when CANCEL was last sent].
+        # Frames that keep arriving for one mean the CANCEL was lost (the bus was down): it is sent again.
+        self._abandoned: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()
+        self.num_cancels_resent = 0
         self._sub: Subscription | None = None
         self._counter = itertools.count()
         self._salt = os.urandom(4).hex()
@@ -330,6 +396,7 @@ class ResponseMux:
     async def start(self) -> None:
         self._prefix = self._bus.new_inbox()
         self.batch_subject = self._prefix + ".b"
+        self._alive_subject = self._prefix + ".alive"
         self._sub = await self._bus.subscribe(self._prefix + ".*", self._on_message)
         if self._listener is not None:
             await self._listener.start()
@@ -343,6 +410,31 @@ class ResponseMux:
                 q.put_nowait(item)
                 if item[1] == 0 and source is not None:  # the ACK: this stream's frames come on that connection
                     self._source[item[0]] = source
+            elif self._abandoned:
+                self._orphan_frame(item[0], item[2])
+
+    def abandon(self, key: int, subject: str, request_id: str) -> None:
+        """Remember a stream given up on before its end (its CANCEL was just sent), in case that CANCEL is lost."""
+        self._abandoned[key] = [subject, request_id, time.monotonic()]
+        if len(self._abandoned) > ABANDONED_MAX:
+            self._abandoned.popitem(last=False)
+
+    def _orphan_frame(self, key: Any, kind: Any) -> None:
+        entry = self._abandoned.get(key)
+        if entry is None:
+            return
+        if kind in (END, ERROR):
+            del self._abandoned[key]  # it ended on the instance: nothing left to cancel
+            return
+        now = time.monotonic()
+        if now - entry[2] < CANCEL_RESEND_S:
+            return
+        entry[2] = now
+        self.num_cancels_resent += 1
+        logger.info("request %s still streams after it was cancelled; cancelling it again", entry[1])
+        asyncio.get_running_loop().create_task(
+            self._bus.publish(entry[0], pack([CANCEL, entry[1]])), name=f"cancel-again:{entry[1]}"
+        )
 
     def _on_connection_lost(self, conn: Any) -> None:
         """An instance's connection closed: probe its streams now rather than after ``idle_probe_s`` of silence.
@@ -357,6 +449,10 @@ class ResponseMux:
 
     async def _on_message(self, msg: BusMessage) -> None:
         queues = self._queues
+        if msg.subject == self._alive_subject:
+            if msg.reply:  # an instance checks that the client of its requests still exists
+                await self._bus.publish(msg.reply, b"\x01")
+            return
         if msg.subject == self.batch_subject:
             try:
                 items = unpack(msg.data)
@@ -371,6 +467,9 @@ class ResponseMux:
             return
         q = queues.get(key)
         if q is None:
+            if self._abandoned and not is_no_responders(msg):
+                with contextlib.suppress(Exception):
+                    self._orphan_frame(key, unpack(msg.data)[1])
             return
         if is_no_responders(msg):
             q.put_nowait(_NO_RESPONDERS)
@@ -577,6 +676,7 @@ class ResponseStream:
         if self._done:
             return
         self._finish()
+        self._mux.abandon(self._key, self.subject, self.request_id)
         with contextlib.suppress(Exception):
             await self._bus.publish(self.subject, pack([CANCEL, self.request_id]))
 
@@ -584,6 +684,7 @@ class ResponseStream:
         if self._done:
             return
         self._finish()
+        self._mux.abandon(self._key, self.subject, self.request_id)
         with contextlib.suppress(RuntimeError):  # no running loop: the process is exiting
             asyncio.get_running_loop().create_task(
                 self._bus.publish(self.subject, pack([CANCEL, self.request_id])), name=f"cancel:{self.request_id}"
@@ -614,6 +715,7 @@ async def open_stream(
             async with asyncio.timeout(ack_timeout_s):
                 msg = await q.get()
         except TimeoutError:
+            mux.abandon(key, subject, rid)  # it may still arrive and run: cancel it then too
             with contextlib.suppress(Exception):
                 await bus.publish(subject, pack([CANCEL, rid]))
             raise InstanceGoneError(instance_id, f"no acknowledgement within {ack_timeout_s:g} s") from None
@@ -628,6 +730,18 @@ async def open_stream(
         mux.close(key)
         raise
     return ResponseStream(bus, mux, subject, instance_id, rid, key, inbox, q, idle_probe_s, probe_timeout_s)
+
+
+async def probe_instance(bus: Bus, subject: str, timeout_s: float) -> bool | None:
+    """Is an instance serving ``subject``? True: it answered a probe; False: nobody subscribes there (NATS
+    no-responders: the process is gone); None: no answer within ``timeout_s`` (hung, or the bus is down)."""
+    try:
+        await bus.request(subject, pack([PROBE, "", "", "", ""]), timeout_s)
+    except NoRespondersError:
+        return False
+    except (RecoverableError, TimeoutError, OSError):
+        return None
+    return True
 
 
 async def collect(stream: AsyncIterator[Any]) -> list[Any]:

@@ -28,15 +28,29 @@ import logging
 import random
 import re
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from components.runtime.bus import Bus, NatsBus, WorkQueue
 from components.runtime.config import RuntimeConfig
 from components.runtime.discovery import Discovery, EtcdDiscovery, WatchEventKind
-from components.runtime.errors import ConfigError, NoInstancesError, ShutdownError
+from components.runtime.errors import (
+    BusUnavailableError,
+    ConfigError,
+    InstanceGoneError,
+    NoInstancesError,
+    ShutdownError,
+)
 from components.runtime.events import EventPlane
-from components.runtime.request_plane import Handler, InstanceServer, ResponseMux, ResponseStream, open_stream
+from components.runtime.request_plane import (
+    Handler,
+    InstanceServer,
+    ResponseMux,
+    ResponseStream,
+    open_stream,
+    probe_instance,
+)
 from components.runtime.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -232,7 +246,15 @@ class Endpoint:
             subject=self._subject(iid),
             metadata=dict(metadata or {}),
         )
-        server = InstanceServer(self.runtime.bus, info.subject, iid, handler)
+        cfg = self.runtime.config
+        server = InstanceServer(
+            self.runtime.bus,
+            info.subject,
+            iid,
+            handler,
+            client_check_s=cfg.client_check_s,
+            probe_timeout_s=cfg.probe_timeout_s,
+        )
         await server.start()
         await self.runtime.bus.flush()  # the subscription must be live before anyone can discover us
         served = ServedEndpoint(self, info, server, self.runtime.primary_lease if lease is None else lease)
@@ -311,6 +333,11 @@ class Client:
         self._rng = random.Random()
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
+        # Instances whose registration vanished with etcd's data while they may still run: iid -> the monotonic
+        # instant after which they are dropped unless they re-register (``vanished_instance_trust_s``).
+        self._vanished: dict[int, float] = {}
+        self._confirming: dict[int, asyncio.Task[None]] = {}
+        self.num_vanished_kept = 0  # registrations lost with etcd's data whose instance was kept (tests, status)
 
     async def start(self) -> None:
         prefix = instances_prefix(
@@ -332,13 +359,66 @@ class Client:
             iid = int(ev.key.rsplit("/", 1)[1], 16)
             if ev.kind == WatchEventKind.PUT and ev.value is not None:
                 self._instances[iid] = InstanceInfo.from_json(ev.value)
+                self._vanished.pop(iid, None)
+                task = self._confirming.pop(iid, None)
+                if task is not None:
+                    task.cancel()
+            elif ev.relisted and iid in self._instances and self.runtime.config.vanished_instance_trust_s > 0:
+                # Registry loss, not a deregistration (a real one arrives as a watch DELETE, not from a listing):
+                # keep routing to it while the request plane says it is there and it has time to re-register.
+                self._keep_vanished(iid)
+                continue
             else:
-                self._instances.pop(iid, None)
-            self._ids = sorted(self._instances)
-            async with self._changed:
-                self._changed.notify_all()
-            for cb in self._listeners:
-                cb()
+                self._drop(iid)
+            await self._notify()
+
+    async def _notify(self) -> None:
+        self._ids = sorted(self._instances)
+        async with self._changed:
+            self._changed.notify_all()
+        for cb in self._listeners:
+            cb()
+
+    def _drop(self, iid: int) -> None:
+        self._instances.pop(iid, None)
+        self._vanished.pop(iid, None)
+        task = self._confirming.pop(iid, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def _keep_vanished(self, iid: int) -> None:
+        """The rule for a registration lost with etcd's data: the instance stays routable until it re-registers
+        (then it is simply known again), or the request plane says nobody serves its subject (no responders: it
+        died meanwhile), or ``vanished_instance_trust_s`` passes without a re-registration, whichever comes first."""
+        if iid in self._vanished:
+            return
+        cfg = self.runtime.config
+        self._vanished[iid] = time.monotonic() + cfg.vanished_instance_trust_s
+        self.num_vanished_kept += 1
+        logger.warning(
+            "instance %x of %s vanished from etcd (registry lost?); kept for up to %g s while it answers",
+            iid,
+            self.endpoint.path,
+            cfg.vanished_instance_trust_s,
+        )
+        self._confirming[iid] = self.runtime.supervisor.spawn(self._confirm(iid), name=f"confirm:{iid:x}")
+
+    async def _confirm(self, iid: int) -> None:
+        cfg = self.runtime.config
+        while iid in self._vanished:
+            info = self._instances.get(iid)
+            if info is None:
+                return
+            alive = await probe_instance(self.runtime.bus, info.subject, cfg.probe_timeout_s)
+            if iid not in self._vanished:
+                return  # re-registered meanwhile
+            if alive is False or time.monotonic() >= self._vanished[iid]:
+                why = "no responders on its subject" if alive is False else "it did not re-register in time"
+                logger.warning("instance %x of %s dropped: %s", iid, self.endpoint.path, why)
+                self._drop(iid)
+                await self._notify()
+                return
+            await asyncio.sleep(min(1.0, max(0.0, self._vanished[iid] - time.monotonic())))
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` after every change of the instance list (routers keep their snapshots this way)."""
@@ -380,24 +460,40 @@ class Client:
         InstanceDrainingError before any item was produced, so the caller may retry elsewhere.
         """
         self.runtime._check_open()
+        cfg = self.runtime.config
+        bus = self.runtime.bus
+        waited_until = 0.0
+        if not bus.is_connected:
+            # NATS is down (restarting): wait for it, bounded, rather than fail a request that would go through in
+            # a moment. Instances re-subscribe a moment after this client is back, so "no responders" is retried
+            # until the same deadline when this request had to wait.
+            t0 = time.monotonic()
+            if not await bus.wait_connected(cfg.bus_wait_s):
+                raise BusUnavailableError(cfg.nats_url, cfg.bus_wait_s)
+            waited_until = t0 + cfg.bus_wait_s
         if instance_id is None:
             if self.mode == RouterMode.DIRECT:
                 raise ValueError("direct mode needs an instance_id")
             instance_id = self._pick(self.mode)
         info = self._instances.get(instance_id)
         subject = info.subject if info is not None else self.endpoint._subject(instance_id)
-        cfg = self.runtime.config
-        return await open_stream(
-            self.runtime.bus,
-            self.runtime.mux,
-            subject,
-            instance_id,
-            request,
-            ack_timeout_s=cfg.request_ack_timeout_s,
-            idle_probe_s=cfg.stream_idle_probe_s,
-            probe_timeout_s=cfg.probe_timeout_s,
-            request_id=request_id,
-        )
+        while True:
+            try:
+                return await open_stream(
+                    bus,
+                    self.runtime.mux,
+                    subject,
+                    instance_id,
+                    request,
+                    ack_timeout_s=cfg.request_ack_timeout_s,
+                    idle_probe_s=cfg.stream_idle_probe_s,
+                    probe_timeout_s=cfg.probe_timeout_s,
+                    request_id=request_id,
+                )
+            except InstanceGoneError:
+                if time.monotonic() >= waited_until:
+                    raise
+                await asyncio.sleep(0.05)
 
     async def round_robin(self, request: Any) -> ResponseStream:
         return await self.generate(request, self._pick(RouterMode.ROUND_ROBIN))
@@ -412,6 +508,9 @@ class Client:
         """Stop following instances. Bounded: a cancel that lands while aetcd sets up its watch can be swallowed
         (Python 3.11's ``asyncio.wait_for`` loses a cancel that races its inner future), so cancel again until the
         task ends, and give up waiting after ~2 s rather than hang the caller's shutdown."""
+        for confirming in self._confirming.values():
+            confirming.cancel()
+        self._confirming.clear()
         task, self._task = self._task, None
         if task is not None:
             for _ in range(20):

@@ -1,0 +1,172 @@
+"""Requests nobody waits for any more end on their instance, and requests wait for a bus that is coming back.
+
+Over the in-memory twins (one MemoryStore, one MemoryBus shared by a "server" and a "client" runtime, as two
+processes would talk), so each mechanism is seen alone:
+
+- a client that gave up on a stream re-sends its CANCEL when frames keep coming (the first one was lost);
+- an instance cancels the requests of a client whose process is gone (nobody answers on the client's subjects);
+- a live client's requests are never cancelled by that check;
+- a request made while the bus is down waits for it (bounded), or fails with BusUnavailableError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from components.runtime import BusUnavailableError, Runtime, RuntimeConfig, request_plane
+from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
+from components.runtime.request_plane import RequestContext
+
+pytestmark = pytest.mark.unit
+
+
+class Mesh:
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.bus = MemoryBus(seed=0)
+        self.runtimes: list[Runtime] = []
+
+    async def runtime(self, **config: object) -> Runtime:
+        config = {"response_transport": "bus", **config}
+        rt = await Runtime.from_parts(RuntimeConfig(**config), MemoryDiscovery(self.store), self.bus)
+        self.runtimes.append(rt)
+        return rt
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[Mesh]:
+    m = Mesh()
+    yield m
+    for rt in m.runtimes:
+        await rt.shutdown(drain_timeout_s=0.5)
+
+
+async def wait_until(pred: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.005)
+
+
+class Endless:
+    """A handler that streams an item every 5 ms until it is cancelled, and remembers that it was."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.cancelled = 0
+
+    async def __call__(self, body: object, ctx: RequestContext) -> AsyncIterator[dict[str, int]]:
+        self.started += 1
+        i = 0
+        try:
+            while True:
+                yield {"i": i}
+                i += 1
+                await asyncio.sleep(0.005)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+async def serve_endless(mesh: Mesh, **config: object):
+    server = await mesh.runtime(**config)
+    handler = Endless()
+    served = await server.namespace("t").component("c").endpoint("gen").serve(handler)
+    return server, served, handler
+
+
+async def test_a_stream_whose_cancel_was_lost_is_cancelled_again_when_its_frames_keep_coming(mesh, monkeypatch):
+    monkeypatch.setattr(request_plane, "CANCEL_RESEND_S", 0.02)
+    _, served, handler = await serve_endless(mesh)
+    client_rt = await mesh.runtime()
+    client = await client_rt.namespace("t").component("c").endpoint("gen").client()
+    stream = await client.generate({}, instance_id=served.instance_id)
+    assert (await stream.__anext__()) == {"i": 0}
+    # Give up on it as aclose() does, but without the CANCEL reaching the instance (as when the bus was down).
+    stream._finish()
+    client_rt.mux.abandon(stream._key, stream.subject, stream.request_id)
+    await wait_until(lambda: handler.cancelled == 1)
+    assert client_rt.mux.num_cancels_resent >= 1
+    assert served.server.num_inflight == 0
+
+
+async def test_a_finished_abandoned_stream_is_forgotten_without_another_cancel(mesh, monkeypatch):
+    monkeypatch.setattr(request_plane, "CANCEL_RESEND_S", 60.0)  # no re-send within the test: only the END counts
+    server = await mesh.runtime()
+
+    async def three(body: object, ctx: RequestContext) -> AsyncIterator[int]:
+        for i in range(3):
+            yield i
+            await asyncio.sleep(0.01)
+
+    served = await server.namespace("t").component("c").endpoint("gen").serve(three)
+    client_rt = await mesh.runtime()
+    client = await client_rt.namespace("t").component("c").endpoint("gen").client()
+    stream = await client.generate({}, instance_id=served.instance_id)
+    stream._finish()
+    client_rt.mux.abandon(stream._key, stream.subject, stream.request_id)
+    await wait_until(lambda: served.server.num_inflight == 0)
+    await wait_until(lambda: not client_rt.mux._abandoned)  # its END removed it
+    assert client_rt.mux.num_cancels_resent == 0
+
+
+async def test_an_instance_cancels_the_requests_of_a_client_that_is_gone(mesh):
+    _, served, handler = await serve_endless(mesh, client_check_s=0.05, probe_timeout_s=0.2)
+    client_rt = await mesh.runtime()
+    client = await client_rt.namespace("t").component("c").endpoint("gen").client()
+    streams = [await client.generate({}, instance_id=served.instance_id) for _ in range(3)]
+    for s in streams:
+        await s.__anext__()
+    # The client process dies: its response subscription vanishes and no CANCEL is ever sent.
+    for s in streams:
+        s._finish()
+    await client_rt.mux.stop()
+    await wait_until(lambda: handler.cancelled == 3)
+    assert served.server.num_orphans_cancelled == 3
+    assert served.server.num_inflight == 0
+
+
+async def test_a_live_client_s_requests_are_left_alone_by_the_check(mesh):
+    _, served, _ = await serve_endless(mesh, client_check_s=0.02, probe_timeout_s=0.2)
+    client_rt = await mesh.runtime()
+    client = await client_rt.namespace("t").component("c").endpoint("gen").client()
+    stream = await client.generate({}, instance_id=served.instance_id)
+    got = []
+    async for item in stream:
+        got.append(item["i"])
+        if len(got) == 40:  # ~200 ms: about ten checks
+            break
+    await stream.aclose()
+    assert got == list(range(40))
+    assert served.server.num_orphans_cancelled == 0
+
+
+async def test_a_request_made_while_the_bus_is_down_waits_for_it(mesh):
+    _, served, _ = await serve_endless(mesh)
+    client_rt = await mesh.runtime(bus_wait_s=5.0)
+    client = await client_rt.namespace("t").component("c").endpoint("gen").client()
+    mesh.bus.is_connected = False
+    pending = asyncio.ensure_future(client.generate({}, instance_id=served.instance_id))
+    await asyncio.sleep(0.05)  # the scenario: the outage lasts a while
+    assert not pending.done()
+    mesh.bus.is_connected = True
+    stream = await asyncio.wait_for(pending, 2.0)
+    assert (await stream.__anext__()) == {"i": 0}
+    await stream.aclose()
+
+
+async def test_a_bus_that_stays_down_fails_the_request_clearly(mesh):
+    _, served, handler = await serve_endless(mesh)
+    client_rt = await mesh.runtime(bus_wait_s=0.05)
+    client = await client_rt.namespace("t").component("c").endpoint("gen").client()
+    mesh.bus.is_connected = False
+    with pytest.raises(BusUnavailableError) as exc:
+        await client.generate({}, instance_id=served.instance_id)
+    assert isinstance(exc.value, TimeoutError) and "unreachable for 0.05 s" in str(exc.value)
+    assert handler.started == 0  # nothing was sent
+    mesh.bus.is_connected = True
