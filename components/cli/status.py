@@ -2,7 +2,11 @@
 
 Where etcd and NATS are: ``--etcd``/``--nats`` or ``$KVMESH_ETCD_ENDPOINTS``/``$KVMESH_NATS_URL`` if given; otherwise
 the live deployments' state files in the state dir (an embedded etcd listens on a port chosen at start, so only the
-state file knows it; ``--namespace`` picks one); otherwise the loopback defaults.
+state file knows it; ``--namespace`` picks one). With neither, nothing is served from here: it says so and exits 0
+rather than guess a port.
+
+Each instance is shown with the watcher and pid of the process that runs it (its metadata's pid, matched against
+the processes the state files record), so a line of ``kvmesh status`` leads to ``kvmesh logs WATCHER``.
 
 Load is each worker's latest ``load_metrics`` event heard within ``--load-wait-s`` (workers publish every 100 ms by
 default, so 1 s hears every live one); ``-`` when none arrived. Age counts from the ``started_at`` a worker puts in
@@ -22,9 +26,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from components.deploy.errors import DeployError
-from components.deploy.state import live_states, resolve_state_dir
+from components.deploy.state import ServeState, live_states, resolve_state_dir
 from components.protocol.endpoints import TOPIC_LOAD_METRICS
 from components.protocol.messages import LoadSnapshot
+from components.protocol.metadata import WorkerMetadata
 from components.runtime import EventSubscription, InstanceInfo, Runtime, RuntimeConfig, RuntimeMeshError
 
 
@@ -41,20 +46,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+class NothingServedError(DeployError):
+    """No endpoints were given and no live deployment's state file names any: there is nothing to ask."""
+
+    exit_code = 0
+
+
 def targets(args: argparse.Namespace) -> list[tuple[RuntimeConfig, list[str]]]:
     """(where to connect, namespaces to show there; empty: all) for each etcd/NATS pair to ask."""
     explicit = args.etcd or args.nats or os.environ.get("KVMESH_ETCD_ENDPOINTS") or os.environ.get("KVMESH_NATS_URL")
     namespaces = [args.namespace] if args.namespace else []
     if not explicit:
         found: dict[tuple[tuple[str, ...], str], list[str]] = {}
-        for st in live_states(resolve_state_dir(args.state_dir)):
+        state_dir = resolve_state_dir(args.state_dir)
+        for st in live_states(state_dir):
             if not args.namespace or st.namespace == args.namespace:
                 found.setdefault((tuple(st.etcd_endpoints), st.nats_url), []).append(st.namespace)
-        if found:
-            return [
-                (RuntimeConfig(etcd_endpoints=list(etcd), nats_url=nats), namespaces or nss)
-                for (etcd, nats), nss in found.items()
-            ]
+        if not found:
+            what = f"namespace {args.namespace!r} is not" if args.namespace else "nothing is"
+            raise NothingServedError(
+                f"{what} served from {state_dir} (no live kvmesh serve there); to ask an etcd directly, give "
+                "--etcd URL (and --nats URL for load), or set KVMESH_ETCD_ENDPOINTS"
+            )
+        return [
+            (RuntimeConfig(etcd_endpoints=list(etcd), nats_url=nats), namespaces or nss)
+            for (etcd, nats), nss in found.items()
+        ]
     cfg = RuntimeConfig.from_env(etcd_endpoints=[args.etcd] if args.etcd else None, nats_url=args.nats)
     return [(cfg, namespaces)]
 
@@ -74,6 +91,7 @@ async def collect(cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: fl
     now = time.time()
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     for info in infos:
+        meta = WorkerMetadata.from_dict(info.metadata)
         key = (info.namespace, info.component, info.instance_id)
         row = rows.setdefault(
             key,
@@ -82,10 +100,12 @@ async def collect(cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: fl
                 "component": info.component,
                 "instance_id": f"{info.instance_id:x}",
                 "endpoints": [],
-                "model": info.metadata.get("model"),
+                "model": meta.model or None,
                 "metadata": dict(info.metadata),
+                "pid": meta.pid or None,
+                "watcher": None,
                 "load": loads.get((info.namespace, info.instance_id)),
-                "age_s": _age(info.metadata.get("started_at"), now),
+                "age_s": _age(meta.started_at or None, now),
             },
         )
         row["endpoints"].append(info.endpoint)
@@ -139,21 +159,29 @@ def format_load(load: dict[str, Any] | None) -> str:
     return f"kv {load['kv_usage'] * 100:.0f}% run {load['num_running']} wait {load['num_waiting']}"
 
 
+def attach_watchers(rows: list[dict[str, Any]], states: Sequence[ServeState]) -> None:
+    """Fill each row's ``watcher`` from the state files: the watcher whose process has the row's pid."""
+    by_pid = {(st.namespace, p.pid): w.name for st in states for w in st.watchers for p in w.processes}
+    for r in rows:
+        if r.get("pid"):
+            r["watcher"] = by_pid.get((r["namespace"], r["pid"]))
+
+
 def render_table(rows: list[dict[str, Any]]) -> str:
-    header = ("NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "ENDPOINTS", "LOAD", "AGE")
+    header = ("NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ENDPOINTS", "LOAD", "AGE")
     table = [header] + [
         (
             r["namespace"],
             r["component"],
             r["instance_id"],
             str(r["model"] or "-"),
+            str(r.get("watcher") or "-"),
+            str(r.get("pid") or "-"),
             ",".join(sorted(r["endpoints"])),
             format_load(r["load"]),
             format_age(r["age_s"]),
         )
-        for r in sorted(
-            rows, key=lambda r: (r["namespace"], r["component"], r["metadata"].get("pid", 0), r["instance_id"])
-        )
+        for r in sorted(rows, key=lambda r: (r["namespace"], r["component"], r.get("pid") or 0, r["instance_id"]))
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
@@ -163,12 +191,16 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for cfg, namespaces in targets(args):
         rows += await collect(cfg, namespaces, args.load_wait_s)
+    attach_watchers(rows, live_states(resolve_state_dir(args.state_dir)))
     return rows
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         rows = asyncio.run(_run(args))
+    except NothingServedError as e:
+        print(f"kvmesh status: {e}")
+        return e.exit_code
     except DeployError as e:
         print(f"kvmesh status: {e}", file=sys.stderr)
         return e.exit_code

@@ -52,6 +52,7 @@ from components.deploy.state import (
     write_state,
 )
 from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.metadata import WorkerMetadata
 from components.runtime import Runtime, RuntimeConfig
 from components.runtime.servers import EtcdServer, NatsServer, ServerProcess, free_port
 
@@ -267,7 +268,7 @@ class Deployment:
         instances = await runtime.namespace(self.graph.namespace).list_instances()
         by_pid: dict[int, int] = {}
         for inst in instances:
-            if inst.endpoint == ENDPOINT_GENERATE and isinstance(pid := inst.metadata.get("pid"), int):
+            if inst.endpoint == ENDPOINT_GENERATE and (pid := WorkerMetadata.from_dict(inst.metadata).pid):
                 by_pid[pid] = by_pid.get(pid, 0) + 1
         waiting = []
         for w in self.state.watchers:

@@ -21,11 +21,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from components.frontend.errors import ModelUnavailableError
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
 from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.metadata import WorkerMetadata, is_routable
 from components.router import Router
 from components.runtime import Client, InstanceInfo, Runtime
 
@@ -117,9 +117,9 @@ class ModelRegistry:
         client_of: dict[int, Client] = {}
         for client in self._clients:
             for info in client.instances():
-                md = info.metadata
-                name = md.get("model")
-                if not isinstance(name, str) or not name or md.get("role") == "prefill":
+                meta = WorkerMetadata.from_dict(info.metadata)
+                name = meta.model
+                if not is_routable(meta):
                     continue
                 by_model.setdefault(name, {})[info.instance_id] = info
                 client_of[info.instance_id] = client
@@ -135,12 +135,12 @@ class ModelRegistry:
         self._changed.set()
 
     def _model(self, name: str, instances: dict[int, InstanceInfo], before: Model | None) -> Model:
-        paths = {str(i.metadata.get("model_path") or "") for i in instances.values()}
+        metas = [WorkerMetadata.from_dict(i.metadata) for i in instances.values()]
+        paths = {m.model_path for m in metas}
         path = before.model_path if before is not None and before.model_path in paths else sorted(paths)[-1]
         if len(paths) > 1:
             logger.warning("workers of model %s announce different model paths %s; using %s", name, paths, path)
-        lens = [_int(i.metadata.get("max_model_len")) for i in instances.values()]
-        max_model_len = min((n for n in lens if n > 0), default=0)
+        max_model_len = min((m.max_model_len for m in metas if m.max_model_len > 0), default=0)
         if before is None:
             self.seen.add(name)
             self._created.setdefault(name, int(time.time()))
@@ -160,10 +160,3 @@ class ModelRegistry:
             task = self._runtime.supervisor.spawn(asyncio.to_thread(self._load, path), name=f"tokenizer:{path}")
             self._tokenizers[path] = task
         return task
-
-
-def _int(v: Any) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return 0

@@ -21,7 +21,8 @@ from components.frontend.metrics import FrontendMetrics
 from components.frontend.models import ModelRegistry
 from components.frontend.service import FrontendService
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
-from components.router import Router, RouterFeed
+from components.router import Router
+from components.router.feed import RouterFeed
 from components.runtime import Runtime
 
 logger = logging.getLogger(__name__)

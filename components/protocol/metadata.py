@@ -38,7 +38,7 @@ class WorkerMetadata:
     role: WorkerRole = WorkerRole.AGGREGATED
     engine: str = ""  # mock, vllm
     block_size: int = 0  # tokens per KV block
-    kv_hash_scheme: int = 0  # how its KV events hash blocks (components.protocol.kv_hashing)
+    kv_hash_scheme: int | None = None  # how its KV events hash blocks (protocol.kv_hashing); None: not said
     max_model_len: int = 0  # prompt + output tokens one request may hold; 0: unknown
     node: str = ""  # host name
     pid: int = 0  # process id on that node
@@ -60,6 +60,10 @@ class WorkerMetadata:
                 continue
             v = d[f.name]
             default = f.default
+            if default is None:  # an optional int
+                if isinstance(v, int) and not isinstance(v, bool):
+                    kwargs[f.name] = v
+                continue
             if f.name == "role":
                 try:
                     kwargs["role"] = WorkerRole(v)

@@ -43,13 +43,14 @@ from typing import Any
 
 from components.protocol.kv_hashing import HASH_SCHEME_VERSION, PromptHashes
 from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
+from components.protocol.metadata import WorkerMetadata, stale_after
 from components.router.config import RouterConfig
 from components.router.errors import NoWorkersError, RouterProtocolError, UnknownPolicyError
 from components.router.kv_index import KvIndex
 from components.router.policies import ALIASES, POLICIES, canonical_name, common
 from components.router.policies.kv import DEFAULT_BLOCK_SIZE
 from components.router.protocol import Assignment
-from components.router.types import RouteDecision, RouteRequest, RoutingPolicy, WorkerSnapshot, stale_after
+from components.router.types import RouteDecision, RouteRequest, RoutingPolicy, WorkerSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class RouterStats:
 
 def _block_size(metadata: Iterable[Mapping[str, Any]]) -> int:
     """The block size most of the model's workers announce (they should all agree); vLLM's 16 if none does."""
-    sizes = Counter(m.get("block_size") for m in metadata)
+    sizes = Counter(WorkerMetadata.from_dict(m).block_size for m in metadata)
     for size, _ in sizes.most_common():
         if isinstance(size, int) and size > 0:
             if len(sizes) > 1:
@@ -193,7 +194,8 @@ class Router:
                         del self._member_of[iid]
                         removed.add(iid)
         for iid, md in meta.items():
-            scheme = md.get("kv_hash_scheme", HASH_SCHEME_VERSION)
+            announced = WorkerMetadata.from_dict(md).kv_hash_scheme
+            scheme = HASH_SCHEME_VERSION if announced is None else announced
             if scheme != HASH_SCHEME_VERSION and iid not in self._foreign_hashes:
                 logger.warning(
                     "worker %x hashes KV blocks with scheme %r, this router with %d: its KV events are ignored "

@@ -23,6 +23,8 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from components.router.names import ALIASES, POLICY_NAMES
+
 
 class LoadMetric(enum.StrEnum):
     """What "least used" counts (Autellix's LEAST_USED leaves it open)."""
@@ -140,11 +142,8 @@ class RouterConfig(BaseModel):
     @field_validator("router_policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        # Imported here: the policy modules import this module, so a top-level import would be circular.
-        from components.router.policies import ALIASES, POLICIES
-
-        if v not in POLICIES and v not in ALIASES:
-            known = sorted(POLICIES) + sorted(ALIASES)
+        if v not in POLICY_NAMES and v not in ALIASES:
+            known = sorted(POLICY_NAMES) + sorted(ALIASES)
             raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(known)}")
         return v
 

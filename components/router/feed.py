@@ -27,6 +27,7 @@ from typing import Any
 
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
 from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
+from components.protocol.metadata import WorkerMetadata, is_routable
 from components.router.adapter import Router
 from components.router.errors import RouterProtocolError
 from components.router.protocol import TOPIC_ROUTER_SYNC
@@ -148,11 +149,11 @@ class RouterFeed:
         by_model: dict[str, list[tuple[int, Any]]] = {}
         for client in self._generate_clients:
             for info in client.instances():
-                md = info.metadata
-                model = md.get("model")
-                if not isinstance(model, str) or not model or md.get("role") == "prefill":
+                meta = WorkerMetadata.from_dict(info.metadata)
+                model = meta.model
+                if not is_routable(meta):
                     continue
-                by_model.setdefault(model, []).append((info.instance_id, md))
+                by_model.setdefault(model, []).append((info.instance_id, info.metadata))
         for model, workers in by_model.items():
             self.router.set_workers(model, workers)
         for model in self._models - by_model.keys():

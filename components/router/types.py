@@ -69,7 +69,7 @@ class WorkerSnapshot:
     ``kv_usage`` (0..1), ``num_running``, ``num_waiting``, ``num_waiting_prefill_tokens``.
     ``metrics_received_s`` is when the last report arrived (router's clock), ``metrics_interval_s`` the worker's
     observed publishing interval, ``metrics_stale_after_s`` the instant from which the report counts as stale
-    (``stale_after``; ``inf`` while there is no report or no interval yet).
+    (``components.protocol.metadata.stale_after``; ``inf`` while there is no report or no interval yet).
     """
 
     instance_id: int
@@ -88,17 +88,6 @@ class WorkerSnapshot:
 
     def has_fresh_metrics(self, now_s: float) -> bool:
         return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
-
-
-def stale_after(received_s: float | None, interval_s: float | None, intervals: float, min_s: float) -> float:
-    """When a worker's last load report goes stale: ``received + max(min_s, intervals * interval)``.
-
-    No report, or a single one (no interval observed yet), never goes stale: a worker that just started is not
-    presumed dead before it has shown how often it reports.
-    """
-    if received_s is None or interval_s is None:
-        return math.inf
-    return received_s + max(min_s, intervals * interval_s)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)

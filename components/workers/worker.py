@@ -26,6 +26,7 @@ from typing import Any
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
 from components.protocol.kv_hashing import HASH_SCHEME_VERSION
 from components.protocol.messages import GenerateRequest, KvEvent
+from components.protocol.metadata import WorkerMetadata
 from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.workers.config import WorkerConfig
 from components.workers.engines.base import Engine
@@ -54,21 +55,21 @@ class Worker:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        return {
-            "model": self.config.model,
-            "model_path": self.config.model_path,
-            "role": str(self.config.role),
-            "engine": str(self.config.engine),
-            "block_size": self.engine.block_size,
+        return WorkerMetadata(
+            model=self.config.model,
+            model_path=self.config.model_path,
+            role=self.config.role,
+            engine=str(self.config.engine),
+            block_size=self.engine.block_size,
             # How its KV events hash blocks: a router ignores the events of a worker hashing differently.
-            "kv_hash_scheme": HASH_SCHEME_VERSION,
-            "max_model_len": self.engine.max_model_len,
-            "node": socket.gethostname(),
-            "pid": os.getpid(),
-            "unit": self.index,
+            kv_hash_scheme=HASH_SCHEME_VERSION,
+            max_model_len=self.engine.max_model_len,
+            node=socket.gethostname(),
+            pid=os.getpid(),
+            unit=self.index,
             # Wall-clock registration time, so `kvmesh status` can show an instance's age from etcd alone.
-            "started_at": self.started_at,
-        }
+            started_at=self.started_at,
+        ).to_dict()
 
     async def start(self) -> None:
         await self.engine.start()

@@ -29,7 +29,8 @@ from components.frontend import Frontend, FrontendConfig
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
-from components.router import Router, RouterConfig, RouteRequest, RouterFeed, RouterServiceConfig
+from components.router import Router, RouterConfig, RouteRequest, RouterServiceConfig
+from components.router.feed import RouterFeed
 from components.router.service import RouterClient, RouterService
 from components.runtime import Client, Runtime
 from components.workers.config import WorkerConfig

@@ -11,9 +11,9 @@
 | ``kv``           | kv.py              | the lowest prefill + decode cost given its cached prefix (Dynamo's cost)  |
 | ``kv+autellix``  | kv_autellix.py     | its program's worker if long, else the lowest kv cost                     |
 
-Aliases (``ALIASES``) accept the spellings of the systems these come from: Dynamo's ``--router-mode`` values
-(``round-robin``, ``power-of-two``, ``least-loaded``), Autellix's ``least_used`` (its LEAST_USED), and ``kv_autellix``
-for places that do not allow a ``+`` (graph files name the policy with ``[A-Za-z0-9_-]``).
+Names and aliases live in ``components/router/names.py`` as plain data (``POLICY_NAMES``, ``ALIASES``): the
+spellings of the systems these come from (Dynamo's ``--router-mode`` values, Autellix's ``least_used``) and
+``kv_autellix`` for places that do not allow a ``+``.
 
 Every policy reads its parameters from ``RouterConfig`` (its module docstring lists which) and every one shares the
 rules of ``common.py``: pins, retries, stale workers.
@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from components.router.names import ALIASES, canonical_name
 from components.router.policies.autellix import AutellixPolicy
 from components.router.policies.kv import KvPolicy
 from components.router.policies.kv_autellix import KvAutellixPolicy
@@ -49,15 +50,4 @@ POLICIES: dict[str, Callable[[RouterConfig], RoutingPolicy[Any]]] = {
     "kv+autellix": KvAutellixPolicy,
 }
 
-ALIASES: dict[str, str] = {
-    "round-robin": "round_robin",
-    "power-of-two": "power_of_two",
-    "least-loaded": "least_loaded",
-    "least_used": "least_loaded",
-    "kv_autellix": "kv+autellix",
-}
-
-
-def canonical_name(name: str) -> str:
-    """The registered name for ``name`` or one of its aliases; unknown names are returned as they are."""
-    return ALIASES.get(name, name)
+__all__ = ["ALIASES", "POLICIES", "canonical_name"]

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from components.cli import logs
-from components.cli.status import format_age, format_load, render_table
+from components.cli.main import main as cli_main
+from components.cli.status import attach_watchers, format_age, format_load, render_table
 from components.deploy.errors import StateError
 from components.deploy.state import (
     ProcessRecord,
@@ -183,10 +184,51 @@ def test_status_cells():
         "load": None,
         "age_s": 3.0,
         "metadata": {},
+        "pid": 4242,
+        "watcher": "ns-mock-1",
     }
     header, line = render_table([row]).splitlines()
-    assert header.split() == ["NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "ENDPOINTS", "LOAD", "AGE"]
-    assert line.split() == ["ns", "backend", "abc", "m", "generate,kv_state", "-", "3s"]
+    assert header.split() == [
+        "NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ENDPOINTS", "LOAD", "AGE"
+    ]  # fmt: skip
+    assert line.split() == ["ns", "backend", "abc", "m", "ns-mock-1", "4242", "generate,kv_state", "-", "3s"]
+
+
+def test_status_names_the_watcher_and_pid_of_each_instance():
+    def watcher(name: str, pids: list[int]) -> WatcherState:
+        procs = [ProcessRecord(pid=p, create_time=1.0) for p in pids]
+        return WatcherState(name=name, kind="worker", cmd=[], env={}, log="", graceful_timeout_s=1, processes=procs)
+
+    st = ServeState(
+        namespace="ns",
+        graph="/g.yaml",
+        status="ready",
+        serve=ProcessRecord(pid=1, create_time=1.0),
+        started_at=0.0,
+        etcd_endpoints=["http://127.0.0.1:1"],
+        nats_url="nats://127.0.0.1:2",
+        watchers=[watcher("ns-mock-0", [10]), watcher("ns-mock-1", [11])],
+    )
+    rows: list[dict[str, Any]] = [
+        {"namespace": "ns", "pid": 11},
+        {"namespace": "ns", "pid": 99},  # not a process of this deployment (started by hand)
+        {"namespace": "other", "pid": 10},  # the same pid in another namespace's etcd is not ours
+        {"namespace": "ns", "pid": None},  # a router: no pid announced
+    ]
+    attach_watchers(rows, [st])
+    assert [r.get("watcher") for r in rows] == ["ns-mock-1", None, None, None]
+
+
+def test_status_with_nothing_served_says_so_instead_of_asking_a_default_port(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KVMESH_ETCD_ENDPOINTS", raising=False)
+    monkeypatch.delenv("KVMESH_NATS_URL", raising=False)
+    rc = cli_main(["status", "--state-dir", str(tmp_path)])
+    out = capsys.readouterr()
+    assert rc == 0
+    assert f"nothing is served from {tmp_path}" in out.out
+    assert "2379" not in out.out + out.err and "cannot reach" not in out.out + out.err
+    rc = cli_main(["status", "--state-dir", str(tmp_path), "--namespace", "demo"])
+    assert rc == 0 and f"namespace 'demo' is not served from {tmp_path}" in capsys.readouterr().out
 
 
 def test_state_files_record_absolute_paths(tmp_path):

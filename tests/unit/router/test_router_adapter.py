@@ -15,7 +15,8 @@ import pytest
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
 from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot, LoadSnapshot
-from components.router import Router, RouterConfig, RouteRequest, RouterFeed, RouterProtocolError
+from components.router import Router, RouterConfig, RouteRequest, RouterProtocolError
+from components.router.feed import RouterFeed
 from components.router.protocol import TOPIC_ROUTER_SYNC
 from components.runtime import RequestContext, Runtime, RuntimeConfig
 from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore

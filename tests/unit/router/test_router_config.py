@@ -101,3 +101,13 @@ def test_router_command_help_lists_its_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--router-policy", "--kv-overlap-score-weight", "--router-ttl-secs", "--locality-threshold-tokens"):
         assert flag in out
+
+
+def test_the_registry_implements_exactly_the_names_the_config_accepts():
+    # config.py validates against names.py without importing the policies (no import circle); the registry must
+    # implement every one of those names and no other.
+    from components.router.names import ALIASES, POLICY_NAMES
+    from components.router.policies import POLICIES
+
+    assert tuple(POLICIES) == POLICY_NAMES
+    assert set(ALIASES.values()) <= set(POLICY_NAMES)

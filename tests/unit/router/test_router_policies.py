@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from components.protocol.metadata import stale_after
 from components.router import POLICIES, RouterConfig, RouteRequest, WorkerSnapshot, make_policy
 from components.router.policies import autellix, common, kv
 from components.router.policies.autellix import AutellixPolicy, AutellixState
@@ -21,7 +22,6 @@ from components.router.policies.kv_autellix import KvAutellixPolicy
 from components.router.policies.least_loaded import LeastLoadedPolicy
 from components.router.policies.power_of_two import PowerOfTwoPolicy
 from components.router.policies.random_pick import RandomPolicy
-from components.router.types import stale_after
 
 pytestmark = pytest.mark.unit
 
