@@ -1,5 +1,8 @@
 """``kvmesh logs NAME [-f]``: print, or follow, ``<state_dir>/logs/NAME.log`` (a watcher, or ``<ns>.serve``).
 
+Watchers are named ``<namespace>-frontend`` and ``<namespace>-<group>-<i>``; the short name (``frontend``,
+``mock-0``) works too when exactly one log in the state dir ends with it.
+
 Following survives rotation (circus rotates a log at 64 MiB; ``kvmesh serve`` moves the previous run's aside at
 start): when the file is replaced or truncated, it is reopened from its beginning.
 """
@@ -14,15 +17,19 @@ from collections import deque
 from pathlib import Path
 from typing import BinaryIO
 
-from components.cli.serve import ServeConfig
 from components.deploy.errors import DeployError, NotServingError
+from components.deploy.local import ServeConfig
 from components.deploy.state import log_dir, log_path, resolve_state_dir
 
 FOLLOW_POLL_S = 0.2  # how soon a new line shows up when following
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="watcher name (frontend, <group>-<i>) or <namespace>.serve for a detached serve")
+    p.add_argument(
+        "name",
+        help="watcher name (<namespace>-frontend, <namespace>-<group>-<i>, or just frontend / <group>-<i> when one "
+        "deployment has it) or <namespace>.serve for a detached serve",
+    )
     p.add_argument("-f", "--follow", action="store_true", help="keep printing lines as they are written (Ctrl-C ends)")
     p.add_argument("-n", "--tail", type=int, default=None, help="start with only the last N lines (default: all)")
     p.add_argument("--state-dir", default=None, help=ServeConfig.model_fields["state_dir"].description)
@@ -48,6 +55,11 @@ def find_log(state_dir: Path, name: str) -> Path:
     if path.is_file():
         return path
     known = sorted(p.name.removesuffix(".log") for p in log_dir(state_dir).glob("*.log"))
+    short = [k for k in known if k.endswith("-" + name)]
+    if len(short) == 1:
+        return log_path(state_dir, short[0])
+    if len(short) > 1:
+        raise NotServingError(f"log {name!r}", f"several deployments have one: {', '.join(short)}; name one of them")
     raise NotServingError(f"log {name!r}", f"no {path}; logs here: {', '.join(known) or 'none'}")
 
 

@@ -139,7 +139,7 @@ async def serve(graph_path: Path, overrides: list[str], cfg: ServeConfig, serve_
         # circus's controller installs its own signal handlers when it is created; ours must win, so that a signal
         # stops the embedded servers after the watchers and not the watchers alone.
         install_signals()
-        elapsed_s = await dep.wait_ready(stop)
+        elapsed_s = await dep.wait_ready(stop, on_waiting=_print_waiting)
         dep.state.status = "ready"
         dep.write()
         print(ready_message(dep.state, state_dir, elapsed_s), flush=True)
@@ -203,3 +203,7 @@ def _detach(args: argparse.Namespace, cfg: ServeConfig) -> int:
         proc.terminate()  # serve stops what it started, in order
         proc.wait()
         return 130
+
+
+def _print_waiting(waiting: list[str], elapsed_s: float) -> None:
+    print(f"kvmesh serve: {elapsed_s:.0f} s, still waiting for {', '.join(waiting)}", flush=True)

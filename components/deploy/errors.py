@@ -78,6 +78,20 @@ class AlreadyServingError(DeployError):
         self.pid = pid
 
 
+class WatcherClashError(DeployError):
+    """Another live deployment in the same state dir runs watchers of the same names (they name the log files)."""
+
+    def __init__(self, namespace: str, other_namespace: str, other_pid: int, watchers: list[str], logs: Path) -> None:
+        super().__init__(
+            f"namespace {namespace!r} cannot start: its watchers {watchers} would share their log files in {logs} "
+            f"with those of namespace {other_namespace!r} (kvmesh serve pid {other_pid}), which runs from the same "
+            "state dir; rename the worker group, or use another --state-dir"
+        )
+        self.namespace = namespace
+        self.other_namespace = other_namespace
+        self.watchers = watchers
+
+
 class NotServingError(DeployError):
     """``kvmesh stop``/``logs`` named a namespace or watcher that is not served from this state dir."""
 

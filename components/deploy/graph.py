@@ -1,14 +1,27 @@
 """Graph files: the YAML that ``kvmesh serve`` runs. One pydantic schema (``Graph``) and its loader.
 
 A graph names a namespace, where etcd and NATS are (``embedded``: kvmesh starts them on loopback, or external
-endpoints), the frontend, and groups of workers::
+endpoints), the runtime settings of every process, the frontend, and groups of workers::
 
     namespace: demo
     infrastructure: {etcd: embedded, nats: embedded}
-    frontend: {port: 8000}
+    runtime: {lease_ttl_s: 10}
+    frontend: {port: 8000, router_policy: kv, max_retries: 3}
     workers:
-      - {name: mock, engine: mock, model: tiny-llama, model_path: models/tiny-llama, replicas: 2, num_workers: 8}
+      - {name: mock, engine: mock, model: tiny-llama, model_path: models/tiny-llama, replicas: 2, num_workers: 8,
+         speedup_ratio: 10}
 
+Each section IS its component's config, derived, not re-declared: ``runtime`` is ``RuntimeConfig`` (less the
+endpoints, which ``infrastructure`` gives), ``frontend`` is ``FrontendConfig`` (less the namespace, which the graph
+gives) plus how the deployment runs it (``enabled``, ``graceful_timeout_s``), and a worker group is ``WorkerConfig``
+plus its engine's config (``MockEngineConfig`` or ``VllmEngineConfig``, picked by ``engine``) plus ``_GroupFields``
+(name, replicas, GPUs, env). A field added to a component's config is a graph field at once, validated by that
+config's own rules, and becomes that component's flag through ``components.runtime.flags.argv_for`` (plan.py): no
+option is declared twice, and no argv is written by hand.
+
+A graph written for the schema before this one (``frontend.router``, ``frontend.args``, ``workers[i].engine_args``)
+is refused with an error at each old key saying what to write instead: the options moved, so guessing would hide a
+mistake.
 Every model forbids unknown fields, so a typo is an error rather than a silently ignored key. ``load_graph`` turns
 every problem into a ``GraphProblem`` that names the file, the line, the field path (``workers[0].replicas``) and
 what is allowed; a YAML syntax error names its line and column.
@@ -17,11 +30,6 @@ Relative paths (``model_path``) resolve against the graph's *base directory*: th
 the graph file, so ``graphs/x.yaml`` refers to ``models/tiny-llama`` as the repository does. A graph kept elsewhere
 sets ``base_dir`` (itself relative to the graph file's own directory, e.g. ``base_dir: .``). ``--set`` overrides are
 applied to the parsed YAML before validation, so their errors are reported like any other.
-
-``engine_args`` are the flags of ``kvmesh worker`` beyond those the group itself sets: for ``engine: mock`` they are
-checked here against ``MockEngineConfig`` and ``WorkerConfig`` (name and value); for ``engine: vllm`` only the
-``WorkerConfig`` ones are checked and the rest are passed through to the vLLM adapter, which rejects what it does
-not know when it starts.
 
 Not in the schema yet: planner and rescheduler sections. They are added with their components; until then a graph
 that has them is rejected as having an unknown field.
@@ -34,39 +42,42 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from components.deploy.errors import GraphError, GraphProblem, OverrideError
-from components.runtime.config import parse_host_port
+from components.frontend.config import FrontendConfig
+from components.runtime.config import RuntimeConfig, parse_host_port
 from components.runtime.errors import ConfigError
-from components.workers.config import EngineKind, WorkerConfig
-from components.workers.engines.mock import MockEngineConfig
+from components.workers.config import EngineKind, WorkerConfig, engine_config_model
 
 # The runtime's own rule for namespace and component names (components/runtime/runtime.py).
 _MESH_NAME = r"^[A-Za-z0-9_-]{1,64}$"
-# A watcher is named ``<group>-<replica>`` and logs to state/logs/<watcher>.log: keep it a plain file name.
+# A watcher is named ``<namespace>-<group>-<replica>`` and logs to state/logs/<watcher>.log: a plain file name.
 _GROUP_NAME = r"^[a-z0-9][a-z0-9_-]{0,47}$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-FRONTEND_WATCHER = "frontend"
-# Flags of ``kvmesh worker`` that a worker group sets from its own fields; engine_args may not repeat them.
-RESERVED_WORKER_ARGS = frozenset({"engine", "namespace", "component", "model", "model_path", "num_workers"})
-# Flags of ``kvmesh frontend`` that the graph sets from the frontend section's own fields.
-RESERVED_FRONTEND_ARGS = frozenset({"namespace", "host", "port", "api_key", "router", "router_policy"})
-# Set by kvmesh for every component; a group's env may not override them (CUDA_VISIBLE_DEVICES: see WorkerGroup.env).
+# Set by kvmesh for every component; a group's env may not override them (CUDA_VISIBLE_DEVICES: see the group's env).
 RESERVED_ENV = frozenset({"KVMESH_ETCD_ENDPOINTS", "KVMESH_NATS_URL"})
 
 
-def _check_flag_values(v: dict[str, Any]) -> dict[str, Any]:
-    scalar = bool | int | float | str
-    for k, val in v.items():
-        if val is not None and not isinstance(val, scalar):
-            if not (isinstance(val, list) and all(isinstance(x, scalar) for x in val)):
-                raise ValueError(f"{k}: a flag value is a number, a string, a boolean or a list of those")
-    return v
+def _strict(model: type[BaseModel]) -> ConfigDict:
+    """The graph section's config: the component's own, but never frozen (paths are resolved after validation) and
+    never open to unknown keys (a typo is an error, not a silently ignored option)."""
+    return ConfigDict(**{**model.model_config, "extra": "forbid", "frozen": False})
 
 
 class _Strict(BaseModel):
@@ -86,6 +97,15 @@ def _embedded_shorthand(v: Any, external_key: str) -> Any:
     if isinstance(v, str):
         raise ValueError(f"expected 'embedded' or a mapping such as {{{external_key}: ...}}, got {v!r}")
     return v
+
+
+def _not_here(data: Any, keys: Mapping[str, str]) -> Any:
+    """Reject keys a section's component config has but the graph sets elsewhere, saying where."""
+    if isinstance(data, Mapping):
+        for key, where in keys.items():
+            if key in data:
+                raise ValueError(f"{key} is not set here: {where}")
+    return data
 
 
 class EtcdSpec(_Strict):
@@ -163,26 +183,35 @@ class InfrastructureSpec(_Strict):
     nats: NatsSpec = Field(default_factory=lambda: NatsSpec(embedded=True), description="Where NATS is.")
 
 
-class FrontendSpec(_Strict):
-    """The OpenAI-compatible HTTP frontend (``kvmesh frontend``), one process."""
+# ---------------------------------------------------------------------------------------------------------------------
+# Sections derived from the component configs: a field added to a component's config is a graph field at once.
+
+_SET_BY_GRAPH = "the graph's top-level namespace is every component's"
+_SET_BY_INFRA = "every component gets the endpoints of the infrastructure section"
+
+
+class RuntimeSpec(RuntimeConfig):
+    """Settings of every process's runtime (``RuntimeConfig``: lease TTL, request-plane timing, response transport),
+    given to each component as flags. etcd and NATS endpoints come from ``infrastructure``."""
+
+    model_config = _strict(RuntimeConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _endpoints_elsewhere(cls, data: Any) -> Any:
+        return _not_here(data, {"etcd_endpoints": _SET_BY_INFRA, "nats_url": _SET_BY_INFRA})
+
+
+class FrontendSpec(FrontendConfig):
+    """The OpenAI-compatible frontend: every ``FrontendConfig`` field (``kvmesh frontend --help``), plus how the
+    deployment runs it."""
+
+    model_config = _strict(FrontendConfig)
 
     enabled: bool = Field(
         default=True,
         description="Run a frontend. false: workers only, e.g. a second graph that adds workers to another "
         "deployment's etcd and NATS (given as external endpoints).",
-    )
-    host: str = Field(default="127.0.0.1", description="Address to bind; 127.0.0.1 keeps it local, 0.0.0.0 exposes it.")
-    port: int = Field(
-        default=8000, ge=0, le=65535, description="Port to listen on (vLLM's and Dynamo's default); 0: a free port."
-    )
-    api_key: str | None = Field(
-        default=None,
-        description="If set, every request must carry 'Authorization: Bearer <api_key>'. Set it for any exposed host.",
-    )
-    router: str = Field(
-        default="round_robin",
-        pattern=r"^[A-Za-z0-9_-]{1,64}$",
-        description="Routing policy, by its registered name (the frontend's --router-policy).",
     )
     graceful_timeout_s: float = Field(
         default=40.0,
@@ -190,29 +219,31 @@ class FrontendSpec(_Strict):
         description="After SIGTERM, how long the frontend may run before it is killed; above the frontend's own "
         "shutdown_timeout_s (30 s by default) for requests in flight.",
     )
-    args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Further flags of 'kvmesh frontend', by field name (max_retries: 5 -> --max-retries 5).",
-    )
 
-    _check_args = field_validator("args")(_check_flag_values)
+    @model_validator(mode="before")
+    @classmethod
+    def _namespace_elsewhere(cls, data: Any) -> Any:
+        return _not_here(data, {"namespace": _SET_BY_GRAPH})
+
+    def component_values(self) -> dict[str, Any]:
+        """The fields this section sets on ``kvmesh frontend``: those given in the graph, as FrontendConfig's."""
+        return {k: getattr(self, k) for k in sorted(self.model_fields_set) if k in FrontendConfig.model_fields}
 
 
-class WorkerGroup(_Strict):
-    """Identical worker processes: ``replicas`` watchers named ``<name>-0`` .. ``<name>-<replicas-1>``."""
+class _GroupFields(BaseModel):
+    """What a worker group adds to the worker's and its engine's configs: how many processes, GPUs, environment."""
 
     name: str = Field(
         pattern=_GROUP_NAME,
-        description="Group name: lower-case letters, digits, '_' and '-'; names the watchers <name>-<i> and their "
-        "logs state/logs/<name>-<i>.log.",
+        description="Group name: lower-case letters, digits, '_' and '-'; names the watchers <namespace>-<name>-<i> "
+        "and their logs state/logs/<namespace>-<name>-<i>.log.",
     )
-    engine: EngineKind = Field(description="Inference engine: mock (simulated, no GPU) or vllm.")
-    component: str = Field(default="backend", pattern=_MESH_NAME, description="Component the workers register under.")
     model: str = Field(min_length=1, description="Served model name, as clients ask for it.")
     model_path: str = Field(
         min_length=1,
         description="Local model directory (config and tokenizer); relative paths resolve against the base directory.",
     )
+    component: str = Field(default="backend", pattern=_MESH_NAME, description="Component the workers register under.")
     replicas: int = Field(default=1, ge=0, le=1024, description="Worker processes (circus watchers) in this group.")
     gpus_per_replica: int = Field(
         default=0,
@@ -220,17 +251,6 @@ class WorkerGroup(_Strict):
         le=64,
         description="GPUs given to each replica through CUDA_VISIBLE_DEVICES, consecutive in nvidia-smi order "
         "(or in the order of the CUDA_VISIBLE_DEVICES kvmesh serve itself runs with). 0: none (mock, or vLLM on CPU).",
-    )
-    num_workers: int = Field(
-        default=1,
-        ge=1,
-        le=4096,
-        description="Workers inside each replica's process, each with its own instance id and lease; mock only.",
-    )
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Further flags of 'kvmesh worker', by field name (speedup_ratio: 10 -> --speedup-ratio 10; "
-        "true/false -> --flag/--no-flag; a list -> comma-separated).",
     )
     env: dict[str, str] = Field(
         default_factory=dict,
@@ -244,7 +264,10 @@ class WorkerGroup(_Strict):
         "drain_timeout_s (default 60 s) so a drain that runs out its time still ends cleanly.",
     )
 
-    _check_engine_args = field_validator("engine_args")(_check_flag_values)
+    @model_validator(mode="before")
+    @classmethod
+    def _namespace_elsewhere(cls, data: Any) -> Any:
+        return _not_here(data, {"namespace": _SET_BY_GRAPH})
 
     @field_validator("env", mode="before")
     @classmethod
@@ -266,19 +289,77 @@ class WorkerGroup(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _check_group(self) -> WorkerGroup:
-        if self.num_workers > 1 and self.engine != EngineKind.MOCK:
-            raise ValueError(f"num_workers > 1 is for engine mock only; run {self.engine} workers as replicas")
+    def _check_group(self) -> _GroupFields:
         if self.gpus_per_replica and "CUDA_VISIBLE_DEVICES" in self.env:
             raise ValueError("env sets CUDA_VISIBLE_DEVICES, but kvmesh assigns it when gpus_per_replica > 0")
         return self
 
-    def watcher_names(self) -> list[str]:
-        return [f"{self.name}-{i}" for i in range(self.replicas)]
+    def watcher_names(self, namespace: str) -> list[str]:
+        return [replica_watcher(namespace, self.name, i) for i in range(self.replicas)]
+
+    def component_values(self) -> dict[str, Any]:
+        """The ``kvmesh worker`` options this group sets: the worker's and its engine's fields, as given, plus the
+        ones a group always names (engine, component, model, model_path, num_workers)."""
+        own = set(WorkerConfig.model_fields) | set(engine_config_model(getattr(self, "engine")).model_fields)  # noqa: B009
+        always = {"engine", "component", "model", "model_path", "num_workers"}
+        return {k: getattr(self, k) for k in sorted((self.model_fields_set | always) & own) if k != "namespace"}
+
+
+def _group_model(kind: EngineKind) -> type[BaseModel]:
+    """A worker group of engine ``kind``: ``_GroupFields`` + ``WorkerConfig`` + the engine's config, one model."""
+    engine_model = engine_config_model(kind)
+    fields: dict[str, Any] = {
+        "engine": (Literal[kind], Field(description=f"Inference engine: {kind}.")),  # type: ignore[valid-type]
+    }
+    model = create_model(  # type: ignore[call-overload]
+        f"WorkerGroup{kind.value.capitalize()}",
+        __base__=(_GroupFields, WorkerConfig, engine_model),
+        __config__=None,
+        **fields,
+    )
+    model.model_config = _strict(engine_model)
+    model.model_rebuild(force=True)
+    return model  # type: ignore[no-any-return]
+
+
+def _validate_num_workers(group: Any) -> Any:
+    if group.num_workers > 1 and group.engine != EngineKind.MOCK:
+        raise ValueError(f"num_workers > 1 is for engine mock only; run {group.engine} workers as replicas")
+    return group
+
+
+def _engine_tag(v: Any) -> str | None:
+    engine = v.get("engine") if isinstance(v, Mapping) else getattr(v, "engine", None)
+    return None if engine is None else str(engine)
+
+
+WORKER_GROUP_MODELS: dict[EngineKind, type[BaseModel]] = {kind: _group_model(kind) for kind in EngineKind}
+if TYPE_CHECKING:
+
+    class WorkerGroup(_GroupFields, WorkerConfig):  # what a type checker may rely on of any group
+        engine: EngineKind  # type: ignore[assignment]
+
+else:
+    WorkerGroup = Annotated[
+        Annotated[WORKER_GROUP_MODELS[EngineKind.MOCK], Tag(EngineKind.MOCK.value)]
+        | Annotated[WORKER_GROUP_MODELS[EngineKind.VLLM], Tag(EngineKind.VLLM.value)],
+        Discriminator(_engine_tag),
+        AfterValidator(_validate_num_workers),
+    ]
+    """A worker group (``_GroupFields`` + ``WorkerConfig`` + the engine's config), picked by its ``engine``."""
+
+
+def frontend_watcher(namespace: str) -> str:
+    return f"{namespace}-frontend"
+
+
+def replica_watcher(namespace: str, group: str, replica: int) -> str:
+    """Watchers (and so log files) carry the namespace: two deployments can share a state directory."""
+    return f"{namespace}-{group}-{replica}"
 
 
 class Graph(_Strict):
-    """A deployment: namespace, infrastructure, frontend and worker groups."""
+    """A deployment: namespace, infrastructure, runtime settings, frontend and worker groups."""
 
     namespace: str = Field(
         pattern=_MESH_NAME,
@@ -295,12 +376,15 @@ class Graph(_Strict):
     infrastructure: InfrastructureSpec = Field(
         default_factory=InfrastructureSpec, description="etcd and NATS; both embedded unless said otherwise."
     )
+    runtime: RuntimeSpec = Field(
+        default_factory=RuntimeSpec, description="Runtime settings of every process (lease TTL, transport, ...)."
+    )
     frontend: FrontendSpec = Field(default_factory=FrontendSpec, description="The OpenAI-compatible frontend.")
     workers: list[WorkerGroup] = Field(min_length=1, description="Worker groups, started in this order.")
 
-    @field_validator("frontend", mode="before")
+    @field_validator("frontend", "runtime", mode="before")
     @classmethod
-    def _empty_frontend(cls, v: Any) -> Any:
+    def _empty_section(cls, v: Any) -> Any:
         return {} if v is None else v  # `frontend:` with nothing under it means the defaults
 
     @model_validator(mode="after")
@@ -312,12 +396,47 @@ class Graph(_Strict):
             seen.add(g.name)
         return self
 
+    def group(self, name: str) -> Any:
+        for g in self.workers:
+            if g.name == name:
+                return g
+        raise KeyError(f"no worker group {name!r} in namespace {self.namespace!r}")
+
     def watcher_names(self) -> list[str]:
-        front = [FRONTEND_WATCHER] if self.frontend.enabled else []
-        return front + [w for g in self.workers for w in g.watcher_names()]
+        front = [frontend_watcher(self.namespace)] if self.frontend.enabled else []
+        return front + [w for g in self.workers for w in g.watcher_names(self.namespace)]
 
     def num_workers_expected(self) -> int:
         return sum(g.replicas * g.num_workers for g in self.workers)
+
+
+# What the graph schema before this one called things, for a clear error instead of "unknown field".
+OLD_SCHEMA = {
+    ("frontend", "router"): "renamed router_policy (the frontend's own flag name): write router_policy: {value}",
+    ("frontend", "args"): "the frontend's options are written directly in the frontend section now: {value}",
+    ("workers", "engine_args"): "the worker's and engine's options are written directly in the group now: {value}",
+}
+
+
+def _old_schema_problems(data: Mapping[str, Any]) -> list[tuple[Loc, str]]:
+    def flat(v: Any) -> str:
+        if isinstance(v, Mapping):
+            return ", ".join(f"{k}: {x}" for k, x in v.items()) or "(nothing to move)"
+        return str(v)
+
+    out: list[tuple[Loc, str]] = []
+    fe = data.get("frontend")
+    if isinstance(fe, Mapping):
+        for key in ("router", "args"):
+            if key in fe:
+                out.append((("frontend", key), OLD_SCHEMA[("frontend", key)].format(value=flat(fe[key]))))
+    groups = data.get("workers")
+    if isinstance(groups, list):
+        for i, g in enumerate(groups):
+            if isinstance(g, Mapping) and "engine_args" in g:
+                msg = OLD_SCHEMA[("workers", "engine_args")].format(value=flat(g["engine_args"]))
+                out.append((("workers", i, "engine_args"), msg))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -370,6 +489,9 @@ def validate_graph(
         from_set = any(loc[: len(o)] == o for o in overridden)
         return GraphProblem(_render_loc(loc), message, None if from_set else _line_of(lines, loc), _origin(from_set))
 
+    old = _old_schema_problems(data)
+    if old:
+        raise GraphError(path, [problem(loc, msg) for loc, msg in old])
     try:
         graph = Graph.model_validate(data)
     except ValidationError as e:
@@ -394,80 +516,23 @@ def _base_dir(path: Path, base_dir: str | None) -> Path:
 
 
 def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
-    """What a field validator cannot see: files on disk, and flags checked against the configs they become."""
+    """What a field validator cannot see: files on disk, and a null that no flag can carry."""
     out: list[tuple[Loc, str]] = []
     if graph.base_dir is not None and not base.is_dir():
         out.append((("base_dir",), f"{base} is not a directory"))
-    if graph.frontend.enabled:
-        fe_config = _optional_config("components.frontend.config", "FrontendConfig")
-        fe_models = [fe_config] if fe_config else []
-        problems = flag_problems(
-            graph.frontend.args, fe_models, RESERVED_FRONTEND_ARGS, "the frontend section", complete=bool(fe_models)
-        )
-        out += [(("frontend", "args", *loc), msg) for loc, msg in problems]
+    sections: list[tuple[Loc, BaseModel, dict[str, Any]]] = [
+        (("runtime",), graph.runtime, {k: getattr(graph.runtime, k) for k in graph.runtime.model_fields_set}),
+        (("frontend",), graph.frontend, graph.frontend.component_values()),
+    ]
     for i, g in enumerate(graph.workers):
         model_dir = base / g.model_path
         if not model_dir.is_dir():
             out.append((("workers", i, "model_path"), f"{model_dir} is not a directory (relative to {base})"))
-        models, complete = engine_arg_models(g.engine)
-        problems = flag_problems(g.engine_args, models, RESERVED_WORKER_ARGS, "the worker group", complete=complete)
-        out += [(("workers", i, "engine_args", *loc), msg) for loc, msg in problems]
-    return out
-
-
-def _optional_config(module: str, name: str) -> type[BaseModel] | None:
-    """A component's config model, if that component is installed (its flags are checked against it)."""
-    import importlib
-
-    try:
-        model = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
-
-
-def engine_arg_models(engine: EngineKind) -> tuple[list[type[BaseModel]], bool]:
-    """The config models a worker's flags feed (WorkerConfig and the engine's own), and whether they are all of them.
-
-    An engine whose config module is absent from this build is left to check its own flags when it starts: keys
-    that WorkerConfig does not know are then passed through unchecked.
-    """
-    if engine == EngineKind.MOCK:
-        return [WorkerConfig, MockEngineConfig], True
-    vllm = _optional_config("components.workers.engines.vllm.config", "VllmEngineConfig")
-    return ([WorkerConfig, vllm], True) if vllm else ([WorkerConfig], False)
-
-
-def flag_problems(
-    args: Mapping[str, Any],
-    models: Sequence[type[BaseModel]],
-    reserved: Iterable[str],
-    owner: str,
-    complete: bool = True,
-) -> list[tuple[Loc, str]]:
-    """Each reserved, unknown or invalid flag, located by its key: values are validated by the models that own
-    them; unknown keys are an error only when ``models`` are ``complete`` (every flag the process takes)."""
-    reserved = set(reserved)
-    out: list[tuple[Loc, str]] = []
-    fields = {name for m in models for name in m.model_fields} - reserved
-    for key, value in args.items():
-        if key in reserved:
-            out.append(((key,), f"set by {owner}'s own fields, not here"))
-        elif "-" in key:
-            out.append(((key,), f"use the field name {key.replace('-', '_')!r}, not the flag spelling"))
-        elif value is None:
-            out.append(((key,), "null cannot be passed as a flag; leave the option out to keep its default"))
-        elif complete and key not in fields:
-            out.append(((key,), f"unknown option; allowed: {', '.join(sorted(fields))}"))
-    for model in models:
-        own = set(model.model_fields) - reserved
-        given = {k: v for k, v in args.items() if k in own and v is not None}
-        # Required fields the graph sets elsewhere (the vLLM config's model_path): a placeholder, checked elsewhere.
-        filler = {n: "-" for n, f in model.model_fields.items() if f.is_required() and n not in given}
-        try:
-            model.model_validate(given | filler)
-        except ValidationError as e:
-            out += [_explain(err, model) for err in e.errors()]
+        sections.append((("workers", i), g, g.component_values()))
+    for loc, section, values in sections:
+        for key, value in values.items():
+            if value is None and type(section).model_fields[key].get_default(call_default_factory=True) is not None:
+                out.append(((*loc, key), "null cannot be passed to the component; leave it out for its default"))
     return out
 
 
@@ -576,12 +641,20 @@ def _line_of(lines: Mapping[Loc, int], loc: Loc) -> int | None:
     return None
 
 
-def _model_at(root: type[BaseModel], loc: Loc) -> type[BaseModel] | None:
-    """The model class whose field ``loc`` would be (to list the allowed fields of an unknown one)."""
+def _model_at(root: type[BaseModel], loc: Loc, engine: str | None = None) -> type[BaseModel] | None:
+    """The model class whose field ``loc`` would be (to list the allowed fields of an unknown one); ``engine`` picks
+    the worker group's model."""
     current: Any = root
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             continue  # a list index: the element type was already unwrapped
+        if current is Graph and part == "workers":
+            if engine not in {k.value for k in EngineKind}:
+                return None
+            if len(loc) == i + 1 or (len(loc) == i + 2 and isinstance(loc[i + 1], int)):
+                return WORKER_GROUP_MODELS[EngineKind(engine)]
+            current = WORKER_GROUP_MODELS[EngineKind(engine)]
+            continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
             return None
         current = _unwrap(current.model_fields[part].annotation)
@@ -610,12 +683,21 @@ def _explain(err: Mapping[str, Any], root: type[BaseModel] = Graph) -> tuple[Loc
     loc: Loc = tuple(err["loc"])
     kind = err["type"]
     msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    engine = None
+    if len(loc) >= 3 and loc[0] == "workers" and isinstance(loc[1], int) and isinstance(loc[2], str):
+        if loc[2] in {k.value for k in EngineKind}:  # pydantic names the union member: not a field of the file
+            engine, loc = loc[2], loc[:2] + loc[3:]
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        engines = ", ".join(k.value for k in EngineKind)
+        if kind == "union_tag_not_found":
+            return (*loc, "engine"), f"required field is missing (the inference engine: {engines})"
+        return (*loc, "engine"), f"must be one of {engines} (got {err.get('ctx', {}).get('tag')!r})"
     if kind == "extra_forbidden":
-        parent = _model_at(root, loc[:-1])
+        parent = _model_at(root, loc[:-1], engine)
         allowed = ", ".join(parent.model_fields) if parent else "none"
         return loc, f"unknown field {loc[-1]!r}; allowed here: {allowed}"
     if kind == "missing":
-        parent = _model_at(root, loc[:-1])
+        parent = _model_at(root, loc[:-1], engine)
         field = parent.model_fields.get(str(loc[-1])) if parent else None
         hint = f" ({field.description})" if field and field.description else ""
         return loc, f"required field is missing{hint}"

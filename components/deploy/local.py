@@ -24,6 +24,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -37,6 +38,7 @@ from components.deploy.errors import (
     ReadyTimeoutError,
     StartupError,
     StopTimeoutError,
+    WatcherClashError,
 )
 from components.deploy.graph import Graph
 from components.deploy.plan import WatcherPlan, assign_gpus, plan_watchers
@@ -86,6 +88,12 @@ class ServeConfig(BaseModel):
         "a transient failure such as a slow first connection deserves another try, a bad flag does not); one more "
         "fails the start with the tail of its log.",
     )
+    progress_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="While starting, how often serve says what it is still waiting for (which watchers have not "
+        "registered their workers, whether the frontend answers /health).",
+    )
     poll_interval_s: float = Field(
         default=0.2,
         gt=0,
@@ -118,13 +126,10 @@ def check_not_serving(state_dir: Path, graph: Graph) -> None:
     for st in live_states(state_dir):
         if st.namespace == graph.namespace:
             raise AlreadyServingError(st.namespace, st.serve.pid, f"see {state_path(state_dir, st.namespace)}")
+        # Watcher names carry the namespace, so two graphs clash only when the names still meet (namespace "a" with
+        # group "b-c" and namespace "a-b" with group "c"): say that, not that this namespace is served.
         if clash := sorted(mine & {w.name for w in st.watchers}):
-            raise AlreadyServingError(
-                graph.namespace,
-                st.serve.pid,
-                f"namespace {st.namespace!r} in the same state dir already runs watchers {clash}, whose logs "
-                f"would collide in {log_dir(state_dir)}; stop it or use another --state-dir",
-            )
+            raise WatcherClashError(graph.namespace, st.namespace, st.serve.pid, clash, log_dir(state_dir))
 
 
 class Deployment:
@@ -140,7 +145,7 @@ class Deployment:
         self.launcher: CircusLauncher | None = None
         self.plans: list[WatcherPlan] = []
         self.gpus_available = detect_gpus()
-        self.gpus = assign_gpus(graph.workers, self.gpus_available)
+        self.gpus = assign_gpus(graph.namespace, graph.workers, self.gpus_available)
         self.state = ServeState(
             namespace=graph.namespace,
             graph=str(graph_path.resolve()),
@@ -226,11 +231,18 @@ class Deployment:
             self.write()
         return changed
 
-    async def wait_ready(self, stop: asyncio.Event) -> float:
-        """Until every worker watcher's processes have registered their workers and the frontend is healthy."""
+    async def wait_ready(
+        self, stop: asyncio.Event, on_waiting: Callable[[list[str], float], None] | None = None
+    ) -> float:
+        """Until every worker watcher's processes have registered their workers and the frontend is healthy.
+
+        ``on_waiting(what, elapsed_s)`` is called every ``progress_interval_s`` while something is still awaited,
+        so a person watching a slow start (vLLM engines load for tens of seconds) sees what it waits for.
+        """
         assert self.launcher is not None
         t0 = time.monotonic()
         deadline = t0 + self.cfg.ready_timeout_s
+        next_progress = t0 + self.cfg.progress_interval_s
         rcfg = RuntimeConfig(etcd_endpoints=self.state.etcd_endpoints, nats_url=self.state.nats_url)
         runtime = await Runtime.connect(rcfg, name=f"kvmesh-serve-{self.graph.namespace}")
         seen: dict[str, set[int]] = {}
@@ -244,8 +256,12 @@ class Deployment:
                     return time.monotonic() - t0
                 if stop.is_set():
                     raise StartInterruptedError("interrupted while starting")
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise ReadyTimeoutError(self.cfg.ready_timeout_s, waiting)
+                if on_waiting is not None and now >= next_progress:
+                    on_waiting(waiting, now - t0)
+                    next_progress = now + self.cfg.progress_interval_s
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.cfg.poll_interval_s)
         finally:
@@ -310,6 +326,8 @@ class Deployment:
                 continue
             try:
                 await asyncio.to_thread(server.stop)
+                # Its data (60 MB of etcd WAL, JetStream's store) is wiped at the next start anyway; its log stays.
+                remove_server_data(server.data_dir)
             except Exception as e:  # noqa: BLE001 - keep stopping the rest
                 logger.error("stopping embedded %s: %s", server.name, e)
         if self.state.status != "failed":
@@ -320,7 +338,7 @@ class Deployment:
 
 def ready_message(state: ServeState, state_dir: Path, elapsed_s: float) -> str:
     workers = [w for w in state.watchers if w.kind == "worker"]
-    example = workers[0].name if workers else "frontend"
+    example = workers[0].name if workers else f"{state.namespace}-frontend"
     lines = [
         f"kvmesh serve: namespace {state.namespace} ready in {elapsed_s:.1f} s: "
         f"{sum(w.num_workers for w in workers)} workers in {len(workers)} watchers",
@@ -427,9 +445,26 @@ def stop(namespace: str, state_dir: Path, timeout_s: float | None = None) -> str
                 os.killpg(p.pid, signal.SIGKILL)  # circus made each watcher a session leader: take its children too
         if still := _wait_gone(group, 5.0):
             raise StopTimeoutError(namespace, grace_s + 5.0, [p.pid for p in still])
+    for server in (st.embedded_etcd, st.embedded_nats):
+        if server is not None:
+            remove_server_data(Path(server.data_dir))
     st.status = "stopped"
     write_state(path, st)
     return f"serve (pid {st.serve.pid}) of {namespace} was gone; stopped the {len(leftovers)} processes it left"
+
+
+def remove_server_data(data_dir: Path) -> None:
+    """Everything an embedded server stored (etcd's data and WAL, JetStream's store), not its log files."""
+    if not data_dir.is_dir():
+        return
+    for child in data_dir.iterdir():
+        if ".log" in child.name:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                child.unlink()
 
 
 def _wait_gone(procs: list[ProcessRecord], timeout_s: float) -> list[ProcessRecord]:

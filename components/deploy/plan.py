@@ -2,9 +2,11 @@
 
 - ``assign_gpus`` gives each worker replica ``gpus_per_replica`` consecutive GPUs, groups in file order;
 - ``plan_watchers`` turns a graph into the plans of every watcher: ``<namespace>-frontend`` and
-  ``<namespace>-<group>-<i>``, each with its argv (``python -m components.cli.main ... worker|frontend``), the
-  environment kvmesh adds, its GPUs, its log;
-- ``plan_replica`` plans one more replica of a group (the planner's scale-up), from the same inputs.
+  ``<namespace>-<group>-<i>``, each with its argv (``python -m components.cli.main ... worker|frontend``, every
+  option derived from the graph section through ``components.runtime.flags.argv_for``), the environment kvmesh
+  adds, its GPUs, its log;
+- ``plan_frontend`` and ``plan_replica`` plan one watcher each; ``plan_replica`` is also how the planner adds one
+  more replica of a group than the graph started.
 
 Used by ``kvmesh serve`` (``components.deploy.local``) and by the planner's circus connector alike.
 """
@@ -12,14 +14,14 @@ Used by ``kvmesh serve`` (``components.deploy.local``) and by the planner's circ
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from components.deploy.errors import GpuAssignmentError
-from components.deploy.graph import FRONTEND_WATCHER, Graph, WorkerGroup
+from components.deploy.graph import Graph, frontend_watcher, replica_watcher
+from components.runtime.flags import argv_for
 
 REDACTED = "<redacted>"
 SECRET_ENV = frozenset({"KVMESH_API_KEY"})
@@ -50,10 +52,10 @@ class WatcherPlan:
 # GPUs
 
 
-def assign_gpus(groups: Sequence[WorkerGroup], available: Sequence[str]) -> dict[str, list[str]]:
+def assign_gpus(namespace: str, groups: Sequence[Any], available: Sequence[str]) -> dict[str, list[str]]:
     """Watcher name -> its GPUs: consecutive blocks of ``gpus_per_replica``, groups and replicas in order.
 
-    Example: groups a (2 replicas x 1 GPU) and b (1 x 2) over GPUs 0-3 give a-0: [0], a-1: [1], b-0: [2, 3].
+    Example: groups a (2 replicas x 1 GPU) and b (1 x 2) over GPUs 0-3 give ns-a-0: [0], ns-a-1: [1], ns-b-0: [2, 3].
     """
     needed = sum(g.replicas * g.gpus_per_replica for g in groups)
     if needed > len(available):
@@ -62,7 +64,7 @@ def assign_gpus(groups: Sequence[WorkerGroup], available: Sequence[str]) -> dict
     out: dict[str, list[str]] = {}
     next_gpu = 0
     for g in groups:
-        for name in g.watcher_names():
+        for name in g.watcher_names(namespace):
             out[name] = list(available[next_gpu : next_gpu + g.gpus_per_replica])
             next_gpu += g.gpus_per_replica
     return out
@@ -72,34 +74,90 @@ def assign_gpus(groups: Sequence[WorkerGroup], available: Sequence[str]) -> dict
 # Plans
 
 
-def flag_args(args: Mapping[str, Any]) -> list[str]:
-    """engine_args as ``kvmesh worker`` flags, the convention of components/runtime/flags.py.
-
-    ``speedup_ratio: .inf`` -> ``--speedup-ratio inf``; ``enable_prefix_caching: false`` ->
-    ``--no-enable-prefix-caching``; a list -> comma-separated.
-    """
-    out: list[str] = []
-    for key, value in args.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, list):
-            out += [flag, ",".join(_scalar(v) for v in value)]
-        else:
-            out += [flag, _scalar(value)]
-    return out
-
-
-def _scalar(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float) and math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return str(v)
-
-
 def kvmesh_argv(python: str, log_level: str, *args: str) -> list[str]:
     return [python, "-m", "components.cli.main", "--log-level", log_level, *args]
+
+
+def base_env(etcd_endpoints: Sequence[str], nats_url: str) -> dict[str, str]:
+    return {
+        "KVMESH_ETCD_ENDPOINTS": ",".join(etcd_endpoints),
+        "KVMESH_NATS_URL": nats_url,
+        "PYTHONUNBUFFERED": "1",  # a log line reaches state/logs/ when it is written, not when a buffer fills
+    }
+
+
+def runtime_argv(graph: Graph) -> list[str]:
+    """The graph's runtime section as flags of any component (only the settings it gives)."""
+    rt = graph.runtime
+    return argv_for({k: getattr(rt, k) for k in sorted(rt.model_fields_set)})
+
+
+def plan_frontend(
+    graph: Graph,
+    *,
+    etcd_endpoints: Sequence[str],
+    nats_url: str,
+    frontend_port: int,
+    log_dir: Path,
+    python: str = sys.executable,
+) -> WatcherPlan:
+    """The frontend's watcher: ``kvmesh frontend`` with the section's FrontendConfig fields as flags."""
+    fe = graph.frontend
+    values = fe.component_values()
+    api_key = values.pop("api_key", None)
+    values["port"] = frontend_port  # the port chosen at start (a free one when the graph says 0)
+    # The frontend routes to every component the graph's workers register under, unless told otherwise.
+    values.setdefault("components", list(dict.fromkeys(g.component for g in graph.workers)))
+    args = ["frontend", "--namespace", graph.namespace, *runtime_argv(graph), *argv_for(values)]
+    env = base_env(etcd_endpoints, nats_url)
+    if api_key:
+        # The environment, not argv: argv is world-readable in the process list (the frontend reads both).
+        env["KVMESH_API_KEY"] = api_key
+    name = frontend_watcher(graph.namespace)
+    return WatcherPlan(
+        name=name,
+        kind="frontend",
+        cmd=kvmesh_argv(python, graph.log_level, *args),
+        env=env,
+        log=log_dir / f"{name}.log",
+        graceful_timeout_s=fe.graceful_timeout_s,
+    )
+
+
+def plan_replica(
+    graph: Graph,
+    group_name: str,
+    replica: int,
+    *,
+    etcd_endpoints: Sequence[str],
+    nats_url: str,
+    gpus: Sequence[str] = (),
+    log_dir: Path,
+    python: str = sys.executable,
+) -> WatcherPlan:
+    """Replica ``replica`` of worker group ``group_name``: ``kvmesh worker`` with the group's WorkerConfig and engine
+    fields as flags. Also how the planner adds one more replica of a group than the graph started."""
+    g = graph.group(group_name)
+    if len(gpus) != g.gpus_per_replica:
+        raise GpuAssignmentError(g.gpus_per_replica, list(gpus), f"{g.name}: 1 x {g.gpus_per_replica}")
+    args = ["worker", "--namespace", graph.namespace, *runtime_argv(graph), *argv_for(g.component_values())]
+    env = base_env(etcd_endpoints, nats_url) | g.env
+    if g.gpus_per_replica:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    name = replica_watcher(graph.namespace, g.name, replica)
+    return WatcherPlan(
+        name=name,
+        kind="worker",
+        cmd=kvmesh_argv(python, graph.log_level, *args),
+        env=env,
+        log=log_dir / f"{name}.log",
+        graceful_timeout_s=g.graceful_timeout_s,
+        gpus=list(gpus),
+        group=g.name,
+        replica=replica,
+        component=g.component,
+        num_workers=g.num_workers,
+    )
 
 
 def plan_watchers(
@@ -113,54 +171,11 @@ def plan_watchers(
     python: str = sys.executable,
 ) -> list[WatcherPlan]:
     """Every watcher of ``graph``: the frontend first, then each group's replicas in order."""
-    base_env = {
-        "KVMESH_ETCD_ENDPOINTS": ",".join(etcd_endpoints),
-        "KVMESH_NATS_URL": nats_url,
-        "PYTHONUNBUFFERED": "1",  # a log line reaches state/logs/ when it is written, not when a buffer fills
-    }
+    where = {"etcd_endpoints": etcd_endpoints, "nats_url": nats_url, "log_dir": log_dir, "python": python}
     plans: list[WatcherPlan] = []
-    fe = graph.frontend
-    if fe.enabled:
-        fe_args = ["frontend", "--namespace", graph.namespace, "--host", fe.host, "--port", str(frontend_port)]
-        fe_args += ["--router-policy", fe.router]
-        if "components" not in fe.args:  # the frontend routes to every component the graph's workers register under
-            fe_args += ["--components", ",".join(dict.fromkeys(g.component for g in graph.workers))]
-        fe_args += flag_args(fe.args)
-        fe_env = dict(base_env)
-        if fe.api_key:
-            # The environment, not argv: argv is world-readable in the process list (the frontend reads both).
-            fe_env["KVMESH_API_KEY"] = fe.api_key
-        plans.append(
-            WatcherPlan(
-                name=FRONTEND_WATCHER,
-                kind="frontend",
-                cmd=kvmesh_argv(python, graph.log_level, *fe_args),
-                env=fe_env,
-                log=log_dir / f"{FRONTEND_WATCHER}.log",
-                graceful_timeout_s=fe.graceful_timeout_s,
-            )
-        )
+    if graph.frontend.enabled:
+        plans.append(plan_frontend(graph, frontend_port=frontend_port, **where))  # type: ignore[arg-type]
     for g in graph.workers:
-        worker_args = ["worker", "--engine", str(g.engine), "--namespace", graph.namespace]
-        worker_args += ["--component", g.component, "--model", g.model, "--model-path", g.model_path]
-        worker_args += ["--num-workers", str(g.num_workers), *flag_args(g.engine_args)]
-        for i, name in enumerate(g.watcher_names()):
-            env = base_env | g.env
-            if g.gpus_per_replica:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[name])
-            plans.append(
-                WatcherPlan(
-                    name=name,
-                    kind="worker",
-                    cmd=kvmesh_argv(python, graph.log_level, *worker_args),
-                    env=env,
-                    log=log_dir / f"{name}.log",
-                    graceful_timeout_s=g.graceful_timeout_s,
-                    gpus=list(gpus.get(name, [])),
-                    group=g.name,
-                    replica=i,
-                    component=g.component,
-                    num_workers=g.num_workers,
-                )
-            )
+        for i, name in enumerate(g.watcher_names(graph.namespace)):
+            plans.append(plan_replica(graph, g.name, i, gpus=gpus.get(name, []), **where))  # type: ignore[arg-type]
     return plans

@@ -2,7 +2,9 @@
 help live in one place (the config model).
 
 ``add_model_arguments(parser, Model)`` adds ``--field-name`` for every field (help = the field's description,
-default = the model's); ``model_from_args(Model, args)`` builds the model back, letting pydantic validate.
+default = the model's); ``model_from_args(Model, args)`` builds the model back, letting pydantic validate;
+``argv_for(values)`` is the inverse, the flags that give a process those field values (``kvmesh serve`` starts every
+component this way from a graph's sections).
 Lists take comma-separated values; booleans take ``--flag/--no-flag``. A field may name extra spellings of its flag in
 ``json_schema_extra={"cli_aliases": ["--seed-system-name"]}`` (the router keeps Dynamo's flag names this way).
 """
@@ -10,8 +12,10 @@ Lists take comma-separated values; booleans take ``--flag/--no-flag``. A field m
 from __future__ import annotations
 
 import argparse
+import math
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -68,3 +72,30 @@ def given_values(model: type[BaseModel], args: argparse.Namespace) -> dict[str, 
 def model_from_args(model: type[M], args: argparse.Namespace, **extra: Any) -> M:
     """Only flags that were given override the model's defaults; pydantic validates and converts the strings."""
     return model.model_validate(given_values(model, args) | extra)
+
+
+def argv_for(values: Mapping[str, Any]) -> list[str]:
+    """Flags that set these field values in a parser built by ``add_model_arguments``: ``speedup_ratio: inf`` ->
+    ``--speedup-ratio inf``, ``enable_prefix_caching: False`` -> ``--no-enable-prefix-caching``, a list ->
+    comma-separated. None means "the component's default": nothing is passed (a caller that must pass None where
+    the default is not None has to refuse it before)."""
+    out: list[str] = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        flag = _flag(name)
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list | tuple):
+            out += [flag, ",".join(_scalar(v) for v in value)]
+        else:
+            out += [flag, _scalar(value)]
+    return out
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return str(v)

@@ -43,3 +43,24 @@ class WorkerConfig(BaseModel):
     drain_timeout_s: float = Field(
         default=60.0, gt=0, description="On SIGTERM, how long in-flight requests may run before they are cancelled."
     )
+
+
+def engine_config_model(kind: EngineKind) -> type[BaseModel]:
+    """The config model of engine ``kind`` (its flags, its graph fields). The one way into an engine's options from
+    outside ``components.workers`` (only this package imports its engines); imports nothing of vLLM itself."""
+    if kind == EngineKind.MOCK:
+        from components.workers.engines.mock.config import MockEngineConfig
+
+        return MockEngineConfig
+    from components.workers.engines.vllm.config import VllmEngineConfig
+
+    return VllmEngineConfig
+
+
+def vllm_reference() -> tuple[type[BaseModel], dict[str, str], str]:
+    """What running ``vllm serve`` with a kvmesh worker's settings needs (``kvmesh bench vs-vllm``): the vLLM engine
+    config model, the environment the adapter starts vLLM in, and the topic of its KV-event publisher."""
+    from components.workers.engines.vllm.config import DEFAULT_ENVIRONMENT, VllmEngineConfig
+    from components.workers.engines.vllm.engine import KV_EVENTS_TOPIC
+
+    return VllmEngineConfig, dict(DEFAULT_ENVIRONMENT), KV_EVENTS_TOPIC

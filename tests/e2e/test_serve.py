@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 MOCK_AGG = ROOT / "graphs" / "mock_agg.yaml"
 NS = "mock"  # graphs/mock_agg.yaml's namespace
-FAST = ["--set", "frontend.port=0", "--set", "workers[0].engine_args.speedup_ratio=.inf"]
+FAST = ["--set", "frontend.port=0", "--set", "workers[0].speedup_ratio=.inf"]
 SMALL = [*FAST, "--set", "workers[0].replicas=1", "--set", "workers[0].num_workers=2"]
 START_TIMEOUT_S = 90.0  # two cores shared with other tests: imports alone take seconds per process
 
@@ -88,6 +88,34 @@ class Serve:
 
     def state(self, namespace: str = NS) -> ServeState:
         return read_state(state_path(self.state_dir, namespace))
+
+
+def read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
+    """What ``proc`` printed up to the first line containing ``marker`` (fails after ``timeout_s``)."""
+    out: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.put(line)
+            if marker in line:
+                break
+        out.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = out.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+    pytest.fail(f"{marker!r} not printed within {timeout_s} s:\n{''.join(seen)}")
 
 
 def kill_leftovers(state_dir: Path) -> list[int]:
@@ -175,9 +203,9 @@ def test_the_state_file_records_watchers_processes_and_endpoints(mock_agg):
     assert st.status == "ready" and st.frontend_url == url
     assert st.serve.pid == serve.proc.pid and st.serve.alive()
     assert [(w.name, w.kind, w.num_workers) for w in st.watchers] == [
-        ("frontend", "frontend", 0),
-        ("mock-0", "worker", 8),
-        ("mock-1", "worker", 8),
+        ("mock-frontend", "frontend", 0),
+        ("mock-mock-0", "worker", 8),
+        ("mock-mock-1", "worker", 8),
     ]
     for w in st.watchers:
         assert len(w.processes) == 1 and w.processes[0].alive()
@@ -216,7 +244,7 @@ def test_the_circus_controller_lists_the_watchers(mock_agg):
         reply = client.call({"command": "list", "properties": {}})
     finally:
         client.stop()
-    assert reply["status"] == "ok" and sorted(reply["watchers"]) == ["frontend", "mock-0", "mock-1"]
+    assert reply["status"] == "ok" and sorted(reply["watchers"]) == ["mock-frontend", "mock-mock-0", "mock-mock-1"]
 
 
 def test_status_shows_every_worker_with_model_load_and_age(mock_agg):
@@ -241,8 +269,10 @@ def test_logs_prints_a_watchers_output_and_names_the_known_logs_otherwise(mock_a
     serve, _ = mock_agg
     done = run_kvmesh("logs", "mock-0", "--state-dir", str(serve.state_dir))
     assert done.returncode == 0 and "READY 8 workers" in done.stdout
+    done = run_kvmesh("logs", "mock-mock-1", "--state-dir", str(serve.state_dir))
+    assert done.returncode == 0 and "READY 8 workers" in done.stdout
     done = run_kvmesh("logs", "mock-7", "--state-dir", str(serve.state_dir))
-    assert done.returncode == 1 and "frontend, mock-0, mock-1" in done.stderr
+    assert done.returncode == 1 and "mock-frontend, mock-mock-0, mock-mock-1" in done.stderr
 
 
 # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -266,10 +296,10 @@ def test_sigterm_drains_the_workers_and_leaves_no_process_behind(tmp_path):
             serve.proc.send_signal(signal.SIGTERM)
             assert serve.proc.wait(60) == 0
             assert wait_gone(records, 10) == []
-            time.sleep(1.0)  # the follower polls every 0.2 s
+            followed = read_until(follower, "STOPPED", 10)  # -f sees the worker's last line, whenever it polls
         finally:
             follower.send_signal(signal.SIGINT)
-            followed, _ = follower.communicate(timeout=10)
+            followed += follower.communicate(timeout=10)[0]
         assert "draining 2 workers" in followed and "STOPPED" in followed  # the worker drained, and -f saw it
         assert follower.returncode == 0
         assert serve.state().status == "stopped"
@@ -340,10 +370,10 @@ def test_a_worker_that_crashes_at_start_fails_serve_with_its_log_and_stops_the_r
     )
     try:
         assert done.returncode == 1, done.stdout + done.stderr
-        assert "mock-0: exited once during start-up" in done.stderr
+        assert "mock-mock-0: exited once during start-up" in done.stderr
         assert "KVMESH_LEASE_TTL_S='soon' is not a whole number" in done.stderr  # the tail of its log
         st = read_state(state_path(tmp_path, NS))
-        assert st.status == "failed" and "mock-0" in st.reason
+        assert st.status == "failed" and "mock-mock-0" in st.reason
         assert [p.pid for p in st.all_processes() if p.alive()] == []
     finally:
         kill_leftovers(tmp_path)
@@ -381,7 +411,7 @@ workers:
         st = serve.state("extra")
         assert st.embedded_etcd is None and st.embedded_nats is None
         assert st.etcd_endpoints == [etcd_server.endpoint] and st.nats_url == nats_server.url
-        assert [w.name for w in st.watchers] == ["more-0"]
+        assert [w.name for w in st.watchers] == ["extra-more-0"]
         assert "frontend  none" in "".join(serve.output)
         records = st.all_processes()
         serve.proc.send_signal(signal.SIGTERM)
@@ -389,3 +419,35 @@ workers:
         assert wait_gone(records, 10) == []
     assert etcd_server.proc is not None and etcd_server.proc.poll() is None  # not ours to stop
     assert nats_server.proc is not None and nats_server.proc.poll() is None
+
+
+def test_two_namespaces_share_one_state_dir_and_stop_removes_the_embedded_servers_data(tmp_path):
+    other = tmp_path / "graphs" / "other.yaml"
+    other.parent.mkdir()
+    other.write_text(MOCK_AGG.read_text().replace("namespace: mock", "namespace: other") + f"base_dir: {ROOT}\n")
+    with serving(tmp_path, *SMALL) as first, serving(tmp_path, *SMALL, graph=other) as second:
+        url_a, url_b = first.wait_ready(), second.wait_ready()
+        assert url_a != url_b
+        for url in (url_a, url_b):
+            assert http_get(f"{url}/health")[0] == 200
+        names = {w.name for w in first.state().watchers} | {w.name for w in second.state("other").watchers}
+        assert names == {"mock-frontend", "mock-mock-0", "other-frontend", "other-mock-0"}
+        etcd_data = Path(first.state().embedded_etcd.data_dir)  # type: ignore[union-attr]
+        assert (etcd_data / "data").is_dir()
+        # The same namespace again is refused, naming it and the serve that has it.
+        done = run_kvmesh("serve", str(MOCK_AGG), "--state-dir", str(tmp_path), *SMALL)
+        assert done.returncode == 1
+        assert f"namespace 'mock' is already served by pid {first.proc.pid}" in done.stderr
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(60) == 0
+        assert not (etcd_data / "data").exists()  # 60 MB of WAL per deployment do not pile up
+        assert (etcd_data / "etcd.log").is_file()  # the log stays
+        assert http_get(f"{url_b}/health")[0] == 200  # the other deployment is untouched
+
+
+def test_serve_says_what_it_is_still_waiting_for(tmp_path):
+    with serving(tmp_path, *SMALL, "--progress-interval-s", "0.2") as serve:
+        serve.wait_ready()
+        waiting = [line for line in serve.output if "still waiting for" in line]
+        assert waiting, "".join(serve.output)
+        assert "mock-mock-0 (0/2 workers registered)" in waiting[0] or "mock-frontend" in waiting[0]

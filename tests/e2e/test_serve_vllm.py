@@ -20,7 +20,7 @@ def test_default_graph_serves_openai_requests_on_real_vllm(tmp_path):
     with serving(tmp_path, "--set", "frontend.port=0", graph=AGG) as serve:
         url = serve.wait_ready(timeout_s=300)
         state = serve.state("kvmesh")
-        assert [w.name for w in state.watchers if w.kind == "worker"] == ["vllm-0", "vllm-1"]
+        assert [w.name for w in state.watchers if w.kind == "worker"] == ["kvmesh-vllm-0", "kvmesh-vllm-1"]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny-llama"]
 

@@ -1,15 +1,22 @@
-"""The dependency direction of STYLE.md, checked on the source with ``ast`` (nothing is imported or executed).
+"""The dependency direction of STYLE.md, checked on the source with ``ast`` (nothing is imported or executed), and
+the purity of policies checked by importing them in a fresh interpreter.
 
 - Only ``components/runtime`` imports the etcd client or nats-py: every other component talks to the mesh through it.
-- ``components/runtime`` imports no other component, so any component can depend on it without a cycle.
+- ``components/protocol`` (the wire contract) imports nothing of kvmesh; ``components/runtime`` imports only it.
+- Packages have ranks (``RANKS``, lowest first); a package imports only packages of lower rank, never one of its own
+  rank or above, so the drawing of imports has no arrow running back up and no circle (also checked directly).
+- Nothing outside ``components/cli`` imports it; nothing outside ``components/workers`` imports its engines.
 - A policy module (a file under a ``policies/`` directory, or a file named ``policy.py``) imports only the standard
   library and its own package, and none of the standard library's I/O: a policy is a pure function over a snapshot
-  (STYLE.md habit 1), testable without a loop, a socket or a clock.
+  (STYLE.md habit 1), testable without a loop, a socket or a clock. And importing it in a fresh interpreter leaves
+  every mesh, HTTP, circus and Kubernetes client out of ``sys.modules``: pure as an import, not only as a file.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +29,24 @@ COMPONENTS = ROOT / "components"
 RUNTIME = COMPONENTS / "runtime"
 
 MESH_CLIENTS = {"nats", "aetcd", "etcd3"}
+# What importing a policy must never load (a policy that reaches the runtime or the HTTP stack through its package's
+# __init__ is pure as a file and not as an import).
+IO_CLIENTS = ("nats", "aetcd", "aiohttp", "circus", "kubernetes", "kubernetes_asyncio")
+
+# Lowest first. A package may import packages of lower rank only. protocol: the wire contract; runtime: etcd/NATS;
+# router and migration (its per-worker agent is used by workers) sit below workers and frontend; deploy (graphs,
+# watcher plans, circus, state) is used by the planner's connectors and by the command line, which imports everyone.
+RANKS = {
+    "protocol": 0,
+    "runtime": 1,
+    "router": 2,
+    "migration": 2,
+    "workers": 3,
+    "frontend": 3,
+    "deploy": 4,
+    "planner": 5,
+    "cli": 6,
+}
 # Standard-library modules that mean I/O, concurrency or a clock of one's own; a policy takes those as inputs.
 POLICY_FORBIDDEN_STDLIB = {"asyncio", "socket", "subprocess", "http", "urllib", "selectors", "multiprocessing"}
 
@@ -175,3 +200,162 @@ def test_the_policy_rule_accepts_and_rejects_what_it_should(tmp_path):
         (2, "components.router.types"),
         (2, "components.router.types.X"),
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Packages: ranks, cycles, private parts
+
+
+def package_of(name: str) -> str | None:
+    """``components.router.policies.kv`` -> ``router``; None for what is not a kvmesh package."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "components" else None
+
+
+def package_imports(root: Path = ROOT) -> list[tuple[Path, int, str, str, str]]:
+    """(file, line, importing package, imported package, imported module) for every import between kvmesh packages."""
+    out = []
+    components = root / "components"
+    for path in python_files(components):
+        rel_parts = path.relative_to(components).parts
+        if len(rel_parts) < 2:
+            continue  # components/__init__.py
+        mine = rel_parts[0]
+        for line, name in imports_of(path, root):
+            theirs = package_of(name)
+            if theirs is not None and theirs != mine:
+                out.append((path, line, mine, theirs, name))
+    return out
+
+
+def rank_violations(root: Path = ROOT) -> list[str]:
+    out = []
+    for path, line, mine, theirs, name in package_imports(root):
+        if mine not in RANKS or theirs not in RANKS:
+            out.append(f"{path.relative_to(root)}:{line}: package {mine!r} or {theirs!r} has no rank in RANKS")
+        elif RANKS[theirs] >= RANKS[mine]:
+            out.append(
+                f"{path.relative_to(root)}:{line} imports {name}: {mine} (rank {RANKS[mine]}) may import only "
+                f"packages of lower rank, {theirs} has rank {RANKS[theirs]}"
+            )
+    return out
+
+
+def cycles(root: Path = ROOT) -> list[list[str]]:
+    """Every elementary cycle's first appearance in the package import graph (depth-first search)."""
+    graph: dict[str, set[str]] = {}
+    for _, _, mine, theirs, _ in package_imports(root):
+        graph.setdefault(mine, set()).add(theirs)
+    found: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycle = [*path[path.index(nxt) :], nxt]
+                if sorted(cycle[:-1]) not in [sorted(c[:-1]) for c in found]:
+                    found.append(cycle)
+            else:
+                visit(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    return found
+
+
+def private_violations(root: Path = ROOT) -> list[str]:
+    """Nothing outside cli imports cli; nothing outside workers imports workers.engines; protocol imports no kvmesh."""
+    out = []
+    for path, line, mine, theirs, name in package_imports(root):
+        where = f"{path.relative_to(root)}:{line} imports {name}"
+        if theirs == "cli":
+            out.append(f"{where}: only the command line imports components.cli")
+        if name.startswith("components.workers.engines") and mine != "workers":
+            out.append(f"{where}: only components.workers imports its engines")
+        if mine == "protocol":
+            out.append(f"{where}: components.protocol imports nothing of kvmesh")
+    return out
+
+
+def test_packages_import_only_packages_of_lower_rank():
+    assert rank_violations() == []
+
+
+def test_the_package_import_graph_has_no_cycle():
+    assert cycles() == []
+
+
+def test_cli_and_the_engines_are_private_and_the_protocol_imports_nothing():
+    assert private_violations() == []
+
+
+def test_every_package_has_a_rank():
+    packages = {p.name for p in COMPONENTS.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert packages <= set(RANKS), f"give these a rank in RANKS: {sorted(packages - set(RANKS))}"
+
+
+def test_the_package_rules_reject_what_they_should(tmp_path):
+    """The package checks themselves, on a synthetic tree that breaks each rule once."""
+
+    def write(rel: str, text: str) -> None:
+        f = tmp_path / "components" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+
+    for pkg in ("protocol", "runtime", "router", "workers", "frontend", "cli"):
+        write(f"{pkg}/__init__.py", "")
+    write("protocol/messages.py", "from components.runtime import errors\n")  # up, and protocol imports kvmesh
+    write("runtime/bus.py", "from components.protocol import messages\n")  # down: fine
+    write("router/adapter.py", "from components.frontend import app\n")  # up: frontend has a higher rank
+    write("frontend/app.py", "from components.router import adapter\nfrom components.workers.engines import mock\n")
+    write("workers/main.py", "from components.cli import args\nfrom components.workers.engines import mock\n")
+    write("cli/main.py", "from components.frontend import app\n")
+
+    ranks = sorted({v.split(" ")[0] for v in rank_violations(tmp_path)})
+    assert ranks == [
+        "components/frontend/app.py:2",  # workers has the frontend's own rank
+        "components/protocol/messages.py:1",
+        "components/router/adapter.py:1",
+        "components/workers/main.py:1",
+    ]
+    assert ["frontend", "router", "frontend"] in cycles(tmp_path) or ["router", "frontend", "router"] in cycles(
+        tmp_path
+    )
+    private = private_violations(tmp_path)
+    assert any("frontend/app.py:2" in v and "engines" in v for v in private)
+    assert any("workers/main.py:1" in v and "components.cli" in v for v in private)
+    assert any("protocol/messages.py:1" in v and "imports nothing" in v for v in private)
+    assert not any("workers/main.py:2" in v for v in private)  # workers may import its own engines
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Policies, as imports
+
+
+def import_leaves(module: str, root: Path = ROOT) -> list[str]:
+    """Which of IO_CLIENTS importing ``module`` in a fresh interpreter loads."""
+    code = (
+        "import importlib, json, sys\n"
+        f"importlib.import_module({module!r})\n"
+        f"print(json.dumps([m for m in {IO_CLIENTS!r} if m in sys.modules]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_importing_a_policy_module_loads_no_mesh_http_circus_or_kubernetes_client():
+    modules = [module_name(p) for p in policy_modules()]
+    assert any(m.startswith("components.router.policies.") for m in modules)  # the check is not vacuous
+    offenders = {m: loaded for m in modules if (loaded := import_leaves(m))}
+    assert offenders == {}, "policy modules must import without I/O clients:\n" + "\n".join(
+        f"{m} loads {loaded}" for m, loaded in offenders.items()
+    )
+
+
+def test_the_fresh_interpreter_check_sees_a_client_loaded_through_a_package(tmp_path):
+    # A package whose __init__ pulls in aiohttp makes its pure-looking submodule impure as an import.
+    pkg = tmp_path / "impure_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import aiohttp\n")
+    (pkg / "policy.py").write_text("import math\n")
+    assert import_leaves("impure_pkg.policy", tmp_path) == ["aiohttp"]

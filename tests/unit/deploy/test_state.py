@@ -163,9 +163,19 @@ def test_following_a_log_survives_its_rotation(tmp_path):
 
 def test_an_unknown_log_name_lists_the_known_ones(tmp_path):
     (tmp_path / "logs").mkdir()
-    (tmp_path / "logs" / "mock-0.log").write_text("")
-    with pytest.raises(Exception, match="logs here: mock-0"):
+    (tmp_path / "logs" / "ns-mock-0.log").write_text("")
+    with pytest.raises(Exception, match="logs here: ns-mock-0"):
         logs.find_log(tmp_path, "mock-9")
+
+
+def test_a_short_log_name_works_when_one_deployment_has_it(tmp_path):
+    (tmp_path / "logs").mkdir()
+    for name in ("a-frontend", "a-mock-0", "b-frontend"):
+        (tmp_path / "logs" / f"{name}.log").write_text("")
+    assert logs.find_log(tmp_path, "mock-0") == tmp_path / "logs" / "a-mock-0.log"
+    assert logs.find_log(tmp_path, "b-frontend") == tmp_path / "logs" / "b-frontend.log"
+    with pytest.raises(Exception, match="several deployments have one: a-frontend, b-frontend"):
+        logs.find_log(tmp_path, "frontend")
 
 
 # -- kvmesh status ----------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """RouterConfig: one model for every routing knob, its flags derived (Dynamo's spellings kept as aliases), embedded
-in the frontend's config and the standalone router's, and reachable from a graph file's ``frontend.args``."""
+in the frontend's config and the standalone router's, and reachable from a graph file's ``frontend`` section."""
 
 from __future__ import annotations
 
@@ -72,11 +72,11 @@ def test_the_frontend_takes_every_router_flag():
     assert FrontendConfig().router_policy == "round_robin"
 
 
-def test_a_graph_may_set_router_knobs_in_frontend_args(tmp_path):
+def test_a_graph_may_set_router_knobs_in_its_frontend_section(tmp_path):
     graph = tmp_path / "graphs" / "g.yaml"
     graph.parent.mkdir()
     graph.write_text(
-        f"namespace: t\nfrontend:\n  router: kv_autellix\n  args: {{router_temperature: 0.2, overlap_weight: 2}}\n"
+        "namespace: t\nfrontend:\n  router_policy: kv_autellix\n  router_temperature: 0.2\n  overlap_weight: 2\n"
         f"workers:\n  - {{name: mock, engine: mock, model: m, model_path: {ROOT / 'models' / 'tiny-llama'}}}\n"
     )
     g = load_graph(graph)
