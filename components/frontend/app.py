@@ -131,10 +131,33 @@ class FrontendApp:
 
     # --- plain endpoints --------------------------------------------------------------------------------------------
 
+    def _known_model_in(self, body: bytes) -> str:
+        """The model a refused request named, if it is one this frontend serves (a label value must never be a
+        client's free text); "" otherwise. Only on the error path: a body that failed validation is parsed again."""
+        if not body:
+            return ""
+        try:
+            name = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            return ""
+        return name if isinstance(name, str) and name in self.registry.models else ""
+
+    def _listed(self) -> list[str]:
+        """Models a client may see: served, with their tokenizer loaded (or failed to load: then it says why)."""
+        return sorted(n for n, m in self.registry.models.items() if not m.loading)
+
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"status": "healthy", "models": sorted(self.registry.models), "num_workers": self.registry.num_workers()}
-        )
+        """200 once every discovered model's tokenizer is loaded; 503 while one loads (``kvmesh serve`` and
+        orchestrators wait for this, so the first request after READY does not wait for a tokenizer)."""
+        loading = sorted(n for n, m in self.registry.models.items() if m.loading)
+        body = {
+            "status": "loading" if loading else "healthy",
+            "models": self._listed(),
+            "num_workers": self.registry.num_workers(),
+        }
+        if loading:
+            body["loading"] = loading
+        return web.json_response(body, status=503 if loading else 200)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -150,13 +173,13 @@ class FrontendApp:
         }
 
     async def list_models(self, request: web.Request) -> web.Response:
-        cards = [self._model_card(n) for n in sorted(self.registry.models)]
+        cards = [self._model_card(n) for n in self._listed()]
         return web.json_response({"object": "list", "data": cards})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name not in self.registry.models:
-            return self.error_response(ModelNotFoundError(name, sorted(self.registry.models)))
+        if name not in self._listed():
+            return self.error_response(ModelNotFoundError(name, self._listed()))
         return web.json_response(self._model_card(name))
 
     # --- generation -------------------------------------------------------------------------------------------------
@@ -174,6 +197,7 @@ class FrontendApp:
         deadline = loop.time() + self.config.request_timeout_s if self.config.request_timeout_s else None
         model_label = ""  # a known model's name only: client-chosen names must not become label values
         status = 200
+        body = b""
         try:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -181,11 +205,16 @@ class FrontendApp:
                     req: CompletionRequest | ChatCompletionRequest
                     if chat:
                         req = parse_request(ChatCompletionRequest, body)
-                        hints = routing_hints(request.headers, req.user)
-                        prepared = await self.service.prepare_chat(req, arrival_s)
                     else:
                         req = parse_request(CompletionRequest, body)
-                        hints = routing_hints(request.headers, req.user)
+                    if req.model in self.registry.models:
+                        # Counted under its model from here on, also when the request is refused (too long, bad
+                        # parameters); a name no worker serves never becomes a label value.
+                        model_label = req.model
+                    hints = routing_hints(request.headers, req.user)
+                    if isinstance(req, ChatCompletionRequest):
+                        prepared = await self.service.prepare_chat(req, arrival_s)
+                    else:
                         prepared = await self.service.prepare_completion(req, arrival_s)
                     prepared.hints = hints
                     model_label = prepared.model.name
@@ -207,6 +236,8 @@ class FrontendApp:
                 mm.e2e.observe(time.monotonic() - arrival_s)
                 await gen.aclose()
         except FrontendError as e:
+            if not model_label:
+                model_label = self._known_model_in(body)
             response = self.error_response(e)
             status = response.status
             if status >= 500:

@@ -4,7 +4,8 @@ Workers announce ``model``, ``model_path`` and ``max_model_len`` in the metadata
 registry follows every configured component's ``generate`` instances through a runtime ``Client`` (an etcd watch):
 a model exists while at least one worker announces it, so it appears in /v1/models with its first worker and
 disappears with its last. Each model's tokenizer is loaded once per ``model_path``, in a thread, as soon as the model
-appears; requests that arrive meanwhile wait for it.
+appears; the model is listed (/v1/models) and the frontend healthy (/health) only once it is loaded, so the first
+request does not pay the load (2-3 s with transformers' imports); requests that arrive meanwhile wait for it.
 
 A model's ``max_model_len`` is the smallest its workers announce: a request accepted by the frontend must fit on
 whichever worker the router picks.
@@ -42,6 +43,12 @@ class Model:
     created: int  # Unix time the frontend first saw it (OpenAI's 'created')
     instances: dict[int, InstanceInfo]
     tokenizer_task: asyncio.Task[Tokenizer] | None = None
+
+    @property
+    def loading(self) -> bool:
+        """Its tokenizer is still being loaded (the model is not listed until it is, so the first request does not
+        wait seconds for it; a load that failed counts as done: the model is listed and answers model_unavailable)."""
+        return self.tokenizer_task is not None and not self.tokenizer_task.done()
 
     async def tokenizer(self) -> Tokenizer:
         if self.tokenizer_task is None:

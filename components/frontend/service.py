@@ -1,10 +1,10 @@
 """The request pipeline, without HTTP: OpenAI request -> token ids -> a worker -> text deltas.
 
 ``FrontendService.prepare_*`` turns a parsed request into a ``Prepared`` one (model resolved, prompt tokenised, limits
-checked, sampling parameters built); ``start`` routes it and returns a ``Generation`` once the first output has
-arrived. Until then nothing has reached the client, so a worker that is gone, draining, dead, or whose stream broke
-is replaced by another (up to ``max_retries``) without the client seeing anything. After that a failure ends the
-generation with ``UpstreamError``; the migration issue will make it seamless.
+checked, sampling parameters built); ``start`` hands it to a ``Dispatch`` (dispatch.py: the request's attempts, its
+retries before the first output and every router bookkeeping call, in one place) and returns a ``Generation`` once
+the first output has arrived. After that a failure ends the generation with ``UpstreamError``; the migration issue
+makes it seamless in ``Dispatch._resume``.
 
 ``Generation`` is the hot path: per chunk from the worker it decodes the new tokens once (no per-token Python work
 beyond list extension), checks stop strings on the new text only, and keeps the counters usage and metrics need.
@@ -14,7 +14,6 @@ frees its KV blocks.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -24,33 +23,23 @@ from collections.abc import Mapping
 from typing import Any
 
 from components.frontend.config import FrontendConfig
+from components.frontend.dispatch import Dispatch, Suspects
 from components.frontend.errors import (
     ContextLengthError,
     InvalidRequestError,
     ModelNotFoundError,
     ServiceUnavailableError,
     UpstreamError,
-    UpstreamTimeoutError,
 )
 from components.frontend.metrics import FrontendMetrics, ModelMetrics
 from components.frontend.models import Model, ModelRegistry
 from components.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from components.protocol.errors import ErrorCode
-from components.protocol.messages import GenerateRequest, SamplingParams
-from components.router import NoWorkersError, Router, RouteRequest
-from components.runtime import (
-    InstanceDrainingError,
-    InstanceGoneError,
-    RemoteHandlerError,
-    ResponseStream,
-    StreamInterruptedError,
-)
+from components.protocol.messages import SamplingParams
+from components.router import Router
 
 logger = logging.getLogger(__name__)
 
-# Errors after which the same request may go to another worker, provided nothing has reached the client yet.
-_RETRIABLE = (InstanceGoneError, InstanceDrainingError, StreamInterruptedError)
 # Routing hints a client may send as headers (the OpenAI body has no room for them, and must not get any).
 HEADER_PROGRAM_ID = "x-program-id"  # an agent program / conversation: Autellix's program id
 HEADER_SESSION_ID = "x-session-id"  # the same, under the name session-based clients use
@@ -131,18 +120,10 @@ class Generation:
     each item.
     """
 
-    def __init__(
-        self,
-        service: FrontendService,
-        prepared: Prepared,
-        stream: ResponseStream,
-        route_id: str,
-        first: dict[str, Any],
-    ) -> None:
+    def __init__(self, service: FrontendService, prepared: Prepared, dispatch: Dispatch, first: dict[str, Any]) -> None:
         self._service = service
         self.prepared = prepared
-        self._stream = stream
-        self._route_id = route_id
+        self._dispatch = dispatch
         self._first: dict[str, Any] | None = first
         self._detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
         self._stop = StopStringMatcher(prepared.stops) if prepared.stops else None
@@ -164,14 +145,7 @@ class Generation:
         if item is not None:
             self._first = None
         else:
-            try:
-                item = await self._stream.__anext__()
-            except StopAsyncIteration:
-                raise UpstreamError("the worker ended the stream without a finish reason") from None
-            except RemoteHandlerError as e:
-                raise UpstreamError(f"the worker failed mid-stream: {e.error_type}: {e.message}") from e
-            except StreamInterruptedError as e:
-                raise UpstreamError(f"the worker stopped answering mid-stream: {e.reason}") from e
+            item = await self._dispatch.next_item()
         return self._process(item)
 
     def _process(self, item: dict[str, Any]) -> tuple[str, str | None]:
@@ -212,13 +186,13 @@ class Generation:
             return
         self._closed = True
         try:
-            await self._stream.aclose()
+            await self._dispatch.close()
         finally:
-            self._service._finished(self)
+            self._service.num_inflight -= 1
 
     @property
     def route_id(self) -> str:
-        return self._route_id
+        return self._dispatch.route_id
 
 
 class FrontendService:
@@ -234,6 +208,7 @@ class FrontendService:
         self._prefix = os.urandom(6).hex()
         self._ids = itertools.count()
         self.num_inflight = 0
+        self.suspects = Suspects()  # processes whose worker just failed: avoided while another can serve
 
     # --- preparation ------------------------------------------------------------------------------------------------
 
@@ -287,101 +262,20 @@ class FrontendService:
         )
         return Prepared(self.new_request_id(), model, tok, ids, sampling, stops, arrival_s)
 
-    # --- routing and retries ----------------------------------------------------------------------------------------
+    # --- routing and retries: one request's attempts live in dispatch.py -------------------------------------------
 
     async def start(self, p: Prepared) -> Generation:
-        """Route ``p`` and wait for its first output, trying other workers while nothing has been produced.
+        """Route ``p`` and wait for its first output (``Dispatch.start``: retries, errors); the Generation streams the
+        rest and, closed, cancels what still runs and settles the router's bookkeeping."""
+        dispatch = Dispatch(self.config, self.registry, self.router, self.suspects, p, on_retry=self._count_retry)
+        first = await dispatch.start()
+        self.num_inflight += 1
+        return Generation(self, p, dispatch, first)
 
-        Raises ServiceUnavailableError (no worker could take it), UpstreamTimeoutError (no first output within
-        ``first_token_timeout_s``), InvalidRequestError (the engine refused the request) or UpstreamError.
-        """
-        cfg = self.config
-        body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
-        excluded: set[int] = set()
-        last_error = ""
-        hints = p.hints
-        # Prepared once: KV-aware policies hash the prompt here, not again on every retry.
-        route = self.router.prepare(
-            RouteRequest(
-                p.prompt_ids,
-                p.model.name,
-                time.monotonic(),
-                program_id=hints.program_id,
-                ends_program=hints.ends_program,
-                pinned_instance_id=hints.pinned_instance_id,
-            )
-        )
-        for attempt in range(cfg.max_retries + 1):
-            if attempt:
-                route = dataclasses.replace(route, now_s=time.monotonic(), excluded_instance_ids=frozenset(excluded))
-            try:
-                decision = self.router.select(route)
-            except NoWorkersError as e:
-                detail = f"; last failure: {last_error}" if last_error else ""
-                raise ServiceUnavailableError(f"{e.reason}{detail}") from None
-            iid = decision.instance_id
-            assert iid is not None
-            client = self.registry.client_for(iid)
-            if client is None:  # discovery changed between the router's view and the registry's
-                excluded.add(iid)
-                continue
-            # The engine refuses an id it already holds; a retry may land where an earlier attempt is being aborted.
-            route_id = p.request_id if attempt == 0 else f"{p.request_id}.{attempt}"
-            if attempt:
-                body["request_id"] = route_id
-            self.router.on_routed(route_id, decision, route)
-            stream: ResponseStream | None = None
-            first: dict[str, Any] | None = None
-            try:
-                stream = await client.generate(body, instance_id=iid)
-                first = await self._first_item(stream, iid)
-            except (*_RETRIABLE, _Aborted) as e:
-                failure: Exception = e
-            except RemoteHandlerError as e:
-                # Decided on the wire code, never on the raising class's name (components/protocol/errors.py).
-                if e.code == ErrorCode.REQUEST_INVALID:
-                    # About the request itself: retrying elsewhere would fail the same way; the client's to fix.
-                    raise InvalidRequestError(e.message, param=e.payload.param) from e
-                if not e.recoverable:
-                    raise UpstreamError(f"the worker failed the request: {e.error_type}: {e.message}") from e
-                failure = e  # its engine is gone: another worker may serve it
-            finally:
-                if first is None:  # failed, or cancelled (the client left): release the attempt
-                    self.router.on_finished(route_id)
-                    if stream is not None:
-                        await stream.aclose()
-            if first is not None and stream is not None:
-                self.router.on_first_token(route_id)
-                self.num_inflight += 1
-                return Generation(self, p, stream, route_id, first)
-            excluded.add(iid)
-            last_error = str(failure)
-            self.metrics.retries.labels(reason=type(failure).__name__).inc()
-            logger.info("request %s: worker %x failed before its first output (%s)", p.request_id, iid, last_error)
-        raise ServiceUnavailableError(
-            f"no worker could take the request after {cfg.max_retries + 1} attempts; last failure: {last_error}"
-        )
-
-    async def _first_item(self, stream: ResponseStream, instance_id: int) -> dict[str, Any]:
-        timeout_s = self.config.first_token_timeout_s or None
-        try:
-            async with asyncio.timeout(timeout_s):
-                item: dict[str, Any] = await stream.__anext__()
-        except TimeoutError:
-            raise UpstreamTimeoutError(
-                f"no output from worker {instance_id:x} within {timeout_s:g} s (first_token_timeout_s)"
-            ) from None
-        except StopAsyncIteration:
-            raise _Aborted(f"worker {instance_id:x} ended the stream without output") from None
-        if item["finish_reason"] == "abort" and not item["token_ids"]:
-            raise _Aborted(f"worker {instance_id:x} aborted the request before its first token")
-        return item
+    def _count_retry(self, reason: str) -> None:
+        self.metrics.retries.labels(reason=reason).inc()
 
     # --- completion -------------------------------------------------------------------------------------------------
-
-    def _finished(self, gen: Generation) -> None:
-        self.num_inflight -= 1
-        self.router.on_finished(gen.route_id)
 
     def observe(self, gen: Generation, mm: ModelMetrics) -> None:
         """Token counters and latency histograms of a finished (or failed) generation."""
@@ -448,7 +342,3 @@ def build_sampling(
         ignore_eos=req.ignore_eos,
     )
     return sampling, stops
-
-
-class _Aborted(Exception):
-    """A stream that ended before its first output: the worker gave up on it (retriable)."""

@@ -114,8 +114,10 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """At the end of the output: whatever is left, replacement characters included."""
-        return self._advance(final=True)
+        """At the end of the output: whatever is left, less the replacement characters an incomplete UTF-8 character
+        at the very end decodes to (the output stopped inside it: vLLM's server sends nothing for those bytes either;
+        a replacement character inside the text, an invalid byte the model really produced, is kept)."""
+        return self._advance(final=True).rstrip(_REPLACEMENT)
 
     def _advance(self, final: bool) -> str:
         ids, p, r = self._ids, self._prefix_offset, self._read_offset

@@ -84,8 +84,8 @@ class Stack:
         async def wait() -> None:
             while True:
                 m = self.frontend.registry.models.get(model)
-                if (m is not None and len(m.instances) == n) or (m is None and n == 0):
-                    return
+                if (m is not None and len(m.instances) == n and not m.loading) or (m is None and n == 0):
+                    return  # listed: its workers are known and its tokenizer loaded
                 await asyncio.sleep(0.02)
 
         await asyncio.wait_for(wait(), timeout_s)
@@ -110,7 +110,9 @@ class Stack:
             await client.close()
 
     def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        # What a client receives: the text, less replacement characters of a character the output stopped inside
+        # (the frontend, as vLLM's server, sends none for those bytes).
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True)).rstrip("\ufffd")
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -228,7 +230,7 @@ async def test_the_first_chunk_goes_out_with_the_first_token_even_when_it_is_hal
     # A sampling seed whose first output token is half a character (about 1 in 3 of the 384 ids is a byte >= 0x80).
     for seed in range(200):
         out = await stack.expected_tokens(ids, 8, ignore_eos=True, seed=seed)
-        if stack.decode(out[:1]) == "\ufffd":
+        if stack.tokenizer.decode(out[:1]) == "\ufffd":
             break
     else:
         raise AssertionError("no seed in 0..199 starts with half a character")
@@ -341,7 +343,9 @@ async def test_a_single_token_stop_is_enforced_by_the_worker(stack: Stack):
     assert r.choices[0].finish_reason == "stop"
     # The worker stopped at that token (it is the k+1-th generated), not somewhere later.
     assert r.usage is not None and r.usage.completion_tokens == k + 1
-    assert r.choices[0].text == stack.decode(out_ids[:k])
+    # Raw: bytes before the stop letter that do not form a character are invalid there (the letter follows), not an
+    # output cut inside a character, so their replacement characters are part of the text.
+    assert r.choices[0].text == stack.tokenizer.decode(out_ids[:k], skip_special_tokens=True)
 
 
 # --- models come and go with their workers -----------------------------------------------------------------------
@@ -662,19 +666,49 @@ async def test_metrics_count_requests_tokens_and_latencies(stack: Stack):
     async for _ in stream:
         pass
     await post(stack.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 3})
+    await post(stack.url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**6})  # too long
+    await post(stack.url + "/v1/completions", {"model": "no-such-model", "prompt": "x"})
     chat_prompt = len(stack.chat_ids([{"role": "user", "content": "x"}]))
 
     text = await metrics_text(stack.url)
     assert metric(text, "kvmesh_frontend_requests_total", endpoint="completions", model=MODEL, status="200") == 2
     assert metric(text, "kvmesh_frontend_requests_total", endpoint="chat_completions", model=MODEL, status="200") == 1
-    # The 400 is counted before the model is resolved: no model label from a request that failed validation.
-    assert metric(text, "kvmesh_frontend_requests_total", endpoint="completions", model="", status="400") == 1
+    # Refused requests are counted under the model they named when it is served (an unsupported parameter, a
+    # context too long); a name no worker serves never becomes a label value.
+    assert metric(text, "kvmesh_frontend_requests_total", endpoint="completions", model=MODEL, status="400") == 2
+    assert metric(text, "kvmesh_frontend_requests_total", endpoint="completions", model="", status="404") == 1
+    assert "no-such-model" not in text
     assert metric(text, "kvmesh_frontend_output_tokens_total", model=MODEL) == 5 + 7 + 3
     assert metric(text, "kvmesh_frontend_input_tokens_total", model=MODEL) == 4 + 4 + chat_prompt
     assert metric(text, "kvmesh_frontend_time_to_first_token_seconds_count", model=MODEL) == 3
     assert metric(text, "kvmesh_frontend_inter_token_latency_seconds_count", model=MODEL) == 3
     assert metric(text, "kvmesh_frontend_request_duration_seconds_count", model=MODEL) == 3
     assert metric(text, "kvmesh_frontend_inflight_requests", model=MODEL) == 0
+
+
+async def test_a_model_is_listed_and_healthy_only_once_its_tokenizer_is_loaded(make_stack):
+    s: Stack = await make_stack()
+    await s.add_worker(wait=False)
+    seen: list[tuple[int, list[str], bool]] = []
+    async with aiohttp.ClientSession() as session:
+        while True:  # bounded by the test's timeout
+            async with session.get(s.url + "/health") as r:
+                health = await r.json()
+            model = s.frontend.registry.models.get(MODEL)
+            loaded = model is not None and model.tokenizer_task is not None and model.tokenizer_task.done()
+            seen.append((r.status, health["models"], loaded))
+            if r.status == 200 and health["models"] == [MODEL]:
+                break
+            await asyncio.sleep(0.01)
+        async with session.get(s.url + "/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == [MODEL]
+    # Whenever the model was listed, its tokenizer was loaded already: the first request does not wait for it.
+    assert all(loaded for _, models, loaded in seen if models)
+    assert all(status == 503 for status, models, loaded in seen if model_loading(models, loaded))
+
+
+def model_loading(models: list[str], loaded: bool) -> bool:
+    return not models and not loaded
 
 
 async def test_health_lists_models_and_workers(stack: Stack):

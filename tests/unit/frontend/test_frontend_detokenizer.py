@@ -50,7 +50,8 @@ def test_any_chunking_gives_the_same_text_as_one_transformers_decode(tok: Tokeni
         # Random bytes and special tokens: invalid UTF-8 included, as the mock engine produces.
         ids = [rng.randrange(384) for _ in range(rng.randrange(1, 120))]
         sizes = [rng.randrange(1, 9) for _ in range(len(ids))]
-        assert "".join(stream(tok, ids, sizes)) == hf.decode(ids, skip_special_tokens=True)
+        # ... except that the very end never sends replacement characters (an output cut inside a character).
+        assert "".join(stream(tok, ids, sizes)) == hf.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
 def test_special_tokens_are_skipped_and_long_outputs_keep_a_short_window(tok: Tokenizer):
@@ -97,3 +98,14 @@ def test_single_token_stop_detection(tok: Tokenizer):
     assert tok.single_token_stop("<|user|>") == 260
     assert tok.single_token_stop("xy") is None
     assert tok.single_token_stop("é") is None  # two bytes, two tokens
+
+
+def test_an_output_that_ends_inside_a_character_sends_no_replacement_character_at_the_end(tok: Tokenizer):
+    # vLLM's server sends "" for a final token that stops inside a UTF-8 character; so does the frontend.
+    snow = "日".encode()  # e6 97 a5
+    ids = [*tok.encode("ab", add_special_tokens=False), snow[0], snow[1]]
+    pieces = stream(tok, ids, [1, 1, 1])
+    assert pieces[-1] == "" and "".join(pieces) == "ab"
+    assert all("\ufffd" not in p for p in pieces)
+    # A whole character after an invalid byte is kept, the invalid byte too: only the cut-off end is dropped.
+    assert "".join(stream(tok, [0xFF, *snow], [1, 1])) == tok.decode([0xFF, *snow])

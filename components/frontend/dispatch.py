@@ -1,0 +1,267 @@
+"""One client request's life on the workers, in one place: route, send, first item, retry elsewhere, stream, finish.
+
+``Dispatch`` owns the request's *upstream*: which worker it runs on now, the runtime stream from that worker, and
+every call the router's bookkeeping needs (``prepare``, ``select``, ``on_routed``, ``on_first_token``,
+``on_finished``). The client-facing ``Generation`` (service.py) reads items from ``Dispatch.next_item`` and never
+sees a worker, so the upstream can change under it without the client noticing. That is the seam the next features
+extend:
+
+- **migration / failover** (``_resume``): a running request whose worker dies, or that the rescheduler moves, is
+  re-issued on another worker (prompt + the ``num_output_tokens`` already delivered, same sampling state), and the
+  new stream is spliced in by token position. Today ``_resume`` ends the request with ``UpstreamError``: nothing
+  reached the client twice, and the request was cancelled on its worker.
+- **disaggregated prefill** (``_attempt``): between choosing the decode worker and sending to it, a remote-prefill
+  hop can be inserted (enqueue the prompt's prefill, then send the decode request naming where the KV comes from).
+
+Retries before the first item: a worker that is gone, draining, dead, or whose stream broke is replaced by another
+(up to ``max_retries``) without the client seeing anything. A failure makes its whole process *suspect*: the other
+workers of the same process (same node and pid in their ``WorkerMetadata``) share its fault, so this request's
+retries, and other requests for ``SUSPECT_PROCESS_S``, go to another process while one exists (a SIGKILLed process
+hosting 8 workers must not absorb the whole retry budget before its leases expire).
+
+Imports: the router (no I/O parts), the runtime's client side, the protocol; never aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from components.frontend.errors import InvalidRequestError, ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
+from components.protocol.errors import ErrorCode
+from components.protocol.messages import GenerateRequest
+from components.protocol.metadata import WorkerMetadata
+from components.router import NoWorkersError, Router, RouteRequest
+from components.runtime import (
+    BusUnavailableError,
+    InstanceDrainingError,
+    InstanceGoneError,
+    RemoteHandlerError,
+    ResponseStream,
+    StreamInterruptedError,
+)
+
+if TYPE_CHECKING:
+    from components.frontend.config import FrontendConfig
+    from components.frontend.models import ModelRegistry
+    from components.frontend.service import Prepared
+
+logger = logging.getLogger(__name__)
+
+# Errors after which the same request may go to another worker, provided nothing has reached the client yet.
+RETRIABLE = (InstanceGoneError, InstanceDrainingError, StreamInterruptedError)
+# How long a process whose worker failed a request is avoided by new requests (while another process can serve).
+# A dead process's workers are excluded by the router once their load reports go stale (~0.5 s) and by discovery
+# once their leases expire (10 s); this bridges the first of those gaps for every request, not only the failed one.
+SUSPECT_PROCESS_S = 2.0
+
+ProcessKey = tuple[str, int]
+
+
+class Suspects:
+    """Processes whose worker just failed, until when they are avoided. Shared by every request of a frontend."""
+
+    def __init__(self, hold_s: float = SUSPECT_PROCESS_S) -> None:
+        self.hold_s = hold_s
+        self._until: dict[ProcessKey, float] = {}
+
+    def mark(self, key: ProcessKey, now_s: float) -> None:
+        if key != ("", 0):  # a worker that did not say where it runs shares nothing known with the others
+            self._until[key] = now_s + self.hold_s
+
+    def active(self, now_s: float) -> set[ProcessKey]:
+        if not self._until:
+            return set()
+        expired = [k for k, t in self._until.items() if t <= now_s]
+        for k in expired:
+            del self._until[k]
+        return set(self._until)
+
+
+def avoid(
+    instances: Mapping[int, Any], excluded: set[int], suspect: set[ProcessKey], process_of: Callable[[Any], ProcessKey]
+) -> frozenset[int]:
+    """Instances a retry should not use: those already tried, plus every instance of a suspect process, unless that
+    would leave none (then only those already tried: a suspect process is better than no answer). Pure."""
+    if not suspect:
+        return frozenset(excluded)
+    shunned = {iid for iid, info in instances.items() if process_of(info) in suspect}
+    if set(instances) - excluded - shunned:
+        return frozenset(excluded | shunned)
+    return frozenset(excluded)
+
+
+def _process_of(info: Any) -> ProcessKey:
+    return WorkerMetadata.from_dict(info.metadata).process_key
+
+
+class _Aborted(Exception):
+    """A stream that ended before its first output: the worker gave up on it (retriable)."""
+
+
+class Dispatch:
+    """The upstream of one client request. ``start`` returns the first item; ``next_item`` the following ones;
+    ``close`` cancels whatever still runs and settles the router's bookkeeping (idempotent)."""
+
+    def __init__(
+        self,
+        config: FrontendConfig,
+        registry: ModelRegistry,
+        router: Router,
+        suspects: Suspects,
+        prepared: Prepared,
+        on_retry: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.router = router
+        self.suspects = suspects
+        self.prepared = prepared
+        self._on_retry = on_retry
+        self.stream: ResponseStream | None = None
+        self.route_id = prepared.request_id
+        self.instance_id: int | None = None
+        self.num_attempts = 0
+        self._open = False  # router bookkeeping open for route_id
+
+    # --- before the first item ---------------------------------------------------------------------------------------
+
+    async def start(self) -> dict[str, Any]:
+        """Route and wait for the first item, trying other workers while nothing has been produced.
+
+        Raises ServiceUnavailableError (no worker could take it), UpstreamTimeoutError (no first output within
+        ``first_token_timeout_s``), InvalidRequestError (the engine refused the request) or UpstreamError.
+        """
+        p = self.prepared
+        cfg = self.config
+        body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
+        excluded: set[int] = set()
+        last_error = ""
+        hints = p.hints
+        # Prepared once: KV-aware policies hash the prompt here, not again on every retry.
+        route = self.router.prepare(
+            RouteRequest(
+                p.prompt_ids,
+                p.model.name,
+                time.monotonic(),
+                program_id=hints.program_id,
+                ends_program=hints.ends_program,
+                pinned_instance_id=hints.pinned_instance_id,
+            )
+        )
+        for attempt in range(cfg.max_retries + 1):
+            now = time.monotonic()
+            shunned = avoid(p.model.instances, excluded, self.suspects.active(now), _process_of)
+            if attempt or shunned:
+                route = dataclasses.replace(route, now_s=now, excluded_instance_ids=shunned)
+            try:
+                decision = self.router.select(route)
+            except NoWorkersError as e:
+                detail = f"; last failure: {last_error}" if last_error else ""
+                raise ServiceUnavailableError(f"{e.reason}{detail}") from None
+            iid = decision.instance_id
+            assert iid is not None
+            client = self.registry.client_for(iid)
+            if client is None:  # discovery changed between the router's view and the registry's
+                excluded.add(iid)
+                continue
+            # The engine refuses an id it already holds; a retry may land where an earlier attempt is being aborted.
+            route_id = p.request_id if attempt == 0 else f"{p.request_id}.{attempt}"
+            if attempt:
+                body["request_id"] = route_id
+            self.num_attempts += 1
+            self.router.on_routed(route_id, decision, route)
+            stream: ResponseStream | None = None
+            first: dict[str, Any] | None = None
+            try:
+                stream, first = await self._attempt(client, body, iid)
+            except (*RETRIABLE, _Aborted) as e:
+                failure: Exception = e
+            except RemoteHandlerError as e:
+                # Decided on the wire code, never on the raising class's name (components/protocol/errors.py).
+                if e.code == ErrorCode.REQUEST_INVALID:
+                    # About the request itself: retrying elsewhere would fail the same way; the client's to fix.
+                    raise InvalidRequestError(e.message, param=e.payload.param) from e
+                if not e.recoverable:
+                    raise UpstreamError(f"the worker failed the request: {e.error_type}: {e.message}") from e
+                failure = e  # its engine is gone: another worker may serve it
+            except BusUnavailableError as e:
+                raise ServiceUnavailableError(f"the request plane is down: {e}") from e
+            finally:
+                if first is None:  # failed, or cancelled (the client left): release the attempt
+                    self.router.on_finished(route_id)
+            if first is not None and stream is not None:
+                self.router.on_first_token(route_id)
+                self.stream, self.route_id, self.instance_id, self._open = stream, route_id, iid, True
+                return first
+            excluded.add(iid)
+            info = p.model.instances.get(iid)
+            if info is not None and not isinstance(failure, InstanceDrainingError):
+                self.suspects.mark(_process_of(info), time.monotonic())  # its siblings share the fault
+            last_error = str(failure)
+            if self._on_retry is not None:
+                self._on_retry(type(failure).__name__)
+            logger.info("request %s: worker %x failed before its first output (%s)", p.request_id, iid, last_error)
+        raise ServiceUnavailableError(
+            f"no worker could take the request after {cfg.max_retries + 1} attempts; last failure: {last_error}"
+        )
+
+    async def _attempt(self, client: Any, body: dict[str, Any], iid: int) -> tuple[ResponseStream, dict[str, Any]]:
+        """One worker's try: send, then wait for its first item. (Disaggregation inserts its prefill hop here.)"""
+        stream = await client.generate(body, instance_id=iid)
+        try:
+            return stream, await self._first_item(stream, iid)
+        except BaseException:
+            await stream.aclose()
+            raise
+
+    async def _first_item(self, stream: ResponseStream, instance_id: int) -> dict[str, Any]:
+        timeout_s = self.config.first_token_timeout_s or None
+        try:
+            async with asyncio.timeout(timeout_s):
+                item: dict[str, Any] = await stream.__anext__()
+        except TimeoutError:
+            raise UpstreamTimeoutError(
+                f"no output from worker {instance_id:x} within {timeout_s:g} s (first_token_timeout_s)"
+            ) from None
+        except StopAsyncIteration:
+            raise _Aborted(f"worker {instance_id:x} ended the stream without output") from None
+        if item["finish_reason"] == "abort" and not item["token_ids"]:
+            raise _Aborted(f"worker {instance_id:x} aborted the request before its first token")
+        return item
+
+    # --- after it -----------------------------------------------------------------------------------------------------
+
+    async def next_item(self) -> dict[str, Any]:
+        """The next item from the current upstream."""
+        stream = self.stream
+        assert stream is not None, "start() first"
+        try:
+            item: dict[str, Any] = await stream.__anext__()
+        except StopAsyncIteration:
+            raise UpstreamError("the worker ended the stream without a finish reason") from None
+        except RemoteHandlerError as e:
+            return await self._resume(e, f"the worker failed mid-stream: {e.error_type}: {e.message}")
+        except StreamInterruptedError as e:
+            return await self._resume(e, f"the worker stopped answering mid-stream: {e.reason}")
+        return item
+
+    async def _resume(self, cause: Exception, message: str) -> dict[str, Any]:
+        """Where a request whose upstream broke mid-stream continues. The migration issue re-issues it here on another
+        worker (prompt + tokens delivered so far) and returns that stream's next item; until then it fails."""
+        raise UpstreamError(message) from cause
+
+    async def close(self) -> None:
+        """Cancel the request on its worker if it still runs, and settle the router's bookkeeping. Idempotent."""
+        stream, self.stream = self.stream, None
+        try:
+            if stream is not None:
+                await stream.aclose()
+        finally:
+            if self._open:
+                self._open = False
+                self.router.on_finished(self.route_id)
