@@ -298,7 +298,9 @@ class EtcdDiscovery:
                     last_rev = 0
                 if not last_rev:
                     listing, last_rev = await self._list(client, prefix)
-                    for ev in diff_listing(seen, listing, relisted=listed_once):
+                    # A DELETE from a listing is "not listed": a key lost with etcd's data (a later listing, or a
+                    # first one against the caller's own) as well as a deregistration; the caller tells them apart.
+                    for ev in diff_listing(seen, listing, relisted=listed_once or bool(known)):
                         yield ev
                     seen = listing
                     listed_once = True

@@ -193,7 +193,10 @@ class InstanceServer:
             if running is not None:
                 running.cancel()
         elif kind == PROBE and msg.reply:
-            self._sender(frame, msg.reply, 2)(-1, PROBE_ACK, request_id in self._inflight)
+            # A probe for a request: is it still running here? A probe for no request (""): does this instance take
+            # requests (it is serving, not draining)?
+            alive = (not self.draining) if request_id == "" else request_id in self._inflight
+            self._sender(frame, msg.reply, 2)(-1, PROBE_ACK, alive)
 
     async def _run(self, request_id: str, body: Any, send: Callable[[int, int, Any], None]) -> None:
         seq = 1
@@ -733,15 +736,20 @@ async def open_stream(
 
 
 async def probe_instance(bus: Bus, subject: str, timeout_s: float) -> bool | None:
-    """Is an instance serving ``subject``? True: it answered a probe; False: nobody subscribes there (NATS
-    no-responders: the process is gone); None: no answer within ``timeout_s`` (hung, or the bus is down)."""
+    """Does an instance take requests on ``subject``? True: it answered that it serves; False: nobody subscribes there
+    (NATS no-responders: the process is gone) or it answered that it is draining; None: no answer within
+    ``timeout_s`` (hung, or the bus is down)."""
     try:
-        await bus.request(subject, pack([PROBE, "", "", "", ""]), timeout_s)
+        reply = await bus.request(subject, pack([PROBE, "", "", "", ""]), timeout_s)
     except NoRespondersError:
         return False
     except (RecoverableError, TimeoutError, OSError):
         return None
-    return True
+    try:
+        _, kind, alive = unpack(reply)
+    except (ValueError, TypeError):
+        return None
+    return bool(alive) if kind == PROBE_ACK else None
 
 
 async def collect(stream: AsyncIterator[Any]) -> list[Any]:

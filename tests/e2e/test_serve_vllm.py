@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.test_serve import ROOT, serving, wait_gone
-from tests.helpers.vllm import check_weights, requires_vllm
+from tests.support.vllm import check_weights, requires_vllm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(400), requires_vllm]
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
 from components.runtime import collect
 from components.runtime.request_plane import RequestContext
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -24,15 +25,6 @@ pytestmark = pytest.mark.integration
 async def counter(body: dict[str, int], ctx: RequestContext) -> AsyncIterator[dict[str, int]]:
     for i in range(body["n"]):
         yield {"i": i}
-
-
-async def wait_until(pred: Callable[[], bool], timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - t0
 
 
 async def test_registry_loss_keeps_live_instances_routable_until_they_re_register(make_runtime, etcd_server):

@@ -21,7 +21,9 @@ from components.runtime import (
     StreamInterruptedError,
     collect,
 )
+from components.runtime.request_plane import probe_instance
 from components.runtime.runtime import Runtime
+from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -36,14 +38,14 @@ async def stream_handler(body, ctx):
 
 
 class ChildServer:
-    """tests/helpers/echo_server.py in its own process, so it can be SIGKILLed."""
+    """tests/support/echo_server.py in its own process, so it can be SIGKILLed."""
 
     def __init__(self, cfg: RuntimeConfig, namespace: str = "t") -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "tests.helpers.echo_server",
+                "tests.support.echo_server",
                 "--etcd",
                 cfg.etcd_endpoints[0],
                 "--nats",
@@ -85,16 +87,6 @@ def child_servers(runtime_config):
     yield make
     for c in made:
         c.close()
-
-
-async def wait_until(pred, timeout_s: float, step_s: float = 0.02) -> float:
-    """Poll ``pred`` until true; returns the seconds it took; fails the test after ``timeout_s``."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(step_s)
-    return time.monotonic() - t0
 
 
 async def test_register_watch_deregister(make_runtime):
@@ -147,6 +139,10 @@ async def test_lease_expiry_after_sigkill_removes_instance_within_ttl(make_runti
     assert time.monotonic() - t0 <= runtime_config.lease_ttl_s + 1.5
 
 
+async def _gone(rt, subject: str) -> bool:
+    return await probe_instance(rt.bus, subject, 0.5) is False
+
+
 async def test_request_to_killed_instance_fails_fast(make_runtime, child_servers, runtime_config):
     other = await make_runtime()
     client = await other.namespace("t").component("backend").endpoint("generate").client()
@@ -158,8 +154,9 @@ async def test_request_to_killed_instance_fails_fast(make_runtime, child_servers
     child.kill()
     # nats-server drops the dead connection's subscriptions when it reads the socket's EOF; on a loaded machine that
     # can lag the kill by a few ms, and a request landing in that window is caught by the 2 s ACK timeout instead
-    # (still InstanceGoneError, still far below the TTL). Give the server that moment, then expect the fast path.
-    await asyncio.sleep(0.2)
+    # (still InstanceGoneError, still far below the TTL). Wait until the server says nobody serves the subject.
+    subject = client.instance(iid).subject  # type: ignore[union-attr]
+    await wait_until_async(lambda: _gone(other, subject), timeout_s=5)
     # The instance is still listed (its lease has not expired) but a request to it fails at once.
     assert iid in client.instance_ids()
     t0 = time.monotonic()

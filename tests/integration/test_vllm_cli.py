@@ -14,7 +14,7 @@ import pytest
 
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.protocol.messages import FinishReason, GenerateRequest, SamplingParams, TokenChunk
-from tests.helpers.vllm import MODEL_DIR, ROOT, check_weights, requires_vllm
+from tests.support.vllm import MODEL_DIR, ROOT, check_weights, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, requires_vllm]
 

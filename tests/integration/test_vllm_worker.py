@@ -33,7 +33,8 @@ from components.runtime.servers import EtcdServer, NatsServer
 from components.workers.config import EngineKind, WorkerConfig
 from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
 from components.workers.worker import Worker
-from tests.helpers.vllm import MODEL_DIR, check_weights, requires_vllm
+from tests.support.vllm import MODEL_DIR, check_weights, requires_vllm
+from tests.support.waiting import until_subscribed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), requires_vllm]
 
@@ -186,7 +187,8 @@ async def test_an_out_of_vocabulary_token_is_refused_and_the_worker_keeps_servin
 async def test_a_second_request_sharing_a_prefix_announces_blocks_chained_on_the_first_ones(mesh):
     ns = mesh.rt.namespace(NS)
     kv = await ns.events.subscribe(TOPIC_KV_EVENTS, decode=lambda p: [KvEvent.from_dict(e) for e in p])
-    await asyncio.sleep(0.2)  # the NATS subscription is registered before the first event
+    # The subscription is live before the first event: markers (source 0, no worker's id) until one arrives.
+    await until_subscribed(lambda: ns.events.publish(TOPIC_KV_EVENTS, [], source_id=0), kv)
     a = mesh.a
     first = [(11 * i + 1) % 256 for i in range(100)]  # blocks f0 f1 f2 + 4 tokens
     second = first[:64] + [(5 * i + 2) % 256 for i in range(40)]  # f0 f1, then its own block s2 (+ 8 tokens)

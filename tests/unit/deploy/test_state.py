@@ -25,6 +25,7 @@ from components.deploy.state import (
     state_path,
     write_state,
 )
+from tests.support.waiting import wait_until_sync
 
 pytestmark = pytest.mark.unit
 
@@ -154,7 +155,7 @@ def test_following_a_log_survives_its_rotation(tmp_path):
     t.start()
     with open(path, "ab") as w:
         w.write(b"appended\n")
-    time.sleep(0.5)
+    wait_until_sync(lambda: out.getvalue() == b"appended\n")  # the follower read it before the rotation
     os.replace(path, tmp_path / "w.log.1")  # what circus does at 64 MiB
     path.write_bytes(b"after rotation\n")
     t.join()

@@ -5,7 +5,6 @@ leaving one takes its blocks, and replicas share their assignments.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +19,7 @@ from components.router.feed import RouterFeed
 from components.router.protocol import TOPIC_ROUTER_SYNC
 from components.runtime import RequestContext, Runtime, RuntimeConfig
 from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -301,14 +301,6 @@ def test_own_and_unknown_sync_messages_are_ignored_and_malformed_ones_raise():
 
 
 # --- RouterFeed over the memory twins -------------------------------------------------------------------------------
-
-
-async def wait_until(pred: Callable[[], bool], timeout_s: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.005)
 
 
 class FakeWorker:

@@ -12,14 +12,14 @@ processes would talk), so each mechanism is seen alone:
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
 from components.runtime import BusUnavailableError, Runtime, RuntimeConfig, request_plane
 from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
 from components.runtime.request_plane import RequestContext
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -43,14 +43,6 @@ async def mesh() -> AsyncIterator[Mesh]:
     yield m
     for rt in m.runtimes:
         await rt.shutdown(drain_timeout_s=0.5)
-
-
-async def wait_until(pred: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.005)
 
 
 class Endless:
@@ -170,3 +162,15 @@ async def test_a_bus_that_stays_down_fails_the_request_clearly(mesh):
     assert isinstance(exc.value, TimeoutError) and "unreachable for 0.05 s" in str(exc.value)
     assert handler.started == 0  # nothing was sent
     mesh.bus.is_connected = True
+
+
+async def test_an_instance_probe_tells_serving_from_draining_from_gone(mesh):
+    from components.runtime.request_plane import probe_instance
+
+    server, served, _ = await serve_endless(mesh)
+    subject = served.info.subject
+    assert await probe_instance(mesh.bus, subject, 0.5) is True
+    served.server.draining = True  # as during a drain: no new requests
+    assert await probe_instance(mesh.bus, subject, 0.5) is False
+    await served.server.stop()
+    assert await probe_instance(mesh.bus, subject, 0.5) is False  # nobody subscribes: no responders

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -17,19 +16,11 @@ from components.runtime.bus import BusMessage, NoRespondersError, is_no_responde
 from components.runtime.discovery import WatchEvent, WatchEventKind, diff_listing
 from components.runtime.errors import RecoverableError, RequestTimeoutError, RuntimeMeshError
 from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore, subject_matches
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
 PUT, DELETE = WatchEventKind.PUT, WatchEventKind.DELETE
-
-
-async def wait_until(pred: Callable[[], bool], timeout_s: float = 1.0) -> None:
-    """Let the subscription tasks run until ``pred`` holds; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.001)
 
 
 async def settle(rounds: int = 20) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -31,6 +31,7 @@ from components.runtime.bus import BusMessage
 from components.runtime.codec import pack, unpack
 from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
 from components.runtime.request_plane import ACK, CANCEL, DATA, END, ERROR, PROBE, PROBE_ACK, REQ, RequestContext
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -58,15 +59,6 @@ async def mesh() -> AsyncIterator[Mesh]:
     yield m
     for rt in m.runtimes:
         await rt.shutdown(drain_timeout_s=0.5)
-
-
-async def wait_until(pred: Callable[[], bool], timeout_s: float = 2.0) -> float:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.001)
-    return time.monotonic() - t0
 
 
 class Frames:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -13,6 +13,7 @@ from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import FinishReason, GenerateRequest, KvEvent, KvEventKind, SamplingParams, TokenChunk
 from components.workers.engines.base import Engine, EngineDeadError, EngineRequestError
 from components.workers.engines.mock import MockEngine, MockEngineConfig
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -42,12 +43,6 @@ async def collect(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
 
 def tokens_of(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
-
-
-async def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():  # noqa: ASYNC110 - polls plain counters the engine exposes no Event for
-            await asyncio.sleep(0.001)
 
 
 def test_config_accepts_inf_and_rejects_inconsistent_settings():
