@@ -167,7 +167,7 @@ async def test_a_bus_that_stays_down_fails_the_request_clearly(mesh):
 async def test_an_instance_probe_tells_serving_from_draining_from_gone(mesh):
     from components.runtime.request_plane import probe_instance
 
-    server, served, _ = await serve_endless(mesh)
+    _, served, _ = await serve_endless(mesh)
     subject = served.info.subject
     assert await probe_instance(mesh.bus, subject, 0.5) is True
     served.server.draining = True  # as during a drain: no new requests
