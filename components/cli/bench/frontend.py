@@ -87,7 +87,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     started = await asyncio.to_thread(
         _kvmesh,
         "serve", graph, "--detach", "--state-dir", str(state_dir),
-        "--set", "frontend.port=0", "--set", "workers[0].engine_args.speedup_ratio=inf",
+        "--set", "frontend.port=0", "--set", "workers[0].speedup_ratio=inf",
     )  # fmt: skip
     if started.returncode != 0:
         raise RuntimeError(

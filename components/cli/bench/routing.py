@@ -4,9 +4,9 @@ per-worker balance in one table (JSON on stdout's last line, a human table on st
 
 Per policy (``round_robin``, ``random``, ``power_of_two``, ``least_loaded``, ``autellix``, ``kv``, ``kv+autellix``):
 
-1. ``kvmesh serve graphs/mock_agg.yaml --detach`` in a state directory of its own, with ``frontend.router`` set to the
-   policy and ``router_seed`` to ``--seed``: a new etcd, NATS, frontend and workers, so every policy starts with cold
-   caches and an empty router.
+1. ``kvmesh serve graphs/mock_agg.yaml --detach`` in a state directory of its own, with ``frontend.router_policy`` set
+   to the policy and ``router_seed`` to ``--seed``: a new etcd, NATS, frontend and workers, so every policy starts
+   with cold caches and an empty router.
 2. This process subscribes to the workers' ``load_metrics`` and ``kv_events`` topics (the same feeds the router reads).
 3. ``run_load`` (``kvmesh bench load``'s engine) replays the slice open-loop on its timestamps times ``--time-scale``:
    Mooncake ``hash_ids`` expanded into 512-token blocks (equal ids, equal blocks, so conversations share prefixes),
@@ -72,8 +72,6 @@ from components.runtime import EventSubscription, Runtime, RuntimeConfig
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 POLICIES = ("round_robin", "random", "power_of_two", "least_loaded", "autellix", "kv", "kv+autellix")
-# The graph's frontend.router takes [A-Za-z0-9_-]: registered aliases stand in for names with other characters.
-GRAPH_POLICY_NAME = {"kv+autellix": "kv_autellix"}
 TARGET_TTFT_P99_RATIO = 2.0
 TARGET_MAX_OVER_MEAN_LOAD = 1.5
 THROUGHPUT_TOLERANCE = 0.05
@@ -194,17 +192,17 @@ def serve_overrides(policy: str, args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--workers {args.workers} is not a multiple of --worker-processes {args.worker_processes}")
     sets = [
         "frontend.port=0",
-        f"frontend.router={GRAPH_POLICY_NAME.get(policy, policy)}",
-        f"frontend.args.router_seed={args.seed}",
-        f"frontend.args.locality_threshold_tokens={args.locality_threshold_tokens}",
+        f"frontend.router_policy={policy}",
+        f"frontend.router_seed={args.seed}",
+        f"frontend.locality_threshold_tokens={args.locality_threshold_tokens}",
         f"workers[0].replicas={args.worker_processes}",
         f"workers[0].num_workers={per_process}",
-        f"workers[0].engine_args.speedup_ratio={args.speedup_ratio}",
-        f"workers[0].engine_args.num_gpu_blocks={args.num_gpu_blocks}",
-        f"workers[0].engine_args.block_size={args.block_size}",
-        f"workers[0].engine_args.seed={args.seed}",
+        f"workers[0].speedup_ratio={args.speedup_ratio}",
+        f"workers[0].num_gpu_blocks={args.num_gpu_blocks}",
+        f"workers[0].block_size={args.block_size}",
+        f"workers[0].seed={args.seed}",
     ]
-    sets += [f"frontend.args.{kv}" for kv in args.router_arg]
+    sets += [f"frontend.{kv}" for kv in args.router_arg]
     return [x for s in sets for x in ("--set", s)]
 
 
