@@ -212,4 +212,23 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(render_table(rows))
         print(f"{len(rows)} instances")
+        states = [st for st in live_states(resolve_state_dir(args.state_dir)) if args.namespace in ("", st.namespace)]
+        for line in server_lines(states):
+            print(line)
     return 0
+
+
+def server_lines(states: Sequence[ServeState]) -> list[str]:
+    """One line per embedded server of each live deployment: where it is, and how often serve restarted it."""
+    out = []
+    for st in states:
+        for name, server in (("etcd", st.embedded_etcd), ("nats", st.embedded_nats)):
+            if server is None:
+                continue
+            line = f"{st.namespace}: embedded {name} {server.endpoint}"
+            line += f" pid {server.process.pid}" if server.process else " (not running)"
+            if server.restarts:
+                times = "once" if server.restarts == 1 else f"{server.restarts} times"
+                line += f", restarted {times} (last exit: {server.last_exit})"
+            out.append(line)
+    return out

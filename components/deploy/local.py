@@ -55,7 +55,7 @@ from components.deploy.state import (
 )
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.protocol.metadata import WorkerMetadata
-from components.runtime import Runtime, RuntimeConfig
+from components.runtime import Runtime, RuntimeConfig, RuntimeMeshError
 from components.runtime.servers import EtcdServer, NatsServer, ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,18 @@ class ServeConfig(BaseModel):
         description="Crashes per watcher tolerated before the deployment is ready (circus restarts a crashed process; "
         "a transient failure such as a slow first connection deserves another try, a bad flag does not); one more "
         "fails the start with the tail of its log.",
+    )
+    server_check_interval_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="How often serve checks that the embedded etcd and nats-server still run (a dead one is "
+        "restarted at once: the mesh rides out a gap this short).",
+    )
+    server_restart_backoff_s: list[float] = Field(
+        default_factory=lambda: [0.0, 0.5, 1.0, 2.0, 4.0],
+        min_length=1,
+        description="Delays before each attempt to restart an embedded server that exited; when the last attempt "
+        "fails too, the deployment fails with the reason.",
     )
     progress_interval_s: float = Field(
         default=5.0,
@@ -298,17 +310,54 @@ class Deployment:
         return waiting
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until a signal, or until circus is told to quit through its controller, or an embedded server dies."""
+        """Serve until a signal, or until circus is told to quit through its controller, or an embedded server that
+        died cannot be brought back."""
         assert self.launcher is not None
         while not stop.is_set() and not self.launcher.stopping:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+                await asyncio.wait_for(stop.wait(), self.cfg.server_check_interval_s)
             self.refresh()
-            for server in (self.etcd, self.nats):
-                # The servers were started by us, not by circus; nothing restarts them, and without them no worker
-                # can register or be reached: the deployment is over.
-                if server is not None and server.proc is not None and server.proc.poll() is not None:
-                    raise StartupError(server.name, f"embedded {server.name} exited; its log: {server.log_path}")
+            await self.supervise_servers()
+
+    async def supervise_servers(self) -> None:
+        """Restart an embedded etcd or nats-server that exited, on the same ports and with the same data (JetStream's
+        included), as circus restarts a watcher: the mesh rides out the gap (clients keep their instances, requests
+        wait for the bus, workers re-register), so the deployment must not end with it. Tries after each delay of
+        ``server_restart_backoff_s``; only a server that cannot come back fails the deployment, saying why."""
+        for server, record in ((self.etcd, self.state.embedded_etcd), (self.nats, self.state.embedded_nats)):
+            if server is None or record is None or server.proc is None:
+                continue
+            code = server.proc.poll()
+            if code is None:
+                continue
+            why = exit_reason(code)
+            record.restarts += 1
+            record.last_exit = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {why}"
+            record.process = None
+            logger.warning("embedded %s %s; restarting it on the same port and data (restart %d)", server.name, why,
+                           record.restarts)  # fmt: skip
+            self.write()
+            failure: Exception | None = None
+            for delay_s in self.cfg.server_restart_backoff_s:
+                await asyncio.sleep(delay_s)
+                try:
+                    await asyncio.to_thread(server.start)
+                except (RuntimeMeshError, OSError) as e:  # ConnectError: it did not come up (port held, crash)
+                    failure = e
+                    logger.warning("embedded %s did not come back: %s", server.name, e)
+                    continue
+                failure = None
+                break
+            if failure is not None:
+                tries = len(self.cfg.server_restart_backoff_s)
+                raise StartupError(
+                    server.name,
+                    f"embedded {server.name} {why} and did not come back after {tries} tries: {failure}; "
+                    f"its log: {server.log_path}",
+                )
+            record.process = ProcessRecord.of(server.pid) if server.pid else None
+            self.write()
+            logger.warning("embedded %s is back (pid %s)", server.name, server.pid)
 
     async def shutdown(self) -> None:
         """Watchers first (they drain through etcd and NATS), then NATS, then etcd. Each step in its own try."""
@@ -451,6 +500,16 @@ def stop(namespace: str, state_dir: Path, timeout_s: float | None = None) -> str
     st.status = "stopped"
     write_state(path, st)
     return f"serve (pid {st.serve.pid}) of {namespace} was gone; stopped the {len(leftovers)} processes it left"
+
+
+def exit_reason(code: int) -> str:
+    """``Popen.returncode`` in words: "was killed by SIGKILL", "exited with status 1"."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def remove_server_data(data_dir: Path) -> None:

@@ -107,6 +107,8 @@ class ServerState(BaseModel):
     process: ProcessRecord | None = Field(default=None, description="Its process while it runs.")
     data_dir: str = Field(description="Data directory (wiped at start).")
     log: str = Field(description="Its own log file.")
+    restarts: int = Field(default=0, description="How often kvmesh serve restarted it after it exited.")
+    last_exit: str = Field(default="", description="When and how it last exited, e.g. '... was killed by SIGKILL'.")
 
 
 class CircusState(BaseModel):

@@ -245,3 +245,34 @@ def test_status_with_nothing_served_says_so_instead_of_asking_a_default_port(tmp
 def test_state_files_record_absolute_paths(tmp_path):
     # The detached serve and `kvmesh stop` may run from another directory than the one that started serving.
     assert Path(resolve_state_dir(str(tmp_path / "x" / ".." / "s"))) == tmp_path / "s"
+
+
+def test_status_lists_embedded_servers_with_their_restarts():
+    from components.cli.status import server_lines
+    from components.deploy.local import exit_reason
+    from components.deploy.state import ServerState
+
+    st = ServeState(
+        namespace="ns",
+        graph="/g.yaml",
+        status="ready",
+        serve=ProcessRecord(pid=1, create_time=1.0),
+        started_at=0.0,
+        etcd_endpoints=["http://127.0.0.1:1"],
+        nats_url="nats://127.0.0.1:2",
+        embedded_etcd=ServerState(
+            endpoint="http://127.0.0.1:1",
+            process=ProcessRecord(pid=7, create_time=1.0),
+            data_dir="/d",
+            log="/d/etcd.log",
+            restarts=2,
+            last_exit="2026-11-24 01:00:00 " + exit_reason(-9),
+        ),
+        embedded_nats=ServerState(endpoint="nats://127.0.0.1:2", process=None, data_dir="/n", log="/n/nats.log"),
+    )
+    assert server_lines([st]) == [
+        "ns: embedded etcd http://127.0.0.1:1 pid 7, restarted 2 times (last exit: 2026-11-24 01:00:00 was killed "
+        "by SIGKILL)",
+        "ns: embedded nats nats://127.0.0.1:2 (not running)",
+    ]
+    assert exit_reason(1) == "exited with status 1"

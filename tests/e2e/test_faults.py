@@ -1,0 +1,191 @@
+"""Faults under load, on a served simulated graph, through the official ``openai`` client (issues 17 and 18).
+
+Each test serves ``graphs/mock_agg.yaml`` (frontend + 2 worker processes x 8 simulated workers, real etcd,
+nats-server and circus), runs a bounded streaming load (``LOAD_REQUESTS`` requests, ``LOAD_CONCURRENCY`` at a time,
+each a few hundred milliseconds of real-time decoding), injects one fault about a second in, and checks what a user
+would: no request failed, the same instances are registered afterwards, no worker still runs a request nobody
+waits for, and ``kvmesh stop`` ends everything in its normal time.
+
+Faults: the embedded etcd SIGKILLed; the embedded nats-server SIGKILLed (``kvmesh serve`` restarts both on the same
+ports and data); an external etcd restarted with and without its data; an external nats-server restarted; and one
+worker process (8 of 16 workers) SIGKILLed with ``max_retries`` 1: no request may fail for lack of a live instance
+while the other process serves the model (streams cut mid-way on the killed process are the migration issue's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from components.deploy.state import ServeState
+from components.runtime.servers import EtcdServer, NatsServer
+from tests.e2e.test_serve import MOCK_AGG, NS, ROOT, run_kvmesh, serving, wait_gone
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
+
+LOAD_REQUESTS = 240
+LOAD_CONCURRENCY = 24
+MAX_TOKENS = 24  # ~0.3 s of decoding each at the simulator's real-time speed: streams are in flight at the fault
+FAULT_AFTER_S = 1.0
+
+
+class Load:
+    """A bounded streaming load through the openai client; every outcome recorded."""
+
+    def __init__(self, url: str) -> None:
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.ok = 0
+        self.failed_before_first_token: list[str] = []
+        self.failed_mid_stream: list[str] = []
+        self.started = asyncio.Event()
+
+    async def one(self, i: int) -> None:
+        got = 0
+        try:
+            stream = await self.client.completions.create(
+                model="tiny-llama",
+                prompt=f"request {i}: tell me something",
+                max_tokens=MAX_TOKENS,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                got += 1
+                self.started.set()
+                if chunk.choices and chunk.choices[0].finish_reason is not None:
+                    break
+            self.ok += 1
+        except (openai.APIError, openai.APIConnectionError) as e:
+            (self.failed_mid_stream if got else self.failed_before_first_token).append(f"{type(e).__name__}: {e}")
+
+    async def run(self) -> None:
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(LOAD_REQUESTS):
+            queue.put_nowait(i)
+
+        async def worker() -> None:
+            while not queue.empty():
+                await self.one(queue.get_nowait())
+
+        await asyncio.gather(*(worker() for _ in range(LOAD_CONCURRENCY)))
+        await self.client.close()
+
+
+def instances(state_dir: Path) -> list[dict[str, Any]]:
+    done = run_kvmesh("status", "--state-dir", str(state_dir), "--namespace", NS, "--json", "--load-wait-s", "1")
+    assert done.returncode == 0, done.stderr
+    return [r for r in json.loads(done.stdout) if r["component"] == "backend"]
+
+
+def running_requests(rows: list[dict[str, Any]]) -> int:
+    return sum((r["load"] or {}).get("num_running", 0) + (r["load"] or {}).get("num_waiting", 0) for r in rows)
+
+
+async def under_load(url: str, fault: Any) -> Load:
+    load = Load(url)
+    task = asyncio.ensure_future(load.run())
+    await asyncio.wait_for(load.started.wait(), 30)
+    await asyncio.sleep(FAULT_AFTER_S)  # the scenario: the fault strikes with streams in flight
+    await asyncio.to_thread(fault)
+    await asyncio.wait_for(task, 180)
+    return load
+
+
+def stop_in_normal_time(state_dir: Path, st: ServeState) -> float:
+    t0 = time.monotonic()
+    done = run_kvmesh("stop", NS, "--state-dir", str(state_dir), timeout_s=120)
+    took = time.monotonic() - t0
+    assert done.returncode == 0, done.stderr
+    assert wait_gone(st.all_processes(), 10) == []
+    # Workers drain in well under their 60 s timeout when nothing is left running (issue 18 measured 61 s).
+    assert took < 30, f"kvmesh stop took {took:.1f} s"
+    return took
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("server", ["etcd", "nats"])
+async def test_an_embedded_server_killed_under_load_is_restarted_and_costs_no_request(tmp_path, server):
+    with serving(tmp_path, "--set", "frontend.port=0") as serve:
+        url = serve.wait_ready()
+        st = serve.state()
+        before = {r["instance_id"] for r in instances(tmp_path)}
+        assert len(before) == 16
+        record = st.embedded_etcd if server == "etcd" else st.embedded_nats
+        assert record is not None and record.process is not None
+        load = await under_load(url, lambda: kill(record.process.pid))  # type: ignore[union-attr]
+        assert load.failed_before_first_token == [] and load.failed_mid_stream == []
+        assert load.ok == LOAD_REQUESTS
+        after_state = serve.state()
+        after_record = after_state.embedded_etcd if server == "etcd" else after_state.embedded_nats
+        assert after_state.status == "ready" and after_record is not None
+        assert after_record.restarts == 1 and "killed by SIGKILL" in after_record.last_exit
+        assert after_record.endpoint == record.endpoint  # same port: every component reconnects by itself
+        rows = instances(tmp_path)
+        assert {r["instance_id"] for r in rows} == before
+        assert running_requests(rows) == 0
+        table = run_kvmesh("status", "--state-dir", str(tmp_path), "--load-wait-s", "0").stdout
+        assert f"embedded {server}" in table and "restarted once" in table
+        stop_in_normal_time(tmp_path, after_state)
+
+
+@pytest.mark.parametrize(("server", "keep_data"), [("etcd", True), ("etcd", False), ("nats", True)])
+async def test_an_external_server_restarted_under_load_costs_no_request(tmp_path, server, keep_data):
+    etcd = EtcdServer(data_dir=tmp_path / "ext-etcd")
+    nats = NatsServer(data_dir=tmp_path / "ext-nats")
+    etcd.start()
+    nats.start()
+    graph = tmp_path / "graphs" / "external.yaml"
+    graph.parent.mkdir()
+    text = (
+        MOCK_AGG.read_text()
+        .replace("  etcd: embedded", f"  etcd: {{endpoints: ['{etcd.endpoint}']}}")
+        .replace("  nats: embedded", f"  nats: {{url: '{nats.url}'}}")
+    )
+    graph.write_text(text + f"base_dir: {ROOT}\n")
+    try:
+        with serving(tmp_path / "state", "--set", "frontend.port=0", graph=graph) as serve:
+            url = serve.wait_ready()
+            before = {r["instance_id"] for r in instances(tmp_path / "state")}
+
+            def restart() -> None:
+                target = etcd if server == "etcd" else nats
+                target.kill()
+                if not keep_data:
+                    etcd.wipe()
+                time.sleep(2.0)  # the scenario: the server is away for 2 s
+                target.start()
+
+            load = await under_load(url, restart)
+            assert load.failed_before_first_token == [] and load.failed_mid_stream == []
+            assert load.ok == LOAD_REQUESTS
+            rows = instances(tmp_path / "state")
+            assert {r["instance_id"] for r in rows} == before
+            assert running_requests(rows) == 0  # nothing runs for a frontend that gave up on it
+            stop_in_normal_time(tmp_path / "state", serve.state())
+    finally:
+        etcd.cleanup()
+        nats.cleanup()
+
+
+async def test_a_killed_worker_process_costs_no_request_a_retry_on_the_other_process_can_take(tmp_path):
+    with serving(tmp_path, "--set", "frontend.port=0", "--set", "frontend.max_retries=1") as serve:
+        url = serve.wait_ready()
+        st = serve.state()
+        victim = next(w for w in st.watchers if w.name == f"{NS}-mock-0")
+        load = await under_load(url, lambda: kill(victim.processes[0].pid))
+        # Before the first token a failed worker's process siblings are avoided: the one retry lands on the other
+        # process. Streams already running on the killed process are cut (resuming them is the migration issue's).
+        assert load.failed_before_first_token == [], load.failed_before_first_token[:3]
+        assert load.ok + len(load.failed_mid_stream) == LOAD_REQUESTS
+        assert load.ok >= LOAD_REQUESTS - LOAD_CONCURRENCY
