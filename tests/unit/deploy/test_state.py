@@ -205,21 +205,26 @@ def test_status_cells():
     assert line.split() == ["ns", "backend", "abc", "m", "ns-mock-1", "4242", "generate,kv_state", "-", "3s"]
 
 
+def serve_state(**fields: Any) -> ServeState:
+    """A ready deployment's state file of namespace ns, with ``fields`` on top."""
+    base: dict[str, Any] = {
+        "namespace": "ns",
+        "graph": "/g.yaml",
+        "status": "ready",
+        "serve": ProcessRecord(pid=1, create_time=1.0),
+        "started_at": 0.0,
+        "etcd_endpoints": ["http://127.0.0.1:1"],
+        "nats_url": "nats://127.0.0.1:2",
+    }
+    return ServeState(**(base | fields))
+
+
 def test_status_names_the_watcher_and_pid_of_each_instance():
     def watcher(name: str, pids: list[int]) -> WatcherState:
         procs = [ProcessRecord(pid=p, create_time=1.0) for p in pids]
         return WatcherState(name=name, kind="worker", cmd=[], env={}, log="", graceful_timeout_s=1, processes=procs)
 
-    st = ServeState(
-        namespace="ns",
-        graph="/g.yaml",
-        status="ready",
-        serve=ProcessRecord(pid=1, create_time=1.0),
-        started_at=0.0,
-        etcd_endpoints=["http://127.0.0.1:1"],
-        nats_url="nats://127.0.0.1:2",
-        watchers=[watcher("ns-mock-0", [10]), watcher("ns-mock-1", [11])],
-    )
+    st = serve_state(watchers=[watcher("ns-mock-0", [10]), watcher("ns-mock-1", [11])])
     rows: list[dict[str, Any]] = [
         {"namespace": "ns", "pid": 11},
         {"namespace": "ns", "pid": 99},  # not a process of this deployment (started by hand)
@@ -252,14 +257,7 @@ def test_status_lists_embedded_servers_with_their_restarts():
     from components.deploy.local import exit_reason
     from components.deploy.state import ServerState
 
-    st = ServeState(
-        namespace="ns",
-        graph="/g.yaml",
-        status="ready",
-        serve=ProcessRecord(pid=1, create_time=1.0),
-        started_at=0.0,
-        etcd_endpoints=["http://127.0.0.1:1"],
-        nats_url="nats://127.0.0.1:2",
+    st = serve_state(
         embedded_etcd=ServerState(
             endpoint="http://127.0.0.1:1",
             process=ProcessRecord(pid=7, create_time=1.0),

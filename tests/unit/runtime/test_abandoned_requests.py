@@ -16,33 +16,19 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from components.runtime import BusUnavailableError, Runtime, RuntimeConfig, request_plane
-from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
+from components.runtime import BusUnavailableError, request_plane
 from components.runtime.request_plane import RequestContext
+from tests.support.mesh import Mesh
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
-
-
-class Mesh:
-    def __init__(self) -> None:
-        self.store = MemoryStore()
-        self.bus = MemoryBus(seed=0)
-        self.runtimes: list[Runtime] = []
-
-    async def runtime(self, **config: object) -> Runtime:
-        config = {"response_transport": "bus", **config}
-        rt = await Runtime.from_parts(RuntimeConfig(**config), MemoryDiscovery(self.store), self.bus)
-        self.runtimes.append(rt)
-        return rt
 
 
 @pytest.fixture
 async def mesh() -> AsyncIterator[Mesh]:
     m = Mesh()
     yield m
-    for rt in m.runtimes:
-        await rt.shutdown(drain_timeout_s=0.5)
+    await m.shutdown()
 
 
 class Endless:

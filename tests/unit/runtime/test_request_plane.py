@@ -22,15 +22,13 @@ from components.runtime import (
     NoInstancesError,
     RecoverableError,
     RemoteHandlerError,
-    Runtime,
-    RuntimeConfig,
     StreamInterruptedError,
     collect,
 )
 from components.runtime.bus import BusMessage
 from components.runtime.codec import pack, unpack
-from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
 from components.runtime.request_plane import ACK, CANCEL, DATA, END, ERROR, PROBE, PROBE_ACK, REQ, RequestContext
+from tests.support.mesh import Mesh
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
@@ -39,26 +37,11 @@ pytestmark = pytest.mark.unit
 FAST = {"stream_idle_probe_s": 0.02, "probe_timeout_s": 0.1, "request_ack_timeout_s": 0.1}
 
 
-class Mesh:
-    def __init__(self) -> None:
-        self.store = MemoryStore()
-        self.bus = MemoryBus(seed=0)
-        self.runtimes: list[Runtime] = []
-
-    async def runtime(self, **config: object) -> Runtime:
-        # Responses over the bus unless a test asks for the direct connections: the spies here read the bus.
-        config = {"response_transport": "bus", **config}
-        rt = await Runtime.from_parts(RuntimeConfig(**config), MemoryDiscovery(self.store), self.bus)
-        self.runtimes.append(rt)
-        return rt
-
-
 @pytest.fixture
 async def mesh() -> AsyncIterator[Mesh]:
     m = Mesh()
     yield m
-    for rt in m.runtimes:
-        await rt.shutdown(drain_timeout_s=0.5)
+    await m.shutdown()
 
 
 class Frames:
