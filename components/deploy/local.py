@@ -503,7 +503,11 @@ def stop(namespace: str, state_dir: Path, timeout_s: float | None = None) -> str
 
 
 def exit_reason(code: int) -> str:
-    """``Popen.returncode`` in words: "was killed by SIGKILL", "exited with status 1"."""
+    """``Popen.returncode`` in words: "was killed by SIGKILL", "exited with status 1". 0 reads "exited": a server
+    does not exit 0 on its own while serving, and circus's SIGCHLD handler reaps every child of this process, so
+    when it reaps the server first, Popen only learns that it is gone (and reports 0)."""
+    if code == 0:
+        return "exited"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"

@@ -261,8 +261,15 @@ def test_status_shows_every_worker_with_model_load_and_age(mock_agg):
     )  # every 100 ms, heard in 1 s
     assert all(r["age_s"] is not None and 0.0 <= r["age_s"] < 600 for r in workers)
     table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--load-wait-s", "0").stdout
-    assert table.splitlines()[0].split()[:4] == ["NAMESPACE", "COMPONENT", "INSTANCE", "MODEL"]
-    assert table.strip().endswith("16 instances")
+    lines = table.splitlines()
+    assert lines[0].split()[:6] == ["NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID"]
+    assert "16 instances" in lines
+    assert [line.split()[:3] for line in lines[lines.index("16 instances") + 1 :]] == [
+        ["mock:", "embedded", "etcd"],
+        ["mock:", "embedded", "nats"],
+    ]
+    worker_rows = [line.split() for line in lines[1:17]]
+    assert {row[4] for row in worker_rows} == {"mock-mock-0", "mock-mock-1"}  # each instance's watcher
 
 
 def test_logs_prints_a_watchers_output_and_names_the_known_logs_otherwise(mock_agg):
