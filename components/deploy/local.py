@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -54,7 +55,7 @@ from components.deploy.state import (
     write_state,
 )
 from components.protocol.endpoints import ENDPOINT_GENERATE
-from components.protocol.metadata import WorkerMetadata
+from components.protocol.metadata import WorkerMetadata, WorkerRole
 from components.runtime import Runtime, RuntimeConfig, RuntimeMeshError
 from components.runtime.servers import EtcdServer, NatsServer, ServerProcess, free_port
 
@@ -305,8 +306,11 @@ class Deployment:
                 if got < w.num_workers:
                     waiting.append(f"{w.name} ({got}/{w.num_workers} workers registered)")
             elif w.kind == "frontend" and self.state.frontend_url:
-                if not await asyncio.to_thread(healthy, self.state.frontend_url + "/health"):
-                    waiting.append(f"{w.name} (GET {self.state.frontend_url}/health)")
+                # Healthy *and* listing every model the graph serves: the frontend answers 200 before it has
+                # discovered any worker, and 503 while it loads a model's tokenizer, so 200 alone can precede that.
+                models = {g.model for g in self.graph.workers if g.replicas > 0 and g.role != WorkerRole.PREFILL}
+                if not await asyncio.to_thread(healthy, self.state.frontend_url + "/health", models):
+                    waiting.append(f"{w.name} (GET {self.state.frontend_url}/health: 200 listing {sorted(models)})")
         return waiting
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -445,12 +449,16 @@ def _client_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def healthy(url: str) -> bool:
+def healthy(url: str, models: Iterable[str] = ()) -> bool:
+    """``url`` answers 200 and its JSON's ``models`` include every one of ``models``."""
     try:
         with urllib.request.urlopen(url, timeout=1.0) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
+            if r.status != 200:
+                return False
+            listed = json.loads(r.read() or b"{}").get("models", []) if models else []
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
         return False
+    return set(models) <= set(listed)
 
 
 def tail(path: Path, num_lines: int = 20) -> str:

@@ -1,0 +1,54 @@
+"""kvmesh serve's readiness check of the frontend (components/deploy/local.py ``healthy``), against a real HTTP
+server on loopback: 200 is not enough, the models the graph serves must be listed (the frontend answers 200 before
+it has discovered any worker)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from components.deploy.local import healthy
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def frontend() -> Iterator[tuple[str, dict]]:
+    answer: dict = {"status": 200, "body": {"status": "healthy", "models": []}}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(answer["body"]).encode()
+            self.send_response(answer["status"])
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/health", answer
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_ready_only_once_healthy_and_listing_every_model_of_the_graph(frontend):
+    url, answer = frontend
+    assert healthy(url)  # no model asked for: 200 is enough
+    assert not healthy(url, {"tiny-llama"})  # 200, but it has not discovered the workers yet
+    answer["status"], answer["body"] = 503, {"status": "loading", "models": [], "loading": ["tiny-llama"]}
+    assert not healthy(url, {"tiny-llama"})
+    answer["status"], answer["body"] = 200, {"status": "healthy", "models": ["tiny-llama"]}
+    assert healthy(url, {"tiny-llama"})
+    assert not healthy(url, {"tiny-llama", "other"})
+    assert not healthy("http://127.0.0.1:1/health", {"tiny-llama"})  # nothing listening
