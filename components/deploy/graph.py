@@ -15,13 +15,19 @@ Each section IS its component's config, derived, not re-declared: ``runtime`` is
 endpoints, which ``infrastructure`` gives), ``frontend`` is ``FrontendConfig`` (less the namespace, which the graph
 gives) plus how the deployment runs it (``enabled``, ``graceful_timeout_s``), and a worker group is ``WorkerConfig``
 plus its engine's config (``MockEngineConfig`` or ``VllmEngineConfig``, picked by ``engine``) plus ``_GroupFields``
-(name, replicas, GPUs, env). A field added to a component's config is a graph field at once, validated by that
-config's own rules, and becomes that component's flag through ``components.runtime.flags.argv_for`` (plan.py): no
-option is declared twice, and no argv is written by hand.
+(name, replicas, GPUs, env); a graph only tightens a few of WorkerConfig's own fields (``_TIGHTENED``: ``model`` and
+``model_path`` are required, ``component`` must be a mesh name), keeping their type and description. A field added
+to a component's config is a graph field at once, validated by that config's own rules, and becomes that component's
+flag through ``components.runtime.flags.argv_for`` (plan.py): no option is declared twice, and no argv is written by
+hand.
 
 A graph written for the schema before this one (``frontend.router``, ``frontend.args``, ``workers[i].engine_args``)
-is refused with an error at each old key saying what to write instead: the options moved, so guessing would hide a
-mistake.
+is refused, not accepted with a deprecation warning: each old key gets an error at its line that spells out what to
+write instead (``frontend.router: ... write router_policy: kv``, ``workers[0].engine_args: ... speedup_ratio: 10``).
+Accepting them would keep two spellings of every option alive, and a warning is easily missed (a ``--detach``ed
+serve writes it to a log nobody reads); the old ``args``/``engine_args`` also took any flag spelling
+(``max-retries``), which a rewrite would have to guess at. Every other old field kept its name.
+
 Every model forbids unknown fields, so a typo is an error rather than a silently ignored key. ``load_graph`` turns
 every problem into a ``GraphProblem`` that names the file, the line, the field path (``workers[0].replicas``) and
 what is allowed; a YAML syntax error names its line and column.
@@ -37,6 +43,7 @@ that has them is rejected as having an unknown field.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -57,11 +64,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 from components.deploy.errors import GraphError, GraphProblem, OverrideError
 from components.frontend.config import FrontendConfig
 from components.runtime.config import RuntimeConfig, parse_host_port
 from components.runtime.errors import ConfigError
+from components.runtime.flags import flag_problem
 from components.workers.config import EngineKind, WorkerConfig, engine_config_model
 
 # The runtime's own rule for namespace and component names (components/runtime/runtime.py).
@@ -188,6 +198,8 @@ class InfrastructureSpec(_Strict):
 
 _SET_BY_GRAPH = "the graph's top-level namespace is every component's"
 _SET_BY_INFRA = "every component gets the endpoints of the infrastructure section"
+_NAMESPACE_ELSEWHERE = {"namespace": _SET_BY_GRAPH}
+_ENDPOINTS_ELSEWHERE = {"etcd_endpoints": _SET_BY_INFRA, "nats_url": _SET_BY_INFRA}
 
 
 class RuntimeSpec(RuntimeConfig):
@@ -199,7 +211,7 @@ class RuntimeSpec(RuntimeConfig):
     @model_validator(mode="before")
     @classmethod
     def _endpoints_elsewhere(cls, data: Any) -> Any:
-        return _not_here(data, {"etcd_endpoints": _SET_BY_INFRA, "nats_url": _SET_BY_INFRA})
+        return _not_here(data, _ENDPOINTS_ELSEWHERE)
 
 
 class FrontendSpec(FrontendConfig):
@@ -223,7 +235,7 @@ class FrontendSpec(FrontendConfig):
     @model_validator(mode="before")
     @classmethod
     def _namespace_elsewhere(cls, data: Any) -> Any:
-        return _not_here(data, {"namespace": _SET_BY_GRAPH})
+        return _not_here(data, _NAMESPACE_ELSEWHERE)
 
     def component_values(self) -> dict[str, Any]:
         """The fields this section sets on ``kvmesh frontend``: those given in the graph, as FrontendConfig's."""
@@ -231,19 +243,14 @@ class FrontendSpec(FrontendConfig):
 
 
 class _GroupFields(BaseModel):
-    """What a worker group adds to the worker's and its engine's configs: how many processes, GPUs, environment."""
+    """What a worker group adds to the worker's and its engine's configs: how many processes, GPUs, environment.
+    (What a graph asks more of the worker's own fields than ``kvmesh worker`` does is in ``_TIGHTENED``.)"""
 
     name: str = Field(
         pattern=_GROUP_NAME,
         description="Group name: lower-case letters, digits, '_' and '-'; names the watchers <namespace>-<name>-<i> "
         "and their logs state/logs/<namespace>-<name>-<i>.log.",
     )
-    model: str = Field(min_length=1, description="Served model name, as clients ask for it.")
-    model_path: str = Field(
-        min_length=1,
-        description="Local model directory (config and tokenizer); relative paths resolve against the base directory.",
-    )
-    component: str = Field(default="backend", pattern=_MESH_NAME, description="Component the workers register under.")
     replicas: int = Field(default=1, ge=0, le=1024, description="Worker processes (circus watchers) in this group.")
     gpus_per_replica: int = Field(
         default=0,
@@ -267,7 +274,7 @@ class _GroupFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _namespace_elsewhere(cls, data: Any) -> Any:
-        return _not_here(data, {"namespace": _SET_BY_GRAPH})
+        return _not_here(data, _NAMESPACE_ELSEWHERE)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -305,12 +312,41 @@ class _GroupFields(BaseModel):
         return {k: getattr(self, k) for k in sorted((self.model_fields_set | always) & own) if k != "namespace"}
 
 
+def _tightened(model: type[BaseModel], name: str, constraints: FieldInfo, required: bool) -> tuple[Any, FieldInfo]:
+    """Field ``name`` of ``model`` (its type, description, default) with ``constraints`` on top: derived, so the
+    component's own declaration stays the only one."""
+    field = model.model_fields[name]
+    overrides: dict[str, Any] = {"default": PydanticUndefined} if required else {}
+    return field.annotation, FieldInfo.merge_field_infos(field, constraints, **overrides)
+
+
+# WorkerConfig fields a graph asks more of than ``kvmesh worker`` does: a group names its model and tokenizer (a
+# default "mock-model" served from nowhere is a mistake in a file, not a convenience), and its component must be a
+# name the runtime accepts before any process starts, not when each replica crash-loops on it.
+_TIGHTENED: dict[str, tuple[FieldInfo, bool]] = {
+    "model": (Field(min_length=1), True),
+    "model_path": (
+        Field(
+            min_length=1,
+            description=f"{WorkerConfig.model_fields['model_path'].description} In a graph, relative paths resolve "
+            "against its base directory.",
+        ),
+        True,
+    ),
+    "component": (Field(pattern=_MESH_NAME), False),
+}
+
+
 def _group_model(kind: EngineKind) -> type[BaseModel]:
     """A worker group of engine ``kind``: ``_GroupFields`` + ``WorkerConfig`` + the engine's config, one model."""
     engine_model = engine_config_model(kind)
+    engine_field = WorkerConfig.model_fields["engine"]
     fields: dict[str, Any] = {
-        "engine": (Literal[kind], Field(description=f"Inference engine: {kind}.")),  # type: ignore[valid-type]
+        # One value per model: the tag the graph's union picks this model by.
+        "engine": (Literal[kind], Field(description=engine_field.description)),  # type: ignore[valid-type]
     }
+    for name, (constraints, required) in _TIGHTENED.items():
+        fields[name] = _tightened(WorkerConfig, name, constraints, required)
     model = create_model(  # type: ignore[call-overload]
         f"WorkerGroup{kind.value.capitalize()}",
         __base__=(_GroupFields, WorkerConfig, engine_model),
@@ -421,7 +457,9 @@ OLD_SCHEMA = {
 def _old_schema_problems(data: Mapping[str, Any]) -> list[tuple[Loc, str]]:
     def flat(v: Any) -> str:
         if isinstance(v, Mapping):
-            return ", ".join(f"{k}: {x}" for k, x in v.items()) or "(nothing to move)"
+            # The old args/engine_args took flag spellings too (max-retries, --max-retries): show the field names.
+            items = [f"{str(k).lstrip('-').replace('-', '_')}: {x}" for k, x in v.items()]
+            return ", ".join(items) or "(nothing to move)"
         return str(v)
 
     out: list[tuple[Loc, str]] = []
@@ -516,7 +554,8 @@ def _base_dir(path: Path, base_dir: str | None) -> Path:
 
 
 def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
-    """What a field validator cannot see: files on disk, and a null that no flag can carry."""
+    """What a field validator cannot see: files on disk, and a value (a null, a list item with a comma) that no flag
+    can carry to the component."""
     out: list[tuple[Loc, str]] = []
     if graph.base_dir is not None and not base.is_dir():
         out.append((("base_dir",), f"{base} is not a directory"))
@@ -533,6 +572,8 @@ def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
         for key, value in values.items():
             if value is None and type(section).model_fields[key].get_default(call_default_factory=True) is not None:
                 out.append(((*loc, key), "null cannot be passed to the component; leave it out for its default"))
+            elif (why := flag_problem(key, value)) is not None:
+                out.append(((*loc, key), why.removeprefix(f"{key}: ")))
     return out
 
 
@@ -541,7 +582,7 @@ def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], list[Loc]]:
-    """Apply ``frontend.port=0`` / ``workers[0].replicas=1`` / ``workers.0.engine_args.speedup_ratio=inf``.
+    """Apply ``frontend.port=0`` / ``workers[0].replicas=1`` / ``workers.0.speedup_ratio=inf``.
 
     VALUE is read as YAML (``0`` is a number, ``true`` a boolean, ``[a, b]`` a list, ``''`` an empty string).
     Returns the new data and the paths that were set, so problems there are reported as coming from --set.
@@ -661,6 +702,34 @@ def _model_at(root: type[BaseModel], loc: Loc, engine: str | None = None) -> typ
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
+def _settable(model: type[BaseModel]) -> list[str]:
+    """The fields a graph may write in a section of ``model``: a worker group's own first, then the worker's, then
+    its engine's; never those the graph sets elsewhere (namespace, endpoints)."""
+    elsewhere: Mapping[str, str] = {}
+    if issubclass(model, RuntimeSpec):
+        elsewhere = _ENDPOINTS_ELSEWHERE
+    elif issubclass(model, FrontendSpec | _GroupFields):
+        elsewhere = _NAMESPACE_ELSEWHERE
+    names = [n for n in model.model_fields if n not in elsewhere]
+    if issubclass(model, _GroupFields):
+        rank = {n: i for i, n in enumerate([*_GroupFields.model_fields, *WorkerConfig.model_fields])}
+        names.sort(key=lambda n: rank.get(n, len(rank)))  # stable: the engine's fields keep their order
+    return names
+
+
+def _guess(key: str, allowed: Sequence[str]) -> str | None:
+    """The field an unknown key most likely meant: its flag spelling (block-size), the one field it begins (speedup:
+    speedup_ratio, lease_ttl: lease_ttl_s), else a close spelling (replicaz). None rather than a far guess."""
+    key = key.lstrip("-").replace("-", "_")
+    if key in allowed:
+        return key
+    starting = [a for a in allowed if a.startswith(key)]
+    if len(starting) == 1:
+        return starting[0]
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def _unwrap(annotation: Any) -> Any:
     origin = get_origin(annotation)
     if origin is list:
@@ -694,8 +763,10 @@ def _explain(err: Mapping[str, Any], root: type[BaseModel] = Graph) -> tuple[Loc
         return (*loc, "engine"), f"must be one of {engines} (got {err.get('ctx', {}).get('tag')!r})"
     if kind == "extra_forbidden":
         parent = _model_at(root, loc[:-1], engine)
-        allowed = ", ".join(parent.model_fields) if parent else "none"
-        return loc, f"unknown field {loc[-1]!r}; allowed here: {allowed}"
+        allowed = _settable(parent) if parent else []
+        guess = _guess(str(loc[-1]), allowed)
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        return loc, f"unknown field {loc[-1]!r}{hint}; allowed here: {', '.join(allowed) or 'none'}"
     if kind == "missing":
         parent = _model_at(root, loc[:-1], engine)
         field = parent.model_fields.get(str(loc[-1])) if parent else None

@@ -132,15 +132,16 @@ class FrontendApp:
     # --- plain endpoints --------------------------------------------------------------------------------------------
 
     def _known_model_in(self, body: bytes) -> str:
-        """The model a refused request named, if it is one this frontend serves (a label value must never be a
-        client's free text); "" otherwise. Only on the error path: a body that failed validation is parsed again."""
+        """The model a refused request named, if this frontend serves it or has served it (a label value must never
+        be a client's free text); "" otherwise. Only on the error path: a body that failed validation is parsed
+        again."""
         if not body:
             return ""
         try:
             name = json.loads(body).get("model")
         except (ValueError, AttributeError):
             return ""
-        return name if isinstance(name, str) and name in self.registry.models else ""
+        return name if isinstance(name, str) and name in self.registry.seen else ""
 
     def _listed(self) -> list[str]:
         """Models a client may see: served, with their tokenizer loaded (or failed to load: then it says why)."""
@@ -207,9 +208,10 @@ class FrontendApp:
                         req = parse_request(ChatCompletionRequest, body)
                     else:
                         req = parse_request(CompletionRequest, body)
-                    if req.model in self.registry.models:
+                    if req.model in self.registry.seen:
                         # Counted under its model from here on, also when the request is refused (too long, bad
-                        # parameters); a name no worker serves never becomes a label value.
+                        # parameters, its workers gone for now: a 503); a name no worker ever served never becomes a
+                        # label value (``seen`` only grows with discovered models).
                         model_label = req.model
                     hints = routing_hints(request.headers, req.user)
                     if isinstance(req, ChatCompletionRequest):

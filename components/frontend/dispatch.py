@@ -1,23 +1,42 @@
 """One client request's life on the workers, in one place: route, send, first item, retry elsewhere, stream, finish.
 
-``Dispatch`` owns the request's *upstream*: which worker it runs on now, the runtime stream from that worker, and
-every call the router's bookkeeping needs (``prepare``, ``select``, ``on_routed``, ``on_first_token``,
-``on_finished``). The client-facing ``Generation`` (service.py) reads items from ``Dispatch.next_item`` and never
-sees a worker, so the upstream can change under it without the client noticing. That is the seam the next features
-extend:
+``Dispatch`` owns the request's *upstream*: which worker it runs on now (``instance_id``, under ``route_id``), the
+runtime stream from that worker (``stream``), and every call the router's bookkeeping needs (``prepare``, ``select``,
+``on_routed``, ``on_first_token``, ``on_finished``: no other frontend module makes them). The client-facing
+``Generation`` (service.py) reads items from ``Dispatch.next_item`` and never holds a worker or a stream, so the
+upstream can change under it without the client noticing. A request's life::
 
-- **migration / failover** (``_resume``): a running request whose worker dies, or that the rescheduler moves, is
-  re-issued on another worker (prompt + the ``num_output_tokens`` already delivered, same sampling state), and the
-  new stream is spliced in by token position. Today ``_resume`` ends the request with ``UpstreamError``: nothing
-  reached the client twice, and the request was cancelled on its worker.
+    start()       router.prepare once, then _place(): up to 1 + max_retries attempts, each
+                      select -> on_routed -> _attempt (send, wait for the first item) -> on_first_token: current
+                      or (failed before any output) on_finished, the worker's process suspect, the next worker
+    next_item()   the current stream's items; an abnormal end after the first one (the worker's process died, its
+                      engine failed, it aborted the request on a drain) raises Interrupted, and the Generation
+                      hands it to resume() with the position the client has reached (its output tokens so far)
+    close()       _release(): cancel the request on its worker if it still runs, on_finished
+
+That is the seam the next features extend, each in one method:
+
+- **migration / failover** (``resume``): a running request whose worker dies, or that the rescheduler moves, goes on
+  from another worker: ``_release`` the broken attempt, ``router.prepare`` the prompt plus the output so far,
+  ``_place`` it (the broken worker excluded) with a ``GenerateRequest`` that continues at ``position``, and return
+  the new upstream's item at that position (frames carry their token position: items below it, already delivered,
+  are dropped). ``next_item`` then reads the new ``stream``; the client keeps its one stream. Today ``resume`` ends
+  the request with ``UpstreamError``: nothing reached the client twice, and ``close`` cancels what still runs.
 - **disaggregated prefill** (``_attempt``): between choosing the decode worker and sending to it, a remote-prefill
-  hop can be inserted (enqueue the prompt's prefill, then send the decode request naming where the KV comes from).
+  hop: select a prefill worker (its own ``on_routed``/``on_finished``), have it compute the prompt's KV, then send
+  the decode request naming where the KV lies. A failed hop is a failed attempt like any other, retried elsewhere.
 
-Retries before the first item: a worker that is gone, draining, dead, or whose stream broke is replaced by another
-(up to ``max_retries``) without the client seeing anything. A failure makes its whole process *suspect*: the other
-workers of the same process (same node and pid in their ``WorkerMetadata``) share its fault, so this request's
-retries, and other requests for ``SUSPECT_PROCESS_S``, go to another process while one exists (a SIGKILLed process
-hosting 8 workers must not absorb the whole retry budget before its leases expire).
+Retries before the first item: a worker that is gone, draining, dead, aborted the request, or whose stream broke is
+replaced by another (up to ``max_retries``) without the client seeing anything. Error codes from the worker
+(``RemoteHandlerError.code``, components/protocol/errors.py) decide the rest: ``REQUEST_INVALID`` is the client's to
+fix (``InvalidRequestError``, 400, naming the parameter), a fatal code fails the request (``UpstreamError``), a
+recoverable one tries another worker. A failure makes its whole process *suspect*: the other workers of the same
+process (same node and pid in their ``WorkerMetadata``) share its fault, so this request's retries, and other
+requests for ``SUSPECT_PROCESS_S``, go to another process while one exists (a SIGKILLed process hosting 8 workers
+must not absorb the whole retry budget before its leases expire).
+
+Hot path: ``next_item`` is one ``__anext__`` and one finish-reason check per chunk; everything else runs once per
+attempt.
 
 Imports: the router (no I/O parts), the runtime's client side, the protocol; never aiohttp.
 """
@@ -103,9 +122,19 @@ class _Aborted(Exception):
     """A stream that ended before its first output: the worker gave up on it (retriable)."""
 
 
+class Interrupted(Exception):
+    """The current upstream ended abnormally after the first item (``next_item``): hand it to ``Dispatch.resume``
+    with the position the client has reached. ``__cause__`` is the runtime's error, if one was raised."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 class Dispatch:
-    """The upstream of one client request. ``start`` returns the first item; ``next_item`` the following ones;
-    ``close`` cancels whatever still runs and settles the router's bookkeeping (idempotent)."""
+    """The upstream of one client request. ``start`` returns the first item, ``next_item`` the following ones,
+    ``resume`` what follows an ``Interrupted``; ``close`` cancels whatever still runs and settles the router's
+    bookkeeping (idempotent)."""
 
     def __init__(
         self,
@@ -122,13 +151,14 @@ class Dispatch:
         self.suspects = suspects
         self.prepared = prepared
         self._on_retry = on_retry
+        # The current attempt: its stream, the id the router and the engine know it by, its worker.
         self.stream: ResponseStream | None = None
         self.route_id = prepared.request_id
         self.instance_id: int | None = None
-        self.num_attempts = 0
+        self.num_attempts = 0  # requests sent to a worker, all placements together (they number the route ids)
         self._open = False  # router bookkeeping open for route_id
 
-    # --- before the first item ---------------------------------------------------------------------------------------
+    # --- placement: before the first item -----------------------------------------------------------------------------
 
     async def start(self) -> dict[str, Any]:
         """Route and wait for the first item, trying other workers while nothing has been produced.
@@ -137,10 +167,6 @@ class Dispatch:
         ``first_token_timeout_s``), InvalidRequestError (the engine refused the request) or UpstreamError.
         """
         p = self.prepared
-        cfg = self.config
-        body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
-        excluded: set[int] = set()
-        last_error = ""
         hints = p.hints
         # Prepared once: KV-aware policies hash the prompt here, not again on every retry.
         route = self.router.prepare(
@@ -153,6 +179,15 @@ class Dispatch:
                 pinned_instance_id=hints.pinned_instance_id,
             )
         )
+        body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
+        return await self._place(route, body, set())
+
+    async def _place(self, route: RouteRequest, body: dict[str, Any], excluded: set[int]) -> dict[str, Any]:
+        """Put ``body`` on a worker (not one of ``excluded``) and return its first item; that attempt becomes the
+        current upstream. Up to ``1 + max_retries`` attempts; see ``start`` for what it raises."""
+        p = self.prepared
+        cfg = self.config
+        last_error = ""
         for attempt in range(cfg.max_retries + 1):
             now = time.monotonic()
             shunned = avoid(p.model.instances, excluded, self.suspects.active(now), _process_of)
@@ -170,9 +205,8 @@ class Dispatch:
                 excluded.add(iid)
                 continue
             # The engine refuses an id it already holds; a retry may land where an earlier attempt is being aborted.
-            route_id = p.request_id if attempt == 0 else f"{p.request_id}.{attempt}"
-            if attempt:
-                body["request_id"] = route_id
+            route_id = f"{p.request_id}.{self.num_attempts}" if self.num_attempts else p.request_id
+            body["request_id"] = route_id
             self.num_attempts += 1
             self.router.on_routed(route_id, decision, route)
             stream: ResponseStream | None = None
@@ -211,7 +245,8 @@ class Dispatch:
         )
 
     async def _attempt(self, client: Any, body: dict[str, Any], iid: int) -> tuple[ResponseStream, dict[str, Any]]:
-        """One worker's try: send, then wait for its first item. (Disaggregation inserts its prefill hop here.)"""
+        """One worker's try: send, then wait for its first item. Disaggregation inserts its prefill hop here, before
+        the send (module docstring); whatever it raises counts as this attempt's failure."""
         stream = await client.generate(body, instance_id=iid)
         try:
             return stream, await self._first_item(stream, iid)
@@ -230,14 +265,15 @@ class Dispatch:
             ) from None
         except StopAsyncIteration:
             raise _Aborted(f"worker {instance_id:x} ended the stream without output") from None
-        if item["finish_reason"] == "abort" and not item["token_ids"]:
-            raise _Aborted(f"worker {instance_id:x} aborted the request before its first token")
+        if item["finish_reason"] == "abort":  # tokens or not, nothing has reached the client: another worker's turn
+            raise _Aborted(f"worker {instance_id:x} aborted the request before its first output")
         return item
 
-    # --- after it -----------------------------------------------------------------------------------------------------
+    # --- streaming: after it ------------------------------------------------------------------------------------------
 
     async def next_item(self) -> dict[str, Any]:
-        """The next item from the current upstream."""
+        """The next item from the current upstream. Raises ``Interrupted`` where it broke in a way another worker
+        could continue from (``resume``), ``UpstreamError`` where it could not."""
         stream = self.stream
         assert stream is not None, "start() first"
         try:
@@ -245,18 +281,32 @@ class Dispatch:
         except StopAsyncIteration:
             raise UpstreamError("the worker ended the stream without a finish reason") from None
         except RemoteHandlerError as e:
-            return await self._resume(e, f"the worker failed mid-stream: {e.error_type}: {e.message}")
+            message = f"the worker failed mid-stream: {e.error_type}: {e.message}"
+            if not e.recoverable:  # about the request or a bug: another worker would fail the same way
+                raise UpstreamError(message) from e
+            raise Interrupted(message) from e
         except StreamInterruptedError as e:
-            return await self._resume(e, f"the worker stopped answering mid-stream: {e.reason}")
+            raise Interrupted(f"the worker stopped answering mid-stream: {e.reason}") from e
+        if item["finish_reason"] == "abort":
+            # The worker gave up on the request (its engine shut down, its drain timed out): not a normal end.
+            raise Interrupted("the worker aborted the request")
         return item
 
-    async def _resume(self, cause: Exception, message: str) -> dict[str, Any]:
-        """Where a request whose upstream broke mid-stream continues. The migration issue re-issues it here on another
-        worker (prompt + tokens delivered so far) and returns that stream's next item; until then it fails."""
-        raise UpstreamError(message) from cause
+    async def resume(self, interruption: Interrupted, position: int) -> dict[str, Any]:
+        """What follows an ``Interrupted`` upstream once the client has received ``position`` output tokens: the
+        item that continues the output at that position. Migration implements it (module docstring) with
+        ``_release`` and ``_place``; until then the request fails with ``UpstreamError`` (``close`` then cancels
+        and settles the broken attempt)."""
+        raise UpstreamError(interruption.message) from interruption.__cause__
+
+    # --- the end ------------------------------------------------------------------------------------------------------
 
     async def close(self) -> None:
         """Cancel the request on its worker if it still runs, and settle the router's bookkeeping. Idempotent."""
+        await self._release()
+
+    async def _release(self) -> None:
+        """End the current attempt: close its stream (which cancels it on the worker) and report it finished."""
         stream, self.stream = self.stream, None
         try:
             if stream is not None:

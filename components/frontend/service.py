@@ -3,13 +3,14 @@
 ``FrontendService.prepare_*`` turns a parsed request into a ``Prepared`` one (model resolved, prompt tokenised, limits
 checked, sampling parameters built); ``start`` hands it to a ``Dispatch`` (dispatch.py: the request's attempts, its
 retries before the first output and every router bookkeeping call, in one place) and returns a ``Generation`` once
-the first output has arrived. After that a failure ends the generation with ``UpstreamError``; the migration issue
-makes it seamless in ``Dispatch._resume``.
+the first output has arrived. The Generation reads the dispatch, never a worker's stream: an upstream that breaks
+after that goes to ``Dispatch.resume`` with the position the client has reached, which today ends the generation
+with ``UpstreamError`` and with migration continues it from another worker, unseen here.
 
 ``Generation`` is the hot path: per chunk from the worker it decodes the new tokens once (no per-token Python work
 beyond list extension), checks stop strings on the new text only, and keeps the counters usage and metrics need.
-Closing it (``aclose``) closes the runtime stream, which cancels the request on the worker; the engine aborts it and
-frees its KV blocks.
+Closing it (``aclose``) closes the dispatch, which cancels the request on its worker; the engine aborts it and frees
+its KV blocks.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from components.frontend.config import FrontendConfig
-from components.frontend.dispatch import Dispatch, Suspects
+from components.frontend.dispatch import Dispatch, Interrupted, Suspects
 from components.frontend.errors import (
     ContextLengthError,
     InvalidRequestError,
     ModelNotFoundError,
     ServiceUnavailableError,
-    UpstreamError,
 )
 from components.frontend.metrics import FrontendMetrics, ModelMetrics
 from components.frontend.models import Model, ModelRegistry
@@ -145,7 +145,12 @@ class Generation:
         if item is not None:
             self._first = None
         else:
-            item = await self._dispatch.next_item()
+            try:
+                item = await self._dispatch.next_item()
+            except Interrupted as e:
+                # The upstream broke after the first item: the dispatch decides what follows, from the position the
+                # client has reached (a try costs nothing until something is raised).
+                item = await self._dispatch.resume(e, self.num_output_tokens)
         return self._process(item)
 
     def _process(self, item: dict[str, Any]) -> tuple[str, str | None]:
@@ -161,9 +166,6 @@ class Generation:
             text = self._detok.feed(ids)
         else:
             text = ""
-        if finish == "abort":
-            # The worker gave up on the request (its engine shut down, its drain timed out): not a normal end.
-            raise UpstreamError("the worker aborted the request")
         stop = self._stop
         if stop is not None:
             text = stop.feed(text)

@@ -77,8 +77,10 @@ def model_from_args(model: type[M], args: argparse.Namespace, **extra: Any) -> M
 def argv_for(values: Mapping[str, Any]) -> list[str]:
     """Flags that set these field values in a parser built by ``add_model_arguments``: ``speedup_ratio: inf`` ->
     ``--speedup-ratio inf``, ``enable_prefix_caching: False`` -> ``--no-enable-prefix-caching``, a list ->
-    comma-separated. None means "the component's default": nothing is passed (a caller that must pass None where
-    the default is not None has to refuse it before)."""
+    comma-separated, a value that starts with '-' -> ``--flag=-value`` (argparse would read it as a flag). None means
+    "the component's default": nothing is passed (a caller that must pass None where the default is not None has to
+    refuse it before). A value no flag can carry (a mapping, a list item with a comma) raises ``ValueError``, which
+    ``flag_problem`` lets a caller ask about first."""
     out: list[str] = []
     for name, value in values.items():
         if value is None:
@@ -86,16 +88,33 @@ def argv_for(values: Mapping[str, Any]) -> list[str]:
         flag = _flag(name)
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + name.replace("_", "-"))
-        elif isinstance(value, list | tuple):
-            out += [flag, ",".join(_scalar(v) for v in value)]
-        else:
-            out += [flag, _scalar(value)]
+            continue
+        text = _list(name, value) if isinstance(value, list | tuple | set | frozenset) else _scalar(name, value)
+        out += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     return out
 
 
-def _scalar(v: Any) -> str:
+def flag_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be given to field ``name`` as a flag, or None when ``argv_for`` can carry it."""
+    try:
+        argv_for({name: value})
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _list(name: str, values: Any) -> str:
+    items = [_scalar(name, v) for v in values]
+    if any("," in item for item in items):
+        raise ValueError(f"{name}: a list item cannot contain ',' (the flag takes comma-separated values)")
+    return ",".join(items)
+
+
+def _scalar(name: str, v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float) and math.isinf(v):
         return "inf" if v > 0 else "-inf"
+    if isinstance(v, Mapping | BaseModel | list | tuple | set | frozenset):
+        raise ValueError(f"{name}: a {type(v).__name__} cannot be given as a flag")
     return str(v)

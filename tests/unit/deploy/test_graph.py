@@ -3,7 +3,10 @@ and the watcher plans a graph becomes (commands, environment, GPUs)."""
 
 from __future__ import annotations
 
+import enum
 import math
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -106,7 +109,11 @@ def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
     [
         ("namespace: 'a b'\n", ":1: namespace:", "1-64 letters, digits, '_' or '-' (got 'a b')"),
         ("namespace: t\n", ":1: workers:", "required field is missing"),
-        ("namespace: t\nworkerz: []\n", ":2: workerz:", "unknown field 'workerz'; allowed here: namespace, base_dir"),
+        (
+            "namespace: t\nworkerz: []\n",
+            ":2: workerz:",
+            "unknown field 'workerz'; did you mean 'workers'?; allowed here: namespace, base_dir",
+        ),
         ("namespace: t\nplanner: {}\n", ":2: planner:", "unknown field 'planner'"),
         ("namespace: t\ninfrastructure: {etcd: embeded}\n", ":2: infrastructure.etcd:", "expected 'embedded' or"),
         (
@@ -120,7 +127,7 @@ def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
             "does not parse",
         ),
         ("namespace: t\nfrontend:\n  port: 70000\n", ":3: frontend.port:", "less than or equal to 65535 (got 70000)"),
-        ("namespace: t\nfrontend: {hots: x}\n", ":2: frontend.hots:", "unknown field 'hots'; allowed here:"),
+        ("namespace: t\nfrontend: {hots: x}\n", ":2: frontend.hots:", "unknown field 'hots'; did you mean 'host'?"),
         ("namespace: t\nlog_level: LOUD\n", ":2: log_level:", "'DEBUG', 'INFO', 'WARNING' or 'ERROR' (got 'LOUD')"),
     ],
 )
@@ -412,13 +419,13 @@ def test_a_null_that_no_flag_can_carry_is_refused(tmp_path):
 
 def test_a_graph_in_the_old_schema_gets_an_error_at_each_old_key_saying_what_to_write(tmp_path):
     text = (
-        "namespace: t\nfrontend:\n  router: kv\n  args: {max_retries: 5}\nworkers:\n"
+        "namespace: t\nfrontend:\n  router: kv\n  args: {max-retries: 5}\nworkers:\n"
         f"  - name: m\n    engine: mock\n    model: m\n    model_path: {TINY}\n    engine_args: {{speedup_ratio: 10}}\n"
     )
     problems = problems_of(write_graph(tmp_path, text))
     assert len(problems) == 3
     assert ":3: frontend.router: renamed router_policy" in problems[0] and "router_policy: kv" in problems[0]
-    assert ":4: frontend.args:" in problems[1] and "max_retries: 5" in problems[1]
+    assert ":4: frontend.args:" in problems[1] and "max_retries: 5" in problems[1]  # the field name, not the flag
     assert ":10: workers[0].engine_args:" in problems[2] and "speedup_ratio: 10" in problems[2]
 
 
@@ -444,3 +451,115 @@ def test_watcher_names_carry_the_namespace_so_two_graphs_can_share_a_state_dir()
         {"namespace": "b", "workers": [{"name": "w", "engine": "mock", "model": "m", "model_path": "x"}]}
     )
     assert set(a.watcher_names()).isdisjoint(b.watcher_names())
+
+
+# -- every option survives the trip to its process --------------------------------------------------------------
+
+
+def _other_values(field) -> list:
+    """Values of ``field``'s type other than its default, most likely valid first (a candidate the config refuses is
+    skipped by the caller)."""
+    default = field.get_default(call_default_factory=True)
+    ann = field.annotation
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        ann = next(a for a in typing.get_args(ann) if a is not type(None))
+    if ann is bool:
+        return [True if default is None else not default]
+    if typing.get_origin(ann) is typing.Literal:
+        return [a for a in typing.get_args(ann) if a != default]
+    if isinstance(ann, type) and issubclass(ann, enum.Enum):
+        return [m for m in ann if m != default]
+    if ann is int:
+        return [7, 1] if default is None else [default + 1, default - 1]
+    if ann is float:
+        return (
+            [0.75, 2.5]
+            if default is None or not math.isfinite(default)
+            else [default * 1.5 + 0.25, default / 2, math.inf]
+        )
+    if ann is str:
+        return ["-x", "tiny", "127.0.0.2", "kv"]
+    if typing.get_origin(ann) is list:
+        return [["a", "b"], [0.5, 2.0]]
+    return []
+
+
+def _round_trip_cases():
+    """(component config, the extra fields it needs, kvmesh subcommand that takes its flags)."""
+    return [
+        (FrontendConfig, {}, "frontend"),
+        (RuntimeConfig, {}, "frontend"),
+        (RuntimeConfig, {}, "worker"),
+        (WorkerConfig, {}, "worker"),
+        (MockEngineConfig, {}, "worker"),
+        (VllmEngineConfig, {"model_path": str(TINY)}, "worker"),
+    ]
+
+
+@pytest.mark.parametrize(("model", "required", "command"), _round_trip_cases())
+def test_every_field_of_every_component_config_survives_argv_for_and_the_component_s_own_parser(
+    model, required, command
+):
+    """argv_for is add_model_arguments' inverse for every field, at its default and at another value: what a graph
+    section says is what the process runs with, for options added later too."""
+    from pydantic import ValidationError
+
+    from components.runtime.errors import ConfigError
+    from components.runtime.flags import given_values
+
+    parser = build_parser()
+
+    def round_trip(values: dict) -> object:
+        args = parser.parse_args([command, *argv_for(values)])
+        return model.model_validate(required | given_values(model, args))
+
+    everything = model.model_validate(required)
+    assert round_trip(everything.model_dump()) == everything  # every field given, at its default
+    skipped = []
+    for name, field in model.model_fields.items():
+        for value in _other_values(field):
+            try:
+                expected = model.model_validate({**required, name: value})
+            except (ValidationError, ConfigError):
+                continue
+            assert round_trip({name: getattr(expected, name)}) == expected, name
+            break
+        else:
+            skipped.append(name)
+    # A str the config checks against a list of its own (an address, a policy name) may have no candidate above.
+    assert all(model.model_fields[n].annotation is str for n in skipped), skipped
+
+
+def test_a_value_that_looks_like_a_flag_is_passed_attached_and_one_no_flag_can_carry_is_refused(tmp_path):
+    assert argv_for({"model": "-m", "speedup_ratio": -math.inf}) == ["--model=-m", "--speedup-ratio=-inf"]
+    text = MINIMAL.replace("namespace: t", "namespace: t\nfrontend: {components: ['a,b']}")
+    [problem] = problems_of(write_graph(tmp_path, text))
+    assert ":2: frontend.components: a list item cannot contain ','" in problem
+
+
+def test_a_group_tightens_the_worker_s_own_fields_without_redeclaring_them(tmp_path):
+    """model and model_path are required in a graph and component must be a mesh name; type and description stay
+    WorkerConfig's, so a change there reaches graphs."""
+    for group in WORKER_GROUP_MODELS.values():
+        for name in ("model", "model_path", "component"):
+            assert group.model_fields[name].description.startswith(WorkerConfig.model_fields[name].description)
+        assert group.model_fields["model"].is_required() and group.model_fields["model_path"].is_required()
+        assert group.model_fields["component"].default == WorkerConfig.model_fields["component"].default
+    text = MINIMAL.replace("model: m\n", "component: 'a b'\n")
+    problems = problems_of(write_graph(tmp_path, text))
+    assert any(":5: workers[0].component: must be 1-64 letters, digits" in p for p in problems), problems
+    assert any("workers[0].model: required field is missing (Served model name" in p for p in problems), problems
+
+
+def test_an_unknown_field_names_the_one_it_most_likely_meant_and_lists_only_what_may_be_written_there(tmp_path):
+    text = MINIMAL.replace("namespace: t", "namespace: t\nruntime: {lease_ttl: 3}\nfrontend: {hots: x}")
+    problems = problems_of(write_graph(tmp_path, text + "    speedup: 3\n    block-size: 4\n    replicaz: 2\n"))
+    said = {p.split(": ", 2)[1]: p.split(": ", 2)[2] for p in problems}
+    assert said["runtime.lease_ttl"].startswith("unknown field 'lease_ttl'; did you mean 'lease_ttl_s'?")
+    assert said["frontend.hots"].startswith("unknown field 'hots'; did you mean 'host'?")
+    assert "did you mean 'speedup_ratio'?" in said["workers[0].speedup"]  # not 'seed': a prefix beats a spelling
+    assert "did you mean 'block_size'?" in said["workers[0].block-size"]
+    assert "did you mean 'replicas'?" in said["workers[0].replicaz"]
+    # What the graph sets elsewhere is not offered; a group lists its own fields first, then the worker's.
+    assert "etcd_endpoints" not in said["runtime.lease_ttl"] and "namespace" not in said["frontend.hots"]
+    assert said["workers[0].replicaz"].split("allowed here: ")[1].startswith("name, replicas, gpus_per_replica")

@@ -1,11 +1,32 @@
-"""The dispatch's retry rule (components/frontend/dispatch.py): a failed worker's process is suspect, and a retry
-goes to another process while one exists. Pure parts only; the frontend's integration tests run the rest."""
+"""The dispatch (components/frontend/dispatch.py): its retry rule (a failed worker's process is suspect, and a retry
+goes to another process while one exists), and one request's life over the in-memory runtime: retries before the
+first output, the router's bookkeeping settled for every attempt, and the resume seam after it. The frontend's
+integration tests run the rest over real etcd and NATS."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from components.frontend.dispatch import Suspects, avoid
+from components.frontend.config import FrontendConfig
+from components.frontend.dispatch import Dispatch, Interrupted, Suspects, avoid
+from components.frontend.errors import UpstreamError
+from components.frontend.metrics import FrontendMetrics
+from components.frontend.models import Model, ModelRegistry
+from components.frontend.service import FrontendService, Generation, Prepared, RoutingHints
+from components.frontend.tokenizer import Tokenizer, load_tokenizer
+from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.messages import GenerateRequest, SamplingParams
+from components.protocol.metadata import WorkerMetadata
+from components.router import Router, RouteRequest
+from components.runtime.request_plane import RequestContext
+from tests.support.mesh import Mesh
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -37,3 +58,173 @@ def test_suspects_expire_and_an_anonymous_worker_makes_no_process_suspect():
     s.mark(("", 0), now_s=10.0)  # no node/pid announced: nothing known to share its fault
     assert s.active(11.9) == {("node-a", 100)}
     assert s.active(12.0) == set()
+
+
+# --- one request's life, over the in-memory runtime -------------------------------------------------------------------
+#
+# Scripted workers (a generate handler that plays a list of chunks) behind a real ModelRegistry and Router: each test
+# checks what the client-facing Generation reads and that every attempt's router bookkeeping was settled.
+
+MODEL_PATH = str(Path(__file__).resolve().parents[3] / "models" / "tiny-llama")
+NS = "d"
+A, B = 0xA1, 0xB2
+
+
+def chunk(ids: list[int], finish: str | None = None) -> dict[str, Any]:
+    return {"token_ids": ids, "finish_reason": finish, "num_prompt_tokens": 0, "num_cached_tokens": 0}
+
+
+class Scripted:
+    """A worker's generate handler: plays ``chunks`` to every request, after ``skip`` of them (a worker that
+    continues a request from a position); remembers the request ids it was sent."""
+
+    def __init__(self, chunks: list[dict[str, Any]]) -> None:
+        self.chunks = chunks
+        self.request_ids: list[str] = []
+
+    async def __call__(self, body: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        self.request_ids.append(body["request_id"])
+        for c in self.chunks:
+            yield c
+
+
+@dataclasses.dataclass
+class Fleet:
+    service: FrontendService
+    model: Model
+    tokenizer: Tokenizer
+    workers: dict[int, Scripted]
+
+    def prepared(self, rid: str, pin: int | None = None) -> Prepared:
+        p = Prepared(rid, self.model, self.tokenizer, [104, 105], SamplingParams(16), [], time.monotonic())
+        p.hints = RoutingHints(pinned_instance_id=pin)
+        return p
+
+    def dispatch(self, p: Prepared, cls: type[Dispatch] = Dispatch) -> Dispatch:
+        s = self.service
+        return cls(s.config, s.registry, s.router, s.suspects, p, on_retry=None)
+
+    def active(self) -> dict[int, int]:
+        return {iid: self.service.router.active_requests(iid) for iid in self.workers}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer(MODEL_PATH)
+
+
+@pytest.fixture
+async def make_fleet(tok: Tokenizer) -> AsyncIterator[Callable[[dict[int, list[dict[str, Any]]]], Awaitable[Fleet]]]:
+    """A builder: workers (instance id -> script, each in a process of its own) behind a frontend's registry and
+    router."""
+    mesh = Mesh()
+    registries: list[ModelRegistry] = []
+
+    async def make(scripts: dict[int, list[dict[str, Any]]]) -> Fleet:
+        server = await mesh.runtime()
+        endpoint = server.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE)
+        workers: dict[int, Scripted] = {}
+        for iid, chunks in scripts.items():
+            meta = WorkerMetadata(model="m", model_path=MODEL_PATH, node="n", pid=iid, max_model_len=100)
+            workers[iid] = Scripted(chunks)
+            await endpoint.serve(workers[iid], metadata=meta.to_dict(), instance_id=iid)
+        config = FrontendConfig(namespace=NS, max_retries=2)
+        router = Router(config)
+        registry = ModelRegistry(await mesh.runtime(), NS, config.components, router, lambda path: tok)
+        registries.append(registry)
+        await registry.start()
+        await wait_until(lambda: "m" in registry.models and len(registry.models["m"].instances) == len(scripts))
+        service = FrontendService(config, registry, router, FrontendMetrics())
+        return Fleet(service, registry.models["m"], tok, workers)
+
+    yield make
+    for registry in registries:
+        await registry.close()
+    await mesh.shutdown()
+
+
+async def read_all(gen: Generation) -> str:
+    return "".join([text async for text, _ in gen])
+
+
+def generation(fleet: Fleet, d: Dispatch, first: dict[str, Any]) -> Generation:
+    fleet.service.num_inflight += 1  # as FrontendService.start does; aclose() takes it back
+    return Generation(fleet.service, d.prepared, d, first)
+
+
+async def test_a_worker_that_aborts_before_any_output_reached_the_client_is_replaced(make_fleet):
+    fleet = await make_fleet({A: [chunk([72, 73], "abort")], B: [chunk([104]), chunk([105], "length")]})
+    # A's abort carries tokens, but none has reached the client: the request goes to B, unseen.
+    d = fleet.dispatch(fleet.prepared("r1", pin=A))
+    first = await d.start()
+    assert first["token_ids"] == [104] and d.instance_id == B and d.num_attempts == 2
+    # Each attempt had its own id (an engine refuses one it still holds) and A's was settled at once.
+    assert (fleet.workers[A].request_ids, fleet.workers[B].request_ids) == (["r1"], ["r1.1"])
+    assert fleet.active() == {A: 0, B: 1}
+    assert fleet.service.suspects.active(time.monotonic()) == {("n", A)}  # A's process, for the next requests too
+    gen = generation(fleet, d, first)
+    assert await read_all(gen) == "hi" and gen.finish_reason == "length"
+    await gen.aclose()
+    assert fleet.active() == {A: 0, B: 0} and fleet.service.num_inflight == 0
+
+
+class Recording(Dispatch):
+    """What the Generation hands the seam: the interruption and the position the client has reached."""
+
+    resumed: list[tuple[str, int]] = []
+
+    async def resume(self, interruption: Interrupted, position: int) -> dict[str, Any]:
+        self.resumed.append((interruption.message, position))
+        return await super().resume(interruption, position)
+
+
+async def test_an_upstream_that_breaks_mid_stream_reaches_resume_with_the_position_and_fails_today(make_fleet):
+    fleet = await make_fleet({A: [chunk([104]), chunk([105, 33]), chunk([], "abort")]})
+    d = fleet.dispatch(fleet.prepared("r2"), Recording)
+    gen = generation(fleet, d, await d.start())
+    texts = []
+    with pytest.raises(UpstreamError, match="aborted"):
+        async for text, _ in gen:
+            texts.append(text)
+    assert texts == ["h", "i!"]
+    assert Recording.resumed == [("the worker aborted the request", 3)]
+    await gen.aclose()
+    assert fleet.active() == {A: 0}
+
+
+class Failover(Dispatch):
+    """A sketch of migration's ``resume``, from the parts the seam provides: settle the broken attempt, place the
+    request on another worker, splice its output at the position the client has reached. (The real one sends the
+    output so far and frames carry their position; here B replays the output from the start, and the tokens below
+    the position are dropped.)"""
+
+    async def resume(self, interruption: Interrupted, position: int) -> dict[str, Any]:
+        broken = self.instance_id
+        assert broken is not None
+        await self._release()
+        p = self.prepared
+        route = self.router.prepare(RouteRequest(p.prompt_ids, p.model.name, time.monotonic()))
+        body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
+        item = await self._place(route, body, {broken})
+        while len(item["token_ids"]) <= position:  # wholly delivered already
+            position -= len(item["token_ids"])
+            item = await self.next_item()
+        return item | {"token_ids": item["token_ids"][position:]}
+
+
+async def test_resume_can_swap_the_upstream_under_a_running_generation(make_fleet):
+    fleet = await make_fleet(
+        {
+            A: [chunk([104]), chunk([105]), chunk([], "abort")],
+            B: [chunk([104]), chunk([105, 33]), chunk([63], "length")],
+        }
+    )
+    # The seam migration extends: the Generation keeps reading one dispatch while its upstream moves from A to B.
+    d = fleet.dispatch(fleet.prepared("r3", pin=A), Failover)
+    gen = generation(fleet, d, await d.start())
+    assert await read_all(gen) == "hi!?" and gen.finish_reason == "length"
+    assert gen.num_output_tokens == 4  # h i from A, ! ? from B: nothing twice
+    assert (fleet.workers[A].request_ids, fleet.workers[B].request_ids) == (["r3"], ["r3.1"])
+    assert d.instance_id == B and fleet.active() == {A: 0, B: 1}
+    await gen.aclose()
+    assert fleet.active() == {A: 0, B: 0}
