@@ -44,6 +44,9 @@ class WorkerMetadata:
     pid: int = 0  # process id on that node
     unit: int = 0  # index of the worker inside its process
     started_at: float = 0.0  # wall-clock registration time, seconds since the epoch
+    # The engine's step-time model (router.types.StepTime's fields: ms per step by its shape), for the kv router's
+    # predicted time to first token; empty: the router's defaults.
+    step_time: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -59,6 +62,14 @@ class WorkerMetadata:
             if f.name not in d:
                 continue
             v = d[f.name]
+            if f.name == "step_time":
+                if isinstance(v, Mapping):
+                    kwargs[f.name] = {
+                        str(k): float(x)
+                        for k, x in v.items()
+                        if isinstance(x, (int, float)) and not isinstance(x, bool)
+                    }
+                continue
             default = f.default
             if default is None:  # an optional int
                 if isinstance(v, int) and not isinstance(v, bool):

@@ -50,7 +50,14 @@ from components.router.kv_index import KvIndex
 from components.router.policies import ALIASES, POLICIES, canonical_name, common
 from components.router.policies.kv import DEFAULT_BLOCK_SIZE
 from components.router.protocol import Assignment
-from components.router.types import RouteDecision, RouteRequest, RoutingPolicy, WorkerSnapshot
+from components.router.types import (
+    DEFAULT_STEP_TIME,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    StepTime,
+    WorkerSnapshot,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +171,7 @@ class Router:
         # Workers announcing another KV hash scheme (``kv_hash_scheme`` in their metadata): their events could
         # never match this router's prompt hashes, so they are not indexed.
         self._foreign_hashes: set[int] = set()
+        self._step_time: dict[int, StepTime] = {}  # instance id -> its announced step-time model, parsed
 
     # --- membership -------------------------------------------------------------------------------------------------
 
@@ -175,6 +183,8 @@ class Router:
         """
         meta = dict(workers)
         old = self._models.get(model)
+        for iid, md in meta.items():
+            self._step_time[iid] = StepTime.from_mapping(md.get("step_time"))
         if not meta:
             self._models.pop(model, None)
         else:
@@ -229,6 +239,7 @@ class Router:
 
     def _forget(self, iid: int) -> None:
         self.index.remove_worker(iid)
+        self._step_time.pop(iid, None)
         self._foreign_hashes.discard(iid)
         load = self._loads.get(iid)
         if load is not None:
@@ -267,10 +278,20 @@ class Router:
 
     def _snapshot(self, iid: int, metadata: Mapping[str, Any]) -> WorkerSnapshot:
         load = self._loads.get(iid)
+        step = self._step_time.get(iid, DEFAULT_STEP_TIME)
         if load is None:
-            return WorkerSnapshot(iid, metadata)
+            return WorkerSnapshot(
+                iid,
+                metadata,
+                prefill_ms_per_token=step.prefill_ms_per_prompt_token(0, 0),
+                decode_step_ms=step.decode_ms(1, 0),
+            )
         m = load.metrics
         cfg = self.config
+        queued = load.active_prefill_tokens
+        if m is not None and m.num_waiting_prefill_tokens > queued:
+            queued = m.num_waiting_prefill_tokens  # other routers' requests are queued there too
+        seqs, kv_tokens = load.active_requests, load.active_prompt_tokens
         return WorkerSnapshot(
             iid,
             metadata,
@@ -287,6 +308,9 @@ class Router:
             metrics_stale_after_s=stale_after(
                 load.received_s, load.interval_s, cfg.metrics_stale_intervals, cfg.metrics_stale_min_s
             ),
+            queued_prefill_tokens=queued,
+            prefill_ms_per_token=step.prefill_ms_per_prompt_token(seqs, kv_tokens),
+            decode_step_ms=step.decode_ms(seqs + 1, kv_tokens + kv_tokens // max(1, seqs)),
         )
 
     def _flush(self) -> None:

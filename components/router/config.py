@@ -41,7 +41,7 @@ class RouterConfig(BaseModel):
     router_policy: str = Field(
         default="round_robin",
         description="Routing policy by its registered name: round_robin, random, power_of_two, least_loaded, "
-        "autellix, kv, kv+autellix (aliases: round-robin, least_used, power-of-two, kv_autellix).",
+        "autellix, kv, kv+autellix, kv_dynamo (aliases: round-robin, least_used, power-of-two, kv_autellix).",
     )
     router_seed: int | None = Field(
         default=None,
@@ -52,10 +52,16 @@ class RouterConfig(BaseModel):
     overlap_weight: float = Field(
         default=1.0,
         ge=0.0,
-        description="kv: weight of prefill blocks against decode blocks in cost = overlap_weight * "
+        description="kv_dynamo: weight of prefill blocks against decode blocks in cost = overlap_weight * "
         "prefill_blocks_to_compute + active_decode_blocks. Higher favours cache reuse (TTFT), lower favours balance "
         "(ITL); 0 routes by load alone.",
         json_schema_extra={"cli_aliases": ["--kv-overlap-score-weight", "--router-kv-overlap-score-weight"]},
+    )
+    decode_weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="kv: weight of the decode step a request would share (its inter-token latency, ms) against its "
+        "predicted time to first token (ms) in cost = ttft + decode_weight * decode_step. 0 routes for TTFT alone.",
     )
     router_temperature: float = Field(
         default=0.0,

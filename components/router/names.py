@@ -5,7 +5,7 @@ read this module, so neither imports the other: the registry's keys are checked 
 tests/unit/router/test_router_config.py. Imports nothing.
 """
 
-POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded", "autellix", "kv", "kv+autellix")
+POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_loaded", "autellix", "kv", "kv+autellix", "kv_dynamo")
 
 # Spellings of the systems these come from: Dynamo's ``--router-mode`` values, Autellix's ``least_used`` (its
 # LEAST_USED), and ``kv_autellix`` for places that do not allow a ``+`` (graph files name the policy with

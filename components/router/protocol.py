@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from components.router.errors import RouterProtocolError
-from components.router.types import RouteDecision
+from components.router.types import DecisionKind, RouteDecision
 
 ENDPOINT_ROUTE = "route"
 ENDPOINT_REPORT = "report"
@@ -103,9 +103,15 @@ class RouteCall:
 
 
 def decision_to_dict(d: RouteDecision) -> dict[str, Any]:
-    return {"instance_id": d.instance_id, "reason": d.reason, "overlap_blocks": d.overlap_blocks}
+    return {"instance_id": d.instance_id, "reason": d.reason, "overlap_blocks": d.overlap_blocks, "kind": str(d.kind)}
 
 
 def decision_from_dict(d: Mapping[str, Any]) -> RouteDecision:
     iid = d.get("instance_id")
-    return RouteDecision(None if iid is None else int(iid), str(d.get("reason", "")), int(d.get("overlap_blocks", 0)))
+    try:
+        kind = DecisionKind(d.get("kind", DecisionKind.LOAD))
+    except ValueError:
+        kind = DecisionKind.LOAD  # a kind this version does not know
+    return RouteDecision(
+        None if iid is None else int(iid), str(d.get("reason", "")), int(d.get("overlap_blocks", 0)), kind
+    )

@@ -14,6 +14,7 @@ This module imports only the standard library.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -53,6 +54,63 @@ class RouteRequest:
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
+class StepTime:
+    """How long one step of a worker's engine takes, in ms, as a function of its shape: the model the ``kv`` cost
+    predicts times to first token with. A worker announces it in its metadata (``step_time``, the mock engine's own
+    coefficients); a worker that announces none gets these defaults (Llama-3-8B on an H100, the mock engine's
+    defaults). Between workers of one model only the ratios matter: a uniform error in scale changes no decision.
+
+    * a step that computes ``n`` prompt tokens: ``prefill_base_ms + prefill_ms_per_token * n + prefill_ms_per_token_sq
+      * n**2``;
+    * a step that decodes ``b`` sequences attending to ``k`` KV tokens: ``decode_base_ms + decode_ms_per_seq * b +
+      decode_ms_per_kv_token * k``;
+    * a step carries at most ``max_num_batched_tokens`` tokens, one per decoding sequence and the rest prefill.
+    """
+
+    prefill_base_ms: float = 16.5
+    prefill_ms_per_token: float = 1.518e-2
+    prefill_ms_per_token_sq: float = 4.21e-7
+    decode_base_ms: float = 5.0
+    decode_ms_per_seq: float = 0.02
+    decode_ms_per_kv_token: float = 3e-5
+    max_num_batched_tokens: int = 8192
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any] | None) -> StepTime:
+        """From a worker's ``step_time`` metadata; missing, negative or non-numeric fields keep their defaults."""
+        if not d:
+            return DEFAULT_STEP_TIME
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            v = d.get(f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+                kwargs[f.name] = int(v) if f.name == "max_num_batched_tokens" else float(v)
+        if kwargs.get("max_num_batched_tokens", 1) < 1:
+            del kwargs["max_num_batched_tokens"]
+        return cls(**kwargs)
+
+    def prefill_ms(self, n: int) -> float:
+        return self.prefill_base_ms + self.prefill_ms_per_token * n + self.prefill_ms_per_token_sq * n * n if n else 0.0
+
+    def decode_ms(self, seqs: int, kv_tokens: int) -> float:
+        if seqs <= 0:
+            return 0.0
+        return self.decode_base_ms + self.decode_ms_per_seq * seqs + self.decode_ms_per_kv_token * kv_tokens
+
+    def prefill_ms_per_prompt_token(self, decoding_seqs: int, kv_tokens: int) -> float:
+        """ms per prompt token while ``decoding_seqs`` sequences decode alongside: each step carries the rest of the
+        token budget as prefill and costs that prefill plus the decode. The rate at which a worker works through
+        its prefill queue, so its queue's wait is this times the queued tokens."""
+        chunk = max(1, self.max_num_batched_tokens - max(0, decoding_seqs))
+        return (self.prefill_ms(chunk) + self.decode_ms(decoding_seqs, kv_tokens)) / chunk
+
+
+DEFAULT_STEP_TIME = StepTime()
+_IDLE_PREFILL_MS_PER_TOKEN = DEFAULT_STEP_TIME.prefill_ms_per_prompt_token(0, 0)
+_IDLE_DECODE_STEP_MS = DEFAULT_STEP_TIME.decode_ms(1, 0)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
 class WorkerSnapshot:
     """One worker as the router knows it at ``RouteRequest.now_s``.
 
@@ -70,6 +128,15 @@ class WorkerSnapshot:
     ``metrics_received_s`` is when the last report arrived (router's clock), ``metrics_interval_s`` the worker's
     observed publishing interval, ``metrics_stale_after_s`` the instant from which the report counts as stale
     (``components.protocol.metadata.stale_after``; ``inf`` while there is no report or no interval yet).
+
+    Derived once per change of the worker (not per decision: ``kv`` reads them for 256 workers in one list
+    comprehension), from its ``StepTime`` and the counts above:
+    - ``queued_prefill_tokens``: prompt tokens it must compute before a new request's, the larger of this router's
+      ``active_prefill_tokens`` and the worker's reported ``num_waiting_prefill_tokens`` (other routers' requests);
+    - ``prefill_ms_per_token``: how fast it works through them, given the sequences decoding alongside
+      (``StepTime.prefill_ms_per_prompt_token`` at ``active_requests`` sequences over ``active_prompt_tokens``);
+    - ``decode_step_ms``: its decode step with one more sequence of the mean context: the inter-token latency a new
+      request would see there.
     """
 
     instance_id: int
@@ -85,9 +152,25 @@ class WorkerSnapshot:
     metrics_received_s: float | None = None
     metrics_interval_s: float | None = None
     metrics_stale_after_s: float = math.inf
+    queued_prefill_tokens: int = 0
+    prefill_ms_per_token: float = _IDLE_PREFILL_MS_PER_TOKEN
+    decode_step_ms: float = _IDLE_DECODE_STEP_MS
 
     def has_fresh_metrics(self, now_s: float) -> bool:
         return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
+
+
+class DecisionKind(enum.StrEnum):
+    """What decided a placement, in a word: a Prometheus label value (``kvmesh_router_decisions_total{kind=...}``),
+    where the reason is free text for logs."""
+
+    PINNED = "pinned"  # the caller's pinned worker
+    CACHE_HIT = "cache_hit"  # a KV-aware cost chose a worker caching more of the prompt than the others
+    LOAD = "load"  # the load (or a cost with no cache advantage anywhere) chose it
+    IMBALANCE = "imbalance"  # the imbalance override: least loaded, cached prefixes ignored
+    AFFINITY = "affinity"  # the request's program stays on its worker (Autellix locality)
+    ROTATION = "rotation"  # round robin's turn, or a uniformly random pick
+    NOWHERE = "nowhere"  # no candidate
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -95,12 +178,13 @@ class RouteDecision:
     """Where to send a request, and why. ``instance_id`` None means "nowhere": the reason says what was missing.
 
     ``overlap_blocks`` is how many leading prompt blocks the chosen worker caches (0 for non-KV policies): the router
-    counts only the rest as prefill work on that worker.
+    counts only the rest as prefill work on that worker. ``kind`` says in one word what decided it (``DecisionKind``).
     """
 
     instance_id: int | None
     reason: str
     overlap_blocks: int = 0
+    kind: DecisionKind = DecisionKind.LOAD
 
 
 S = TypeVar("S")

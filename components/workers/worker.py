@@ -69,6 +69,8 @@ class Worker:
             unit=self.index,
             # Wall-clock registration time, so `kvmesh status` can show an instance's age from etcd alone.
             started_at=self.started_at,
+            # The engine's step-time model, where it knows one (the mock engine's own coefficients).
+            step_time=dict(getattr(self.engine, "step_time", None) or {}),
         ).to_dict()
 
     async def start(self) -> None:

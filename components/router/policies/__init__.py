@@ -8,8 +8,9 @@
 | ``power_of_two`` | power_of_two.py    | the less loaded of two random workers                                     |
 | ``least_loaded`` | least_loaded.py    | the worker with the fewest requests (or prompt tokens) in flight          |
 | ``autellix``     | autellix.py        | least loaded if short; its program's worker if long (Autellix Alg. 2)     |
-| ``kv``           | kv.py              | the lowest prefill + decode cost given its cached prefix (Dynamo's cost)  |
+| ``kv``           | kv.py              | the soonest predicted first token, given its cached prefix and its queue  |
 | ``kv+autellix``  | kv_autellix.py     | its program's worker if long, else the lowest kv cost                     |
+| ``kv_dynamo``    | kv.py              | Dynamo's cost: prefill blocks to compute + decode blocks in flight        |
 
 Names and aliases live in ``components/router/names.py`` as plain data (``POLICY_NAMES``, ``ALIASES``): the
 spellings of the systems these come from (Dynamo's ``--router-mode`` values, Autellix's ``least_used``) and
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from components.router.names import ALIASES, canonical_name
 from components.router.policies.autellix import AutellixPolicy
-from components.router.policies.kv import KvPolicy
+from components.router.policies.kv import KvDynamoPolicy, KvPolicy
 from components.router.policies.kv_autellix import KvAutellixPolicy
 from components.router.policies.least_loaded import LeastLoadedPolicy
 from components.router.policies.power_of_two import PowerOfTwoPolicy
@@ -48,6 +49,7 @@ POLICIES: dict[str, Callable[[RouterConfig], RoutingPolicy[Any]]] = {
     "autellix": AutellixPolicy,
     "kv": KvPolicy,
     "kv+autellix": KvAutellixPolicy,
+    "kv_dynamo": KvDynamoPolicy,
 }
 
 __all__ = ["ALIASES", "POLICIES", "canonical_name"]

@@ -42,10 +42,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 from components.router.config import RouterConfig
 from components.router.policies import common
-from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
 
 # (candidates) -> (worker, why, its overlap in blocks): how a request that affinity does not decide is placed.
-Chooser = Callable[[Sequence[WorkerSnapshot]], tuple[WorkerSnapshot, str, int]]
+Chooser = Callable[[Sequence[WorkerSnapshot]], tuple[WorkerSnapshot, str, int, DecisionKind]]
 
 _REFRESH_FRACTION = 8  # a hit rewrites its assignment's time once it is older than ttl / 8
 
@@ -124,12 +124,12 @@ def place(
     suffix = note
 
     if n <= threshold:
-        w, why, overlap = choose(cands)
-        decision = RouteDecision(w.instance_id, f"{label}: {n} <= {threshold} tokens, {why}{suffix}", overlap)
+        w, why, overlap, kind = choose(cands)
+        decision = RouteDecision(w.instance_id, f"{label}: {n} <= {threshold} tokens, {why}{suffix}", overlap, kind)
         st = dataclasses.replace(st, num_small=st.num_small + 1)
     elif pid is None:
-        w, why, overlap = choose(cands)
-        decision = RouteDecision(w.instance_id, f"{label}: {n} tokens, no program id, {why}{suffix}", overlap)
+        w, why, overlap, kind = choose(cands)
+        decision = RouteDecision(w.instance_id, f"{label}: {n} tokens, no program id, {why}{suffix}", overlap, kind)
         st = dataclasses.replace(st, num_large=st.num_large + 1, num_unaffiliated=st.num_unaffiliated + 1)
     else:
         st = dataclasses.replace(st, num_large=st.num_large + 1)
@@ -142,12 +142,12 @@ def place(
         if a is not None and home is not None:
             overlap = request.overlap_of(home.instance_id)
             why = f"{label}: {n} tokens, program {_short(pid)} stays on its worker (locality hit){suffix}"
-            decision = RouteDecision(home.instance_id, why, overlap)
+            decision = RouteDecision(home.instance_id, why, overlap, DecisionKind.AFFINITY)
             st = dataclasses.replace(st, num_locality_hits=st.num_locality_hits + 1)
             if now - a.last_used_s > ttl / _REFRESH_FRACTION:
                 programs = {**programs, pid: Assignment(home.instance_id, now)}
         else:
-            w, why, overlap = choose(cands)
+            w, why, overlap, kind = choose(cands)
             if a is not None:
                 what = f"reassigned from worker {a.instance_id:x} (gone, tried or stale)"
                 st = dataclasses.replace(st, num_reassigns=st.num_reassigns + 1)
@@ -155,7 +155,7 @@ def place(
                 what = "assigned"
                 st = dataclasses.replace(st, num_assigns=st.num_assigns + 1)
             decision = RouteDecision(
-                w.instance_id, f"{label}: {n} tokens, program {_short(pid)} {what}, {why}{suffix}", overlap
+                w.instance_id, f"{label}: {n} tokens, program {_short(pid)} {what}, {why}{suffix}", overlap, kind
             )
             programs = {**programs, pid: Assignment(w.instance_id, now)}
     new = AutellixState(programs, st, state.last_sweep_s)
@@ -182,8 +182,8 @@ class AutellixPolicy:
     ) -> tuple[RouteDecision, AutellixState]:
         metric = self.config.least_loaded_metric
 
-        def least_used(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, str, int]:
+        def least_used(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, str, int, DecisionKind]:
             w, why = common.least_used(cands, metric, rng)
-            return w, why, request.overlap_of(w.instance_id)
+            return w, why, request.overlap_of(w.instance_id), DecisionKind.LOAD
 
         return place(request, workers, state, self.config, least_used)

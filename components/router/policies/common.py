@@ -28,7 +28,7 @@ import random
 from collections.abc import Sequence
 
 from components.router.config import LoadMetric, RouterConfig
-from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
 
 
 def _instance_id(w: WorkerSnapshot) -> int:
@@ -53,7 +53,7 @@ def pin(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Route
     w = find(workers, iid)
     if w is None:
         return None, ", pinned worker gone"
-    return RouteDecision(iid, "pinned", request.overlap_of(iid)), ""
+    return RouteDecision(iid, "pinned", request.overlap_of(iid), DecisionKind.PINNED), ""
 
 
 def candidates(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Sequence[WorkerSnapshot], str]:
@@ -72,8 +72,10 @@ def candidates(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tupl
 def nowhere(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> RouteDecision:
     """The decision when there are no candidates: no workers at all, or every one already tried."""
     if not workers:
-        return RouteDecision(None, f"no workers serve model {request.model!r}")
-    return RouteDecision(None, f"all {len(workers)} workers of model {request.model!r} were already tried")
+        return RouteDecision(None, f"no workers serve model {request.model!r}", kind=DecisionKind.NOWHERE)
+    return RouteDecision(
+        None, f"all {len(workers)} workers of model {request.model!r} were already tried", kind=DecisionKind.NOWHERE
+    )
 
 
 def prelude(

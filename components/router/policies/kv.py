@@ -1,43 +1,51 @@
-"""KV-aware routing: send a request where its prompt's prefix is cached, unless that worker is too loaded for the
-saved prefill to pay off.
+"""KV-aware routing: send a request where it gets its first token soonest, counting the prefill its cached prefix
+saves and the prefill already queued there in the same unit, time.
 
-For each candidate worker ``i`` (``common.candidates``: not already tried, not stale while a fresh one remains)::
+For each candidate worker ``i`` (``common.candidates``: not already tried, not stale while a fresh one remains), with
+``P`` prompt tokens of which worker ``i`` caches ``c_i`` (its ``overlap_blocks`` times the block size: the router's KV
+index, from the workers' KV events)::
 
-    prefill_blocks_to_compute_i = (prompt_tokens + active_prefill_tokens_i) / block_size - overlap_blocks_i
-    cost_i = overlap_weight * prefill_blocks_to_compute_i + active_blocks_i
+    ttft_i = prefill_ms_per_token_i * (queued_prefill_tokens_i + P - c_i)
+    cost_i = ttft_i + decode_weight * decode_step_ms_i
 
-``overlap_blocks_i`` is how many leading blocks of the prompt worker ``i`` caches (``RouteRequest.overlap_of``: the
-router's KV index, from the workers' KV events), ``active_prefill_tokens_i`` the prompt tokens of requests routed
-there that have no first token yet (prefill queued ahead of this one: TTFT), ``active_blocks_i`` the KV blocks of
-requests in flight there (decode load: ITL). This is Dynamo's KV router cost with its defaults; the lowest cost wins.
+``queued_prefill_tokens_i`` is the prompt work the worker must do before this request's (requests routed there with no
+first token yet, or what it reports waiting, whichever is larger), ``prefill_ms_per_token_i`` how fast it gets through
+it (from its engine's step-time model, ``types.StepTime``, slowed by the sequences decoding alongside), and
+``decode_step_ms_i`` the decode step the request would then share (its inter-token latency there). All three are
+derived by the router when the worker's counts change (``WorkerSnapshot``), so a decision is one list comprehension.
 
-Steps, in order, each with its reason in the decision:
+Why this unit: a cached prefix and queued work are both prompt tokens to compute before the first token, so the
+cached worker wins exactly while its queue is shorter than its cache advantage (``queued_i - queued_j < c_i - c_j``
+between workers of one speed), at any load. Dynamo's cost (``kv_dynamo`` below) weighs prefill *blocks* to compute
+against the *decode* blocks of every request in flight: at high load the second term, which grows with requests that
+no longer queue anywhere, outweighs any prefix and cached prefixes are ignored when they matter most.
+
+Steps, in order, each with its reason and ``DecisionKind`` in the decision:
 1. **Pin**: ``pinned_instance_id`` wins when it can (``common.pin``).
 2. **Busy**: candidates whose fresh metrics exceed ``active_decode_blocks_threshold`` (KV usage) or
    ``active_prefill_tokens_threshold`` (waiting prompt tokens) are dropped while a non-busy one remains.
-3. **Imbalance override**: when the most and least loaded candidates (requests in flight) differ by more than
-   ``balance_abs_threshold`` AND the most loaded carries more than ``balance_rel_threshold`` times the least, the
-   request goes to the least loaded one, overlap ignored. A system prompt every request shares makes one worker's
-   overlap the best for every request; the cost's load term only pushes back once the imbalance outweighs
-   ``overlap_weight * overlap``, which for a 4k-token shared prefix (256 blocks) is hundreds of blocks. Dynamo users
-   hit exactly this herding (its issues #737 and #7836); the override caps it at the thresholds.
-4. **Cost**: ``router_temperature`` 0 takes the lowest cost, ties broken by the ``random.Random`` passed in (equal
-   costs are exactly equal: with ``overlap_weight`` 1 and power-of-two block sizes every term is a float that holds
-   an integer or a multiple of 1/16 exactly). Above 0 it samples worker ``i`` with probability proportional to
-   ``exp(-(c_i - c_min) / (c_max - c_min) / T)``: costs normalised to [0, 1], so the spread of the fleet's costs,
-   not their scale, sets how adventurous ``T`` is.
+3. **Imbalance override** (kind ``imbalance``): when the most and least loaded candidates (requests in flight)
+   differ by more than ``balance_abs_threshold`` AND the most loaded carries more than ``balance_rel_threshold``
+   times the least, the request goes to the least loaded one, overlap ignored (sglang's cache-aware policy's guard).
+4. **Cost**: ``router_temperature`` 0 takes the lowest cost, ties broken by the ``random.Random`` passed in. Above 0
+   it samples worker ``i`` with probability proportional to ``exp(-(c_i - c_min) / (c_max - c_min) / T)``. The kind
+   is ``cache_hit`` when the chosen worker caches more of the prompt than the prefix every worker caches, else
+   ``load``.
 
-Parameters (``RouterConfig``): ``overlap_weight``, ``router_temperature``, ``active_decode_blocks_threshold``,
-``active_prefill_tokens_threshold``, ``balance_abs_threshold``, ``balance_rel_threshold``.
+``kv_dynamo`` is Dynamo's KV router cost with its defaults, kept as the named alternative::
+
+    cost_i = overlap_weight * ((P + active_prefill_tokens_i) / block_size - overlap_blocks_i) + active_blocks_i
+
+Parameters (``RouterConfig``): ``decode_weight`` (``kv``), ``overlap_weight`` (``kv_dynamo``), and for both
+``router_temperature``, ``active_decode_blocks_threshold``, ``active_prefill_tokens_threshold``,
+``balance_abs_threshold``, ``balance_rel_threshold``.
 
 Without a block size (``RouteRequest.block_size`` 0: the workers announced none) the policy counts blocks of
 ``DEFAULT_BLOCK_SIZE`` tokens; with no overlaps (no KV events yet, no hashes) the cost is pure load. Stateless.
 
 ``RouteRequest.common_overlap_blocks`` is the prefix every worker of the model caches (a system prompt); only the
-workers caching more are in ``overlap_blocks``, so with a shared system prompt the cost is one list comprehension
-over the candidates plus a binary search per listed worker. Cost: ~35-45 us at 256 workers on one core of the
-2-core EPYC dev machine; the router's share around it (hashing an 8k-token prompt ~60 us, the KV index search
-25-50 us) is larger.
+workers caching more are in ``overlap_blocks``, so the cost is one list comprehension over the candidates plus a
+binary search per listed worker: ~35-45 us at 256 workers on one core of the 2-core EPYC dev machine.
 
 Pure: imports only the standard library and ``components.router``'s ``types``/``config``.
 """
@@ -51,23 +59,75 @@ from collections.abc import Sequence
 
 from components.router.config import RouterConfig
 from components.router.policies import common
-from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
+TTFT = "ttft"
+DYNAMO = "dynamo"
 
 
 def _instance_id(w: WorkerSnapshot) -> int:
     return w.instance_id
 
 
-def choose(
-    request: RouteRequest, cands: Sequence[WorkerSnapshot], config: RouterConfig, rng: random.Random
-) -> tuple[WorkerSnapshot, str, int]:
-    """Steps 2-4 over non-empty candidates: (worker, reason, its overlap in blocks). Shared with ``kv+autellix``."""
-    now = request.now_s
-    cands, busy_note = common.not_busy(cands, now, config)
+def ttft_costs(request: RouteRequest, cands: Sequence[WorkerSnapshot], decode_weight: float) -> list[float]:
+    """``kv``'s cost of each candidate, in ms (module docstring)."""
+    bs = request.block_size or DEFAULT_BLOCK_SIZE
+    floor = request.common_overlap_blocks
+    base = max(1, len(request.token_ids) - floor * bs)  # uncached tokens where only the common prefix is cached
+    costs = [
+        w.prefill_ms_per_token * (w.queued_prefill_tokens + base) + decode_weight * w.decode_step_ms for w in cands
+    ]
+    overlaps = request.overlap_blocks
+    if len(overlaps) * 8 >= len(cands):
+        for i, w in enumerate(cands):
+            extra = overlaps.get(w.instance_id, floor) - floor
+            if extra > 0:
+                costs[i] -= w.prefill_ms_per_token * min(extra * bs, base - 1)
+    else:
+        # Few workers hold more than the common prefix: find each by binary search (cands are sorted by id).
+        for iid, blocks in overlaps.items():
+            i = bisect.bisect_left(cands, iid, key=_instance_id)
+            if i < len(cands) and cands[i].instance_id == iid and blocks > floor:
+                costs[i] -= cands[i].prefill_ms_per_token * min((blocks - floor) * bs, base - 1)
+    return costs
+
+
+def dynamo_costs(request: RouteRequest, cands: Sequence[WorkerSnapshot], overlap_weight: float) -> list[float]:
+    """``kv_dynamo``'s cost of each candidate, in blocks (module docstring)."""
+    bs = request.block_size or DEFAULT_BLOCK_SIZE
+    per_token = overlap_weight / bs
+    floor = request.common_overlap_blocks
     overlaps = request.overlap_blocks
     get = overlaps.get
+    base = len(request.token_ids) * per_token - overlap_weight * floor
+    if len(overlaps) * 8 >= len(cands):
+        return [
+            base
+            + per_token * w.active_prefill_tokens
+            + w.active_blocks
+            - overlap_weight * (get(w.instance_id, floor) - floor)
+            for w in cands
+        ]
+    costs = [base + per_token * w.active_prefill_tokens + w.active_blocks for w in cands]
+    for iid, blocks in overlaps.items():
+        i = bisect.bisect_left(cands, iid, key=_instance_id)
+        if i < len(cands) and cands[i].instance_id == iid:
+            costs[i] -= overlap_weight * (blocks - floor)
+    return costs
+
+
+def choose(
+    request: RouteRequest,
+    cands: Sequence[WorkerSnapshot],
+    config: RouterConfig,
+    rng: random.Random,
+    cost: str = TTFT,
+) -> tuple[WorkerSnapshot, str, int, DecisionKind]:
+    """Steps 2-4 over non-empty candidates: (worker, reason, its overlap in blocks, kind). Shared with
+    ``kv+autellix``."""
+    now = request.now_s
+    cands, busy_note = common.not_busy(cands, now, config)
     if len(cands) > 1:
         loads = [w.active_requests for w in cands]
         lo, hi = min(loads), max(loads)
@@ -75,28 +135,14 @@ def choose(
             i, _ = common.pick_min(loads, rng)
             w = cands[i]
             why = f"kv imbalance override: {hi} vs {lo} requests in flight, least loaded taken{busy_note}"
-            return w, why, request.overlap_of(w.instance_id)
+            return w, why, request.overlap_of(w.instance_id), DecisionKind.IMBALANCE
 
-    bs = request.block_size or DEFAULT_BLOCK_SIZE
-    weight = config.overlap_weight
-    per_token = weight / bs
-    floor = request.common_overlap_blocks  # every candidate caches this much; overlaps lists those caching more
-    base = len(request.token_ids) * per_token - weight * floor
-    if len(overlaps) * 8 >= len(cands):
-        # Many workers hold more than the common prefix: one lookup per candidate.
-        costs = [
-            base + per_token * w.active_prefill_tokens + w.active_blocks - weight * (get(w.instance_id, floor) - floor)
-            for w in cands
-        ]
+    if cost == DYNAMO:
+        costs = dynamo_costs(request, cands, config.overlap_weight)
+        unit = "blocks"
     else:
-        costs = [base + per_token * w.active_prefill_tokens + w.active_blocks for w in cands]
-        # Few hold more (or none): find each by binary search (cands are sorted by id) rather than a dict lookup per
-        # candidate, ~8 us less at 256 workers.
-        for iid, blocks in overlaps.items():
-            i = bisect.bisect_left(cands, iid, key=_instance_id)
-            if i < len(cands) and cands[i].instance_id == iid:
-                costs[i] -= weight * (blocks - floor)
-
+        costs = ttft_costs(request, cands, config.decode_weight)
+        unit = "ms"
     temperature = config.router_temperature
     if temperature <= 0.0 or len(cands) == 1:
         i, ties = common.pick_min(costs, rng)
@@ -111,15 +157,19 @@ def choose(
             i = rng.choices(range(len(costs)), weights=weights)[0]
         how = f"sampled at T={temperature:g} among {len(cands)}"
     w = cands[i]
-    overlap = get(w.instance_id, floor)
+    floor = request.common_overlap_blocks
+    overlap = request.overlap_blocks.get(w.instance_id, floor)
+    bs = request.block_size or DEFAULT_BLOCK_SIZE
     n_blocks = len(request.block_hashes) if request.block_hashes is not None else len(request.token_ids) // bs
-    why = f"kv: {overlap}/{n_blocks} blocks cached, cost {costs[i]:.1f}, {how}{busy_note}"
-    return w, why, overlap
+    kind = DecisionKind.CACHE_HIT if overlap > floor else DecisionKind.LOAD
+    why = f"kv: {overlap}/{n_blocks} blocks cached, cost {costs[i]:.1f} {unit}, {how}{busy_note}"
+    return w, why, overlap, kind
 
 
 class KvPolicy:
     name = "kv"
     uses_kv = True
+    cost = TTFT
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
@@ -133,5 +183,12 @@ class KvPolicy:
         placed, cands, note = common.prelude(request, workers)
         if placed is not None:
             return placed, state
-        w, why, overlap = choose(request, cands, self.config, rng)
-        return RouteDecision(w.instance_id, f"{why}{note}", overlap), state
+        w, why, overlap, kind = choose(request, cands, self.config, rng, self.cost)
+        return RouteDecision(w.instance_id, f"{why}{note}", overlap, kind), state
+
+
+class KvDynamoPolicy(KvPolicy):
+    """``kv`` with Dynamo's cost: the named alternative, for comparison (module docstring)."""
+
+    name = "kv_dynamo"
+    cost = DYNAMO

@@ -3,12 +3,12 @@
 A request over ``locality_threshold_tokens`` with a program id goes to its program's worker (a locality hit), exactly
 as in ``autellix``. Everything that policy would send to LEAST_USED (short requests, long ones without a program id,
 a program's first long request, a reassignment) is placed by ``kv.choose`` instead: busy workers skipped, the
-imbalance override, then the lowest ``overlap_weight * prefill_blocks + active_blocks``. A program's first long
+imbalance override, then the lowest predicted time to first token (``kv``'s cost). A program's first long
 request therefore lands where its prefix (a shared system prompt, an earlier program's context) is already cached,
 and stays there.
 
 Parameters (``RouterConfig``): those of ``autellix`` (``locality_threshold_tokens``, ``program_ttl_s``) and of ``kv``
-(``overlap_weight``, ``router_temperature``, the busy and balance thresholds). The state is ``AutellixState``.
+(``decode_weight``, ``router_temperature``, the busy and balance thresholds). The state is ``AutellixState``.
 
 Pure: imports only the standard library and ``components.router``'s ``types``/``config``.
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from components.router.config import RouterConfig
 from components.router.policies import autellix, kv
-from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
 
 
 class KvAutellixPolicy:
@@ -45,7 +45,7 @@ class KvAutellixPolicy:
     ) -> tuple[RouteDecision, autellix.AutellixState]:
         config = self.config
 
-        def kv_choose(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, str, int]:
+        def kv_choose(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, str, int, DecisionKind]:
             return kv.choose(request, cands, config, rng)
 
         return autellix.place(request, workers, state, config, kv_choose, label="kv+autellix")

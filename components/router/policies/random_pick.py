@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from components.router.config import RouterConfig
 from components.router.policies import common
-from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
 
 
 class RandomPolicy:
@@ -33,4 +33,4 @@ class RandomPolicy:
         if placed is not None:
             return placed, state
         w = cands[rng.randrange(len(cands))]
-        return RouteDecision(w.instance_id, f"random among {len(cands)}{note}"), state
+        return RouteDecision(w.instance_id, f"random among {len(cands)}{note}", kind=DecisionKind.ROTATION), state

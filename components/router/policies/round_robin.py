@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from components.router.config import RouterConfig
 from components.router.policies import common
-from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -52,10 +52,12 @@ def select(
     n = len(workers)
     if len(cands) == n:
         i = state.next_index % n
-        return RouteDecision(workers[i].instance_id, reason), RoundRobinState((i + 1) % n)
+        return RouteDecision(workers[i].instance_id, reason, kind=DecisionKind.ROTATION), RoundRobinState((i + 1) % n)
     allowed = {w.instance_id for w in cands}
     for step in range(n):
         i = (state.next_index + step) % n
         if workers[i].instance_id in allowed:
-            return RouteDecision(workers[i].instance_id, reason), RoundRobinState((i + 1) % n)
+            return RouteDecision(workers[i].instance_id, reason, kind=DecisionKind.ROTATION), RoundRobinState(
+                (i + 1) % n
+            )
     raise AssertionError("unreachable: candidates are a subset of workers")  # pragma: no cover

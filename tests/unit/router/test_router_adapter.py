@@ -17,6 +17,7 @@ from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot, 
 from components.router import Router, RouterConfig, RouteRequest, RouterProtocolError
 from components.router.feed import RouterFeed
 from components.router.protocol import TOPIC_ROUTER_SYNC
+from components.router.types import StepTime
 from components.runtime import RequestContext, Runtime, RuntimeConfig
 from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
 from tests.support.waiting import wait_until
@@ -73,6 +74,35 @@ def test_a_request_adds_prefill_and_blocks_first_token_ends_prefill_finish_frees
     w1 = r.workers("m")[0]
     assert (w1.active_requests, w1.active_prompt_tokens, w1.active_prefill_tokens, w1.active_blocks) == (0, 0, 0, 0)
     assert r.stats.num_decisions == 1 and (r.stats.num_prompt_blocks, r.stats.num_cached_blocks) == (16, 10)
+
+
+def test_snapshots_carry_the_queue_and_the_prefill_rate_the_kv_cost_compares():
+    # Worker 2 announces an engine twice as fast at prefill; worker 1 announces none (the defaults).
+    fast = {"prefill_base_ms": 8.0, "prefill_ms_per_token": 0.0076, "max_num_batched_tokens": 4096}
+    r = kv_router()
+    r.set_workers("m", [(1, meta()), (2, {**meta(), "step_time": fast})])
+    step1, step2 = StepTime(), StepTime.from_mapping(fast)
+    assert step2.max_num_batched_tokens == 4096 and step2.prefill_ms_per_token == 0.0076
+    w1, w2 = r.workers("m")
+    assert w1.prefill_ms_per_token == step1.prefill_ms_per_prompt_token(0, 0)
+    assert w2.prefill_ms_per_token == step2.prefill_ms_per_prompt_token(0, 0) < w1.prefill_ms_per_token
+    req = r.prepare(RouteRequest(PROMPT, "m", 0.0))
+    r.on_routed("a", r.select(req), req)  # the faster worker
+    w2 = r.workers("m")[1]
+    assert w2.queued_prefill_tokens == 256 and w2.active_requests == 1
+    assert w2.prefill_ms_per_token == step2.prefill_ms_per_prompt_token(1, 256)
+    assert w2.decode_step_ms == step2.decode_ms(2, 512)
+    # A report of more waiting prefill (other routers' requests) raises the queue; less does not lower it.
+    r.apply_load(2, LoadSnapshot(0.0, 0.1, 1000, 100, 0, 3, 5000, 0, 0, 0), 0.1)
+    assert r.workers("m")[1].queued_prefill_tokens == 5000
+    r.apply_load(2, LoadSnapshot(0.0, 0.1, 1000, 100, 0, 1, 10, 0, 0, 0), 0.2)
+    assert r.workers("m")[1].queued_prefill_tokens == 256
+    r.on_first_token("a")
+    assert r.workers("m")[1].queued_prefill_tokens == 10
+    # Garbage in the announcement keeps the defaults for the fields it spoils.
+    assert StepTime.from_mapping(
+        {"prefill_ms_per_token": "fast", "decode_base_ms": -1, "max_num_batched_tokens": 0}
+    ) == (StepTime())
 
 
 def test_a_request_that_fails_before_its_first_token_frees_its_prefill_too():

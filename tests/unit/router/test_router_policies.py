@@ -17,11 +17,12 @@ from components.protocol.metadata import stale_after
 from components.router import POLICIES, RouterConfig, RouteRequest, WorkerSnapshot, make_policy
 from components.router.policies import autellix, common, kv
 from components.router.policies.autellix import AutellixPolicy, AutellixState
-from components.router.policies.kv import KvPolicy
+from components.router.policies.kv import KvDynamoPolicy, KvPolicy
 from components.router.policies.kv_autellix import KvAutellixPolicy
 from components.router.policies.least_loaded import LeastLoadedPolicy
 from components.router.policies.power_of_two import PowerOfTwoPolicy
 from components.router.policies.random_pick import RandomPolicy
+from components.router.types import DecisionKind, StepTime
 
 pytestmark = pytest.mark.unit
 
@@ -231,42 +232,142 @@ def test_least_used_alias_is_least_loaded():
     assert make_policy("round-robin").name == "round_robin"
 
 
-# --- kv -------------------------------------------------------------------------------------------------------------
+# --- kv: predicted time to first token -------------------------------------------------------------------------------
+
+STEP = StepTime()  # the default step-time model (an 8B model on an H100)
 
 
-def test_kv_prefers_the_worker_that_caches_the_prefix():
+def timed(iid: int, queued: int = 0, step: StepTime = STEP, decoding: int = 0, kv_tokens: int = 0, **f: Any) -> Any:
+    """A worker as the router derives it: queued prefill tokens, the prefill rate at its decode batch, the decode step
+    a new request would share."""
+    return worker(
+        iid,
+        queued_prefill_tokens=queued,
+        prefill_ms_per_token=step.prefill_ms_per_prompt_token(decoding, kv_tokens),
+        decode_step_ms=step.decode_ms(decoding + 1, kv_tokens),
+        **f,
+    )
+
+
+def test_kv_a_cached_prefix_wins_over_a_slightly_lighter_worker_and_loses_to_a_much_lighter_one():
+    # 4096-token prompt; worker 1 caches 2048 of it. Between workers of one speed the cached one wins exactly while its
+    # queue is shorter than its cache advantage: ttft_1 = m * (q1 + 4096 - 2048) vs ttft_2 = m * (q2 + 4096).
+    req = request(4096, overlap_blocks={1: 2048 // BS})
+    slightly = [timed(1, queued=3000), timed(2, queued=2000)]  # 1000 more queued, 2048 fewer to compute
+    d = place(KvPolicy(), req, slightly)
+    assert (d.instance_id, d.kind) == (1, DecisionKind.CACHE_HIT)
+    much = [timed(1, queued=6000), timed(2, queued=2000)]  # 4000 more queued: the cache no longer pays
+    d = place(KvPolicy(), req, much)
+    assert (d.instance_id, d.kind) == (2, DecisionKind.LOAD)
+
+
+@pytest.mark.parametrize("decoding", [0, 64])
+def test_kv_switches_where_the_predicted_times_cross(decoding):
+    # Worker 1 caches c tokens and is slowed by `decoding` sequences; worker 2 is idle. The crossover queue on worker 1
+    # is where m1 * (q + P - c) + d1 = m2 * P + d2, derived here from the step-time model, not read off the policy.
+    P, c = 8192, 4096
+    m1 = STEP.prefill_ms_per_prompt_token(decoding, decoding * 2048)
+    m2 = STEP.prefill_ms_per_prompt_token(0, 0)
+    d1, d2 = STEP.decode_ms(decoding + 1, decoding * 2048), STEP.decode_ms(1, 0)
+    crossover = (m2 * P + d2 - d1) / m1 - (P - c)
+    assert 0 < crossover <= c  # decode load makes worker 1 slower: it wins only for queues shorter than c
+    req = request(P, overlap_blocks={1: c // BS})
+
+    def chosen(q: int) -> int:
+        ws = [timed(1, queued=q, decoding=decoding, kv_tokens=decoding * 2048), timed(2)]
+        return int(place(KvPolicy(), req, ws).instance_id)
+
+    assert chosen(int(crossover) - 16) == 1
+    assert chosen(int(crossover) + 16) == 2
+
+
+def test_kv_a_faster_engine_gets_the_request_at_equal_queues():
+    fast = StepTime(prefill_ms_per_token=0.5 * STEP.prefill_ms_per_token, prefill_base_ms=8.0)
+    assert place(KvPolicy(), request(2048), [timed(1, queued=1000), timed(2, queued=1000, step=fast)]).instance_id == 2
+
+
+def test_kv_decode_weight_breaks_equal_ttfts_by_the_lighter_decode_batch():
+    # Same queue and cache; worker 1 decodes 100 sequences (a slower step), worker 2 none. With decode_weight 0 and
+    # equal prefill rates the two would tie; the decode term sends the request to the lighter batch.
+    same_rate = STEP.prefill_ms_per_prompt_token(0, 0)
+    heavy = worker(1, prefill_ms_per_token=same_rate, decode_step_ms=STEP.decode_ms(101, 400_000))
+    light = worker(2, prefill_ms_per_token=same_rate, decode_step_ms=STEP.decode_ms(1, 0))
+    assert place(KvPolicy(), request(1024), [heavy, light]).instance_id == 2
+    ties = {
+        place(KvPolicy(RouterConfig(decode_weight=0)), request(1024), [heavy, light], seed=s).instance_id
+        for s in range(20)
+    }
+    assert ties == {1, 2}
+
+
+def test_kv_with_a_common_prefix_decides_as_with_every_overlap_listed_and_by_time():
+    ws = [timed(i, queued=(i * 700) % 3000) for i in range(1, 41)]
+    deep = {4: 90, 17: 60, 30: 33}
+    for listed in (deep, {**deep, **{i: 40 for i in range(5, 12)}}):
+        everyone = {i: listed.get(i, 32) for i in range(1, 41)}
+        a = place(KvPolicy(), request(2048, overlap_blocks=everyone), ws)
+        b = place(KvPolicy(), request(2048, overlap_blocks=listed, common_overlap_blocks=32), ws)
+        assert (a.instance_id, a.overlap_blocks, a.reason) == (b.instance_id, b.overlap_blocks, b.reason)
+        # The expected worker, from the formula: the fewest queued + uncached tokens (all workers run at one speed).
+        want = min(range(1, 41), key=lambda i: ((i * 700) % 3000 + 2048 - everyone[i] * BS, i))
+        assert a.instance_id == want
+
+
+def test_kv_cost_in_dynamo_units_ignores_a_cache_at_high_load_where_kv_keeps_it():
+    # The issue's failure: at high load every worker holds many decoding requests. Worker 1 caches 6k of an 8k prompt
+    # and has 40 requests decoding (their prompts: 40 * 512 blocks), worker 2 has 30; neither has prefill queued.
+    # Dynamo's cost counts the decoding requests' blocks against the prefix, so worker 2 wins and the cache is
+    # wasted; kv counts what actually delays the first token.
+    req = request(8192, overlap_blocks={1: 6144 // BS})
+    ws = [
+        timed(1, decoding=40, kv_tokens=40 * 8192, active_blocks=40 * 512, active_requests=40),
+        timed(2, decoding=30, kv_tokens=30 * 8192, active_blocks=30 * 512, active_requests=30),
+    ]
+    assert place(KvDynamoPolicy(), req, ws).instance_id == 2
+    d = place(KvPolicy(), req, ws)
+    assert (d.instance_id, d.kind) == (1, DecisionKind.CACHE_HIT)
+
+
+# --- kv_dynamo: Dynamo's cost, the named alternative ------------------------------------------------------------------
+
+
+def test_kv_dynamo_prefers_the_worker_that_caches_the_prefix():
     # 256 tokens = 16 blocks. Worker 2 caches 12: cost 1 * (16 - 12) + 0 = 4; workers 1 and 3: 16.
     ws = [worker(1), worker(2), worker(3)]
-    d = place(KvPolicy(), request(256, overlap_blocks={2: 12}), ws)
+    d = place(KvDynamoPolicy(), request(256, overlap_blocks={2: 12}), ws)
     assert (d.instance_id, d.overlap_blocks) == (2, 12)
     assert d.reason.startswith("kv: 12/16 blocks cached, cost 4.0")
 
 
-def test_kv_cost_weighs_saved_prefill_against_decode_load():
+def test_kv_dynamo_cost_weighs_saved_prefill_against_decode_load():
     # Worker 2 caches 12 of 16 blocks but holds 20 active blocks: cost 4 + 20 = 24 > worker 1's 16 + 0.
     ws = [worker(1), worker(2, active_blocks=20)]
-    assert place(KvPolicy(), request(256, overlap_blocks={2: 12}), ws).instance_id == 1
+    assert place(KvDynamoPolicy(), request(256, overlap_blocks={2: 12}), ws).instance_id == 1
     # With overlap_weight 3 the saved prefill counts triple: worker 2 = 3 * 4 + 20 = 32 < worker 1's 3 * 16 = 48.
-    assert place(KvPolicy(RouterConfig(overlap_weight=3)), request(256, overlap_blocks={2: 12}), ws).instance_id == 2
+    assert (
+        place(KvDynamoPolicy(RouterConfig(overlap_weight=3)), request(256, overlap_blocks={2: 12}), ws).instance_id == 2
+    )
     # overlap_weight 0: load alone (0 vs 20 active blocks).
-    assert place(KvPolicy(RouterConfig(overlap_weight=0)), request(256, overlap_blocks={2: 12}), ws).instance_id == 1
+    assert (
+        place(KvDynamoPolicy(RouterConfig(overlap_weight=0)), request(256, overlap_blocks={2: 12}), ws).instance_id == 1
+    )
 
 
-def test_kv_counts_prefill_queued_ahead_on_each_worker():
+def test_kv_dynamo_counts_prefill_queued_ahead_on_each_worker():
     # No overlap anywhere; worker 1 has 320 prompt tokens still to prefill (20 blocks): 16 + 20 = 36 vs 16 + 4 = 20.
     ws = [worker(1, active_prefill_tokens=320), worker(2, active_blocks=4)]
-    assert place(KvPolicy(), request(256), ws).instance_id == 2
+    assert place(KvDynamoPolicy(), request(256), ws).instance_id == 2
 
 
-def test_kv_with_many_holders_uses_the_same_costs():
+def test_kv_dynamo_with_many_holders_uses_the_same_costs():
     # Every worker holds some of the prefix (the per-candidate lookup path): 10 blocks on worker 4 wins.
     ws = [worker(i) for i in range(1, 9)]
     overlaps = {i: (10 if i == 4 else 3) for i in range(1, 9)}
-    d = place(KvPolicy(), request(256, overlap_blocks=overlaps), ws)
+    d = place(KvDynamoPolicy(), request(256, overlap_blocks=overlaps), ws)
     assert (d.instance_id, d.overlap_blocks) == (4, 10) and "cost 6.0" in d.reason
 
 
-def test_kv_with_a_common_prefix_decides_as_with_every_overlap_listed():
+def test_kv_dynamo_with_a_common_prefix_decides_as_with_every_overlap_listed():
     # Every worker caches a 32-block system prompt (common_overlap_blocks) and only those caching more are listed:
     # the same decision, costs and reported overlaps as with all of them listed, for the lookup and the bisect path.
     ws = [worker(i, active_blocks=(i * 7) % 5) for i in range(1, 41)]
@@ -274,24 +375,24 @@ def test_kv_with_a_common_prefix_decides_as_with_every_overlap_listed():
     full = {i: deep.get(i, 32) for i in range(1, 41)}
     for listed in (deep, {**deep, **{i: 40 for i in range(5, 12)}}):
         everyone = {i: listed.get(i, 32) for i in range(1, 41)}
-        a = place(KvPolicy(), request(2048, overlap_blocks=everyone), ws)
-        b = place(KvPolicy(), request(2048, overlap_blocks=listed, common_overlap_blocks=32), ws)
+        a = place(KvDynamoPolicy(), request(2048, overlap_blocks=everyone), ws)
+        b = place(KvDynamoPolicy(), request(2048, overlap_blocks=listed, common_overlap_blocks=32), ws)
         assert (a.instance_id, a.overlap_blocks, a.reason) == (b.instance_id, b.overlap_blocks, b.reason)
     req = request(2048, overlap_blocks=deep, common_overlap_blocks=32)
     assert [req.overlap_of(i) for i in (4, 5)] == [90, 32] and full[5] == 32
     # Worker 4 has 90 of 128 blocks: 128 - 90 + 3 active blocks = 41, the lowest.
-    assert place(KvPolicy(), req, ws).instance_id == 4
+    assert place(KvDynamoPolicy(), req, ws).instance_id == 4
     # A pin or Autellix reports the common overlap of a worker that is not listed.
     assert (
         place(
-            KvPolicy(), request(2048, overlap_blocks=deep, common_overlap_blocks=32, pinned_instance_id=5), ws
+            KvDynamoPolicy(), request(2048, overlap_blocks=deep, common_overlap_blocks=32, pinned_instance_id=5), ws
         ).overlap_blocks
         == 32
     )
 
 
-def test_kv_without_a_block_size_counts_default_blocks():
-    d = place(KvPolicy(), request(256, block_size=0, overlap_blocks={1: 16}), [worker(1), worker(2)])
+def test_kv_dynamo_without_a_block_size_counts_default_blocks():
+    d = place(KvDynamoPolicy(), request(256, block_size=0, overlap_blocks={1: 16}), [worker(1), worker(2)])
     assert d.instance_id == 1 and kv.DEFAULT_BLOCK_SIZE == 16 and "cost 0.0" in d.reason
 
 
