@@ -112,6 +112,9 @@ class EtcdDiscovery:
         "grpc.initial_reconnect_backoff_ms": 100,
         "grpc.min_reconnect_backoff_ms": 100,
         "grpc.max_reconnect_backoff_ms": 1000,
+        # gRPC shares subchannels process-wide by default: a new client to an address that another client saw refuse
+        # would inherit that subchannel's back-off and fail at once, even though the server is back (seen in CI).
+        "grpc.use_local_subchannel_pool": 1,
     }
 
     def _new_client(self) -> aetcd.Client:
@@ -134,21 +137,29 @@ class EtcdDiscovery:
                 backoff_s = min(backoff_s * 2, 0.5)
 
     async def start(self) -> None:
-        """Connect to the first reachable endpoint; ConnectError names every endpoint tried."""
-        reasons = []
-        for i in range(len(self._endpoints)):
-            self._endpoint_index = i
-            client = self._new_client()
-            try:
-                await asyncio.wait_for(self._probe(client), self._config.connect_timeout_s)
-            except (TimeoutError, aetcd.exceptions.ClientError, OSError) as e:
-                reasons.append(f"{self._config.etcd_endpoints[i]}: {type(e).__name__} {e}".strip())
-                with contextlib.suppress(Exception):
-                    await client.close()
-                continue
-            self._client = client
-            return
-        raise ConnectError("etcd", ",".join(self._config.etcd_endpoints), "; ".join(reasons))
+        """Connect to the first reachable endpoint, for up to ``connect_timeout_s`` in all: a refused connection (etcd
+        still starting, or restarting) is tried again on a short back-off. ConnectError names every endpoint tried."""
+        deadline = time.monotonic() + self._config.connect_timeout_s
+        backoff_s = 0.05
+        while True:
+            reasons = []
+            for i in range(len(self._endpoints)):
+                self._endpoint_index = i
+                client = self._new_client()
+                left = max(0.05, deadline - time.monotonic())
+                try:
+                    await asyncio.wait_for(self._probe(client), left)
+                except (TimeoutError, aetcd.exceptions.ClientError, OSError) as e:
+                    reasons.append(f"{self._config.etcd_endpoints[i]}: {type(e).__name__} {e}".strip())
+                    with contextlib.suppress(Exception):
+                        await client.close()
+                    continue
+                self._client = client
+                return
+            if time.monotonic() + backoff_s >= deadline:
+                raise ConnectError("etcd", ",".join(self._config.etcd_endpoints), "; ".join(reasons))
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 0.5)
 
     @staticmethod
     async def _probe(client: aetcd.Client) -> None:
