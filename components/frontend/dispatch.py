@@ -35,6 +35,10 @@ process (same node and pid in their ``WorkerMetadata``) share its fault, so this
 requests for ``SUSPECT_PROCESS_S``, go to another process while one exists (a SIGKILLed process hosting 8 workers
 must not absorb the whole retry budget before its leases expire).
 
+Metrics: every decision the router returns is counted by its kind (``ModelMetrics.count_decision``), and the attempt
+that produced the first item by its worker, prompt and cached tokens (``count_placement``): a request retried
+before its first output counts on the worker it ran on only.
+
 Hot path: ``next_item`` is one ``__anext__`` and one finish-reason check per chunk; everything else runs once per
 attempt.
 
@@ -55,6 +59,7 @@ from components.protocol.errors import ErrorCode
 from components.protocol.messages import GenerateRequest
 from components.protocol.metadata import WorkerMetadata
 from components.router import NoWorkersError, Router, RouteRequest
+from components.router.types import DecisionKind
 from components.runtime import (
     BusUnavailableError,
     InstanceDrainingError,
@@ -66,6 +71,7 @@ from components.runtime import (
 
 if TYPE_CHECKING:
     from components.frontend.config import FrontendConfig
+    from components.frontend.metrics import ModelMetrics
     from components.frontend.models import ModelRegistry
     from components.frontend.service import Prepared
 
@@ -143,6 +149,7 @@ class Dispatch:
         router: Router,
         suspects: Suspects,
         prepared: Prepared,
+        metrics: ModelMetrics,
         on_retry: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
@@ -150,6 +157,7 @@ class Dispatch:
         self.router = router
         self.suspects = suspects
         self.prepared = prepared
+        self.metrics = metrics
         self._on_retry = on_retry
         # The current attempt: its stream, the id the router and the engine know it by, its worker.
         self.stream: ResponseStream | None = None
@@ -196,8 +204,10 @@ class Dispatch:
             try:
                 decision = self.router.select(route)
             except NoWorkersError as e:
+                self.metrics.count_decision(DecisionKind.NOWHERE)
                 detail = f"; last failure: {last_error}" if last_error else ""
                 raise ServiceUnavailableError(f"{e.reason}{detail}") from None
+            self.metrics.count_decision(decision.kind)
             iid = decision.instance_id
             assert iid is not None
             client = self.registry.client_for(iid)
@@ -230,6 +240,7 @@ class Dispatch:
                     self.router.on_finished(route_id)
             if first is not None and stream is not None:
                 self.router.on_first_token(route_id)
+                self.metrics.count_placement(iid, len(route.token_ids), first.get("num_cached_tokens", 0))
                 self.stream, self.route_id, self.instance_id, self._open = stream, route_id, iid, True
                 return first
             excluded.add(iid)

@@ -5,6 +5,19 @@ Names follow Dynamo's frontend where it has the metric (``dynamo_frontend_*`` ->
 latency is observed once per request, as the mean gap between its output tokens ((last - first) / (n - 1)): a worker
 sends tokens in chunks, so per-token gaps would mostly be zeros, and one observation per request keeps the hot path
 free of per-token work.
+
+Per worker (``kvmesh_frontend_worker_*{model,worker}``, ``worker`` the instance id in hex as ``kvmesh status`` prints
+it): requests, prompt tokens and prefix-cached prompt tokens, counted once per request on the worker that produced
+its first output (``Dispatch._place``), so attempts that failed before it and were retried elsewhere count nowhere.
+A request that a future ``Dispatch.resume`` moves to another worker counts on each worker it ran on, with the prompt
+it was sent there. ``kvmesh_frontend_routing_decisions_total{model,policy,kind}`` counts every decision the router
+returns, retries' included (so it is at least the number of requests placed); ``kind`` is ``DecisionKind``
+(components/router/types.py), a word, never the free-text reason.
+
+Cardinality: one ``worker`` value per worker that ever served a request through this frontend, never one per request.
+A worker that leaves keeps its series until the frontend restarts: removing them when the frontend forgets it would
+lose the increments since the last scrape, and the frontend does not know when that was. A fleet that churns through
+many instance ids over one frontend's life grows the exposition by three series per instance.
 """
 
 from __future__ import annotations
@@ -19,22 +32,73 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
 _E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
-class ModelMetrics:
-    """The children of every labelled metric for one model, resolved once (``labels()`` costs a lock and a dict)."""
+class WorkerMetrics:
+    """One worker's children of the per-worker counters, for one model."""
 
-    __slots__ = ("e2e", "inflight", "input_tokens", "itl", "output_tokens", "ttft")
+    __slots__ = ("cached_tokens", "prompt_tokens", "requests")
+
+    def __init__(self, m: FrontendMetrics, model: str, instance_id: int) -> None:
+        worker = f"{instance_id:x}"
+        self.requests = m.worker_requests.labels(model=model, worker=worker)
+        self.prompt_tokens = m.worker_prompt_tokens.labels(model=model, worker=worker)
+        self.cached_tokens = m.worker_cached_tokens.labels(model=model, worker=worker)
+
+
+class ModelMetrics:
+    """The children of every labelled metric for one model, resolved once (``labels()`` costs a lock and a dict);
+    those of per-worker and per-kind metrics on first use (one dict lookup per request after that)."""
+
+    __slots__ = (
+        "_decisions",
+        "_m",
+        "_workers",
+        "e2e",
+        "inflight",
+        "input_tokens",
+        "itl",
+        "model",
+        "output_tokens",
+        "ttft",
+    )
 
     def __init__(self, m: FrontendMetrics, model: str) -> None:
+        self._m = m
+        self.model = model
         self.ttft = m.ttft.labels(model=model)
         self.itl = m.itl.labels(model=model)
         self.e2e = m.e2e.labels(model=model)
         self.inflight = m.inflight.labels(model=model)
         self.input_tokens = m.input_tokens.labels(model=model)
         self.output_tokens = m.output_tokens.labels(model=model)
+        self._decisions: dict[str, Counter] = {}
+        self._workers: dict[int, WorkerMetrics] = {}
+
+    def count_decision(self, kind: str) -> None:
+        """One routing decision of this ``kind`` (a ``DecisionKind`` value)."""
+        child = self._decisions.get(kind)
+        if child is None:
+            child = self._decisions[kind] = self._m.routing_decisions.labels(
+                model=self.model, policy=self._m.policy, kind=kind
+            )
+        child.inc()
+
+    def count_placement(self, instance_id: int, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's first output came from ``instance_id``, which served ``cached_tokens`` of its
+        ``prompt_tokens`` from its prefix cache."""
+        wm = self._workers.get(instance_id)
+        if wm is None:
+            wm = self._workers[instance_id] = WorkerMetrics(self._m, self.model, instance_id)
+        wm.requests.inc()
+        wm.prompt_tokens.inc(prompt_tokens)
+        if cached_tokens:
+            wm.cached_tokens.inc(cached_tokens)
 
 
 class FrontendMetrics:
-    def __init__(self) -> None:
+    """``policy``: the router policy's readable name, the ``policy`` label of routing decisions."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -71,6 +135,31 @@ class FrontendMetrics:
             "kvmesh_frontend_retries",
             "Requests sent to another worker before their first token",
             ["reason"],
+            registry=r,
+        )
+        self.worker_requests = Counter(
+            "kvmesh_frontend_worker_requests",
+            "Requests whose output came from this worker (counted at its first output; a retry counts where it ran)",
+            ["model", "worker"],
+            registry=r,
+        )
+        self.worker_prompt_tokens = Counter(
+            "kvmesh_frontend_worker_prompt_tokens",
+            "Prompt tokens of the requests counted in kvmesh_frontend_worker_requests",
+            ["model", "worker"],
+            registry=r,
+        )
+        self.worker_cached_tokens = Counter(
+            "kvmesh_frontend_worker_cached_tokens",
+            "Of those prompt tokens, how many the worker's engine served from its prefix cache",
+            ["model", "worker"],
+            registry=r,
+        )
+        self.routing_decisions = Counter(
+            "kvmesh_frontend_routing_decisions",
+            "Routing decisions (retries included), by what decided them: pinned, cache_hit, load, imbalance, "
+            "affinity, rotation, nowhere",
+            ["model", "policy", "kind"],
             registry=r,
         )
         self._models: dict[str, ModelMetrics] = {}

@@ -40,7 +40,7 @@ class Frontend:
         self.router = Router(config)
         # Load metrics, KV events (KV policies) and replica sync; membership comes from the registry below.
         self.feed = RouterFeed(runtime, self.router, config.namespace, config.components)
-        self.metrics = FrontendMetrics()
+        self.metrics = FrontendMetrics(policy=self.router.policy.name)
         self.registry = ModelRegistry(runtime, config.namespace, config.components, self.router, tokenizer_loader)
         self.service = FrontendService(config, self.registry, self.router, self.metrics)
         self.app = FrontendApp(config, self.service, self.registry, self.metrics)

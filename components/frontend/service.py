@@ -269,7 +269,8 @@ class FrontendService:
     async def start(self, p: Prepared) -> Generation:
         """Route ``p`` and wait for its first output (``Dispatch.start``: retries, errors); the Generation streams the
         rest and, closed, cancels what still runs and settles the router's bookkeeping."""
-        dispatch = Dispatch(self.config, self.registry, self.router, self.suspects, p, on_retry=self._count_retry)
+        mm = self.metrics.model(p.model.name)
+        dispatch = Dispatch(self.config, self.registry, self.router, self.suspects, p, mm, on_retry=self._count_retry)
         first = await dispatch.start()
         self.num_inflight += 1
         return Generation(self, p, dispatch, first)

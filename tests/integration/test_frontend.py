@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import re
 import signal
 import sys
@@ -23,15 +24,18 @@ import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from components.frontend import Frontend, FrontendConfig
 from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import GenerateRequest, SamplingParams
 from components.runtime import Runtime
 from components.workers.config import WorkerConfig
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 from components.workers.worker import Worker
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -684,6 +688,94 @@ async def test_metrics_count_requests_tokens_and_latencies(stack: Stack):
     assert metric(text, "kvmesh_frontend_inter_token_latency_seconds_count", model=MODEL) == 3
     assert metric(text, "kvmesh_frontend_request_duration_seconds_count", model=MODEL) == 3
     assert metric(text, "kvmesh_frontend_inflight_requests", model=MODEL) == 0
+
+
+def series(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Every sample of one metric in a Prometheus exposition: sorted labels -> value."""
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def per_worker(text: str, name: str) -> dict[str, float]:
+    """A per-worker counter of MODEL: worker label (hex instance id) -> value."""
+    out: dict[str, float] = {}
+    for labels, value in series(text, name).items():
+        d = dict(labels)
+        assert set(d) == {"model", "worker"}
+        if d["model"] == MODEL:
+            out[d["worker"]] = value
+    return out
+
+
+def decisions(text: str) -> dict[tuple[str, str], float]:
+    """Routing decisions of MODEL: (policy, kind) -> count."""
+    out: dict[tuple[str, str], float] = {}
+    for labels, value in series(text, "kvmesh_frontend_routing_decisions_total").items():
+        d = dict(labels)
+        if d["model"] == MODEL:
+            out[d["policy"], d["kind"]] = value
+    return out
+
+
+def served(w: Worker) -> int:
+    """Generate requests this worker's endpoint answered (counted by the worker, not by the frontend)."""
+    return sum(s.server.num_served for s in w._served if s.info.endpoint == ENDPOINT_GENERATE)
+
+
+async def test_per_worker_counters_add_up_to_the_requests_and_prompt_tokens_sent(stack: Stack):
+    a, b = stack.workers
+    client = stack.openai()
+    rng = random.Random(5)
+    # Six prompts of 20..25 random ids (no shared block: nothing cached), round robin over two workers.
+    lengths = [20 + i for i in range(6)]
+    for n in lengths:
+        ids = [rng.randrange(1, 256) for _ in range(n)]
+        r = await client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
+        assert r.usage is not None and r.usage.prompt_tokens == n
+    # And one pinned to a (the header takes the instance id in hex, as `kvmesh status` and these labels print it).
+    pin = {"x-worker-instance-id": f"{a.instance_id:x}"}
+    await client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, extra_headers=pin)
+
+    text = await metrics_text(stack.url)
+    requests = per_worker(text, "kvmesh_frontend_worker_requests_total")
+    prompt_tokens = per_worker(text, "kvmesh_frontend_worker_prompt_tokens_total")
+    # Labelled with the workers' hex instance ids, and each count is what that worker itself served.
+    assert requests == {f"{a.instance_id:x}": served(a), f"{b.instance_id:x}": served(b)}
+    assert requests == {f"{a.instance_id:x}": 3 + 1, f"{b.instance_id:x}": 3}  # round robin alternates; a the pin
+    assert sum(prompt_tokens.values()) == sum(lengths) + 3 == 135 + 3
+    assert sum(per_worker(text, "kvmesh_frontend_worker_cached_tokens_total").values()) == 0
+    assert decisions(text) == {("round_robin", "rotation"): 6, ("round_robin", "pinned"): 1}
+
+
+async def test_kv_routing_counts_a_repeated_prompt_as_a_cache_hit_on_the_worker_holding_it(make_stack):
+    s: Stack = await make_stack(router_policy="kv")
+    workers = [await s.add_worker(), await s.add_worker()]
+    client = s.openai()
+    prompt = [random.Random(7).randrange(1, 256) for _ in range(640)]  # 40 blocks of 16
+    first = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage is not None and first.usage.prompt_tokens_details is None  # nothing cached anywhere yet
+    [home] = [w for w in workers if served(w) == 1]
+    # The router learns the worker's blocks from its KV events, asynchronously: wait until it holds all 40.
+    await wait_until(lambda: s.frontend.router.index.overlaps(block_hashes(prompt, 16)).get(home.instance_id) == 40)
+    cached = 0
+    for _ in range(3):
+        again = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        cached += again.usage.prompt_tokens_details.cached_tokens or 0
+    # The engine serves at most 639 of the 640 tokens from its cache (the last is computed for its logits): 39 whole
+    # blocks of 16 per repeat.
+    assert cached == 3 * 39 * 16
+
+    text = await metrics_text(s.url)
+    assert per_worker(text, "kvmesh_frontend_worker_requests_total") == {f"{home.instance_id:x}": 4}
+    assert per_worker(text, "kvmesh_frontend_worker_prompt_tokens_total") == {f"{home.instance_id:x}": 4 * 640}
+    assert per_worker(text, "kvmesh_frontend_worker_cached_tokens_total") == {f"{home.instance_id:x}": cached}
+    # The first placement had no cache advantage anywhere (load decided it); the repeats were cache hits.
+    assert decisions(text) == {("kv", "load"): 1, ("kv", "cache_hit"): 3}
 
 
 async def test_a_model_is_listed_and_healthy_only_once_its_tokenizer_is_loaded(make_stack):

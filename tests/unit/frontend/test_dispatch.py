@@ -15,7 +15,7 @@ import pytest
 
 from components.frontend.config import FrontendConfig
 from components.frontend.dispatch import Dispatch, Interrupted, Suspects, avoid
-from components.frontend.errors import UpstreamError
+from components.frontend.errors import ServiceUnavailableError, UpstreamError
 from components.frontend.metrics import FrontendMetrics
 from components.frontend.models import Model, ModelRegistry
 from components.frontend.service import FrontendService, Generation, Prepared, RoutingHints
@@ -102,10 +102,25 @@ class Fleet:
 
     def dispatch(self, p: Prepared, cls: type[Dispatch] = Dispatch) -> Dispatch:
         s = self.service
-        return cls(s.config, s.registry, s.router, s.suspects, p, on_retry=None)
+        return cls(s.config, s.registry, s.router, s.suspects, p, s.metrics.model(p.model.name), on_retry=None)
 
     def active(self) -> dict[int, int]:
         return {iid: self.service.router.active_requests(iid) for iid in self.workers}
+
+    def counted(self, name: str, **labels: str) -> float:
+        """A sample of the frontend's metrics (0 if absent)."""
+        value = self.service.metrics.registry.get_sample_value(name, {"model": "m", **labels})
+        return 0.0 if value is None else value
+
+    def placed(self) -> dict[int, tuple[float, float]]:
+        """Per worker: requests and prompt tokens counted on it."""
+        return {
+            iid: (
+                self.counted("kvmesh_frontend_worker_requests_total", worker=f"{iid:x}"),
+                self.counted("kvmesh_frontend_worker_prompt_tokens_total", worker=f"{iid:x}"),
+            )
+            for iid in self.workers
+        }
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +149,7 @@ async def make_fleet(tok: Tokenizer) -> AsyncIterator[Callable[[dict[int, list[d
         registries.append(registry)
         await registry.start()
         await wait_until(lambda: "m" in registry.models and len(registry.models["m"].instances) == len(scripts))
-        service = FrontendService(config, registry, router, FrontendMetrics())
+        service = FrontendService(config, registry, router, FrontendMetrics(policy=router.policy.name))
         return Fleet(service, registry.models["m"], tok, workers)
 
     yield make
@@ -166,6 +181,38 @@ async def test_a_worker_that_aborts_before_any_output_reached_the_client_is_repl
     assert await read_all(gen) == "hi" and gen.finish_reason == "length"
     await gen.aclose()
     assert fleet.active() == {A: 0, B: 0} and fleet.service.num_inflight == 0
+    # Counted on B, where it ran, with its 2 prompt tokens; A's failed attempt counts nowhere. Both decisions are
+    # counted: the pin on A, then round robin's turn once the pinned worker had been tried.
+    assert fleet.placed() == {A: (0, 0), B: (1, 2)}
+    decided = "kvmesh_frontend_routing_decisions_total"
+    assert fleet.counted(decided, policy="round_robin", kind="pinned") == 1
+    assert fleet.counted(decided, policy="round_robin", kind="rotation") == 1
+
+
+async def test_cached_tokens_are_counted_on_the_worker_that_reported_them(make_fleet):
+    first = chunk([104]) | {"num_cached_tokens": 2}  # the engine's prefix-cache hit rides on the first chunk
+    fleet = await make_fleet({A: [first, chunk([105], "length")], B: [chunk([104]), chunk([105], "length")]})
+    for rid, pin in (("c1", A), ("c2", B), ("c3", A)):
+        d = fleet.dispatch(fleet.prepared(rid, pin=pin))
+        gen = generation(fleet, d, await d.start())
+        await read_all(gen)
+        await gen.aclose()
+    cached = "kvmesh_frontend_worker_cached_tokens_total"
+    assert (fleet.counted(cached, worker="a1"), fleet.counted(cached, worker="b2")) == (4, 0)
+    assert fleet.placed() == {A: (2, 4), B: (1, 2)}
+
+
+async def test_a_request_no_worker_can_take_counts_one_nowhere_decision(make_fleet):
+    fleet = await make_fleet({A: [chunk([], "abort")]})
+    d = fleet.dispatch(fleet.prepared("n1"))
+    with pytest.raises(ServiceUnavailableError):
+        await d.start()
+    # max_retries=2, but after A (the only worker) aborted there is nowhere left: one rotation, one nowhere.
+    decided = "kvmesh_frontend_routing_decisions_total"
+    assert fleet.counted(decided, policy="round_robin", kind="rotation") == 1
+    assert fleet.counted(decided, policy="round_robin", kind="nowhere") == 1
+    assert fleet.placed() == {A: (0, 0)}
+    await d.close()
 
 
 class Recording(Dispatch):
@@ -228,3 +275,5 @@ async def test_resume_can_swap_the_upstream_under_a_running_generation(make_flee
     assert d.instance_id == B and fleet.active() == {A: 0, B: 1}
     await gen.aclose()
     assert fleet.active() == {A: 0, B: 0}
+    # It ran on both: counted once on each, with the prompt each was sent.
+    assert fleet.placed() == {A: (1, 2), B: (1, 2)}
