@@ -19,14 +19,16 @@ Fed by its owner, with no I/O of its own (``feed.RouterFeed`` does the I/O: even
 - replicas: every assignment change is offered to ``sync_listeners`` (as a ``protocol`` sync message) and
   ``apply_sync`` applies other replicas' messages, so several routers count each other's requests.
 
-Hot path: ``select`` rebuilds only the snapshots of workers that changed since the last decision (usually one or two:
-the last request's worker and a metrics report), searches the KV index once (KV policies only) with the prompt's
+Hot path: ``select`` rebuilds only the snapshots of workers that changed since the last decision (~5 at 256 workers
+and 1,000 requests/s: the workers a request was routed to, got its first token on and finished on, and ~2.5 load
+reports; what a snapshot derives from the report and from the step-time model is kept in ``_Load`` until its inputs
+change), searches the KV index once (KV policies only) with the prompt's
 lazily computed hashes (``prepare`` wraps them in a ``PromptHashes``: only the blocks the search reads are hashed)
 and the model's workers as a group, so a prefix every one of them caches comes back as one number
 (``RouteRequest.common_overlap_blocks``) rather than one entry per worker. At 256 workers, 1M indexed blocks and
-8k-token prompts (``kvmesh bench router``'s workload, 2-core EPYC dev machine) a ``kv`` decision takes ~160-180 us
-at p50: ~60 us hashing a 512-block conversation hit, 25-50 us searching the index, ~40 us in the policy, ~10 us
-rebuilding snapshots.
+8k-token prompts (``kvmesh bench router``'s workload, 2-core EPYC dev machine with other work on its second core) a
+``kv`` decision takes ~310 us at p50: ~140 us hashing (all 512 blocks of a conversation hit), ~80 us in the policy,
+~25 us rebuilding the ~5 snapshots a decision dirties, ~20 us searching the index, ~12 us copying the request.
 
 Single-threaded: every method is called from the event loop, none awaits.
 """
@@ -35,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import operator
 import random
 import secrets
 from collections import Counter
@@ -69,6 +73,30 @@ _MAX_DEPARTED = 4096
 # Robust estimate of a worker's publishing interval: an exponential average whose samples are capped at twice the
 # estimate, so one long pause (a GC, a reconnect) moves it by at most 10% instead of making the worker look slow.
 _INTERVAL_ALPHA = 0.1
+# A worker's snapshot fields from kv_usage to metrics_stale_after_s, in WorkerSnapshot's order (``_Load.report``):
+# kv_usage, num_running, num_waiting, num_waiting_prefill_tokens, metrics_received_s, metrics_interval_s,
+# metrics_stale_after_s; and their values before a first report.
+_Report = tuple[float | None, int | None, int | None, int | None, float | None, float | None, float]
+_NO_REPORT: _Report = (None, None, None, None, None, None, math.inf)
+
+# ``select`` and ``prepare`` copy the request on every decision. ``dataclasses.replace`` walks the fields in Python
+# and calls the keyword __init__ (~4 us for RouteRequest's 12 fields, ~10 us on a busy core); reading every field
+# with one attrgetter and calling __init__ positionally does the same in ~1.5 us.
+_REQUEST_FIELDS = [f.name for f in dataclasses.fields(RouteRequest)]
+assert all(f.init for f in dataclasses.fields(RouteRequest)), "_with_fields passes every field to __init__"
+_request_values = operator.attrgetter(*_REQUEST_FIELDS)
+_AT_BLOCK_SIZE = _REQUEST_FIELDS.index("block_size")
+_AT_BLOCK_HASHES = _REQUEST_FIELDS.index("block_hashes")
+_AT_OVERLAP_BLOCKS = _REQUEST_FIELDS.index("overlap_blocks")
+_AT_COMMON_OVERLAP = _REQUEST_FIELDS.index("common_overlap_blocks")
+
+
+def _with_fields(request: RouteRequest, i: int, a: Any, j: int, b: Any) -> RouteRequest:
+    """``request`` with fields number ``i`` and ``j`` set to ``a`` and ``b``: ``dataclasses.replace``, faster."""
+    values = list(_request_values(request))
+    values[i] = a
+    values[j] = b
+    return RouteRequest(*values)
 
 
 def make_policy(config: RouterConfig | str) -> RoutingPolicy[Any]:
@@ -80,16 +108,27 @@ def make_policy(config: RouterConfig | str) -> RoutingPolicy[Any]:
 
 
 class _Load:
-    """One worker's counters (from assignments, local and remote) and its last load report."""
+    """One worker's counters (from assignments, local and remote) and its last load report.
+
+    Also what ``Router._snapshot`` derives from them, kept until its inputs change (a snapshot is rebuilt ~5 times
+    per decision at 256 workers, see ``Router._flush``): ``report``, the snapshot fields that come from the last
+    report (set by ``set_report``, the only writer of ``metrics``/``received_s``/``interval_s``), and the two
+    step-time rates for the ``rates_at`` (StepTime, requests, prompt tokens) they were computed at. A load report
+    or a first token leaves the rates as they were; only ``on_routed``/``on_finished`` move them.
+    """
 
     __slots__ = (
         "active_blocks",
         "active_prefill_tokens",
         "active_prompt_tokens",
         "active_requests",
+        "decode_step_ms",
         "interval_s",
         "metrics",
+        "prefill_ms_per_token",
+        "rates_at",
         "received_s",
+        "report",
     )
 
     def __init__(self) -> None:
@@ -100,9 +139,34 @@ class _Load:
         self.metrics: LoadSnapshot | None = None
         self.received_s: float | None = None
         self.interval_s: float | None = None
+        self.report: _Report = _NO_REPORT
+        self.rates_at: tuple[StepTime, int, int] | None = None
+        self.prefill_ms_per_token = 0.0
+        self.decode_step_ms = 0.0
 
     def idle(self) -> bool:
         return self.active_requests == 0 and self.metrics is None
+
+    def set_report(
+        self, metrics: LoadSnapshot | None, received_s: float | None, interval_s: float | None, cfg: RouterConfig
+    ) -> None:
+        self.metrics = metrics
+        self.received_s = received_s
+        self.interval_s = interval_s
+        stale_s = stale_after(received_s, interval_s, cfg.metrics_stale_intervals, cfg.metrics_stale_min_s)
+        if metrics is None:
+            self.report = (None, None, None, None, received_s, interval_s, stale_s)
+        else:
+            m = metrics
+            self.report = (
+                m.kv_usage,
+                m.num_running,
+                m.num_waiting,
+                m.num_waiting_prefill_tokens,
+                received_s,
+                interval_s,
+                stale_s,
+            )
 
 
 @dataclasses.dataclass(slots=True)
@@ -243,8 +307,7 @@ class Router:
         self._foreign_hashes.discard(iid)
         load = self._loads.get(iid)
         if load is not None:
-            load.metrics = None
-            load.received_s = load.interval_s = None
+            load.set_report(None, None, None, self.config)
             if load.idle():
                 del self._loads[iid]
         self._departed[iid] = None
@@ -286,31 +349,32 @@ class Router:
                 prefill_ms_per_token=step.prefill_ms_per_prompt_token(0, 0),
                 decode_step_ms=step.decode_ms(1, 0),
             )
-        m = load.metrics
-        cfg = self.config
-        queued = load.active_prefill_tokens
-        if m is not None and m.num_waiting_prefill_tokens > queued:
-            queued = m.num_waiting_prefill_tokens  # other routers' requests are queued there too
-        seqs, kv_tokens = load.active_requests, load.active_prompt_tokens
+        seqs = load.active_requests
+        kv_tokens = load.active_prompt_tokens
+        at = (step, seqs, kv_tokens)
+        if load.rates_at != at:
+            load.rates_at = at
+            load.prefill_ms_per_token = step.prefill_ms_per_prompt_token(seqs, kv_tokens)
+            load.decode_step_ms = step.decode_ms(seqs + 1, kv_tokens + kv_tokens // max(1, seqs))
+        report = load.report
+        prefill = load.active_prefill_tokens
+        queued = prefill
+        waiting = report[3]  # num_waiting_prefill_tokens: other routers' requests are queued there too
+        if waiting is not None and waiting > queued:
+            queued = waiting
+        # Positional, in WorkerSnapshot's field order (keywords cost ~0.7 us more, ~5 snapshots a decision); the order
+        # is checked by tests/unit/router/test_router_adapter.py.
         return WorkerSnapshot(
             iid,
             metadata,
-            active_requests=load.active_requests,
-            active_prompt_tokens=load.active_prompt_tokens,
-            active_prefill_tokens=load.active_prefill_tokens,
-            active_blocks=load.active_blocks,
-            kv_usage=None if m is None else m.kv_usage,
-            num_running=None if m is None else m.num_running,
-            num_waiting=None if m is None else m.num_waiting,
-            num_waiting_prefill_tokens=None if m is None else m.num_waiting_prefill_tokens,
-            metrics_received_s=load.received_s,
-            metrics_interval_s=load.interval_s,
-            metrics_stale_after_s=stale_after(
-                load.received_s, load.interval_s, cfg.metrics_stale_intervals, cfg.metrics_stale_min_s
-            ),
-            queued_prefill_tokens=queued,
-            prefill_ms_per_token=step.prefill_ms_per_prompt_token(seqs, kv_tokens),
-            decode_step_ms=step.decode_ms(seqs + 1, kv_tokens + kv_tokens // max(1, seqs)),
+            seqs,
+            kv_tokens,
+            prefill,
+            load.active_blocks,
+            *report,
+            queued,
+            load.prefill_ms_per_token,
+            load.decode_step_ms,
         )
 
     def _flush(self) -> None:
@@ -337,7 +401,7 @@ class Router:
             return request
         state = self._models.get(request.model)
         bs = state.block_size if state is not None else DEFAULT_BLOCK_SIZE
-        return dataclasses.replace(request, block_size=bs, block_hashes=PromptHashes(request.token_ids, bs))
+        return _with_fields(request, _AT_BLOCK_SIZE, bs, _AT_BLOCK_HASHES, PromptHashes(request.token_ids, bs))
 
     def select(self, request: RouteRequest) -> RouteDecision:
         """Ask the policy; raise ``NoWorkersError`` when it places the request nowhere."""
@@ -358,7 +422,7 @@ class Router:
                 state.kv_group_version = index.bits_version
             overlaps, floor = index.overlaps_with_floor(request.block_hashes, state.kv_group)
             if overlaps or floor:
-                request = dataclasses.replace(request, overlap_blocks=overlaps, common_overlap_blocks=floor)
+                request = _with_fields(request, _AT_OVERLAP_BLOCKS, overlaps, _AT_COMMON_OVERLAP, floor)
         decision, state.policy_state = self.policy.select(request, state.workers, state.policy_state, self.rng)
         if decision.instance_id is None:
             raise NoWorkersError(request.model, decision.reason)
@@ -489,13 +553,13 @@ class Router:
         if instance_id in self._departed:
             return
         load = self._load(instance_id)
+        interval_s = load.interval_s
         if load.received_s is not None:
             gap = now_s - load.received_s
             if gap > 0:
-                est = load.interval_s
-                load.interval_s = gap if est is None else est + _INTERVAL_ALPHA * (min(gap, 2 * est) - est)
-        load.received_s = now_s
-        load.metrics = snapshot
+                est = interval_s
+                interval_s = gap if est is None else est + _INTERVAL_ALPHA * (min(gap, 2 * est) - est)
+        load.set_report(snapshot, now_s, interval_s, self.config)
         self._dirty.add(instance_id)
 
     def apply_kv_events(self, instance_id: int, events: list[KvEvent]) -> bool:

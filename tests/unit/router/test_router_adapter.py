@@ -5,6 +5,8 @@ leaving one takes its blocks, and replicas share their assignments.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,7 +19,7 @@ from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot, 
 from components.router import Router, RouterConfig, RouteRequest, RouterProtocolError
 from components.router.feed import RouterFeed
 from components.router.protocol import TOPIC_ROUTER_SYNC
-from components.router.types import StepTime
+from components.router.types import StepTime, WorkerSnapshot
 from components.runtime import RequestContext, Runtime, RuntimeConfig
 from components.runtime.memory import MemoryBus, MemoryDiscovery, MemoryStore
 from tests.support.waiting import wait_until
@@ -103,6 +105,66 @@ def test_snapshots_carry_the_queue_and_the_prefill_rate_the_kv_cost_compares():
     assert StepTime.from_mapping(
         {"prefill_ms_per_token": "fast", "decode_base_ms": -1, "max_num_batched_tokens": 0}
     ) == (StepTime())
+
+
+def test_a_snapshot_puts_every_count_report_and_rate_in_its_own_field():
+    # Router._snapshot builds WorkerSnapshot positionally and keeps the report's fields and the step-time rates
+    # between changes: every field is given a distinct value here, so a field order that drifted, or a cached value
+    # kept past its change, shows up as a mismatch.
+    r = Router(RouterConfig(router_policy="round_robin", metrics_stale_intervals=5, metrics_stale_min_s=0.5))
+    md = meta()
+    r.set_workers("m", [(1, md)])
+    r.apply_load(1, LoadSnapshot(0.0, 0.25, 1000, 250, 3, 2, 7000, 0, 3, 0), 1.0)
+    r.apply_load(1, LoadSnapshot(0.0, 0.5, 1000, 500, 4, 1, 9000, 0, 4, 0), 1.25)
+    req = RouteRequest(PROMPT, "m", 1.3)
+    r.on_routed("a", r.select(req), req)
+    r.on_routed("b", r.select(req), req)
+    r.on_first_token("b")
+    step = StepTime()
+    expected = WorkerSnapshot(
+        instance_id=1,
+        metadata=md,
+        active_requests=2,
+        active_prompt_tokens=512,
+        active_prefill_tokens=256,
+        active_blocks=32,
+        kv_usage=0.5,
+        num_running=4,
+        num_waiting=1,
+        num_waiting_prefill_tokens=9000,
+        metrics_received_s=1.25,
+        metrics_interval_s=0.25,
+        metrics_stale_after_s=2.5,  # 1.25 + max(0.5, 5 * 0.25)
+        queued_prefill_tokens=9000,  # the report's 9000 > this router's 256
+        prefill_ms_per_token=step.prefill_ms_per_prompt_token(2, 512),
+        decode_step_ms=step.decode_ms(3, 512 + 256),
+    )
+    assert r.workers("m") == [expected]
+    # A new announcement with the same counts changes the rates (they are kept per StepTime, not per worker).
+    fast = {"prefill_ms_per_token": 0.0076}
+    r.set_workers("m", [(1, {**md, "step_time": fast})])
+    w = r.workers("m")[0]
+    assert w.prefill_ms_per_token == StepTime.from_mapping(fast).prefill_ms_per_prompt_token(2, 512)
+    # A worker that leaves loses its report with it; its counts stay while its requests run.
+    r.set_workers("m", [])
+    r.set_workers("m", [(1, md)])
+    w = r.workers("m")[0]
+    assert (w.active_requests, w.kv_usage, w.metrics_received_s, w.metrics_stale_after_s) == (2, None, None, math.inf)
+    assert w.queued_prefill_tokens == 256
+
+
+def test_prepare_and_select_copy_every_field_of_the_request():
+    r = kv_router()
+    r.set_workers("m", [(1, meta()), (2, meta())])
+    r.apply_kv_events(1, [stored(0, H[:4])])
+    req = RouteRequest(
+        PROMPT, "m", 3.0, program_id="p", ends_program=True, pinned_instance_id=9, excluded_instance_ids=frozenset({2})
+    )
+    prepared = r.prepare(req)
+    assert prepared == dataclasses.replace(req, block_size=BS, block_hashes=H)
+    d = r.select(prepared)
+    # Worker 2 excluded, pin unknown: worker 1, with the 4 blocks it caches.
+    assert (d.instance_id, d.overlap_blocks) == (1, 4) and "pinned worker gone" in d.reason
 
 
 def test_a_request_that_fails_before_its_first_token_frees_its_prefill_too():
