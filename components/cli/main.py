@@ -49,7 +49,8 @@ BENCHMARKS = (
     Command("load", "components.cli.bench.load", "load an OpenAI-compatible URL: concurrency or trace replay"),
     Command("vs-vllm", "components.cli.bench.vs_vllm", "kvmesh + one vLLM worker vs `vllm serve`, same load"),
     Command("router", "components.cli.bench.router", "cost of one routing decision (8-1024 workers), KV event ingest"),
-    Command("routing", "components.cli.bench.routing", "routing quality: a trace per policy on simulated workers"),
+    Command("routing", "components.cli.bench.routing", "routing quality per policy at fractions of measured capacity"),
+    Command("routing-live", "components.cli.bench.routing_live", "one trace slice per policy on a live deployment"),
 )
 
 

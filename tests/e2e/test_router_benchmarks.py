@@ -37,7 +37,8 @@ def test_bench_router_reports_decision_cost_per_fleet_size_and_ingest_rates():
         for stats in e["policies"].values():
             assert 0 < stats["decision_us"]["p50"] <= stats["decision_us"]["p99"] <= stats["decision_us"]["max"]
         kv = e["policies"]["kv"]
-        assert kv["hash_us"]["p50"] > 0 and kv["select_us"]["p50"] > 0
+        assert kv["prepare_us"]["p50"] > 0 and kv["select_us"]["p50"] > 0
+        assert kv["hashing_us"]["p50"] > 0 and 0 < kv["hashed_blocks"] <= 8192 // 16
         assert 0 < kv["routed_cached_fraction"] <= 1  # requests continuing a cached conversation found it
         assert e["kv_overlaps_only_us"]["p50"] > 0
     ingest = r["ingest"]
@@ -52,9 +53,9 @@ def test_bench_router_reports_decision_cost_per_fleet_size_and_ingest_rates():
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="needs ../shared/traces/mooncake_conversation_trace.jsonl")
-def test_bench_routing_replays_a_trace_slice_per_policy(tmp_path):
+def test_bench_routing_live_replays_a_trace_slice_per_policy(tmp_path):
     # 60 requests of the first ~25 trace seconds, 20x compressed, on 4 workers at full simulated speed.
-    r = bench("routing", "--trace", str(TRACE), "--policies", "round_robin,kv,kv+autellix", "--workers", "4",
+    r = bench("routing-live", "--trace", str(TRACE), "--policies", "round_robin,kv,kv+autellix", "--workers", "4",
               "--max-requests", "60", "--time-scale", "0.05", "--speedup-ratio", "10", "--max-output-tokens", "8",
               "--state-dir", str(tmp_path))  # fmt: skip
     assert r["bench"] == "routing" and r["fleet"]["workers"] == 4
@@ -71,3 +72,44 @@ def test_bench_routing_replays_a_trace_slice_per_policy(tmp_path):
         assert w["in_flight_max_over_mean"] is None or w["in_flight_max_over_mean"] >= 1
     t = r["targets"]
     assert {"kv_ttft_p99_speedup_over_round_robin", "kv_throughput_over_round_robin", "max_over_mean_load"} <= set(t)
+
+
+def test_bench_routing_sweeps_policies_at_fractions_of_measured_capacity(tmp_path):
+    png = tmp_path / "routing.png"
+    argv = ["routing", "--synthetic", "documents", "--requests", "60", "--policies", "round_robin,least_loaded,kv",
+            "--loads", "0.8,1.2", "--workers", "4", "--png", str(png)]  # fmt: skip
+    if TRACE.is_file():
+        argv += ["--trace", str(TRACE)]
+    r = bench(*argv)
+    assert r["bench"] == "routing" and r["loads"] == [0.8, 1.2]
+    assert "synthetic_documents" in r["workloads"]
+    assert ("mooncake_conversation_trace" in r["workloads"]) == TRACE.is_file()
+    for entry in r["workloads"].values():
+        assert entry["requests"] == 60 and entry["capacity_rps"] > 0
+        assert 0 <= entry["oracle_reuse_fleet_memory"] <= entry["oracle_reuse"] <= 1
+        assert entry["fleet"]["workers"] == 4 and entry["fleet"]["max_model_len"] >= entry["prompt_tokens"]["max"]
+        for policy in ("round_robin", "least_loaded", "kv"):
+            low, high = entry["points"][policy]["0.8"], entry["points"][policy]["1.2"]
+            assert low["requests"] == high["requests"] == 60  # every request completed
+            assert high["rate_rps"] == pytest.approx(1.5 * low["rate_rps"], rel=1e-3)
+            assert 0 < low["ttft_ms"]["p50"] <= low["ttft_ms"]["p99"]
+            assert 0 <= low["hit_rate"] <= entry["oracle_reuse"] + 1e-9
+            assert sum(low["decision_kinds"].values()) == 60
+        assert entry["points"]["round_robin"]["0.8"]["decision_kinds"] == {"rotation": 60}
+        assert {"kv_p99_over_best_load_only_worst_load", "kv_throughput_over_best_load_only_worst_load"} <= set(
+            entry["targets"]
+        )
+    assert r["png"] == str(png) and png.stat().st_size > 10_000
+
+
+def test_bench_routing_refuses_bad_input_with_a_clear_message(tmp_path):
+    for argv, message in [
+        (["--trace", str(tmp_path / "nope.jsonl")], "no trace file at"),
+        (["--synthetic", "documents", "--policies", "kv,bogus"], "unknown policy ['bogus']"),
+        (["--synthetic", "documents", "--loads", "0.8,-1"], "loads must be > 0"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "components.cli.main", "bench", "routing", *argv],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr)

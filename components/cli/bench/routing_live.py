@@ -1,6 +1,8 @@
-"""``kvmesh bench routing``: routing quality. One slice of the Mooncake conversation trace, replayed against a fresh
-deployment of simulated workers once per policy, same seed, same slice: TTFT, prefix-cache hit rate, throughput and
-per-worker balance in one table (JSON on stdout's last line, a human table on stderr).
+"""``kvmesh bench routing-live``: routing quality on a live deployment (``kvmesh bench routing`` is the
+capacity-calibrated sweep on a simulated fleet; this one runs the real frontend, NATS and workers). One slice of the
+Mooncake conversation trace, replayed against a fresh deployment of simulated workers once per policy, same seed,
+same slice: TTFT, prefix-cache hit rate, throughput and per-worker balance in one table (JSON on stdout's last line,
+a human table on stderr).
 
 Per policy (``round_robin``, ``random``, ``power_of_two``, ``least_loaded``, ``autellix``, ``kv``, ``kv+autellix``):
 

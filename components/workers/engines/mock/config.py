@@ -35,6 +35,17 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The fields that make the step-time model, as a worker announces it (``WorkerMetadata.step_time``).
+STEP_TIME_FIELDS = (
+    "prefill_base_ms",
+    "prefill_ms_per_token",
+    "prefill_ms_per_token_sq",
+    "decode_base_ms",
+    "decode_ms_per_seq",
+    "decode_ms_per_kv_token",
+    "max_num_batched_tokens",
+)
+
 
 class MockEngineConfig(BaseModel):
     """Everything a simulated engine needs; a worker builds it from its CLI flags or graph YAML."""

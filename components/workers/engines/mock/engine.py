@@ -36,7 +36,7 @@ from components.protocol.messages import (
 )
 
 from ..base import EngineDeadError, EngineError
-from .config import MockEngineConfig
+from .config import STEP_TIME_FIELDS, MockEngineConfig
 from .scheduler import DuplicateRequestError, Scheduler, StepOutput
 
 __all__ = ["MockEngine"]
@@ -167,17 +167,7 @@ class MockEngine:
     @property
     def step_time(self) -> dict[str, float]:
         """The step-time model this engine simulates, announced in the worker's metadata for the kv router."""
-        c = self.config
-        names = (
-            "prefill_base_ms",
-            "prefill_ms_per_token",
-            "prefill_ms_per_token_sq",
-            "decode_base_ms",
-            "decode_ms_per_seq",
-            "decode_ms_per_kv_token",
-            "max_num_batched_tokens",
-        )
-        return {n: float(getattr(c, n)) for n in names}
+        return {n: float(getattr(self.config, n)) for n in STEP_TIME_FIELDS}
 
     def snapshot(self) -> LoadSnapshot:
         return self._scheduler.snapshot(self._clock())

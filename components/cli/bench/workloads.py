@@ -1,0 +1,140 @@
+"""Workloads for the fleet simulator (``kvmesh bench routing``): a public trace file, or a synthetic prefix-sharing
+shape, turned into ``fleetsim.Workload`` (token-id prompts, output lengths, arrival times, program ids).
+
+Traces (format detected from the file's first bytes, as ``kvmesh bench load`` reads them):
+
+* **Mooncake** jsonl: each hash id becomes one 512-token block of pseudo-random ids seeded by the id (equal ids,
+  equal prefixes), the last block cut to ``input_length``; ``output_length`` and the timestamps as given. Program
+  (conversation) ids are derived from the hash ids alone (``fleetsim.derive_programs``): nothing is assumed about
+  which block is a system prompt or a conversation id, so any file of this format works without settings.
+* **Azure** csv: ``ContextTokens`` distinct pseudo-random ids per row (the trace has no prefix information, so no two
+  prompts share one), ``GeneratedTokens``, the timestamps as given.
+* **ShareGPT** json: the first human turn's UTF-8 bytes as token ids (a byte-level vocabulary: equal texts, equal
+  prompts; the file's texts barely share prefixes), ``output_tokens`` each (the file has no answers), Poisson
+  arrivals (the file has no timestamps; only the shape matters, as the sweep rescales the rate).
+
+Synthetic shapes (``SHAPES``), seeded, lengths drawn from log-normal distributions around stated medians, Poisson
+arrivals unless said otherwise; each is a prefix-sharing pattern the public traces do not isolate:
+
+* ``system_prompts``: many short shared system prompts (64 of them, median 600 tokens, Zipf(1.1) popularity), each
+  request one of them plus its own user text (median 400 tokens); outputs median 200.
+* ``documents``: few long shared documents (8, median 12,000 tokens, Zipf(1.1)), each request a document plus a
+  question (median 100 tokens); outputs median 150.
+* ``conversations``: multi-turn chats (each 2 to 12 turns); a turn's prompt is the whole history (earlier prompts
+  and answers) plus a new user message (median 300 tokens); outputs median 250; the next turn arrives after the
+  answer plus a think time (exponential, mean 20 s at the nominal rate); conversations start as a Poisson process.
+
+Nothing here does I/O beyond reading the trace file.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from components.cli.bench.fleetsim import SimRequest, Workload, derive_programs
+from components.cli.bench.loadgen.traces import MooncakeBlocks, read_trace, token_ids
+
+SHAREGPT_OUTPUT_TOKENS = 256
+SHAPES = ("system_prompts", "documents", "conversations")
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, round(median * math.exp(sigma * rng.gauss(0.0, 1.0))))))
+
+
+def _zipf_picker(rng: random.Random, n: int, s: float) -> Callable[[], int]:
+    weights = [1.0 / (k + 1) ** s for k in range(n)]
+    population = list(range(n))
+    return lambda: rng.choices(population, weights)[0]
+
+
+def from_trace(
+    path: str | Path,
+    max_requests: int,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    fmt: str = "auto",
+    output_tokens: int = SHAREGPT_OUTPUT_TOKENS,
+) -> Workload:
+    """The first ``max_requests`` rows of a trace file as a workload (module docstring)."""
+    rows = []
+    for row in read_trace(path, fmt):
+        rows.append(row)
+        if len(rows) >= max_requests:
+            break
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    name = Path(path).stem
+    rng = random.Random(f"{seed}:arrivals:{name}")
+    blocks = MooncakeBlocks(vocab_size, seed)
+    programs = derive_programs([r.hash_ids for r in rows]) if any(r.hash_ids for r in rows) else [None] * len(rows)
+    out: list[SimRequest] = []
+    t = 0.0
+    for row, program in zip(rows, programs, strict=True):
+        if row.text is not None:
+            prompt = tuple(min(b, vocab_size - 1) for b in row.text.encode("utf-8"))
+            max_tokens = output_tokens
+        else:
+            n = max(1, row.input_length or 1)
+            prompt = tuple(
+                blocks.prompt(row.hash_ids, n)
+                if row.hash_ids
+                else token_ids(f"{seed}:{name}:{row.index}", n, vocab_size)
+            )
+            max_tokens = max(1, row.output_length or output_tokens)
+        if row.timestamp_s is None:
+            t += rng.expovariate(1.0)
+            arrival = t
+        else:
+            arrival = row.timestamp_s
+        out.append(SimRequest(arrival, prompt, max_tokens, program))
+    out.sort(key=lambda r: r.arrival_s)
+    t0 = out[0].arrival_s
+    return Workload(name, tuple(SimRequest(r.arrival_s - t0, r.prompt, r.max_tokens, r.program_id) for r in out))
+
+
+def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0) -> Workload:
+    """``n`` requests of a synthetic prefix-sharing shape (module docstring), at a nominal 1 request/s."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
+    rng = random.Random(f"{seed}:{shape}")
+
+    def ids(key: str, k: int) -> tuple[int, ...]:
+        return tuple(token_ids(f"{seed}:{shape}:{key}", k, vocab_size))
+
+    reqs: list[SimRequest] = []
+    if shape in ("system_prompts", "documents"):
+        count, median, s = (64, 600, 1.1) if shape == "system_prompts" else (8, 12000, 1.1)
+        shared = [ids(f"shared{k}", _lognormal(rng, median, 0.4, median // 4, median * 3)) for k in range(count)]
+        pick = _zipf_picker(rng, count, s)
+        own_median, out_median = (400, 200) if shape == "system_prompts" else (100, 150)
+        t = 0.0
+        for i in range(n):
+            k = pick()
+            prompt = shared[k] + ids(f"own{i}", _lognormal(rng, own_median, 0.6, 8, own_median * 8))
+            reqs.append(SimRequest(t, prompt, _lognormal(rng, out_median, 0.6, 8, out_median * 6), f"s{k}"))
+            t += rng.expovariate(1.0)
+        return Workload(f"synthetic_{shape}", tuple(reqs))
+    # conversations: start times Poisson at a rate that, with their turns, makes about 1 request/s
+    mean_turns = 7.0
+    t_start = 0.0
+    c = 0
+    while len(reqs) < n:
+        turns = rng.randint(2, 12)
+        history: tuple[int, ...] = ()
+        t = t_start
+        for j in range(turns):
+            prompt = history + ids(f"c{c}u{j}", _lognormal(rng, 300, 0.6, 8, 2400))
+            out = _lognormal(rng, 250, 0.6, 8, 1500)
+            reqs.append(SimRequest(t, prompt, out, f"c{c}"))
+            history = prompt + ids(f"c{c}a{j}", out)  # the answer joins the history (its ids as the model's tokens)
+            t += out * 0.02 + rng.expovariate(1.0 / 20.0)
+        c += 1
+        t_start += rng.expovariate(1.0 / mean_turns)
+    reqs.sort(key=lambda r: r.arrival_s)
+    reqs = reqs[:n]
+    return Workload("synthetic_conversations", tuple(reqs))

@@ -1,0 +1,214 @@
+"""The routing benchmark's simulator and workload properties, on workloads whose answers are known by construction."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from components.cli.bench import fleetsim
+from components.cli.bench.fleetsim import FleetSpec, SimRequest, Workload
+from components.cli.bench.routing import check_targets, oracle_reuse_lru
+from components.cli.bench.workloads import SHAPES, from_trace, synthetic
+from components.protocol.messages import GenerateRequest, SamplingParams
+from components.workers.simulated import MockEngineConfig, VirtualEngine
+
+BS = 16
+
+
+def block(tag: int, n: int = BS) -> tuple[int, ...]:
+    return tuple(1000 * tag + i for i in range(n))
+
+
+# --- oracle reuse -----------------------------------------------------------------------------------------------------
+
+
+def test_oracle_reuse_counts_the_longest_earlier_prefix_in_whole_blocks():
+    a, b, c = block(1), block(2), block(3)
+    prompts = [
+        a + b + (7,),  # 33 tokens, nothing before it
+        a + b + c,  # 48: a+b hit (32)
+        a + c,  # 32: a hits (16); a+c was never a prefix, so c does not
+        a + b + c,  # 48: at most all but the last token -> 2 whole blocks of its 47 usable tokens (32)
+    ]
+    expected = (0 + 32 + 16 + 32) / (33 + 48 + 32 + 48)
+    assert fleetsim.oracle_reuse(prompts, BS) == pytest.approx(expected)
+
+
+def test_oracle_reuse_of_a_cache_too_small_to_hold_the_reuse_distance():
+    a, b, c = block(1), block(2), block(3)
+    prompts = [(*a, 1), (*b, 1), (*c, 1), (*a, 1)]  # a comes back after two other blocks
+    assert oracle_reuse_lru(prompts, BS, capacity_blocks=3) == pytest.approx(16 / 68)
+    assert oracle_reuse_lru(prompts, BS, capacity_blocks=2) == 0.0  # a was evicted
+    assert oracle_reuse_lru(prompts, BS, capacity_blocks=10**6) == pytest.approx(fleetsim.oracle_reuse(prompts, BS))
+
+
+def test_programs_are_derived_from_shared_history_not_from_a_block_position():
+    system = 1
+    rows = [
+        (system, 10, 11),  # conversation A, turn 1
+        (system, 20, 21),  # conversation B shares only the system block: a new program
+        (system, 10, 11, 12, 13),  # A's turn 2 carries A's whole history (3 of 5 blocks >= half)
+        (system, 20, 21, 22),  # B's turn 2
+        (system, 30),  # a new one
+        (system, 10, 99, 98, 97, 96),  # shares 2 of 6 blocks with A: less than half, a new program
+    ]
+    p = fleetsim.derive_programs(rows)
+    assert p[0] == p[2] and p[1] == p[3]
+    assert len({p[0], p[1], p[4], p[5]}) == 4
+
+
+# --- the virtual engine and the simulator --------------------------------------------------------------------------
+
+
+def test_a_virtual_engine_serves_a_request_in_modelled_time_and_reports_its_blocks():
+    cfg = MockEngineConfig(
+        num_gpu_blocks=64, max_model_len=1024, max_num_batched_tokens=64, prefill_ms_per_token_sq=0.0
+    )
+    e = VirtualEngine(cfg)
+    e.add(GenerateRequest("r", list(range(100)), SamplingParams(max_tokens=3, ignore_eos=True)), 0.0)
+    now, tokens = 0.0, 0
+    while e.has_work:
+        out = e.step(now)
+        now += out.step_time_s
+        tokens += sum(len(c.token_ids) for c in out.chunks.values())
+    assert tokens == 3
+    prefill = 2 * cfg.prefill_base_ms + cfg.prefill_ms_per_token * 100  # 100 tokens in chunks of 64 and 36
+    assert now * 1000 > prefill
+    assert any(ev.kind == "stored" for ev in e.take_kv_events())
+    assert e.step_time["max_num_batched_tokens"] == 64
+
+
+def uniform_fleet(workers: int = 4) -> tuple[FleetSpec, float]:
+    """Every request is one prefill step of L tokens and nothing else: a worker serves 1000 / pf(L) requests/s."""
+    length = 512
+    engine = MockEngineConfig(
+        max_num_batched_tokens=length,
+        prefill_base_ms=5.0,
+        prefill_ms_per_token=0.02,
+        prefill_ms_per_token_sq=0.0,
+        decode_base_ms=0.0,
+        decode_ms_per_seq=0.0,
+        decode_ms_per_kv_token=0.0,
+    )
+    per_request_ms = engine.prefill_base_ms + engine.prefill_ms_per_token * length
+    return FleetSpec(workers=workers, engine=engine), workers * 1000.0 / per_request_ms
+
+
+def distinct_requests(n: int, length: int = 512) -> Workload:
+    reqs = tuple(SimRequest(float(i), tuple((i * length + k) % 100_000 for k in range(length)), 1) for i in range(n))
+    return Workload("uniform", reqs)
+
+
+def test_the_capacity_search_finds_a_capacity_known_by_construction():
+    fleet, capacity = uniform_fleet()
+    w = distinct_requests(400)
+    found, probes = fleetsim.find_capacity(w, fleet)
+    assert capacity * 0.9 <= found <= capacity * 1.04, (found, capacity, probes)
+    assert len(probes) <= 14
+
+
+def test_a_replay_below_capacity_drains_and_one_above_does_not():
+    fleet, capacity = uniform_fleet()
+    w = distinct_requests(400)
+    assert fleetsim.probe(w, fleet, 0.8 * capacity).drained
+    assert not fleetsim.probe(w, fleet, 1.25 * capacity).drained
+
+
+def test_a_simulation_is_deterministic_and_accounts_for_every_request():
+    fleet = FleetSpec(workers=3, engine=MockEngineConfig(num_gpu_blocks=512))
+    w = synthetic("system_prompts", 60, vocab_size=1000, seed=3).at_rate(5.0)
+    a = fleetsim.simulate(w, "kv", fleet, seed=1)
+    b = fleetsim.simulate(w, "kv", fleet, seed=1)
+    assert a.ttft_s == b.ttft_s and a.cached_tokens == b.cached_tokens
+    assert len(a.ttft_s) == len(a.e2e_s) == 60
+    assert a.output_tokens == sum(r.max_tokens for r in w.requests)
+    assert sum(a.decision_kinds.values()) == 60
+    assert 0 < a.hit_rate <= fleetsim.oracle_reuse([r.prompt for r in w.requests], BS) + 1e-9
+
+
+def test_kv_reuses_shared_documents_that_round_robin_recomputes():
+    fleet = FleetSpec(workers=4, engine=MockEngineConfig(num_gpu_blocks=4096, max_model_len=65536))
+    w = synthetic("documents", 80, vocab_size=1000, seed=0)
+    w = w.at_rate(0.5 * fleetsim.model_estimate(w, fleet))
+    rr = fleetsim.simulate(w, "round_robin", fleet)
+    kv = fleetsim.simulate(w, "kv", fleet)
+    assert kv.hit_rate > rr.hit_rate
+    assert kv.decision_kinds.get("cache_hit", 0) > 0
+
+
+# --- workloads --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_synthetic_shapes_share_prefixes_and_are_seeded(shape):
+    a = synthetic(shape, 50, vocab_size=5000, seed=1)
+    assert a == synthetic(shape, 50, vocab_size=5000, seed=1)
+    assert a != synthetic(shape, 50, vocab_size=5000, seed=2)
+    assert len(a.requests) == 50 and all(r.max_tokens >= 1 for r in a.requests)
+    assert [r.arrival_s for r in a.requests] == sorted(r.arrival_s for r in a.requests)
+    assert fleetsim.oracle_reuse([r.prompt for r in a.requests], BS) > 0.2
+
+
+def test_every_trace_format_becomes_a_workload(tmp_path):
+    moon = tmp_path / "m.jsonl"
+    moon.write_text(
+        "\n".join(
+            json.dumps({"timestamp": t, "input_length": n, "output_length": 5, "hash_ids": ids})
+            for t, n, ids in [(0, 600, [1, 2]), (500, 1000, [1, 2]), (2000, 1100, [1, 2, 3])]
+        )
+    )
+    w = from_trace(moon, 10, vocab_size=100)
+    assert [len(r.prompt) for r in w.requests] == [600, 1000, 1100]
+    assert w.requests[1].prompt[:600] == w.requests[0].prompt  # equal hash ids, equal tokens
+    assert [r.arrival_s for r in w.requests] == [0.0, 0.5, 2.0]
+    assert w.requests[1].program_id == w.requests[2].program_id
+
+    azure = tmp_path / "a.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0000000,30,4\n2023-11-16 18:15:47.5000000,40,6\n"
+    )
+    w = from_trace(azure, 10, vocab_size=100)
+    assert [len(r.prompt) for r in w.requests] == [30, 40] and [r.max_tokens for r in w.requests] == [4, 6]
+    assert w.requests[1].arrival_s == pytest.approx(1.5)
+    assert fleetsim.oracle_reuse([r.prompt for r in w.requests], 4) == 0.0
+
+    share = tmp_path / "s.json"
+    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "héllo"}]}] * 3))
+    w = from_trace(share, 10, vocab_size=300, output_tokens=7)
+    assert w.requests[0].prompt == tuple("héllo".encode()) and w.requests[0].max_tokens == 7
+    assert w.requests[2].arrival_s > w.requests[1].arrival_s > 0
+
+
+# --- targets ----------------------------------------------------------------------------------------------------------
+
+
+def point(p99: float, hit: float = 0.0, tput: float = 100.0) -> dict:
+    return {"ttft_ms": {"p50": p99 / 2, "p99": p99}, "hit_rate": hit, "output_tokens_per_s": tput}
+
+
+def test_targets_read_kv_against_round_robin_the_oracle_and_the_best_load_only_policy():
+    loads = [0.8, 1.0]
+    entry = {
+        "oracle_reuse": 0.4,
+        "points": {
+            "round_robin": {"0.8": point(1000), "1": point(3000)},
+            "least_loaded": {"0.8": point(600), "1": point(1500)},
+            "kv": {"0.8": point(450, hit=0.3), "1": point(1600, hit=0.3, tput=96)},
+        },
+    }
+    t = check_targets(entry, loads)
+    assert t["kv_p99_speedup_over_round_robin_at_0.8"]["met"] is True  # 1000 / 450
+    assert t["kv_p99_speedup_over_round_robin_at_1"]["measured"] == pytest.approx(3000 / 1600, abs=1e-3)
+    assert t["kv_p99_speedup_over_round_robin_at_1"]["met"] is False
+    assert (
+        t["kv_hit_rate_over_oracle_at_0.8"]["measured"] == pytest.approx(0.75)
+        and t["kv_hit_rate_over_oracle_at_0.8"]["met"]
+    )
+    assert t["kv_p99_over_best_load_only_worst_load"]["measured"] == pytest.approx(1600 / 1500, abs=1e-3)
+    assert t["kv_p99_over_best_load_only_worst_load"]["met"] is True
+    assert t["kv_throughput_over_best_load_only_worst_load"]["met"] is True  # 96 / 100
+    entry["oracle_reuse"] = 0.1  # too little to reuse: no 2x claim is checked
+    assert not any(k.startswith("kv_p99_speedup") for k in check_targets(entry, loads))
+    assert math.isclose(check_targets(entry, loads)["kv_hit_rate_over_oracle_at_0.8"]["measured"], 3.0)
