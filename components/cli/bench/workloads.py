@@ -116,7 +116,8 @@ def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0) -> Workload
         for i in range(n):
             k = pick()
             prompt = shared[k] + ids(f"own{i}", _lognormal(rng, own_median, 0.6, 8, own_median * 8))
-            reqs.append(SimRequest(t, prompt, _lognormal(rng, out_median, 0.6, 8, out_median * 6), f"s{k}"))
+            # Independent requests (different users of one shared prefix are no program): no program id.
+            reqs.append(SimRequest(t, prompt, _lognormal(rng, out_median, 0.6, 8, out_median * 6)))
             t += rng.expovariate(1.0)
         return Workload(f"synthetic_{shape}", tuple(reqs))
     # conversations: start times Poisson at a rate that, with their turns, makes about 1 request/s

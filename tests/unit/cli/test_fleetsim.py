@@ -212,3 +212,7 @@ def test_targets_read_kv_against_round_robin_the_oracle_and_the_best_load_only_p
     entry["oracle_reuse"] = 0.1  # too little to reuse: no 2x claim is checked
     assert not any(k.startswith("kv_p99_speedup") for k in check_targets(entry, loads))
     assert math.isclose(check_targets(entry, loads)["kv_hit_rate_over_oracle_at_0.8"]["measured"], 3.0)
+    entry["oracle_reuse"] = 0.01  # no sharing to speak of: the ratio is reported, not judged
+    entry["points"]["kv"]["0.8"]["hit_rate"] = 0.001
+    hit = check_targets(entry, loads)["kv_hit_rate_over_oracle_at_0.8"]
+    assert hit["measured"] == pytest.approx(0.1) and hit["met"] is True and str(hit["target"]).startswith("none")
