@@ -18,8 +18,8 @@ For each workload (a trace file of any supported format, or a synthetic prefix-s
    requests in flight and of the tokens computed), preemptions, and how many decisions were of each kind.
 4. **Targets** (issue 12): at 0.8 and 1.0, ``kv``'s TTFT p99 at least 2x better than round-robin's where the oracle
    reuse is at least 20%; ``kv``'s hit rate at least 70% of the oracle at 0.8 (judged where the oracle is at least
-   5%: below, a trace has no sharing to speak of and only "kv does not lose" applies); at every load ``kv``'s p99 within 1.1x
-   of the best load-only policy's (round_robin, power_of_two, least_loaded) and its throughput within 5%.
+   5%: below, a trace has no sharing to speak of and only "kv does not lose" applies); at every load ``kv``'s p99
+   within 1.1x of the best load-only policy's (round_robin, power_of_two, least_loaded), its throughput within 5%.
 
 The fleet is simulated (``fleetsim``): the real ``Router`` places every request on engines that are the mock
 engine's own scheduler on a virtual clock, so a sweep of seven policies at four loads over an hour of trace costs
