@@ -26,9 +26,11 @@ change), searches the KV index once (KV policies only) with the prompt's
 lazily computed hashes (``prepare`` wraps them in a ``PromptHashes``: only the blocks the search reads are hashed)
 and the model's workers as a group, so a prefix every one of them caches comes back as one number
 (``RouteRequest.common_overlap_blocks``) rather than one entry per worker. At 256 workers, 1M indexed blocks and
-8k-token prompts (``kvmesh bench router``'s workload, 2-core EPYC dev machine with other work on its second core) a
-``kv`` decision takes ~310 us at p50: ~140 us hashing (all 512 blocks of a conversation hit), ~80 us in the policy,
-~25 us rebuilding the ~5 snapshots a decision dirties, ~20 us searching the index, ~12 us copying the request.
+8k-token prompts (``kvmesh bench router``'s workload, 2-core EPYC dev VM) a ``kv`` decision takes ~240 us at p50:
+~105 us hashing (~380 blocks on average: a conversation hit is hashed one chunk past its deepest cached block), ~30 us
+rebuilding the ~5 snapshots a decision dirties and the ``WorkerTable`` summaries (a frozen 16-field snapshot costs
+~2.5 us to construct), ~20 us searching the index, ~20-35 us in the policy (~8 us warm: ``kv.lowest_ttft`` reads a
+handful of workers) and ~12 us copying the request.
 
 Single-threaded: every method is called from the event loop, none awaits.
 """
@@ -61,6 +63,7 @@ from components.router.types import (
     RoutingPolicy,
     StepTime,
     WorkerSnapshot,
+    WorkerTable,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,7 +177,7 @@ class _ModelState:
     metadata: dict[int, Mapping[str, Any]]
     block_size: int
     policy_state: Any
-    workers: list[WorkerSnapshot] = dataclasses.field(default_factory=list)
+    workers: WorkerTable = dataclasses.field(default_factory=lambda: WorkerTable(()))
     position: dict[int, int] = dataclasses.field(default_factory=dict)
     # The KV index bits of the model's workers (0: one has none yet) and the index's bits_version they were read at.
     kv_group: int = 0
@@ -254,7 +257,7 @@ class Router:
         else:
             policy_state = old.policy_state if old is not None else self.policy.initial_state()
             state = _ModelState(meta, _block_size(meta.values()), policy_state)
-            state.workers = [self._snapshot(iid, md) for iid, md in sorted(meta.items())]
+            state.workers = WorkerTable(self._snapshot(iid, md) for iid, md in sorted(meta.items()))
             state.position = {w.instance_id: i for i, w in enumerate(state.workers)}
             self._models[model] = state
         added: set[int] = set()
@@ -383,7 +386,7 @@ class Router:
         for iid in dirty:
             for model in self._member_of.get(iid, ()):
                 state = self._models[model]
-                state.workers[state.position[iid]] = self._snapshot(iid, state.metadata[iid])
+                state.workers.replace(state.position[iid], self._snapshot(iid, state.metadata[iid]))
 
     def _load(self, iid: int) -> _Load:
         load = self._loads.get(iid)

@@ -35,7 +35,7 @@ from components.router.protocol import (
     decision_from_dict,
     decision_to_dict,
 )
-from components.router.types import RouteDecision, RouteRequest
+from components.router.types import DecisionKind, RouteDecision, RouteRequest
 from components.runtime import Client, RequestContext, Runtime, ServedEndpoint, collect
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class RouterService:
         try:
             decision = self.router.select(request)
         except NoWorkersError as e:
-            return RouteDecision(None, e.reason)
+            return RouteDecision(None, e.reason, kind=DecisionKind.NOWHERE)
         if call.request_id is not None:
             self.router.on_routed(call.request_id, decision, request)
         return decision

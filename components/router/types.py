@@ -13,12 +13,14 @@ This module imports only the standard library.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import functools
 import math
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, overload
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -129,8 +131,8 @@ class WorkerSnapshot:
     observed publishing interval, ``metrics_stale_after_s`` the instant from which the report counts as stale
     (``components.protocol.metadata.stale_after``; ``inf`` while there is no report or no interval yet).
 
-    Derived once per change of the worker (not per decision: ``kv`` reads them for 256 workers in one list
-    comprehension), from its ``StepTime`` and the counts above:
+    Derived once per change of the worker (not per decision: a decision may read them for every worker), from its
+    ``StepTime`` and the counts above:
     - ``queued_prefill_tokens``: prompt tokens it must compute before a new request's, the larger of this router's
       ``active_prefill_tokens`` and the worker's reported ``num_waiting_prefill_tokens`` (other routers' requests);
     - ``prefill_ms_per_token``: how fast it works through them, given the sequences decoding alongside
@@ -160,6 +162,134 @@ class WorkerSnapshot:
         return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
 
 
+class WorkerTable(Sequence[WorkerSnapshot]):
+    """A model's workers as the router hands them to a policy: their snapshots in ascending ``instance_id``, plus
+    what a decision would otherwise walk every snapshot for, kept up to date as the router replaces one snapshot at a
+    time (``replace``: ~5 per decision at 256 workers, where a decision reads 256).
+
+    - ``positions``: instance id -> position, a dict (read it, do not modify it);
+    - ``min_stale_after_s()``: the earliest ``metrics_stale_after_s``, so ``common.candidates`` sees in O(1) that no
+      worker is stale (recomputed only when the worker holding it reports again, ~1 decision in 100);
+    - ``load_range()``: the fewest and most ``active_requests``, for the ``kv`` imbalance test (a count per value);
+    - ``by_queued_wait()``: ``(queued_wait_ms, position)`` pairs, ascending, where ``queued_wait_ms`` is
+      ``prefill_ms_per_token * queued_prefill_tokens`` (how long the worker's prefill queue takes), with
+      ``prefill_ms_floor`` and ``decode_ms_floor``, the least ``prefill_ms_per_token`` and ``decode_step_ms`` any
+      snapshot of this table has had (they only go down, so they stay lower bounds). A request's ``kv`` cost on a
+      worker caching no more than the common prefix is at least ``queued_wait_ms + prefill_ms_floor * tokens +
+      decode_weight * decode_ms_floor``, so ``kv`` computes costs in this order and stops where the bound passes
+      the best cost found (``policies/kv.py``).
+
+    A plain list of snapshots is a valid ``workers`` argument too (tests build them): a policy reads these only when
+    it is given a table, and decides the same either way.
+    """
+
+    __slots__ = (
+        "_loads",
+        "_stale",
+        "_stale_min",
+        "_wait",
+        "_wait_keys",
+        "_wait_order",
+        "_wait_stale",
+        "_workers",
+        "decode_ms_floor",
+        "positions",
+        "prefill_ms_floor",
+    )
+
+    def __init__(self, workers: Iterable[WorkerSnapshot]) -> None:
+        ws = self._workers = list(workers)
+        self.positions = {w.instance_id: i for i, w in enumerate(ws)}  # instance id -> position (read only)
+        self._stale = [w.metrics_stale_after_s for w in ws]
+        self._stale_min: float | None = None
+        self._loads: dict[int, int] = {}
+        for w in ws:
+            self._loads[w.active_requests] = self._loads.get(w.active_requests, 0) + 1
+        self._wait = [w.prefill_ms_per_token * w.queued_prefill_tokens for w in ws]
+        # by_queued_wait as two parallel lists (bisecting floats is ~2x faster than bisecting (float, int) pairs)
+        self._wait_order = sorted(range(len(ws)), key=self._wait.__getitem__)
+        self._wait_keys = [self._wait[i] for i in self._wait_order]
+        self._wait_stale: set[int] = set()  # positions replaced since by_queued_wait last sorted them
+        self.prefill_ms_floor = min((w.prefill_ms_per_token for w in ws), default=0.0)
+        self.decode_ms_floor = min((w.decode_step_ms for w in ws), default=0.0)
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    @overload
+    def __getitem__(self, i: int) -> WorkerSnapshot: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[WorkerSnapshot]: ...
+
+    def __getitem__(self, i: int | slice) -> WorkerSnapshot | list[WorkerSnapshot]:
+        return self._workers[i]
+
+    def __iter__(self) -> Iterator[WorkerSnapshot]:
+        return iter(self._workers)
+
+    def __repr__(self) -> str:
+        return f"WorkerTable({self._workers!r})"
+
+    def replace(self, i: int, w: WorkerSnapshot) -> None:
+        """Put ``w`` at position ``i`` (the same worker's new snapshot: the order stays by ``instance_id``)."""
+        old = self._workers[i]
+        self._workers[i] = w
+        s = w.metrics_stale_after_s
+        old_s = self._stale[i]
+        if s != old_s:
+            self._stale[i] = s
+            lo = self._stale_min
+            if lo is not None:
+                if s < lo:
+                    self._stale_min = s
+                elif old_s == lo:
+                    self._stale_min = None  # the earliest moved on: found again when next asked
+        n, old_n = w.active_requests, old.active_requests
+        if n != old_n:
+            loads = self._loads
+            if loads[old_n] == 1:
+                del loads[old_n]
+            else:
+                loads[old_n] -= 1
+            loads[n] = loads.get(n, 0) + 1
+        self._wait_stale.add(i)  # re-sorted when next asked (``by_queued_wait``: kv only)
+        if w.prefill_ms_per_token < self.prefill_ms_floor:
+            self.prefill_ms_floor = w.prefill_ms_per_token
+        if w.decode_step_ms < self.decode_ms_floor:
+            self.decode_ms_floor = w.decode_step_ms
+
+    def by_queued_wait(self) -> Iterator[tuple[float, int]]:
+        """``(queued_wait_ms, position)`` of every worker, ascending by wait (see the class docstring)."""
+        if self._wait_stale:
+            ws, waits, keys, order = self._workers, self._wait, self._wait_keys, self._wait_order
+            for i in self._wait_stale:
+                w = ws[i]
+                wait = w.prefill_ms_per_token * w.queued_prefill_tokens
+                old = waits[i]
+                if wait != old:
+                    waits[i] = wait
+                    j = order.index(i, bisect.bisect_left(keys, old))  # among equal waits, in C
+                    del keys[j], order[j]
+                    j = bisect.bisect_right(keys, wait)
+                    keys.insert(j, wait)
+                    order.insert(j, i)
+            self._wait_stale.clear()
+        return zip(self._wait_keys, self._wait_order, strict=True)
+
+    def min_stale_after_s(self) -> float:
+        """The earliest instant a worker's metrics go stale (``inf`` with no workers)."""
+        lo = self._stale_min
+        if lo is None:
+            lo = self._stale_min = min(self._stale, default=math.inf)
+        return lo
+
+    def load_range(self) -> tuple[int, int]:
+        """The fewest and the most requests in flight on a worker (0, 0 with no workers)."""
+        loads = self._loads
+        return (min(loads), max(loads)) if loads else (0, 0)
+
+
 class DecisionKind(enum.StrEnum):
     """What decided a placement, in a word: a Prometheus label value (``kvmesh_router_decisions_total{kind=...}``),
     where the reason is free text for logs."""
@@ -173,18 +303,60 @@ class DecisionKind(enum.StrEnum):
     NOWHERE = "nowhere"  # no candidate
 
 
+# A decision's reason: the text, or a function that formats it. Policies pass a function (usually a
+# ``functools.partial`` over a module-level formatter, which binds the values when the decision is made): most
+# decisions' reasons are never read (the frontend counts ``kind``), and formatting one costs ~1-2 us of a decision's
+# budget. ``RouteDecision.reason`` formats it on first read.
+Reason = str | Callable[[], str]
+
+
+def reason_text(reason: Reason) -> str:
+    """The text of a ``Reason`` (formats a lazy one)."""
+    return reason if isinstance(reason, str) else reason()
+
+
+def lazy_reason(template: str, *args: object) -> Reason:
+    """A ``Reason`` that is ``template.format(*args)`` once read. A callable argument (another lazy reason, a
+    ``partial`` that formats a value) is called first, at that time. The arguments are bound now, so the text says
+    what held when the decision was made."""
+    return functools.partial(_format_reason, template, args)
+
+
+def _format_reason(template: str, args: tuple[object, ...]) -> str:
+    return template.format(*[a() if callable(a) else a for a in args])
+
+
 @dataclasses.dataclass(slots=True, frozen=True)
 class RouteDecision:
     """Where to send a request, and why. ``instance_id`` None means "nowhere": the reason says what was missing.
 
     ``overlap_blocks`` is how many leading prompt blocks the chosen worker caches (0 for non-KV policies): the router
     counts only the rest as prefill work on that worker. ``kind`` says in one word what decided it (``DecisionKind``).
+
+    ``reason`` is free text for logs and errors, formatted only when read: the constructor's second argument
+    (``why``) is the text or a function returning it (``Reason``). Equality compares the placement (instance,
+    overlap, kind), not the wording of its reason.
     """
 
     instance_id: int | None
-    reason: str
+    why: Reason = dataclasses.field(compare=False)
     overlap_blocks: int = 0
     kind: DecisionKind = DecisionKind.LOAD
+
+    @property
+    def reason(self) -> str:
+        why = self.why
+        if isinstance(why, str):
+            return why
+        text = why()
+        object.__setattr__(self, "why", text)  # formatted once; the decision is otherwise immutable
+        return text
+
+    def __repr__(self) -> str:
+        return (
+            f"RouteDecision(instance_id={self.instance_id!r}, reason={self.reason!r}, "
+            f"overlap_blocks={self.overlap_blocks!r}, kind={self.kind!r})"
+        )
 
 
 S = TypeVar("S")
@@ -194,8 +366,9 @@ class RoutingPolicy(Protocol[S]):
     """A routing policy: a readable ``name``, whether it needs prefix overlaps, and a pure ``select``.
 
     ``workers`` come in ascending ``instance_id`` order, so a policy that walks them is deterministic given its state
-    and ``rng``. ``uses_kv``: the router hashes the prompt and fills ``RouteRequest.overlap_blocks`` only for
-    policies that read them (hashing an 8k-token prompt costs ~110 us).
+    and ``rng``; the router passes a ``WorkerTable``, whose summaries a policy may use to skip that walk, deciding as
+    it would over a plain list. ``uses_kv``: the router hashes the prompt and fills ``RouteRequest.overlap_blocks``
+    only for policies that read them (hashing an 8k-token prompt costs ~115 us).
     """
 
     name: str

@@ -134,10 +134,13 @@ async def test_a_repeated_long_prefix_goes_to_the_worker_holding_it(fleet, make_
         await fleet.generate(w, prefix + [7] * 10, f"warm{i}")
     # Learned through the KV events as they are published.
     for w, prefix in zip(workers, prefixes, strict=True):
-        took = await eventually(
-            lambda p=prefix, w=w: router.index.overlaps(block_hashes(p, BS)).get(w.instance_id) == 64
-        )
-        print("TOOK", took, flush=True)
+        await eventually(lambda p=prefix, w=w: router.index.overlaps(block_hashes(p, BS)).get(w.instance_id) == 64)
+    # And the load reports show the warm-up finished: a report still counting a warm-up's prompt as queued prefill
+    # rightly costs its holder more than an idle worker's full prefill of this one.
+    await eventually(
+        lambda: all(not s.num_running and s.queued_prefill_tokens == 0 for s in router.workers(MODEL)),
+        what="idle load reports",
+    )
     for i, (w, prefix) in enumerate(zip(workers, prefixes, strict=True)):
         req = router.prepare(RouteRequest(prefix + [9, 9, 9] * i, MODEL, time.monotonic()))
         d = router.select(req)

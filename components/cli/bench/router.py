@@ -17,9 +17,10 @@ What ``decision_us`` includes, for KV policies: hashing the prompt's blocks. The
 (``prepare`` only wraps the token ids; the first hash is computed inside ``select``), so in production this is work
 on the request's path that the routing decision causes, and it stays in the figure. Reported beside it:
 ``prepare_us`` and ``select_us`` (the two timed calls; they sum to ``decision_us``), ``hashed_blocks`` (how many
-blocks ``select`` hashed, on average: all 512 for a conversation hit, 64 for a new conversation) and ``hashing_us``
-(hashing that many blocks of the same prompt again, timed apart after the decision: the share of ``select_us``
-that is hashing; the rest is the snapshots, the index search and the policy).
+blocks ``select`` hashed, on average: up to a 64-block chunk past the deepest cached block for a conversation hit,
+64 for a new conversation) and ``hashing_us`` (hashing that many blocks of the same prompt again, at once, timed
+apart after the decision: about the share of ``select_us`` that is hashing, less ~2 us per 64-block chunk that
+``select`` hashed separately; the rest is the snapshots, the index search and the policy).
 
 The KV index holds ``--indexed-blocks`` (1,000,000) (worker, block) entries before any decision, loaded through
 ``Router.apply_kv_events`` as ``BlockStored`` batches. Its contents follow what the Mooncake conversation trace shows
@@ -47,14 +48,16 @@ per-event worst case). Each is measured on ``KvEvent`` objects (the index alone)
 Targets (issue 6): p99 <= 200 us per ``kv`` decision at 256 workers and 1M blocks; >= 300k block events/s on one core.
 Measured on the 2-core EPYC dev VM (shared with other work: the same run varies by up to 1.5x): at 256 workers a
 ``kv`` decision took ~160-180 us at p50 and ~170-200 us at p99 while that machine was quiet, before the TTFT cost.
-With the TTFT cost and other sessions' benchmarks on the second core (load average 3-4, where hashing alone runs
-~1.8x slower than quiet) it takes ~310 us at p50 and 400-600 us at p99 (``round_robin`` ~26 us, ``kv+autellix`` as
-``kv``): ~140 us hashing the prompt (420 blocks on average: all 512 of a conversation hit, 64 of a new
-conversation; about 40% packing the token ids, 60% chaining xxh3), ~80 us in the policy over 256 snapshots, ~25 us
-rebuilding the ~5 snapshots a decision dirties, ~20 us searching the KV index (~35 lookups: gallop and bisect over
-prefix-closed workers, see ``components.router.kv_index``) and ~12 us copying the request twice (``prepare``, then
-with its overlaps). Ingest: ~0.7M single-block events/s (decode blocks naming their parent), ~2M blocks/s in
-prefill-sized events (quiet machine).
+With the TTFT cost, 12 interleaved ABBA runs (``--workers 256 --policies kv,kv+autellix,round_robin --ingest-blocks 0``,
+medians of 6 each) gave a ``kv`` p50 of ~320 us before and ~257 us after reasons were formatted only when read, ``kv``
+stopped computing all 256 costs (``kv.lowest_ttft``) and prompts were hashed only a chunk past their deepest cached
+block; p99 stayed ~410 us in both (single runs' p99 ranged 306-609 us): the 200 us p99 target is not met.
+``kv+autellix`` as ``kv``; ``round_robin`` ~27 us. Of the ~250 us, timed in parts: ~105 us hashing the prompt (~380
+blocks on average: 448-512 for a conversation hit, 64 for a new conversation; ~40% packing the token ids, ~60% chaining
+xxh3), ~30 us rebuilding the ~5 snapshots a decision dirties, ~20 us searching the KV index (gallop and bisect over
+prefix-closed workers, see ``components.router.kv_index``), ~20-35 us in the policy and ~12 us copying the request twice
+(``prepare``, then with its overlaps). Ingest: ~0.7M single-block events/s (decode blocks naming their parent), ~2M
+blocks/s in prefill-sized events (quiet machine).
 The last line printed is one JSON object; ``--workers 8,64 --indexed-blocks 20000 --decisions 200`` runs in seconds.
 """
 

@@ -39,13 +39,14 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 from components.router.config import RouterConfig
 from components.router.policies import common
-from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, Reason, RouteDecision, RouteRequest, WorkerSnapshot, lazy_reason
 
-# (candidates) -> (worker, why, its overlap in blocks): how a request that affinity does not decide is placed.
-Chooser = Callable[[Sequence[WorkerSnapshot]], tuple[WorkerSnapshot, str, int, DecisionKind]]
+# (candidates) -> (worker, why, its overlap in blocks, kind): how a request that affinity does not decide is placed.
+Chooser = Callable[[Sequence[WorkerSnapshot]], tuple[WorkerSnapshot, Reason, int, DecisionKind]]
 
 _REFRESH_FRACTION = 8  # a hit rewrites its assignment's time once it is older than ttl / 8
 
@@ -125,11 +126,13 @@ def place(
 
     if n <= threshold:
         w, why, overlap, kind = choose(cands)
-        decision = RouteDecision(w.instance_id, f"{label}: {n} <= {threshold} tokens, {why}{suffix}", overlap, kind)
+        why = lazy_reason("{}: {} <= {} tokens, {}{}", label, n, threshold, why, suffix)
+        decision = RouteDecision(w.instance_id, why, overlap, kind)
         st = dataclasses.replace(st, num_small=st.num_small + 1)
     elif pid is None:
         w, why, overlap, kind = choose(cands)
-        decision = RouteDecision(w.instance_id, f"{label}: {n} tokens, no program id, {why}{suffix}", overlap, kind)
+        why = lazy_reason("{}: {} tokens, no program id, {}{}", label, n, why, suffix)
+        decision = RouteDecision(w.instance_id, why, overlap, kind)
         st = dataclasses.replace(st, num_large=st.num_large + 1, num_unaffiliated=st.num_unaffiliated + 1)
     else:
         st = dataclasses.replace(st, num_large=st.num_large + 1)
@@ -141,22 +144,24 @@ def place(
         home = common.find(cands, a.instance_id) if a is not None else None
         if a is not None and home is not None:
             overlap = request.overlap_of(home.instance_id)
-            why = f"{label}: {n} tokens, program {_short(pid)} stays on its worker (locality hit){suffix}"
+            why = lazy_reason(
+                "{}: {} tokens, program {} stays on its worker (locality hit){}", label, n, partial(_short, pid), suffix
+            )
             decision = RouteDecision(home.instance_id, why, overlap, DecisionKind.AFFINITY)
             st = dataclasses.replace(st, num_locality_hits=st.num_locality_hits + 1)
             if now - a.last_used_s > ttl / _REFRESH_FRACTION:
                 programs = {**programs, pid: Assignment(home.instance_id, now)}
         else:
             w, why, overlap, kind = choose(cands)
+            what: Reason
             if a is not None:
-                what = f"reassigned from worker {a.instance_id:x} (gone, tried or stale)"
+                what = lazy_reason("reassigned from worker {:x} (gone, tried or stale)", a.instance_id)
                 st = dataclasses.replace(st, num_reassigns=st.num_reassigns + 1)
             else:
                 what = "assigned"
                 st = dataclasses.replace(st, num_assigns=st.num_assigns + 1)
-            decision = RouteDecision(
-                w.instance_id, f"{label}: {n} tokens, program {_short(pid)} {what}, {why}{suffix}", overlap, kind
-            )
+            why = lazy_reason("{}: {} tokens, program {} {}, {}{}", label, n, partial(_short, pid), what, why, suffix)
+            decision = RouteDecision(w.instance_id, why, overlap, kind)
             programs = {**programs, pid: Assignment(w.instance_id, now)}
     new = AutellixState(programs, st, state.last_sweep_s)
     if request.ends_program and pid is not None:
@@ -182,7 +187,7 @@ class AutellixPolicy:
     ) -> tuple[RouteDecision, AutellixState]:
         metric = self.config.least_loaded_metric
 
-        def least_used(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, str, int, DecisionKind]:
+        def least_used(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, Reason, int, DecisionKind]:
             w, why = common.least_used(cands, metric, rng)
             return w, why, request.overlap_of(w.instance_id), DecisionKind.LOAD
 

@@ -28,7 +28,15 @@ import random
 from collections.abc import Sequence
 
 from components.router.config import LoadMetric, RouterConfig
-from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import (
+    DecisionKind,
+    Reason,
+    RouteDecision,
+    RouteRequest,
+    WorkerSnapshot,
+    WorkerTable,
+    lazy_reason,
+)
 
 
 def _instance_id(w: WorkerSnapshot) -> int:
@@ -59,8 +67,10 @@ def pin(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Route
 def candidates(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Sequence[WorkerSnapshot], str]:
     """Workers not yet tried, without the stale ones while a fresh one remains; and a note for the reason."""
     excluded = request.excluded_instance_ids
-    cands = [w for w in workers if w.instance_id not in excluded] if excluded else workers
     now = request.now_s
+    if not excluded and isinstance(workers, WorkerTable) and workers.min_stale_after_s() > now:
+        return workers, ""  # the usual case, without reading 256 snapshots
+    cands = [w for w in workers if w.instance_id not in excluded] if excluded else workers
     fresh = [w for w in cands if w.metrics_stale_after_s > now]
     if len(fresh) == len(cands):
         return cands, ""
@@ -147,12 +157,24 @@ def load_of(w: WorkerSnapshot, metric: LoadMetric) -> int:
     return w.active_prompt_tokens if metric == LoadMetric.TOKENS else w.active_requests
 
 
-def least_used(cands: Sequence[WorkerSnapshot], metric: LoadMetric, rng: random.Random) -> tuple[WorkerSnapshot, str]:
+def least_used(
+    cands: Sequence[WorkerSnapshot], metric: LoadMetric, rng: random.Random
+) -> tuple[WorkerSnapshot, Reason]:
     """Autellix's LEAST_USED: the candidate with the fewest requests (or prompt tokens) in flight; ties at random."""
     if metric == LoadMetric.TOKENS:
         loads = [w.active_prompt_tokens for w in cands]
     else:
         loads = [w.active_requests for w in cands]
     i, ties = pick_min(loads, rng)
-    tie_note = f", {ties} tied" if ties > 1 else ""
-    return cands[i], f"least used: {loads[i]} {metric.value} in flight{tie_note}"
+    if ties > 1:
+        return cands[i], lazy_reason("least used: {} {} in flight, {} tied", loads[i], metric.value, ties)
+    return cands[i], lazy_reason("least used: {} {} in flight", loads[i], metric.value)
+
+
+def with_note(why: Reason, note: str) -> Reason:
+    """``why`` followed by ``note`` (``prelude``'s note on the pin and skipped workers; usually empty)."""
+    if not note:
+        return why
+    if isinstance(why, str):
+        return why + note
+    return lazy_reason("{}{}", why, note)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from components.router.config import RouterConfig
 from components.router.policies import autellix, kv
-from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, Reason, RouteDecision, RouteRequest, WorkerSnapshot
 
 
 class KvAutellixPolicy:
@@ -45,7 +45,7 @@ class KvAutellixPolicy:
     ) -> tuple[RouteDecision, autellix.AutellixState]:
         config = self.config
 
-        def kv_choose(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, str, int, DecisionKind]:
+        def kv_choose(cands: Sequence[WorkerSnapshot]) -> tuple[WorkerSnapshot, Reason, int, DecisionKind]:
             return kv.choose(request, cands, config, rng)
 
         return autellix.place(request, workers, state, config, kv_choose, label="kv+autellix")

@@ -39,4 +39,4 @@ class LeastLoadedPolicy:
         if placed is not None:
             return placed, state
         w, why = common.least_used(cands, self.metric, rng)
-        return RouteDecision(w.instance_id, f"{why}{note}"), state
+        return RouteDecision(w.instance_id, common.with_note(why, note)), state

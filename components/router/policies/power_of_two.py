@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from components.router.config import RouterConfig
 from components.router.policies import common
-from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot, lazy_reason
 
 
 def reported_load(w: WorkerSnapshot, now_s: float) -> int | None:
@@ -52,4 +52,4 @@ class PowerOfTwoPolicy:
         else:
             what = "running + waiting reported"
         w, lw, lo = (b, lb, la) if lb < la else (a, la, lb)
-        return RouteDecision(w.instance_id, f"power of two: {lw} vs {lo} {what}{note}"), state
+        return RouteDecision(w.instance_id, lazy_reason("power of two: {} vs {} {}{}", lw, lo, what, note)), state

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from components.router.config import RouterConfig
 from components.router.policies import common
-from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot
+from components.router.types import DecisionKind, RouteDecision, RouteRequest, WorkerSnapshot, lazy_reason
 
 
 class RandomPolicy:
@@ -33,4 +33,5 @@ class RandomPolicy:
         if placed is not None:
             return placed, state
         w = cands[rng.randrange(len(cands))]
-        return RouteDecision(w.instance_id, f"random among {len(cands)}{note}", kind=DecisionKind.ROTATION), state
+        why = lazy_reason("random among {}{}", len(cands), note)
+        return RouteDecision(w.instance_id, why, kind=DecisionKind.ROTATION), state

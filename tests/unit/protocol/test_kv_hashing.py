@@ -116,11 +116,29 @@ def test_prompt_hashes_are_block_hashes_computed_on_demand():
 
 
 def test_prompt_hashes_grow_in_chunks_in_order():
-    tokens = list(range(16 * 100))
+    tokens = list(range(16 * 300))
     lazy = PromptHashes(tokens, 16)
     assert lazy.computed(3) == block_hashes(tokens, 16)[:3]
     first = lazy.num_computed
-    assert first == PromptHashes.MIN_CHUNK_BLOCKS
-    lazy[first]  # one past the chunk: the next chunk doubles
-    assert lazy.num_computed == min(100, 2 * first)
-    assert lazy.computed(100) == block_hashes(tokens, 16)
+    assert first == PromptHashes.MIN_CHUNK_BLOCKS == 64
+    lazy[first]  # one past the chunk: one more chunk
+    assert lazy.num_computed == 128
+    lazy.ensure(130)  # past it: a chunk more, not twice what is there (a search reads at most a chunk ahead)
+    assert lazy.num_computed == 192
+    lazy[299]
+    assert lazy.num_computed == 300  # never past the last full block
+    assert lazy.computed(300) == block_hashes(tokens, 16)
+
+
+def test_hashes_past_the_cached_slices_are_the_same():
+    # _chain slices blocks with cached slice objects up to _MAX_CACHED_SLICES blocks, then builds them: a longer
+    # prompt hashes the same, lazily or not.
+    from components.protocol import kv_hashing
+
+    rng = random.Random(4)
+    n = kv_hashing._MAX_CACHED_SLICES + 37
+    tokens = [rng.randrange(2**17) for _ in range(4 * n + 3)]
+    expected = reference_block_hashes(tokens, 4)
+    assert len(expected) == n and block_hashes(tokens, 4) == expected
+    lazy = PromptHashes(tokens, 4)
+    assert lazy[n - 1] == expected[-1] and lazy.computed(n) == expected

@@ -296,6 +296,22 @@ def test_prefix_closed_workers_are_searched_not_walked():
     assert lazy.num_computed <= 64
 
 
+def test_a_lazy_prompt_is_hashed_at_most_a_chunk_past_its_longest_cached_prefix():
+    # Regression: the gallop doubled its step and PromptHashes doubled its chunks, so a conversation cached to block
+    # 300 of 512 was hashed to block 511. Steps now stop at a chunk (64 blocks): the search reads block 319 at most
+    # (gallop 1, 3, ..., 63, 127, 191, 255, 319), which is hashed to 320 blocks.
+    from components.protocol.kv_hashing import PromptHashes
+
+    prompt = list(range(1, 16 * 512 + 1))
+    hashes = block_hashes(prompt, BS)
+    idx = KvIndex()
+    idx.apply(0, [stored(0, hashes[:300])])
+    idx.apply(1, [stored(0, hashes[:32])])
+    lazy = PromptHashes(prompt, BS)
+    assert idx.overlaps(lazy) == {0: 300, 1: 32} == idx.overlaps(hashes)
+    assert lazy.num_computed == 320
+
+
 def test_overlaps_with_floor_leaves_out_the_prefix_a_whole_group_shares():
     idx = KvIndex()
     for w in range(1, 6):
