@@ -63,6 +63,14 @@ class RouterConfig(BaseModel):
         description="kv: weight of the decode step a request would share (its inter-token latency, ms) against its "
         "predicted time to first token (ms) in cost = ttft + decode_weight * decode_step. 0 routes for TTFT alone.",
     )
+    successor_weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="kv: how many later requests on a worker the uncached prefill of this one delays, counted in its "
+        "cost beside its own time to first token (ms): cost = queued + (1 + successor_weight) * uncached prefill + "
+        "decode_weight * decode step. 0 routes for this request's TTFT alone; 1 keeps cached prefixes in use at "
+        "high load (docs/router.md).",
+    )
     router_temperature: float = Field(
         default=0.0,
         ge=0.0,

@@ -251,31 +251,36 @@ def timed(iid: int, queued: int = 0, step: StepTime = STEP, decoding: int = 0, k
 
 def test_kv_a_cached_prefix_wins_over_a_slightly_lighter_worker_and_loses_to_a_much_lighter_one():
     # 4096-token prompt; worker 1 caches 2048 of it. Between workers of one speed the cached one wins exactly while its
-    # queue is shorter than its cache advantage: ttft_1 = m * (q1 + 4096 - 2048) vs ttft_2 = m * (q2 + 4096).
+    # queue is shorter than its cache advantage counted twice (this request's prefill and the delay it adds to the next
+    # one there, successor_weight 1): cost_1 = m * (q1 + 2 * (4096 - 2048)) vs cost_2 = m * (q2 + 2 * 4096).
     req = request(4096, overlap_blocks={1: 2048 // BS})
     slightly = [timed(1, queued=3000), timed(2, queued=2000)]  # 1000 more queued, 2048 fewer to compute
     d = place(KvPolicy(), req, slightly)
     assert (d.instance_id, d.kind) == (1, DecisionKind.CACHE_HIT)
-    much = [timed(1, queued=6000), timed(2, queued=2000)]  # 4000 more queued: the cache no longer pays
+    much = [timed(1, queued=6600), timed(2, queued=2000)]  # 4600 more queued: the cache no longer pays
     d = place(KvPolicy(), req, much)
     assert (d.instance_id, d.kind) == (2, DecisionKind.LOAD)
 
 
+@pytest.mark.parametrize("successor_weight", [0.0, 1.0])
 @pytest.mark.parametrize("decoding", [0, 64])
-def test_kv_switches_where_the_predicted_times_cross(decoding):
-    # Worker 1 caches c tokens and is slowed by `decoding` sequences; worker 2 is idle. The crossover queue on worker 1
-    # is where m1 * (q + P - c) + d1 = m2 * P + d2, derived here from the step-time model, not read off the policy.
+def test_kv_switches_where_the_predicted_times_cross(decoding, successor_weight):
+    # Worker 1 caches c tokens and is slowed by `decoding` sequences; worker 2 is idle. With s = 1 + successor_weight
+    # the crossover queue on worker 1 is where m1 * (q + s * (P - c)) + d1 = m2 * s * P + d2 (successor_weight 0: this
+    # request's predicted TTFT alone), derived here from the step-time model, not read off the policy.
     P, c = 8192, 4096
+    s = 1.0 + successor_weight
     m1 = STEP.prefill_ms_per_prompt_token(decoding, decoding * 2048)
     m2 = STEP.prefill_ms_per_prompt_token(0, 0)
     d1, d2 = STEP.decode_ms(decoding + 1, decoding * 2048), STEP.decode_ms(1, 0)
-    crossover = (m2 * P + d2 - d1) / m1 - (P - c)
-    assert 0 < crossover <= c  # decode load makes worker 1 slower: it wins only for queues shorter than c
+    crossover = (m2 * s * P + d2 - d1) / m1 - s * (P - c)
+    assert 0 < crossover <= s * c  # decode load makes worker 1 slower: it wins only for queues shorter than s * c
     req = request(P, overlap_blocks={1: c // BS})
+    policy = KvPolicy(RouterConfig(successor_weight=successor_weight))
 
     def chosen(q: int) -> int:
         ws = [timed(1, queued=q, decoding=decoding, kv_tokens=decoding * 2048), timed(2)]
-        return int(place(KvPolicy(), req, ws).instance_id)
+        return int(place(policy, req, ws).instance_id)
 
     assert chosen(int(crossover) - 16) == 1
     assert chosen(int(crossover) + 16) == 2
@@ -308,8 +313,9 @@ def test_kv_with_a_common_prefix_decides_as_with_every_overlap_listed_and_by_tim
         a = place(KvPolicy(), request(2048, overlap_blocks=everyone), ws)
         b = place(KvPolicy(), request(2048, overlap_blocks=listed, common_overlap_blocks=32), ws)
         assert (a.instance_id, a.overlap_blocks, a.reason) == (b.instance_id, b.overlap_blocks, b.reason)
-        # The expected worker, from the formula: the fewest queued + uncached tokens (all workers run at one speed).
-        want = min(range(1, 41), key=lambda i: ((i * 700) % 3000 + 2048 - everyone[i] * BS, i))
+        # The expected worker, from the formula: the fewest queued + 2 x uncached tokens (all workers run at one speed;
+        # successor_weight 1 counts the uncached prefill for this request and the next one there).
+        want = min(range(1, 41), key=lambda i: ((i * 700) % 3000 + 2 * (2048 - everyone[i] * BS), i))
         assert a.instance_id == want
 
 

@@ -98,7 +98,15 @@ def decide(name: str, config: dict[str, Any], req: RouteRequest, workers: Any, s
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize(
     "config",
-    [{}, {"decode_weight": 0.0}, {"decode_weight": 4.0}, {"router_temperature": 0.5}, {"balance_abs_threshold": 2}],
+    [
+        {},
+        {"decode_weight": 0.0},
+        {"decode_weight": 4.0},
+        {"successor_weight": 0.0},
+        {"successor_weight": 2.5},
+        {"router_temperature": 0.5},
+        {"balance_abs_threshold": 2},
+    ],
 )
 def test_every_policy_decides_the_same_over_a_table_as_over_a_list(ties, config):
     # The table's shortcuts (no stale worker: the candidates are the table; kv's lowest cost found by walking the
