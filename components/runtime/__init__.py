@@ -1,9 +1,11 @@
 """kvmesh's runtime: the only package that imports the etcd client (aetcd) and nats-py.
 
-Public API: ``Runtime`` (namespace -> component -> endpoint), ``RuntimeConfig``, the typed errors, the event plane and
+Public API: ``Runtime`` (namespace -> component -> endpoint), ``RuntimeConfig``, the typed errors, the event plane,
+work queues (``Namespace.work_queue`` / ``Namespace.prefill_queue``: ``WorkQueue``, ``WorkItem``, ``QueueStats``) and
 the in-memory twins for unit tests.
 """
 
+from components.runtime.bus import QueueStats, WorkItem, WorkQueue
 from components.runtime.config import RuntimeConfig
 from components.runtime.errors import (
     BusUnavailableError,
@@ -13,6 +15,8 @@ from components.runtime.errors import (
     InstanceDrainingError,
     InstanceGoneError,
     NoInstancesError,
+    QueueFullError,
+    QueueUnavailableError,
     RecoverableError,
     RemoteHandlerError,
     RequestTimeoutError,
@@ -37,6 +41,9 @@ __all__ = [
     "InstanceGoneError",
     "InstanceInfo",
     "NoInstancesError",
+    "QueueFullError",
+    "QueueStats",
+    "QueueUnavailableError",
     "RecoverableError",
     "RemoteHandlerError",
     "RequestContext",
@@ -49,5 +56,7 @@ __all__ = [
     "ServedEndpoint",
     "ShutdownError",
     "StreamInterruptedError",
+    "WorkItem",
+    "WorkQueue",
     "collect",
 ]

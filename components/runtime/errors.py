@@ -119,6 +119,33 @@ class BusUnavailableError(RecoverableError, TimeoutError):
         self.waited_s = waited_s
 
 
+class QueueFullError(RecoverableError):
+    """A bounded work queue holds ``max_items`` items (waiting or in flight): the item was not enqueued. The caller
+    decides what to do instead (a decode worker prefills locally)."""
+
+    def __init__(self, queue: str, max_items: int | None) -> None:
+        # max_items is None where another process set the bound (the last opener's limit applies to all).
+        held = f"its maximum of {max_items} items" if max_items is not None else "as many items as its limit allows"
+        super().__init__(
+            f"work queue {queue!r} is full: it holds {held} (waiting or in flight); the item was not enqueued"
+        )
+        self.queue = queue
+        self.max_items = max_items
+
+
+class QueueUnavailableError(RecoverableError):
+    """JetStream did not take the operation on a work queue: not enabled on the NATS server (``nats-server -js``),
+    the stream gone, no answer in time, or the connection closed. ``maybe_enqueued`` is True where a push got no answer
+    in time: the server may have stored the item all the same."""
+
+    def __init__(self, queue: str, operation: str, reason: str, *, maybe_enqueued: bool = False) -> None:
+        super().__init__(f"work queue {queue!r}: {operation} failed: {reason}")
+        self.queue = queue
+        self.operation = operation
+        self.reason = reason
+        self.maybe_enqueued = maybe_enqueued
+
+
 class LeaseLostError(RecoverableError):
     """The primary lease expired on the server; the runtime re-acquires it and re-registers everything."""
 

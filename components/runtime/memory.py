@@ -5,7 +5,11 @@
 - ``MemoryDiscovery`` is one process's client of a store: lease handles that survive lease loss (``store.lose_lease``
   makes the next keep-alive re-grant and re-put, as etcd's loss would), watches that list first, then stream changes.
 - ``MemoryBus`` delivers in publish order per subscriber, answers no-responders at once, supports NATS wildcards
-  (``*`` one token, ``>`` the rest) and queue groups, and has work queues with ack/nak.
+  (``*`` one token, ``>`` the rest) and queue groups, and has work queues with JetStream's semantics as
+  ``components.runtime.bus`` describes them: ack/nak/term/in_progress, ``delivered``, redelivery after the ack wait,
+  ``max_deliveries``, ``max_items`` and ``stats()`` counted as JetStream counts. Their clock is ``bus.now_s``, moved
+  by ``bus.advance(seconds)``: items are stamped with it, and ack waits and nak delays run out only when a test moves
+  it (a pop's own ``timeout_s`` is real time, as a pop's wait is no part of the queue's state).
 
 Integration tests use the real servers (``components.runtime.servers``); nothing here is called done for production.
 """
@@ -16,21 +20,28 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 
 from components.runtime.bus import (
+    DEFAULT_ACK_WAIT_S,
+    DEFAULT_MAX_DELIVERIES,
     NO_RESPONDERS_HEADERS,
     BusMessage,
     MessageCallback,
     NoRespondersError,
+    QueueStats,
     WorkItem,
     WorkQueue,
+    check_queue_limits,
     is_no_responders,
 )
 from components.runtime.discovery import WatchEvent, WatchEventKind, diff_listing
-from components.runtime.errors import RequestTimeoutError, ShutdownError
+from components.runtime.errors import QueueFullError, RequestTimeoutError, ShutdownError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -225,43 +236,164 @@ class _MemSub:
             await self._task
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
+class _MemEntry:
+    """One unsettled item. Never delivered: in ``_fresh``. Delivered: ``ack_deadline_s`` set while a consumer has
+    it, ``ready_s`` set while it waits to be delivered again (handed back, or its ack wait ran out)."""
+
+    seq: int
+    data: bytes
+    enqueued_s: float
+    delivered: int = 0
+    ack_deadline_s: float | None = None
+    ready_s: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
 class _MemItem:
     data: bytes
+    delivered: int
+    enqueued_s: float
+    seq: int
     _queue: _MemWorkQueue
+    _settled: bool = False
+
+    def _settle(self) -> bool:
+        first = not self._settled
+        self._settled = True
+        return first
+
+    def _current(self) -> _MemEntry | None:
+        """The entry while this very delivery holds it (not once it was delivered again)."""
+        e = self._queue._entries.get(self.seq)
+        return e if e is not None and e.delivered == self.delivered and e.ack_deadline_s is not None else None
 
     async def ack(self) -> None:
-        self._queue._unacked.discard(id(self))
+        # By sequence, as JetStream acks: an ack from a delivery whose ack wait ran out still removes the item.
+        if self._settle():
+            self._queue._remove(self.seq)
+
+    async def term(self) -> None:
+        if self._settle():
+            self._queue._remove(self.seq)
 
     async def nak(self, delay_s: float = 0.0) -> None:
-        self._queue._unacked.discard(id(self))
-        self._queue._items.appendleft(self.data)
-        self._queue._ready.set()
+        if self._settle() and (e := self._current()) is not None:
+            self._queue._hand_back(e, self._queue._clock() + delay_s)
+
+    async def in_progress(self) -> None:
+        if not self._settled and (e := self._current()) is not None:
+            e.ack_deadline_s = self._queue._clock() + self._queue.ack_wait_s
 
 
 class _MemWorkQueue:
-    def __init__(self) -> None:
-        self._items: deque[bytes] = deque()
-        self._unacked: set[int] = set()
-        self._ready = asyncio.Event()
+    def __init__(self, bus: MemoryBus, name: str) -> None:
+        self._bus = bus
+        self.name = name
+        self.ack_wait_s = DEFAULT_ACK_WAIT_S
+        self.max_items: int | None = None
+        self.max_deliveries = DEFAULT_MAX_DELIVERIES
+        self._seqs = itertools.count(1)
+        self._entries: dict[int, _MemEntry] = {}  # every unsettled item, in push order
+        self._fresh: deque[int] = deque()  # never delivered, in push order
+        self._again: deque[int] = deque()  # to be delivered again, in the order they came back; before fresh ones
+        self._changed = asyncio.Event()  # replaced on every change; a waiting pop holds the one it saw
+        self._pullers = 0
+
+    def _clock(self) -> float:
+        return self._bus.now_s
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _remove(self, seq: int) -> None:
+        e = self._entries.pop(seq, None)
+        if e is None:
+            return
+        if e.delivered == 0:
+            self._fresh.remove(seq)
+        elif e.ready_s is not None:
+            self._again.remove(seq)
+
+    def _hand_back(self, e: _MemEntry, ready_s: float) -> None:
+        e.ack_deadline_s = None
+        e.ready_s = ready_s
+        self._again.append(e.seq)
+        self._notify()
+
+    def expire(self, now_s: float) -> None:
+        """What the server does as time passes: items past their ack wait wait to be delivered again, and items whose
+        nak delay ran out can be delivered again; waiting pops look again."""
+        for e in self._entries.values():
+            if e.ack_deadline_s is not None and e.ack_deadline_s <= now_s:
+                e.ack_deadline_s = None
+                e.ready_s = now_s
+                self._again.append(e.seq)
+        if self._again:
+            self._notify()
+
+    def _next(self) -> _MemEntry | None:
+        now_s = self._clock()
+        for seq in self._again:
+            e = self._entries[seq]
+            if e.ready_s is not None and e.ready_s <= now_s:
+                self._again.remove(seq)
+                return e
+        return self._entries[self._fresh.popleft()] if self._fresh else None
 
     async def push(self, data: bytes) -> None:
-        self._items.append(data)
-        self._ready.set()
+        if self.max_items is not None and len(self._entries) >= self.max_items:
+            raise QueueFullError(self.name, self.max_items)
+        seq = next(self._seqs)
+        self._entries[seq] = _MemEntry(seq, data, self._clock())
+        self._fresh.append(seq)
+        self._notify()
 
     async def pop(self, timeout_s: float) -> WorkItem | None:
-        if not self._items:
-            self._ready.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), timeout_s)
-        if not self._items:
-            return None
-        item = _MemItem(self._items.popleft(), self)
-        self._unacked.add(id(item))
-        return item
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self._pullers += 1
+        try:
+            while True:
+                changed = self._changed
+                e = self._next()
+                if e is not None:
+                    e.delivered += 1
+                    e.ready_s = None
+                    if e.delivered > self.max_deliveries:
+                        logger.warning(
+                            "work queue %s: item %d delivered %d times, more than max_deliveries %d: dropped",
+                            self.name,
+                            e.seq,
+                            e.delivered,
+                            self.max_deliveries,
+                        )
+                        del self._entries[e.seq]
+                        continue
+                    e.ack_deadline_s = self._clock() + self.ack_wait_s
+                    return _MemItem(e.data, e.delivered, e.enqueued_s, e.seq, self)
+                left_s = deadline - loop.time()
+                if left_s <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), left_s)
+        finally:
+            self._pullers -= 1
 
     async def size(self) -> int:
-        return len(self._items) + len(self._unacked)
+        return len(self._entries)
+
+    async def stats(self) -> QueueStats:
+        oldest_age_s = self._clock() - self._entries[self._fresh[0]].enqueued_s if self._fresh else 0.0
+        return QueueStats(
+            waiting=len(self._fresh),
+            in_flight=len(self._entries) - len(self._fresh),
+            oldest_age_s=max(0.0, oldest_age_s),
+            pullers=self._pullers,
+            # As JetStream counts it: held by a consumer after more than one delivery.
+            redelivered=sum(1 for e in self._entries.values() if e.delivered > 1 and e.ack_deadline_s is not None),
+        )
 
 
 class MemoryBus:
@@ -274,6 +406,13 @@ class MemoryBus:
         self._queues: dict[str, _MemWorkQueue] = {}
         self._connected = asyncio.Event()
         self._connected.set()
+        self.now_s = 0.0  # the work queues' clock: see the module docstring
+
+    def advance(self, dt_s: float) -> None:
+        """Move the work queues' clock forward: ack waits and nak delays that ran out make items deliverable again."""
+        self.now_s += dt_s
+        for q in self._queues.values():
+            q.expire(self.now_s)
 
     async def start(self) -> None:
         pass
@@ -351,5 +490,17 @@ class MemoryBus:
     async def flush(self) -> None:
         await asyncio.sleep(0)
 
-    async def work_queue(self, name: str, ack_wait_s: float = 30.0) -> WorkQueue:
-        return self._queues.setdefault(name, _MemWorkQueue())
+    async def work_queue(
+        self,
+        name: str,
+        ack_wait_s: float = DEFAULT_ACK_WAIT_S,
+        max_items: int | None = None,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+    ) -> WorkQueue:
+        """One queue per name, shared by every caller; as with JetStream, the last opener's settings apply to all."""
+        check_queue_limits(name, ack_wait_s, max_items, max_deliveries)
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = _MemWorkQueue(self, name)
+        q.ack_wait_s, q.max_items, q.max_deliveries = ack_wait_s, max_items, max_deliveries
+        return q

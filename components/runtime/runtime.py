@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from components.runtime.bus import Bus, NatsBus, WorkQueue
+from components.runtime.bus import DEFAULT_ACK_WAIT_S, DEFAULT_MAX_DELIVERIES, Bus, NatsBus, WorkQueue
 from components.runtime.config import RuntimeConfig
 from components.runtime.discovery import Discovery, EtcdDiscovery, WatchEventKind
 from components.runtime.errors import (
@@ -196,9 +196,33 @@ class Namespace:
     def component(self, name: str) -> Component:
         return Component(self, _check_name("component", name))
 
-    async def work_queue(self, name: str, ack_wait_s: float = 30.0) -> WorkQueue:
-        """A durable JetStream work queue scoped to this namespace (the prefill queue uses one)."""
-        return await self.runtime.bus.work_queue(f"{self.name}.{_check_name('queue', name)}", ack_wait_s)
+    async def work_queue(
+        self,
+        name: str,
+        ack_wait_s: float = DEFAULT_ACK_WAIT_S,
+        max_items: int | None = None,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+    ) -> WorkQueue:
+        """A durable JetStream work queue scoped to this namespace; ``name`` follows the rules of every other name.
+        See ``components.runtime.bus`` for the semantics and the defaults."""
+        return await self.runtime.bus.work_queue(
+            f"{self.name}.{_check_name('queue', name)}", ack_wait_s, max_items, max_deliveries
+        )
+
+    async def prefill_queue(
+        self,
+        model: str,
+        ack_wait_s: float = DEFAULT_ACK_WAIT_S,
+        max_items: int | None = None,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+    ) -> WorkQueue:
+        """The prefill queue of ``model`` in this namespace (disaggregated serving: decode workers push, prefill
+        workers pop). ``model`` is the served model name as is ('/', '.', ':' and the like included); each (namespace,
+        model) has a queue of its own. Its bus name ``<namespace>.prefill.<model>`` cannot meet a ``work_queue``
+        name, which has no second '.'."""
+        if not model:
+            raise ConfigError("prefill queue: model name must not be empty")
+        return await self.runtime.bus.work_queue(f"{self.name}.prefill.{model}", ack_wait_s, max_items, max_deliveries)
 
     async def list_instances(self) -> list[InstanceInfo]:
         listing = await self.runtime.discovery.get_prefix(instances_prefix(self.name))

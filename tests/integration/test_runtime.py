@@ -431,17 +431,23 @@ async def test_jetstream_work_queue(make_runtime):
     for q in (q1, q2) * 5:
         item = await q.pop(timeout_s=5)
         assert item is not None
+        assert item.delivered == 1
         got.append(int(item.data))
         await item.ack()
     assert sorted(got) == list(range(10))  # each item delivered to exactly one consumer
     assert await q2.pop(timeout_s=0.2) is None
-    # An item that is nak'ed comes back.
+    assert await q1.size() == 0  # acks are confirmed: once ack() returns, the item is gone
+    # An item that is nak'ed comes back, one delivery later, with the time it was pushed.
     await q1.push(b"again")
     item = await q2.pop(timeout_s=5)
+    assert item is not None
     await item.nak()
-    item = await q1.pop(timeout_s=5)
-    assert item.data == b"again"
-    await item.ack()
+    again = await q1.pop(timeout_s=5)
+    assert again is not None and again.data == b"again"
+    assert (again.delivered, again.enqueued_s) == (2, item.enqueued_s)
+    await again.ack()
+    stats = await q1.stats()
+    assert (stats.waiting, stats.in_flight) == (0, 0)
 
 
 @pytest.mark.slow
