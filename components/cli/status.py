@@ -1,4 +1,4 @@
-"""``kvmesh status``: every registered instance (component, id, model, load, age), from etcd and the event plane.
+"""``kvmesh status``: every registered instance (component, id, model, role, load, age), from etcd and the event plane.
 
 Where etcd and NATS are: ``--etcd``/``--nats`` or ``$KVMESH_ETCD_ENDPOINTS``/``$KVMESH_NATS_URL`` if given; otherwise
 the live deployments' state files in the state dir (an embedded etcd listens on a port chosen at start, so only the
@@ -7,6 +7,9 @@ rather than guess a port.
 
 Each instance is shown with the watcher and pid of the process that runs it (its metadata's pid, matched against
 the processes the state files record), so a line of ``kvmesh status`` leads to ``kvmesh logs WATCHER``.
+
+Role is a worker's ``WorkerMetadata.role`` (aggregated, prefill, decode), as ``decode:recompute`` (or
+``prefill:recompute``) when its engine cannot move KV and the decode worker recomputes remotely prefilled prompts.
 
 Load is each worker's latest ``load_metrics`` event heard within ``--load-wait-s`` (workers publish every 100 ms by
 default, so 1 s hears every live one); ``-`` when none arrived. Age counts from the ``started_at`` a worker puts in
@@ -22,14 +25,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from components.deploy.errors import DeployError
 from components.deploy.state import ServeState, live_states, resolve_state_dir
 from components.protocol.endpoints import TOPIC_LOAD_METRICS
 from components.protocol.messages import LoadSnapshot
-from components.protocol.metadata import WorkerMetadata
+from components.protocol.metadata import RemotePrefillMode, WorkerMetadata
 from components.runtime import EventSubscription, InstanceInfo, Runtime, RuntimeConfig, RuntimeMeshError
 
 
@@ -88,7 +91,13 @@ async def collect(cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: fl
         loads = await _latest_loads(rt, sorted({i.namespace for i in infos}), load_wait_s) if infos else {}
     finally:
         await rt.shutdown(drain_timeout_s=1.0)
-    now = time.time()
+    return rows_of(infos, loads, time.time())
+
+
+def rows_of(
+    infos: Sequence[InstanceInfo], loads: Mapping[tuple[str, int], dict[str, Any]], now: float
+) -> list[dict[str, Any]]:
+    """One row per instance id (its endpoints gathered), from what discovery lists and the loads heard."""
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     for info in infos:
         meta = WorkerMetadata.from_dict(info.metadata)
@@ -101,6 +110,9 @@ async def collect(cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: fl
                 "instance_id": f"{info.instance_id:x}",
                 "endpoints": [],
                 "model": meta.model or None,
+                # Workers only: a frontend or router registers no role (WorkerMetadata would read it as aggregated).
+                "role": str(meta.role) if "role" in info.metadata else None,
+                "remote_prefill_mode": meta.remote_prefill_mode or None,
                 "metadata": dict(info.metadata),
                 "pid": meta.pid or None,
                 "watcher": None,
@@ -159,6 +171,14 @@ def format_load(load: dict[str, Any] | None) -> str:
     return f"kv {load['kv_usage'] * 100:.0f}% run {load['num_running']} wait {load['num_waiting']}"
 
 
+def format_role(role: str | None, remote_prefill_mode: str | None = None) -> str:
+    """A worker's role, with how its engine takes remote prefills when that is recompute (no KV is transferred: the
+    decode worker computes the prompt again, which an operator reading TTFT needs to know); ``-`` for non-workers."""
+    if not role:
+        return "-"
+    return f"{role}:{remote_prefill_mode}" if remote_prefill_mode == RemotePrefillMode.RECOMPUTE else role
+
+
 def attach_watchers(rows: list[dict[str, Any]], states: Sequence[ServeState]) -> None:
     """Fill each row's ``watcher`` from the state files: the watcher whose process has the row's pid."""
     by_pid = {(st.namespace, p.pid): w.name for st in states for w in st.watchers for p in w.processes}
@@ -168,7 +188,8 @@ def attach_watchers(rows: list[dict[str, Any]], states: Sequence[ServeState]) ->
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
-    header = ("NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ENDPOINTS", "LOAD", "AGE")
+    # ROLE after PID: scripts (and tests/e2e) read the first six columns by position.
+    header = ("NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ROLE", "ENDPOINTS", "LOAD", "AGE")
     table = [header] + [
         (
             r["namespace"],
@@ -177,6 +198,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
             str(r["model"] or "-"),
             str(r.get("watcher") or "-"),
             str(r.get("pid") or "-"),
+            format_role(r.get("role"), r.get("remote_prefill_mode")),
             ",".join(sorted(r["endpoints"])),
             format_load(r["load"]),
             format_age(r["age_s"]),

@@ -21,6 +21,11 @@ to a component's config is a graph field at once, validated by that config's own
 flag through ``components.runtime.flags.argv_for`` (plan.py): no option is declared twice, and no argv is written by
 hand.
 
+Disaggregated serving is the same: a group's ``role`` (aggregated, prefill or decode) and a decode group's
+``max_local_prefill_length``/``max_prefill_queue_size`` are WorkerConfig fields, validated there (a threshold on a
+non-decode group is refused). What one group cannot see is checked across groups (``_role_problems``): a model's
+decode groups need prefill groups and the other way round, and a model is not served both aggregated and decode.
+
 A graph written for the schema before this one (``frontend.router``, ``frontend.args``, ``workers[i].engine_args``)
 is refused, not accepted with a deprecation warning: each old key gets an error at its line that spells out what to
 write instead (``frontend.router: ... write router_policy: kv``, ``workers[0].engine_args: ... speedup_ratio: 10``).
@@ -69,6 +74,7 @@ from pydantic_core import PydanticUndefined
 
 from components.deploy.errors import GraphError, GraphProblem, OverrideError
 from components.frontend.config import FrontendConfig
+from components.protocol.metadata import WorkerRole
 from components.runtime.config import RuntimeConfig, parse_host_port
 from components.runtime.errors import ConfigError
 from components.runtime.flags import flag_problem
@@ -554,8 +560,9 @@ def _base_dir(path: Path, base_dir: str | None) -> Path:
 
 
 def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
-    """What a field validator cannot see: files on disk, and a value (a null, a list item with a comma) that no flag
-    can carry to the component."""
+    """What a field validator cannot see: files on disk, groups that serve one model in roles that do not fit
+    together (``_role_problems``), and a value (a null, a list item with a comma) that no flag can carry to the
+    component."""
     out: list[tuple[Loc, str]] = []
     if graph.base_dir is not None and not base.is_dir():
         out.append((("base_dir",), f"{base} is not a directory"))
@@ -568,12 +575,73 @@ def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
         if not model_dir.is_dir():
             out.append((("workers", i, "model_path"), f"{model_dir} is not a directory (relative to {base})"))
         sections.append((("workers", i), g, g.component_values()))
+    out += _role_problems(graph)
     for loc, section, values in sections:
         for key, value in values.items():
             if value is None and type(section).model_fields[key].get_default(call_default_factory=True) is not None:
                 out.append(((*loc, key), "null cannot be passed to the component; leave it out for its default"))
             elif (why := flag_problem(key, value)) is not None:
                 out.append(((*loc, key), why.removeprefix(f"{key}: ")))
+    return out
+
+
+def _role_problems(graph: Graph) -> list[tuple[Loc, str]]:
+    """How a graph serves each model must be whole: aggregated, or disaggregated with both prefill and decode
+    workers. Each problem is reported once, at the role of the first group it concerns, naming every group.
+
+    - Decode workers without prefill workers would prefill everything themselves, as aggregated workers with extra
+      steps; prefill workers without decode workers idle, since clients are never routed to them and only decode
+      workers enqueue prompts. Both are a missing group, most likely a typo in a ``model`` or a ``role``.
+      Not checked when the graph runs no frontend: such a graph adds workers to another deployment (``frontend.
+      enabled``), whose groups it cannot see, so adding prefill workers alone is legitimate there.
+    - Aggregated and decode workers of one model are refused rather than allowed. The router places a request on any
+      routable worker of the model, so whether it is disaggregated would be chance; the kv policy compares workers
+      by one step-time model, which a decode worker (whose long prompts cost it a queue hop and a transfer, not a
+      prefill) does not follow; and the planner scales prefill and decode workers on the queue and on KV use, which
+      leaves an aggregated group in between scaled by neither. Two models (or two graphs) serve both ways side by
+      side. A refusal can be relaxed later without breaking a graph; an acceptance could not be withdrawn.
+    """
+    by_model: dict[str, dict[WorkerRole, list[int]]] = {}
+    for i, g in enumerate(graph.workers):
+        by_model.setdefault(g.model, {}).setdefault(g.role, []).append(i)
+
+    def groups(indices: list[int]) -> str:
+        names = ", ".join(repr(graph.workers[i].name) for i in indices)
+        return f"group {names}" if len(indices) == 1 else f"groups {names}"
+
+    out: list[tuple[Loc, str]] = []
+    for model, roles in by_model.items():
+        agg = roles.get(WorkerRole.AGGREGATED, [])
+        prefill = roles.get(WorkerRole.PREFILL, [])
+        decode = roles.get(WorkerRole.DECODE, [])
+        if agg and decode:
+            out.append(
+                (
+                    ("workers", decode[0], "role"),
+                    f"model {model!r} has aggregated ({groups(agg)}) and decode ({groups(decode)}) workers: serve a "
+                    "model one way, aggregated or disaggregated (prefill + decode groups); serve the other way "
+                    "under another model name or in another graph",
+                )
+            )
+        if not graph.frontend.enabled:
+            continue
+        if decode and not prefill:
+            out.append(
+                (
+                    ("workers", decode[0], "role"),
+                    f"model {model!r} has decode workers ({groups(decode)}) but no prefill workers to prefill its "
+                    f"long prompts: add a group with role: prefill and model: {model}, or make these aggregated",
+                )
+            )
+        if prefill and not decode:
+            out.append(
+                (
+                    ("workers", prefill[0], "role"),
+                    f"model {model!r} has prefill workers ({groups(prefill)}) but no decode workers: clients are "
+                    "never routed to prefill workers and only decode workers send them prompts; add a group with "
+                    f"role: decode and model: {model}",
+                )
+            )
     return out
 
 

@@ -28,6 +28,14 @@ class WorkerRole(enum.StrEnum):
     DECODE = "decode"  # takes client requests, prefills remotely when worth it
 
 
+class RemotePrefillMode(enum.StrEnum):
+    """How a disaggregated (prefill or decode) worker's engine gets a remotely prefilled prompt's KV into the decode
+    worker: the value of ``WorkerMetadata.remote_prefill_mode``. An aggregated worker announces ``""``."""
+
+    KV_TRANSFER = "kv_transfer"  # the prefill worker's KV blocks are delivered to the decode worker
+    RECOMPUTE = "recompute"  # no KV is delivered: the decode worker computes the prompt again itself
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerMetadata:
     """A worker's registration metadata. ``node``/``pid``/``unit`` are its failure domains: workers that share a
@@ -36,6 +44,9 @@ class WorkerMetadata:
     model: str = ""  # served model name, as clients ask for it
     model_path: str = ""  # local model directory (tokenizer, config), absolute
     role: WorkerRole = WorkerRole.AGGREGATED
+    # ``RemotePrefillMode``'s value for prefill and decode workers, "" for aggregated ones. A str, not the enum, so a
+    # mode a newer peer announces is shown as it is rather than dropped.
+    remote_prefill_mode: str = ""
     engine: str = ""  # mock, vllm
     block_size: int = 0  # tokens per KV block
     kv_hash_scheme: int | None = None  # how its KV events hash blocks (protocol.kv_hashing); None: not said
@@ -51,6 +62,7 @@ class WorkerMetadata:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["role"] = str(self.role)
+        d["remote_prefill_mode"] = str(self.remote_prefill_mode)  # a RemotePrefillMode member is written as its value
         return d
 
     @classmethod

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from components.protocol.metadata import WorkerRole
+from components.router.policies.disagg import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DEFAULT_MAX_PREFILL_QUEUE_SIZE
+
+# The conditional-disaggregation thresholds: only a decode worker decides where to prefill, so only it reads them.
+DECODE_ONLY_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size")
 
 
 class EngineKind(enum.StrEnum):
@@ -15,7 +19,8 @@ class EngineKind(enum.StrEnum):
 
 
 class WorkerConfig(BaseModel):
-    """A worker process: which engine, where it registers, how often it reports."""
+    """A worker process: which engine, where it registers, its role (aggregated or disaggregated), how often it
+    reports."""
 
     engine: EngineKind = Field(default=EngineKind.MOCK, description="Inference engine: mock (simulated) or vllm.")
     namespace: str = Field(default="kvmesh", description="Namespace to register in.")
@@ -24,7 +29,25 @@ class WorkerConfig(BaseModel):
     model_path: str = Field(
         default="", description="Local model directory (config and tokenizer); announced to frontends for tokenising."
     )
-    role: WorkerRole = Field(default=WorkerRole.AGGREGATED, description="aggregated, prefill or decode.")
+    role: WorkerRole = Field(
+        default=WorkerRole.AGGREGATED,
+        description="aggregated (prefills and decodes its own requests), prefill (prefills prompts from the prefill "
+        "queue for decode workers; clients are never routed to it) or decode (takes client requests and prefills "
+        "long prompts remotely: max_local_prefill_length, max_prefill_queue_size).",
+    )
+    # Dynamo's flag names and defaults (components/router/policies/disagg.py says where they come from, and why).
+    max_local_prefill_length: int = Field(
+        default=DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
+        ge=0,
+        description="Decode workers: prefill a prompt remotely only when its uncached part (prompt tokens less those "
+        "this worker's prefix cache holds) is longer than this many tokens; shorter ones are prefilled here.",
+    )
+    max_prefill_queue_size: int = Field(
+        default=DEFAULT_MAX_PREFILL_QUEUE_SIZE,
+        ge=0,
+        description="Decode workers: prefill remotely only while the prefill queue holds fewer than this many items "
+        "(requests waiting); otherwise prefill here. 0: never remotely.",
+    )
     num_workers: int = Field(
         default=1, ge=1, le=4096, description="Independent workers in this process, each with its own id and lease."
     )
@@ -43,6 +66,25 @@ class WorkerConfig(BaseModel):
     drain_timeout_s: float = Field(
         default=60.0, gt=0, description="On SIGTERM, how long in-flight requests may run before they are cancelled."
     )
+
+    @model_validator(mode="after")
+    def _check_role(self) -> WorkerConfig:
+        # A threshold on a prefill or aggregated worker is a setting in the wrong place (most likely meant for the
+        # decode workers): neither ever decides where to prefill. Refused, not ignored, as `kvmesh worker` refuses
+        # another engine's flags. A value equal to the default passes: a config must survive its own model_dump()
+        # (every field, at its default), and the default changes nothing anyway.
+        if self.role == WorkerRole.DECODE:
+            return self
+        fields = type(self).model_fields
+        misplaced = [n for n in DECODE_ONLY_FIELDS if getattr(self, n) != fields[n].default]
+        if misplaced:
+            given = ", ".join(f"{n} = {getattr(self, n)}" for n in misplaced)
+            raise ValueError(
+                f"{given}: only decode workers read {'it' if len(misplaced) == 1 else 'them'} (this worker's role is "
+                f"{self.role}, which never decides where to prefill); set role to decode, or leave "
+                f"{'it' if len(misplaced) == 1 else 'them'} out"
+            )
+        return self
 
 
 def engine_config_model(kind: EngineKind) -> type[BaseModel]:

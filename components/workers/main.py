@@ -130,8 +130,24 @@ class WorkerProcess:
         return 0, "STOPPED"
 
 
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """The worker's config from its flags; a value the config refuses exits with its flag and why, not a traceback
+    (``--role prefill --max-local-prefill-length 512``: only decode workers read the threshold)."""
+    try:
+        return model_from_args(WorkerConfig, args)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            loc = err["loc"]
+            flag = "--" + str(loc[0]).replace("_", "-") if loc else ""
+            shown = f" (got {err['input']})" if loc and isinstance(err["input"], str | int | float) else ""
+            problems.append(f"{flag}: {msg}{shown}" if flag else msg)
+        raise SystemExit("kvmesh worker: " + "; ".join(problems)) from None
+
+
 def main(args: argparse.Namespace) -> int:
-    cfg = model_from_args(WorkerConfig, args)
+    cfg = worker_config_from_args(args)
     check_engine_flags(cfg.engine, args)
     cfg = resolve_worker_config(cfg, args)
     return eventloop.run(

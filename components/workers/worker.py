@@ -29,7 +29,7 @@ from components.protocol.messages import GenerateRequest, KvEvent
 from components.protocol.metadata import WorkerMetadata
 from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.workers.config import WorkerConfig
-from components.workers.engines.base import Engine
+from components.workers.engines.base import Engine, remote_prefill_mode_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class Worker:
             model=self.config.model,
             model_path=self.config.model_path,
             role=self.config.role,
+            remote_prefill_mode=remote_prefill_mode_of(self.engine, self.config.role),
             engine=str(self.config.engine),
             block_size=self.engine.block_size,
             # How its KV events hash blocks: a router ignores the events of a worker hashing differently.

@@ -2,7 +2,8 @@
 
 The messages it speaks (``GenerateRequest``, ``TokenChunk``, ``LoadSnapshot``, ``KvEvent`` ...) are the wire contract
 of the whole mesh and live in ``components.protocol``; this module holds what only workers and engines share: the
-``Engine`` protocol and the engine errors.
+``Engine`` protocol, the engine errors, and what a disaggregated worker announces of its engine
+(``remote_prefill_mode_of``).
 
 Imports: the standard library and ``components.protocol``.
 """
@@ -14,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from components.protocol.errors import ErrorCode
 from components.protocol.messages import GenerateRequest, KvEvent, KvStateSnapshot, LoadSnapshot, TokenChunk
+from components.protocol.metadata import RemotePrefillMode, WorkerRole
 
 
 class EngineError(Exception):
@@ -39,7 +41,10 @@ class Engine(Protocol):
     """What the worker needs of an engine.
 
     Migration hooks (export/import of a running request's state) are added by the rescheduler issue as optional
-    methods; the worker checks for them with ``hasattr``.
+    methods; the worker checks for them with ``hasattr``. Likewise optional: ``remote_prefill_mode``, a
+    ``RemotePrefillMode`` saying how the engine takes a remotely prefilled prompt (``remote_prefill_mode_of``). An
+    optional attribute, not a protocol member: a ``runtime_checkable`` protocol checks data members too, and every
+    engine (test doubles included) would have to grow one.
     """
 
     block_size: int
@@ -80,3 +85,13 @@ class Engine(Protocol):
     async def shutdown(self) -> None:
         """Abort what is left and release resources."""
         ...
+
+
+def remote_prefill_mode_of(engine: object, role: WorkerRole) -> str:
+    """The ``remote_prefill_mode`` a worker of ``role`` running ``engine`` announces (``WorkerMetadata``): "" for an
+    aggregated worker, which never prefills remotely; else the engine's declared ``remote_prefill_mode``. An engine
+    that declares none is announced as ``recompute``: with no way to receive KV blocks, its decode worker would have
+    to compute the prompt again, and saying so beats promising a transfer that never comes."""
+    if role == WorkerRole.AGGREGATED:
+        return ""
+    return str(getattr(engine, "remote_prefill_mode", RemotePrefillMode.RECOMPUTE))

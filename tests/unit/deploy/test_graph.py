@@ -17,6 +17,7 @@ from components.deploy.errors import GpuAssignmentError, GraphError, OverrideErr
 from components.deploy.graph import WORKER_GROUP_MODELS, Graph, apply_overrides, load_graph
 from components.deploy.plan import REDACTED, assign_gpus, plan_replica, plan_watchers
 from components.frontend.config import FrontendConfig
+from components.protocol.metadata import WorkerRole
 from components.runtime.config import RuntimeConfig
 from components.runtime.flags import argv_for
 from components.workers.config import EngineKind, WorkerConfig
@@ -453,6 +454,85 @@ def test_watcher_names_carry_the_namespace_so_two_graphs_can_share_a_state_dir()
     assert set(a.watcher_names()).isdisjoint(b.watcher_names())
 
 
+# -- disaggregated serving: roles and thresholds -----------------------------------------------------------------
+
+
+def disagg_graph(*groups: str, frontend: str = "") -> str:
+    """A graph of mock groups, each written as ``name:model:role`` (role empty: left out, the default)."""
+    text = f"namespace: t\n{frontend}workers:\n"
+    for spec in groups:
+        name, model, role = spec.split(":")
+        text += f"  - {{name: {name}, engine: mock, model: {model}, model_path: {TINY}"
+        text += f", role: {role}}}\n" if role else "}\n"
+    return text
+
+
+def test_a_disaggregated_graph_loads_and_each_group_s_role_and_thresholds_reach_kvmesh_worker(tmp_path):
+    text = disagg_graph("pre:m:prefill", "dec:m:decode", "agg:other:")
+    text = text.replace("role: decode}", "role: decode, max_local_prefill_length: 512, max_prefill_queue_size: 8}")
+    g = load_graph(write_graph(tmp_path, text))
+    assert [(w.name, w.role) for w in g.workers] == [
+        ("pre", WorkerRole.PREFILL), ("dec", WorkerRole.DECODE), ("agg", WorkerRole.AGGREGATED)
+    ]  # fmt: skip
+    parser = build_parser()
+    from components.runtime.flags import model_from_args
+
+    where = {"etcd_endpoints": ["http://h:1"], "nats_url": "nats://h:2", "log_dir": tmp_path}
+    cmds = {w.name: plan_replica(g, w.name, 0, **where).cmd for w in g.workers}
+    configs = {name: model_from_args(WorkerConfig, parser.parse_args(cmd[3:])) for name, cmd in cmds.items()}
+    assert (configs["pre"].role, configs["dec"].role, configs["agg"].role) == ("prefill", "decode", "aggregated")
+    assert (configs["dec"].max_local_prefill_length, configs["dec"].max_prefill_queue_size) == (512, 8)
+    assert (configs["pre"].max_local_prefill_length, configs["pre"].max_prefill_queue_size) == (1000, 3)
+    assert "--role" not in cmds["agg"]  # the default is the worker's own: nothing is passed
+
+
+def test_decode_workers_without_prefill_workers_of_their_model_are_an_error(tmp_path):
+    # 'm' has decode groups only (a typo in the prefill group's model makes 'mm' prefill-only, reported too).
+    text = disagg_graph("dec:m:decode", "dec2:m:decode", "pre:mm:prefill")
+    problems = problems_of(write_graph(tmp_path, text))
+    assert len(problems) == 2, problems
+    said = ":3: workers[0].role: model 'm' has decode workers (groups 'dec', 'dec2') but no prefill workers"
+    assert said in problems[0]
+    assert "add a group with role: prefill and model: m" in problems[0]
+    assert ":5: workers[2].role: model 'mm' has prefill workers (group 'pre') but no decode workers" in problems[1]
+    assert "add a group with role: decode and model: mm" in problems[1]
+
+
+def test_prefill_workers_without_decode_workers_of_their_model_are_an_error(tmp_path):
+    [problem] = problems_of(write_graph(tmp_path, disagg_graph("agg:m:", "pre:m:prefill")))
+    assert "workers[1].role: model 'm' has prefill workers (group 'pre') but no decode workers" in problem
+    assert "clients are never routed to prefill workers" in problem
+
+
+def test_aggregated_and_decode_workers_of_one_model_are_an_error(tmp_path):
+    text = disagg_graph("agg:m:aggregated", "pre:m:prefill", "dec:m:decode")
+    [problem] = problems_of(write_graph(tmp_path, text))
+    assert ":5: workers[2].role: model 'm' has aggregated (group 'agg') and decode (group 'dec') workers" in problem
+    assert "under another model name or in another graph" in problem
+    # Two models side by side, one served each way, is the way to have both.
+    load_graph(write_graph(tmp_path, disagg_graph("agg:m:", "pre:m2:prefill", "dec:m2:decode"), "ok.yaml"))
+
+
+def test_a_graph_without_a_frontend_may_add_one_role_to_another_deployment(tmp_path):
+    text = disagg_graph("pre:m:prefill", frontend="frontend: {enabled: false}\n")
+    assert load_graph(write_graph(tmp_path, text)).workers[0].role == WorkerRole.PREFILL
+    # ... but what it says about one model must still fit together.
+    text = disagg_graph("agg:m:", "dec:m:decode", frontend="frontend: {enabled: false}\n")
+    [problem] = problems_of(write_graph(tmp_path, text, "b.yaml"))
+    assert "model 'm' has aggregated (group 'agg') and decode (group 'dec') workers" in problem
+
+
+def test_a_threshold_on_a_group_that_is_not_decode_and_an_unknown_role_are_located(tmp_path):
+    text = disagg_graph("pre:m:prefill", "dec:m:decode")
+    text = text.replace("role: prefill}", "role: prefill, max_local_prefill_length: 64}")
+    [problem] = problems_of(write_graph(tmp_path, text))
+    said = "workers[0]: max_local_prefill_length = 64: only decode workers read it (this worker's role is prefill"
+    assert said in problem
+    text = disagg_graph("pre:m:prefill", "dec:m:decoder")
+    [problem] = problems_of(write_graph(tmp_path, text, "b.yaml"))
+    assert ":4: workers[1].role: Input should be 'aggregated', 'prefill' or 'decode' (got 'decoder')" in problem
+
+
 # -- every option survives the trip to its process --------------------------------------------------------------
 
 
@@ -490,7 +570,8 @@ def _round_trip_cases():
         (FrontendConfig, {}, "frontend"),
         (RuntimeConfig, {}, "frontend"),
         (RuntimeConfig, {}, "worker"),
-        (WorkerConfig, {}, "worker"),
+        # As a decode worker: the only role that takes the prefill thresholds, so each of them can be set too.
+        (WorkerConfig, {"role": "decode"}, "worker"),
         (MockEngineConfig, {}, "worker"),
         (VllmEngineConfig, {"model_path": str(TINY)}, "worker"),
     ]

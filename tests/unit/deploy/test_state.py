@@ -13,7 +13,7 @@ import pytest
 
 from components.cli import logs
 from components.cli.main import main as cli_main
-from components.cli.status import attach_watchers, format_age, format_load, render_table
+from components.cli.status import attach_watchers, format_age, format_load, format_role, render_table, rows_of
 from components.deploy.errors import StateError
 from components.deploy.state import (
     ProcessRecord,
@@ -186,11 +186,17 @@ def test_status_cells():
     assert [format_age(a) for a in (None, 5.9, 75, 7322)] == ["-", "5s", "1m15s", "2h02m"]
     assert format_load(None) == "-"
     assert format_load({"kv_usage": 0.126, "num_running": 3, "num_waiting": 1}) == "kv 13% run 3 wait 1"
+    assert [format_role(None), format_role("aggregated", None), format_role("decode", "kv_transfer")] == [
+        "-", "aggregated", "decode"
+    ]  # fmt: skip
+    assert format_role("decode", "recompute") == "decode:recompute"  # no KV moves: said where TTFT is read
     row: dict[str, Any] = {
         "namespace": "ns",
         "component": "backend",
         "instance_id": "abc",
         "model": "m",
+        "role": "decode",
+        "remote_prefill_mode": "kv_transfer",
         "endpoints": ["kv_state", "generate"],
         "load": None,
         "age_s": 3.0,
@@ -198,11 +204,29 @@ def test_status_cells():
         "pid": 4242,
         "watcher": "ns-mock-1",
     }
-    header, line = render_table([row]).splitlines()
+    router = row | {"component": "router", "instance_id": "def", "model": None, "role": None, "pid": None}
+    router |= {"remote_prefill_mode": None, "watcher": None, "endpoints": ["route"]}
+    header, line, router_line = render_table([row, router]).splitlines()
     assert header.split() == [
-        "NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ENDPOINTS", "LOAD", "AGE"
+        "NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ROLE", "ENDPOINTS", "LOAD", "AGE"
     ]  # fmt: skip
-    assert line.split() == ["ns", "backend", "abc", "m", "ns-mock-1", "4242", "generate,kv_state", "-", "3s"]
+    assert line.split() == ["ns", "backend", "abc", "m", "ns-mock-1", "4242", "decode", "generate,kv_state", "-", "3s"]
+    assert router_line.split()[6] == "-"  # not a worker: no role
+
+
+def test_status_rows_carry_each_worker_s_role_and_none_for_other_instances():
+    from components.protocol.metadata import WorkerMetadata, WorkerRole
+    from components.runtime import InstanceInfo
+
+    decode = WorkerMetadata(model="m", role=WorkerRole.DECODE, remote_prefill_mode="recompute", pid=7).to_dict()
+    infos = [InstanceInfo("ns", "backend", endpoint, 0xA, "s", decode) for endpoint in ("generate", "kv_state")] + [
+        InstanceInfo("ns", "router", "route", 0xB, "s", {"kind": "router", "policy": "kv"})
+    ]
+    worker, router = rows_of(infos, {}, now=0.0)
+    assert (worker["instance_id"], sorted(worker["endpoints"])) == ("a", ["generate", "kv_state"])
+    assert (worker["role"], worker["remote_prefill_mode"]) == ("decode", "recompute")
+    assert (router["role"], router["remote_prefill_mode"]) == (None, None)
+    assert render_table([worker, router]).splitlines()[1].split()[6] == "decode:recompute"
 
 
 def serve_state(**fields: Any) -> ServeState:

@@ -26,6 +26,22 @@ The defaults are the order of magnitude of Llama-3-8B (bf16) on one H100 and are
   (Dynamo's mocker's decode curve, -25.74 p^2 + 54.01 p + 5.74 ms over 2^20 tokens, has a chord slope of 0.027 us).
   Example: 64 sequences of 2048 tokens: 5 + 1.3 + 3.9 = 10.2 ms per step, ~6300 output tokens/s.
 
+KV transfer (disaggregated prefill: a prefill worker's blocks delivered to a decode worker) takes
+``kv_transfer_latency_ms + bytes / bandwidth`` (``perf_model.transfer_time_s``), with ``kv_bytes_per_block`` =
+2 (K and V) x ``num_hidden_layers`` x ``num_key_value_heads`` x ``head_dim`` x ``kv_cache_dtype_bytes`` x
+``block_size``. The model-shape defaults are Llama-3-8B's (its config.json: 32 layers, 8 KV heads, head dim 128; bf16
+KV cache), the same model the step times describe: 128 KiB per token, 2 MiB per 16-token block.
+
+* bandwidth, 400 Gb/s: one 400 Gb/s InfiniBand NDR / RoCE NIC per GPU, as in a DGX H100 (8 GPUs, 8 ConnectX-7),
+  the path an RDMA library (NIXL, as Dynamo uses) moves KV over between nodes. Taken at line rate: large RDMA
+  writes reach over 90% of it (perftest's ib_write_bw), and the rest is well inside how approximate the step times
+  are. NVLink within a node is ~10x faster (450 GB/s each way on an H100); set it for prefill and decode workers
+  that share a node.
+* latency, 1 ms per transfer: what does not depend on the size: the control messages that announce the blocks and
+  their completion (a NATS round trip on a LAN is ~0.2-0.5 ms) and posting the RDMA writes (tens of us).
+  Example: an 8192-token prompt is 512 blocks, 1 GiB: 1 ms + 1.07e9 B / 50e9 B/s = 22.5 ms, against the ~170 ms its
+  prefill takes.
+
 This module imports only the standard library and pydantic.
 """
 
@@ -110,6 +126,27 @@ class MockEngineConfig(BaseModel):
         default=3e-5, ge=0, description="Decode cost per KV token attended (summed over the batch), in ms."
     )
 
+    # --- Model shape and KV transfer (disaggregated prefill) --------------------------------------------------------
+    num_hidden_layers: int = Field(
+        default=32, ge=1, description="Transformer layers of the simulated model (Llama-3-8B: 32); sizes its KV blocks."
+    )
+    num_key_value_heads: int = Field(
+        default=8, ge=1, description="KV heads per layer (Llama-3-8B: 8, grouped-query attention); sizes its KV blocks."
+    )
+    head_dim: int = Field(default=128, ge=1, description="Dimensions per attention head (Llama-3-8B: 128).")
+    kv_cache_dtype_bytes: int = Field(
+        default=2, ge=1, le=8, description="Bytes per KV cache element: 2 for bf16/fp16 (vLLM's auto), 1 for fp8."
+    )
+    kv_transfer_bandwidth_gbps: float = Field(
+        default=400.0,
+        gt=0,
+        description="Bandwidth a KV transfer between a prefill and a decode worker gets, in gigabits per second "
+        "(1e9 bit/s): one 400 Gb/s RDMA NIC per GPU. NVLink within a node: ~3600.",
+    )
+    kv_transfer_latency_ms: float = Field(
+        default=1.0, ge=0, description="Fixed cost of one KV transfer, whatever its size, in ms (control messages)."
+    )
+
     # --- Output tokens ----------------------------------------------------------------------------------------------
     vocab_size: int = Field(
         default=128256,
@@ -148,6 +185,19 @@ class MockEngineConfig(BaseModel):
     @property
     def is_infinitely_fast(self) -> bool:
         return math.isinf(self.speedup_ratio)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block: 2 (K and V) x layers x KV heads x head dim x dtype bytes x block size (2 MiB with
+        the defaults)."""
+        return (
+            2
+            * self.num_hidden_layers
+            * self.num_key_value_heads
+            * self.head_dim
+            * self.kv_cache_dtype_bytes
+            * self.block_size
+        )
 
     @model_validator(mode="after")
     def _check_consistent(self) -> MockEngineConfig:

@@ -34,6 +34,7 @@ from components.protocol.messages import (
     LoadSnapshot,
     TokenChunk,
 )
+from components.protocol.metadata import RemotePrefillMode
 
 from ..base import EngineDeadError, EngineError
 from .config import STEP_TIME_FIELDS, MockEngineConfig
@@ -48,6 +49,9 @@ _QueueItem = TokenChunk | EngineError
 
 class MockEngine:
     """A simulated vLLM engine. ``start()`` it, ``generate()`` on it, ``shutdown()`` it."""
+
+    # A simulated hand-off delivers the KV blocks themselves, in perf_model.transfer_time_s (not wired in yet).
+    remote_prefill_mode = RemotePrefillMode.KV_TRANSFER
 
     def __init__(
         self,

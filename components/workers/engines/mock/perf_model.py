@@ -1,13 +1,14 @@
-"""How long one simulated engine step takes: the polynomial described (with its sources) in ``config.py``.
+"""How long one simulated engine step takes, and how long delivering KV blocks to another worker takes: the models
+described (with their sources) in ``config.py``.
 
-Pure arithmetic over the step's shape; imports only the engine's config.
+Pure arithmetic over a step's shape or a transfer's size; imports only the engine's config.
 """
 
 from __future__ import annotations
 
 from .config import MockEngineConfig
 
-__all__ = ["step_time_ms"]
+__all__ = ["step_time_ms", "transfer_time_s"]
 
 
 def step_time_ms(
@@ -30,3 +31,19 @@ def step_time_ms(
             + config.decode_ms_per_kv_token * num_decode_kv_tokens
         )
     return ms
+
+
+def transfer_time_s(num_blocks: int, *, bytes_per_block: int, bandwidth_gbps: float, latency_ms: float) -> float:
+    """Modelled duration of one KV transfer of ``num_blocks`` blocks, in seconds: ``latency_ms`` once plus the bytes
+    at ``bandwidth_gbps`` (gigabits, 1e9 bit/s). 0 for no blocks: nothing is sent, so no transfer happens.
+
+    With a config: ``transfer_time_s(n, bytes_per_block=c.kv_bytes_per_block, bandwidth_gbps=
+    c.kv_transfer_bandwidth_gbps, latency_ms=c.kv_transfer_latency_ms)``.
+    """
+    if num_blocks < 0:
+        raise ValueError(f"num_blocks cannot be negative (got {num_blocks})")
+    if num_blocks == 0:
+        return 0.0
+    if bandwidth_gbps <= 0:
+        raise ValueError(f"bandwidth_gbps must be positive (got {bandwidth_gbps})")
+    return latency_ms / 1e3 + num_blocks * bytes_per_block * 8 / (bandwidth_gbps * 1e9)

@@ -43,6 +43,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from components.protocol.messages import GenerateRequest, KvEvent, KvStateSnapshot, LoadSnapshot, TokenChunk
+from components.protocol.metadata import RemotePrefillMode
 
 from ..base import EngineDeadError, EngineRequestError
 from .config import VllmEngineConfig, apply_vllm_environment, engine_arguments
@@ -151,6 +152,9 @@ def _stat_logger_class(base: type, stats: VllmStats) -> type:
 
 class VllmEngine:
     """A vLLM engine. ``start()`` it (~10 s), ``generate()`` on it, ``shutdown()`` it (~4 s)."""
+
+    # No KV connector route is built yet: a vLLM decode worker computes a remotely prefilled prompt again.
+    remote_prefill_mode = RemotePrefillMode.RECOMPUTE
 
     def __init__(
         self, config: VllmEngineConfig, *, name: str = "vllm", clock: Callable[[], float] = time.monotonic
