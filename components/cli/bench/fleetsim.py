@@ -29,6 +29,7 @@ import dataclasses
 import heapq
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -251,21 +252,28 @@ def simulate(workload: Workload, policy: RouterConfig | str, fleet: FleetSpec, s
 # --- properties of a workload ----------------------------------------------------------------------------------------
 
 
-def oracle_reuse(prompts: Sequence[Sequence[int]], block_size: int) -> float:
-    """The fraction of prompt tokens an infinite prefix cache on one worker would have served, prompts taken in order:
-    each prompt hits the longest prefix of whole blocks any earlier prompt had (at most all but its last token, as an
-    engine must compute one), then adds its own blocks."""
-    seen: set[int] = set()
+def oracle_reuse(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: int | None = None) -> float:
+    """The fraction of prompt tokens a prefix cache on one worker would have served, prompts taken in order: each
+    prompt hits the longest prefix of whole blocks in the cache (at most all but its last token, as an engine must
+    compute one), then its blocks become the most recently used. ``capacity_blocks`` None: an infinite cache (every
+    earlier prompt's blocks); otherwise one LRU cache of that many blocks."""
+    cache: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for p in prompts:
         hashes = block_hashes(list(p), block_size)
         usable = (len(p) - 1) // block_size
         k = 0
-        while k < usable and hashes[k] in seen:
+        while k < usable and hashes[k] in cache:
             k += 1
         hit += k * block_size
         total += len(p)
-        seen.update(hashes)
+        for h in hashes:
+            cache[h] = None
+            if capacity_blocks is not None:
+                cache.move_to_end(h)
+        if capacity_blocks is not None:
+            while len(cache) > capacity_blocks:
+                cache.popitem(last=False)
     return hit / total if total else 0.0
 
 

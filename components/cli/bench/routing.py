@@ -47,7 +47,6 @@ import multiprocessing
 import os
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,6 @@ from typing import Any
 from components.cli.bench import fleetsim
 from components.cli.bench.fleetsim import FleetSpec, RunResult, Workload
 from components.cli.bench.workloads import SHAPES, from_trace, synthetic
-from components.protocol.kv_hashing import block_hashes
 from components.workers.simulated import MockEngineConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -109,24 +107,8 @@ def build(spec: WorkloadSpec) -> Workload:
 
 
 def oracle_reuse_lru(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: int) -> float:
-    """``fleetsim.oracle_reuse`` for one LRU cache of ``capacity_blocks`` blocks: each prompt hits its longest cached
-    prefix of whole blocks (at most all but its last token), then its blocks become the most recently used."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hit = total = 0
-    for p in prompts:
-        hashes = block_hashes(list(p), block_size)
-        usable = (len(p) - 1) // block_size
-        k = 0
-        while k < usable and hashes[k] in cache:
-            k += 1
-        hit += k * block_size
-        total += len(p)
-        for h in hashes:
-            cache[h] = None
-            cache.move_to_end(h)
-        while len(cache) > capacity_blocks:
-            cache.popitem(last=False)
-    return hit / total if total else 0.0
+    """``fleetsim.oracle_reuse`` for one LRU cache of ``capacity_blocks`` blocks (the fleet's whole KV memory)."""
+    return fleetsim.oracle_reuse(prompts, block_size, capacity_blocks)
 
 
 def fleet_for(spec: WorkloadSpec, workers: int, num_gpu_blocks: int, block_size: int) -> FleetSpec:
