@@ -54,7 +54,7 @@ from components.deploy.state import (
     state_path,
     write_state,
 )
-from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE
 from components.protocol.metadata import WorkerMetadata, WorkerRole
 from components.runtime import Runtime, RuntimeConfig, RuntimeMeshError
 from components.runtime.servers import EtcdServer, NatsServer, ServerProcess, free_port
@@ -297,8 +297,14 @@ class Deployment:
         instances = await runtime.namespace(self.graph.namespace).list_instances()
         by_pid: dict[int, int] = {}
         for inst in instances:
-            if inst.endpoint == ENDPOINT_GENERATE and (pid := WorkerMetadata.from_dict(inst.metadata).pid):
-                by_pid[pid] = by_pid.get(pid, 0) + 1
+            meta = WorkerMetadata.from_dict(inst.metadata)
+            # A worker is up once it serves generate; a prefill worker serves none (its work comes from the prefill
+            # queue), so its kv_state counts, registered once it pulls from the queue.
+            counts = inst.endpoint == ENDPOINT_GENERATE or (
+                inst.endpoint == ENDPOINT_KV_STATE and meta.role == WorkerRole.PREFILL
+            )
+            if counts and meta.pid:
+                by_pid[meta.pid] = by_pid.get(meta.pid, 0) + 1
         waiting = []
         for w in self.state.watchers:
             if w.kind == "worker":

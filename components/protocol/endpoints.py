@@ -7,3 +7,8 @@ ENDPOINT_GENERATE = "generate"  # body: GenerateRequest.to_dict(); stream: Token
 ENDPOINT_KV_STATE = "kv_state"  # body: {}; stream: one KvStateSnapshot.to_dict()
 TOPIC_LOAD_METRICS = "load_metrics"  # payload: LoadSnapshot.to_dict(); source id: the worker's instance id
 TOPIC_KV_EVENTS = "kv_events"  # payload: [KvEvent.to_dict(), ...] in event-id order; source id: the instance id
+# Disaggregated serving: a prefill worker delivers a RemotePrefillResult.to_dict() to the decode worker it names;
+# the stream's one item is {"accepted": bool} (False: that request no longer waits there; the result is dropped).
+ENDPOINT_PREFILL_RESULT = "prefill_result"
+# payload: PrefillQueueReport.to_dict(); source id: the prefill worker's instance id
+TOPIC_PREFILL_QUEUE = "prefill_queue"

@@ -171,3 +171,89 @@ class KvStateSnapshot:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvStateSnapshot:
         return cls(last_event_id=d["last_event_id"], block_size=d["block_size"], block_hashes=list(d["block_hashes"]))
+
+
+@dataclasses.dataclass(slots=True)
+class RemotePrefillRequest:
+    """A prefill queue item (disaggregated serving): prefill ``request`` and deliver the result to the decode worker
+    ``decode_instance`` through its ``prefill_result`` endpoint (component ``decode_component``).
+
+    ``deadline_s`` is wall-clock (``time.time()``): after it the decode worker has stopped waiting and prefilled the
+    prompt itself, so a prefill worker that pops the item later drops it unprefilled. ``enqueued_s`` is when the
+    decode worker pushed it (wall clock), for the queue-wait figures."""
+
+    request: GenerateRequest
+    decode_instance: int
+    decode_component: str
+    deadline_s: float
+    enqueued_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request": self.request.to_dict(),
+            "decode_instance": self.decode_instance,
+            "decode_component": self.decode_component,
+            "deadline_s": self.deadline_s,
+            "enqueued_s": self.enqueued_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RemotePrefillRequest:
+        return cls(
+            request=GenerateRequest.from_dict(d["request"]),
+            decode_instance=int(d["decode_instance"]),
+            decode_component=str(d["decode_component"]),
+            deadline_s=float(d["deadline_s"]),
+            enqueued_s=float(d.get("enqueued_s", 0.0)),
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class RemotePrefillResult:
+    """What a prefill worker delivers to the decode worker: the first output token (``token_ids``, one id; more
+    never), how many prompt tokens it computed and how many its own prefix cache held, the KV's block hashes
+    (chained, ``kv_hashing``; what the decode worker's engine stores them under), the time the KV transfer took,
+    and ``error`` instead of all that when the prompt could not be prefilled there (the decode worker then prefills
+    it itself, and reports the engine's own error if the prompt is bad)."""
+
+    request_id: str
+    prefill_instance: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_blocks: int = 0
+    transfer_s: float = 0.0
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RemotePrefillResult:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillQueueReport:
+    """One prefill worker's view of its model's prefill queue, published every ``metrics_interval_ms`` on
+    ``TOPIC_PREFILL_QUEUE`` (source id: the prefill worker): the queue's ``QueueStats`` plus whether this worker is
+    prefilling an item now. The planner scales prefill workers on it; decode workers count the prefill workers
+    alive from who reports; frontends export it on ``/metrics``. ``stats_error`` is set (and the counts 0) when the
+    worker could not read the queue's state."""
+
+    model: str
+    waiting: int
+    in_flight: int
+    oldest_age_s: float
+    pullers: int
+    redelivered: int
+    busy: bool
+    items_done: int = 0  # items this worker acked since it started (delivered, dropped or given up)
+    stats_error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrefillQueueReport:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})

@@ -10,7 +10,7 @@ from components.protocol.metadata import WorkerRole
 from components.router.policies.disagg import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DEFAULT_MAX_PREFILL_QUEUE_SIZE
 
 # The conditional-disaggregation thresholds: only a decode worker decides where to prefill, so only it reads them.
-DECODE_ONLY_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size")
+DECODE_ONLY_FIELDS = ("max_local_prefill_length", "max_prefill_queue_size", "remote_prefill_timeout_s")
 
 
 class EngineKind(enum.StrEnum):
@@ -47,6 +47,13 @@ class WorkerConfig(BaseModel):
         ge=0,
         description="Decode workers: prefill remotely only while the prefill queue holds fewer than this many items "
         "(requests waiting); otherwise prefill here. 0: never remotely.",
+    )
+    remote_prefill_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Decode workers: how long a request waits for its remote prefill (queue wait, prefill, KV "
+        "transfer) before this worker prefills it itself. Longer than the prefill queue's ack wait (5 s) plus a "
+        "prefill, so that an item whose prefill worker died is redelivered to another in time.",
     )
     num_workers: int = Field(
         default=1, ge=1, le=4096, description="Independent workers in this process, each with its own id and lease."

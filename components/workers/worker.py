@@ -9,6 +9,11 @@ Every ``engine_check_interval_ms`` it asks the engine whether it died (``Engine.
 process exited, a simulated engine's ``fail_after_s`` fault); a dead engine's worker stops itself, so it leaves the
 fleet within a check interval instead of failing every request routed to it until the lease expires, and sets
 ``dead`` (``kvmesh worker`` exits 1 once all its workers are dead, for its supervisor to start a fresh one).
+
+Roles (``WorkerConfig.role``; components/workers/disagg.py has the protocol): an aggregated worker is the above. A
+decode worker also serves ``prefill_result`` (where prefill workers deliver) and prefills long prompts remotely
+through the model's prefill queue. A prefill worker serves ``kv_state`` but no ``generate`` (its work comes from the
+prefill queue only) and publishes the queue's state; on ``stop()`` it first finishes and acks the item in hand.
 """
 
 from __future__ import annotations
@@ -23,12 +28,19 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
+from components.protocol.endpoints import (
+    ENDPOINT_GENERATE,
+    ENDPOINT_KV_STATE,
+    ENDPOINT_PREFILL_RESULT,
+    TOPIC_KV_EVENTS,
+    TOPIC_LOAD_METRICS,
+)
 from components.protocol.kv_hashing import HASH_SCHEME_VERSION
 from components.protocol.messages import GenerateRequest, KvEvent
-from components.protocol.metadata import WorkerMetadata
+from components.protocol.metadata import WorkerMetadata, WorkerRole
 from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.workers.config import WorkerConfig
+from components.workers.disagg import PrefillLoop, RemotePrefiller, supports_remote_decode
 from components.workers.engines.base import Engine, remote_prefill_mode_of
 
 logger = logging.getLogger(__name__)
@@ -52,6 +64,16 @@ class Worker:
         self.dead = asyncio.Event()
         self.dead_reason: str | None = None
         self._stop_task: asyncio.Task[int] | None = None
+        # Disaggregated serving (components/workers/disagg.py): a decode worker's remote prefills, a prefill
+        # worker's queue loop; neither on an aggregated worker.
+        self.remote: RemotePrefiller | None = None
+        self.prefill_loop: PrefillLoop | None = None
+        if config.role == WorkerRole.DECODE:
+            if not supports_remote_decode(engine):
+                raise ValueError(f"engine {config.engine} cannot decode remotely prefilled prompts (role decode)")
+            self.remote = RemotePrefiller(runtime, config, engine, self.instance_id)
+        elif config.role == WorkerRole.PREFILL:
+            self.prefill_loop = PrefillLoop(runtime, config, engine, self.instance_id)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -78,6 +100,9 @@ class Worker:
         await self.engine.start()
         self.lease = await self.runtime.create_lease()
         comp = self.runtime.namespace(self.config.namespace).component(self.config.component)
+        if self.prefill_loop is not None:
+            # Pulling before it registers: a registered prefill worker is one that takes work.
+            await self.prefill_loop.start()
         self.started_at = time.time()
         meta = self.metadata
         # kv_state first: once generate is discoverable, a router may ask for the KV state at once.
@@ -86,11 +111,22 @@ class Worker:
                 self._kv_state, metadata=meta, lease=self.lease, instance_id=self.instance_id
             )
         )
-        self._served.append(
-            await comp.endpoint(ENDPOINT_GENERATE).serve(
-                self._generate, metadata=meta, lease=self.lease, instance_id=self.instance_id
+        if self.remote is not None:
+            # Before generate (and stopped after it): a remote prefill's result must find its way back while the
+            # requests waiting for it drain.
+            await self.remote.start()
+            self._served.append(
+                await comp.endpoint(ENDPOINT_PREFILL_RESULT).serve(
+                    self._prefill_result, metadata=meta, lease=self.lease, instance_id=self.instance_id
+                )
             )
-        )
+        if self.prefill_loop is None:
+            # A prefill worker takes its work from the prefill queue only: no client or router can send it any.
+            self._served.append(
+                await comp.endpoint(ENDPOINT_GENERATE).serve(
+                    self._generate, metadata=meta, lease=self.lease, instance_id=self.instance_id
+                )
+            )
         sup = self.runtime.supervisor
         self._tasks = [
             sup.spawn(self._publish_metrics(), name=f"metrics:{self.instance_id:x}"),
@@ -116,9 +152,17 @@ class Worker:
 
     async def _generate(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         request = GenerateRequest.from_dict(body)
-        async with contextlib.aclosing(self.engine.generate(request)) as chunks:  # type: ignore[type-var]
+        if self.remote is not None and (await self.remote.decide(request)).remote:
+            stream = self.remote.generate(request)
+        else:
+            stream = self.engine.generate(request)
+        async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
                 yield chunk.to_dict()
+
+    async def _prefill_result(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        assert self.remote is not None
+        yield {"accepted": self.remote.accept(body)}
 
     async def _kv_state(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         yield self.engine.kv_state().to_dict()
@@ -160,12 +204,17 @@ class Worker:
 
     async def _stop(self) -> int:
         cancelled = 0
+        if self.prefill_loop is not None:
+            # No more pops; the item in hand is prefilled, delivered and acked first (queued ones stay queued).
+            await self.prefill_loop.stop()
         # generate last in the list: stop it first so routing stops, then kv_state.
         for served in reversed(self._served):
             try:
                 cancelled += await served.stop(drain_timeout_s=self.config.drain_timeout_s)
             except Exception as e:  # noqa: BLE001 - keep releasing the rest
                 logger.warning("stopping %s: %s", served.info.subject, e)
+        if self.remote is not None:
+            await self.remote.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

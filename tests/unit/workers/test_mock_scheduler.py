@@ -384,3 +384,82 @@ def test_snapshot_under_pressure():
     assert snap.num_total_blocks == 32 and snap.num_active_blocks == 2  # 20 + 2 tokens in 16-token blocks
     assert snap.kv_usage == pytest.approx(2 / 32)
     assert snap.batch_size == 1 and snap.num_kv_tokens == 21
+
+
+# -- remote prefill (disaggregated serving) --------------------------------------------------------------------------
+
+
+def _first_token(sched: Scheduler, req: GenerateRequest) -> int:
+    """The token a prefill engine (same config) samples first for ``req``."""
+    prefill = Scheduler(sched.config)
+    prefill.add_request(GenerateRequest(req.request_id, req.token_ids, req.sampling), 0.0)
+    tokens, _ = run_until_idle(prefill)
+    return tokens[req.request_id][0]
+
+
+def test_a_remotely_prefilled_request_decodes_the_same_tokens_without_computing_its_prompt():
+    req = make_request("r", 100, max_tokens=6)
+    local = make_scheduler()
+    local.add_request(make_request("r", 100, max_tokens=6), 0.0)
+    want, _ = run_until_idle(local)
+
+    sched = make_scheduler()
+    reserved = sched.reserve_remote_prefill(req, 0.0)
+    assert reserved is not None and reserved.status is RequestStatus.REMOTE_PREFILL
+    assert len(reserved.block_ids) == 7  # ceil(100 / 16): the whole prompt's blocks, held while it is prefilled
+    assert not sched.has_unfinished_requests()  # nothing to step until the KV arrives
+    assert sched.snapshot(0.0).num_running == 1
+    first = sched.commit_remote_prefill("r", _first_token(sched, req))
+    assert first is not None and first.num_prompt_tokens == 100 and first.finish_reason is None
+    assert [e.kind for e in sched.take_kv_events()] == [KvEventKind.BLOCK_STORED]  # its 6 full blocks, now cached
+    got, steps = run_until_idle(sched)
+    assert first.token_ids + got["r"] == want["r"]
+    assert all(s.num_prefill_tokens == 0 for s in steps)  # decode steps only: the prompt was never computed here
+
+
+def test_a_reservation_shares_the_cached_prefix_and_counts_it():
+    sched = make_scheduler()
+    sched.add_request(make_request("warm", 64, max_tokens=1), 0.0)
+    run_until_idle(sched)
+    assert sched.cached_prefix_tokens(list(range(100))) == 64  # the 4 full blocks the first prompt stored
+    assert sched.cached_prefix_tokens(list(range(64))) == 48  # never the whole prompt: one token must be computed
+    free_before = sched.pool.num_free_blocks
+    reserved = sched.reserve_remote_prefill(make_request("r", 100), 0.0)
+    assert reserved is not None and reserved.num_cached_tokens == 64
+    # 7 blocks: the 4 cached ones reactivated (idle cached blocks count as free until reused) and 3 new.
+    assert free_before - sched.pool.num_free_blocks == 7 and len(reserved.block_ids) == 7
+    assert reserved.num_stored_blocks == 4
+
+
+def test_a_cancelled_reservation_is_prefilled_locally_and_an_aborted_one_frees_its_blocks():
+    sched = make_scheduler()
+    free = sched.pool.num_free_blocks
+    assert sched.reserve_remote_prefill(make_request("a", 100), 0.0) is not None
+    assert sched.abort("a") and sched.pool.num_free_blocks == free and not sched.requests
+    assert sched.commit_remote_prefill("a", 1) is None  # gone: a late result commits nothing
+
+    assert sched.reserve_remote_prefill(make_request("b", 100, max_tokens=3), 0.0) is not None
+    assert sched.cancel_remote_prefill("b") and sched.pool.num_free_blocks == free
+    got, steps = run_until_idle(sched)
+    assert len(got["b"]) == 3 and steps[0].num_prefill_tokens == 100  # computed here after all
+    assert not sched.cancel_remote_prefill("b")
+
+
+def test_a_reservation_without_room_changes_nothing_and_a_bad_prompt_is_refused():
+    sched = make_scheduler(num_gpu_blocks=16)
+    assert sched.reserve_remote_prefill(make_request("big", 250), 0.0) is not None  # 16 blocks: all of them
+    assert sched.reserve_remote_prefill(make_request("more", 100), 0.0) is None
+    assert "more" not in sched.requests
+    with pytest.raises(PromptTooLongError):
+        sched.reserve_remote_prefill(make_request("long", 300), 0.0)
+    with pytest.raises(DuplicateRequestError):
+        sched.reserve_remote_prefill(make_request("big", 10), 0.0)
+
+
+def test_a_first_token_that_ends_the_request_finishes_it_at_commit():
+    sched = make_scheduler()
+    free = sched.pool.num_free_blocks
+    sched.reserve_remote_prefill(make_request("one", 40, max_tokens=1), 0.0)
+    chunk = sched.commit_remote_prefill("one", 5)
+    assert chunk is not None and chunk.token_ids == [5] and chunk.finish_reason is FinishReason.LENGTH
+    assert not sched.requests and sched.pool.num_free_blocks == free

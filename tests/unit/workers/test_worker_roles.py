@@ -122,7 +122,9 @@ async def test_a_worker_registers_its_configured_role_and_its_engine_s_mode(role
             await worker.stop()
     finally:
         await mesh.shutdown()
-    assert {i.endpoint for i in infos} == {"generate", "kv_state"}
+    # A prefill worker takes work from the prefill queue only; a decode worker also takes prefill results.
+    endpoints = {WorkerRole.AGGREGATED: {"generate", "kv_state"}, WorkerRole.PREFILL: {"kv_state"}}
+    assert {i.endpoint for i in infos} == endpoints.get(role, {"generate", "kv_state", "prefill_result"})
     for info in infos:
         assert info.metadata["role"] == str(role) and info.metadata["remote_prefill_mode"] == mode
         meta = WorkerMetadata.from_dict(info.metadata)

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from components.protocol.messages import (
     FinishReason,
@@ -32,12 +33,14 @@ from components.protocol.messages import (
     KvEvent,
     KvStateSnapshot,
     LoadSnapshot,
+    RemotePrefillResult,
     TokenChunk,
 )
 from components.protocol.metadata import RemotePrefillMode
 
 from ..base import EngineDeadError, EngineError
 from .config import STEP_TIME_FIELDS, MockEngineConfig
+from .perf_model import transfer_time_s
 from .scheduler import DuplicateRequestError, Scheduler, StepOutput
 
 __all__ = ["MockEngine"]
@@ -50,7 +53,7 @@ _QueueItem = TokenChunk | EngineError
 class MockEngine:
     """A simulated vLLM engine. ``start()`` it, ``generate()`` on it, ``shutdown()`` it."""
 
-    # A simulated hand-off delivers the KV blocks themselves, in perf_model.transfer_time_s (not wired in yet).
+    # A simulated hand-off delivers the KV blocks themselves (kv_transfer_time_s); the decode engine computes nothing.
     remote_prefill_mode = RemotePrefillMode.KV_TRANSFER
 
     def __init__(
@@ -80,6 +83,10 @@ class MockEngine:
         self.num_timed_sleeps = 0
         self.simulated_time_s = 0.0
         self.num_dropped_kv_event_batches = 0
+        # Remote prefills (generate_remote): KV committed, prefilled here after all, no room to reserve.
+        self.num_remote_prefill_commits = 0
+        self.num_remote_prefill_fallbacks = 0
+        self.num_remote_prefill_no_room = 0
 
     # --- lifecycle --------------------------------------------------------------------------------------------------
 
@@ -135,6 +142,78 @@ class MockEngine:
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[rid] = queue
         self._wakeup.set()
+        async with contextlib.aclosing(self._stream(rid, queue)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def generate_remote(
+        self, request: GenerateRequest, prefill: Callable[[], Awaitable[RemotePrefillResult | None]]
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """Decode a request whose prompt another engine prefills (disaggregated serving).
+
+        Reserves blocks for the prompt (sharing what the prefix cache holds), awaits ``prefill()`` (the worker's
+        remote prefill: the queue hop, the prefill engine, the KV transfer), then commits the delivered KV and first
+        token and streams the rest as ``generate`` does. ``prefill()`` returning None, or a result with an error,
+        means "prefill here after all": the reservation is released and the prompt is computed locally, in the
+        same stream. Without room for the prompt now, it is prefilled locally from the start (``prefill`` is not
+        called). Closing the iterator early, at any point, aborts the request and frees its blocks.
+        """
+        self._check_alive()
+        rid = request.request_id
+        if rid in self._queues:
+            raise DuplicateRequestError(rid)
+        sched = self._scheduler
+        if sched.reserve_remote_prefill(request, self._clock()) is None:
+            self.num_remote_prefill_no_room += 1
+            async with contextlib.aclosing(self.generate(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        self._queues[rid] = queue
+        try:
+            result = await prefill()
+        except BaseException:
+            del self._queues[rid]
+            sched.abort(rid)
+            raise
+        if result is None or result.error or not result.token_ids:
+            if sched.cancel_remote_prefill(rid):
+                self.num_remote_prefill_fallbacks += 1
+                self._wakeup.set()
+        else:
+            first = sched.commit_remote_prefill(rid, result.token_ids[0])
+            if first is not None:
+                self.num_remote_prefill_commits += 1
+                queue.put_nowait(first)
+                self._publish_kv_events(sched.take_kv_events())
+                self._wakeup.set()
+        async with contextlib.aclosing(self._stream(rid, queue)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading prompt tokens this engine's prefix cache holds now (what a local prefill would not compute)."""
+        return self._scheduler.cached_prefix_tokens(token_ids)
+
+    def kv_transfer_time_s(self, num_tokens: int) -> float:
+        """Simulated wall time to send the KV of ``num_tokens`` prompt tokens to another engine: the modelled
+        transfer (``perf_model.transfer_time_s``, whole blocks) divided by ``speedup_ratio``; 0 when infinitely
+        fast."""
+        cfg = self.config
+        if cfg.is_infinitely_fast:
+            return 0.0
+        blocks = -(-num_tokens // self.block_size)
+        s = transfer_time_s(
+            blocks,
+            bytes_per_block=cfg.kv_bytes_per_block,
+            bandwidth_gbps=cfg.kv_transfer_bandwidth_gbps,
+            latency_ms=cfg.kv_transfer_latency_ms,
+        )
+        return s / cfg.speedup_ratio
+
+    async def _stream(self, rid: str, queue: asyncio.Queue[_QueueItem]) -> AsyncGenerator[TokenChunk, None]:
+        """A request's chunks from its queue until its last one; closing early aborts it."""
         finished = False
         try:
             while True:

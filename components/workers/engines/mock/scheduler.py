@@ -94,6 +94,7 @@ class RequestStatus(enum.StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, at the front of the queue, after being preempted
+    REMOTE_PREFILL = "remote_prefill"  # holds blocks for its prompt while another engine prefills it (not scheduled)
     FINISHED = "finished"
 
 
@@ -168,7 +169,8 @@ class Scheduler:
         self.pool = BlockPool(config.num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting, running or reserved
+        self.remote: dict[str, Request] = {}  # reserved for a remote prefill (REMOTE_PREFILL), by id
         self.num_preemptions = 0  # cumulative
         self.num_steps = 0
         self._last_batch_size = 0
@@ -198,10 +200,16 @@ class Scheduler:
     def add_request(self, request: GenerateRequest, now_s: float) -> Request:
         """Validate and queue a request at the back of the waiting queue."""
         self.validate(request)
+        req = self._new_request(request, now_s)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def _new_request(self, request: GenerateRequest, now_s: float) -> Request:
         seed_material = f"{self.config.seed}/{request.sampling.seed}".encode()
         sampler = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(seed_material))
         sampler.update(pack_token_ids(request.token_ids))
-        req = Request(
+        return Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.token_ids),
             sampling=request.sampling,
@@ -209,9 +217,6 @@ class Scheduler:
             all_token_ids=list(request.token_ids),
             sampler=sampler,
         )
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
-        return req
 
     def abort(self, request_id: str) -> bool:
         """Remove a waiting or running request and free its blocks; False if the id is unknown (or finished)."""
@@ -220,6 +225,8 @@ class Scheduler:
             return False
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.REMOTE_PREFILL:
+            del self.remote[request_id]
         else:
             self.waiting.remove(req)
         self._release(req, FinishReason.ABORT)
@@ -233,7 +240,70 @@ class Scheduler:
         return ids
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether a step has anything to do: requests waiting or running (one waiting for its remote prefill has
+        nothing to compute here until ``commit_remote_prefill``)."""
+        return bool(self.waiting or self.running)
+
+    # --- remote prefill (disaggregated serving: this engine decodes, another prefills) ------------------------------
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of a prompt this engine's prefix cache holds (whole blocks, at most ``len - 1`` tokens, as
+        admission would count them); pure lookup, touches nothing."""
+        if not self.pool.enable_caching or not token_ids:
+            return 0
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        return len(self.pool.lookup_prefix(block_hashes(token_ids[: max_blocks * bs], bs))) * bs
+
+    def reserve_remote_prefill(self, request: GenerateRequest, now_s: float) -> Request | None:
+        """Validate ``request`` and give it the blocks its whole prompt needs (sharing the cached prefix) without
+        scheduling it: another engine computes the prompt and ``commit_remote_prefill`` hands over its first token.
+        None, changing nothing, when the pool cannot hold the prompt now (the caller prefills locally instead)."""
+        self.validate(request)
+        req = self._new_request(request, now_s)
+        hits = self._prefix_hits(req)
+        if not self._allocate_slots(req, req.num_tokens - len(hits) * self.block_size, hits):
+            return None
+        req.num_stored_blocks = len(hits)
+        req.num_cached_tokens = len(hits) * self.block_size
+        req.status = RequestStatus.REMOTE_PREFILL
+        self.requests[req.request_id] = req
+        self.remote[req.request_id] = req
+        return req
+
+    def commit_remote_prefill(self, request_id: str, first_token: int) -> TokenChunk | None:
+        """The prompt's KV arrived in the reserved blocks and ``first_token`` was sampled by the prefill engine: the
+        request joins the running batch, decoding next step. Returns the first token's chunk (with a finish reason
+        when that token ends it); None when the request is no longer reserved (aborted meanwhile)."""
+        req = self.remote.pop(request_id, None)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_tokens
+        if self.pool.enable_caching:
+            self._store_full_blocks(req)
+        chunk = self._sample(req, first_token)
+        if chunk.finish_reason is not None:
+            del self.requests[request_id]
+            self._release(req, chunk.finish_reason)
+            return chunk
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return chunk
+
+    def cancel_remote_prefill(self, request_id: str) -> bool:
+        """Prefill a reserved request here after all (the remote prefill failed or took too long): its blocks go
+        back, and it waits at the back of the queue as if just added. False if it is no longer reserved."""
+        req = self.remote.pop(request_id, None)
+        if req is None:
+            return False
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_stored_blocks = 0
+        req.num_cached_tokens = None
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        return True
 
     # --- the step ---------------------------------------------------------------------------------------------------
 
@@ -390,9 +460,11 @@ class Scheduler:
         self.pool.cache_full_blocks(req.block_ids[start:full], req.block_hashes[start:full], parent)
         req.num_stored_blocks = full
 
-    def _sample(self, req: Request) -> TokenChunk:
+    def _sample(self, req: Request, token: int | None = None) -> TokenChunk:
+        """Sample ``req``'s next token (or take ``token``, sampled by the engine that prefilled it remotely)."""
         cfg = self.config
-        token = req.sampler.intdigest() % cfg.vocab_size
+        if token is None:
+            token = req.sampler.intdigest() % cfg.vocab_size
         req.sampler.update(token.to_bytes(4, "little"))
         req.all_token_ids.append(token)
         req.output_token_ids.append(token)
@@ -436,7 +508,7 @@ class Scheduler:
             kv_usage=pool.usage,
             num_total_blocks=pool.num_blocks,
             num_active_blocks=pool.num_active_blocks,
-            num_running=len(self.running),
+            num_running=len(self.running) + len(self.remote),  # a reserved request decodes here next
             num_waiting=len(self.waiting),
             num_waiting_prefill_tokens=pending,
             num_preemptions=self.num_preemptions,

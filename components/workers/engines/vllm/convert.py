@@ -208,6 +208,10 @@ class KvEventTranslator:
     def num_cached_blocks(self) -> int:
         return len(self._copies)
 
+    def holds(self, kvmesh_hash: int) -> bool:
+        """Whether a block with this kvmesh hash is cached now (as the events said)."""
+        return kvmesh_hash in self._copies
+
     def _event(self, kind: KvEventKind, hashes: list[int] | None = None, parent: int | None = None) -> KvEvent:
         self.last_event_id += 1
         return KvEvent(

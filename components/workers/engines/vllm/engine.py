@@ -33,16 +33,26 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-from components.protocol.messages import GenerateRequest, KvEvent, KvStateSnapshot, LoadSnapshot, TokenChunk
+from components.protocol.kv_hashing import block_hashes
+from components.protocol.messages import (
+    FinishReason,
+    GenerateRequest,
+    KvEvent,
+    KvStateSnapshot,
+    LoadSnapshot,
+    RemotePrefillResult,
+    TokenChunk,
+)
 from components.protocol.metadata import RemotePrefillMode
 
 from ..base import EngineDeadError, EngineRequestError
@@ -171,6 +181,8 @@ class VllmEngine:
         self._stats = VllmStats()
         self._requests: dict[str, RequestProgress] = {}
         self._translator = KvEventTranslator(config.block_size)
+        # What ends a request at EOS (the generation config's ids, as vLLM stops on them with skip_tokenizer_init).
+        self.eos_token_ids: set[int] = set()
         self._kv_batches: collections.deque[list[KvEvent]] = collections.deque()
         self._kv_ready = asyncio.Event()
         self._subscriber: Any = None
@@ -221,6 +233,7 @@ class VllmEngine:
         self._stats.num_total_blocks = int(cache.num_gpu_blocks) - 1  # vLLM keeps one null block
         self.max_model_len = int(llm.model_config.max_model_len)
         self.vocab_size = int(llm.model_config.get_vocab_size())
+        self.eos_token_ids = _eos_token_ids(llm.model_config)
         self._translator = KvEventTranslator(self.block_size)
         if self.config.enable_prefix_caching:
             self._start_subscriber(llm)
@@ -369,6 +382,68 @@ class VllmEngine:
             # A no-op for a finished stream; otherwise vLLM's generator aborts the request on GeneratorExit.
             await stream.aclose()
 
+    async def generate_remote(
+        self, request: GenerateRequest, prefill: Callable[[], Awaitable[RemotePrefillResult | None]]
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """Decode a request another engine prefilled, by **recompute** (``remote_prefill_mode``): no vLLM KV
+        connector is used, so this engine computes the prompt again. What the remote prefill buys is the first token,
+        streamed as soon as the prefill worker has it; the rest is generated here from the prompt plus that token
+        (``max_tokens - 1`` more), so greedy output is what an aggregated worker gives. Seeded sampling continues
+        from a fresh generator state and may differ from an unmoved run. ``prefill()`` returning None (or an error
+        result): the request is generated here from the start."""
+        result = await prefill()
+        if result is None or result.error or not result.token_ids:
+            async with contextlib.aclosing(self.generate(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        first = result.token_ids[0]
+        sp = request.sampling
+        finish = self._first_token_finish(request, first)
+        yield TokenChunk(
+            token_ids=[first],
+            finish_reason=finish,
+            num_prompt_tokens=len(request.token_ids),
+            num_cached_tokens=result.num_cached_tokens,
+        )
+        if finish is not None:
+            return
+        rest = GenerateRequest(
+            request.request_id,
+            [*request.token_ids, first],
+            dataclasses.replace(sp, max_tokens=sp.max_tokens - 1),
+        )
+        async with contextlib.aclosing(self.generate(rest)) as chunks:
+            async for chunk in chunks:
+                chunk.num_prompt_tokens = 0
+                chunk.num_cached_tokens = 0
+                yield chunk
+
+    def _first_token_finish(self, request: GenerateRequest, token: int) -> FinishReason | None:
+        """Whether a request ends with its first output token (vLLM's order: length caps, then EOS, then stop ids)."""
+        sp = request.sampling
+        if sp.max_tokens <= 1 or len(request.token_ids) + 1 >= self.max_model_len:
+            return FinishReason.LENGTH
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in sp.stop_token_ids:
+            return FinishReason.STOP
+        return None
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading prompt tokens vLLM's prefix cache holds now, as its KV events told (whole blocks, at most
+        ``len - 1`` tokens); 0 before the engine started or without prefix caching."""
+        translator = self._translator
+        if translator is None or not token_ids or not self.config.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        n = 0
+        for h in block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs], bs):
+            if not translator.holds(h):
+                break
+            n += bs
+        return n
+
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; its ``generate()`` ends with an ``abort`` chunk. Unknown ids are ignored."""
         if request_id in self._requests and self._llm is not None:
@@ -446,3 +521,18 @@ class VllmEngine:
             self.num_dropped_kv_event_batches += 1
         self._kv_batches.append(converted)
         self._kv_ready.set()
+
+
+def _eos_token_ids(model_config: Any) -> set[int]:
+    """The token ids vLLM stops at as EOS for this model: the generation config's ``eos_token_id`` (an id or a list),
+    else the model config's; empty when neither says."""
+    eos: Any = None
+    try:
+        eos = (model_config.try_get_generation_config() or {}).get("eos_token_id")
+    except Exception:  # noqa: BLE001 - an unreadable generation config: fall back to the model config
+        eos = None
+    if eos is None:
+        eos = getattr(getattr(model_config, "hf_config", None), "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(t) for t in (eos if isinstance(eos, list | tuple) else [eos])}
