@@ -313,3 +313,19 @@ async def test_no_result_in_time_falls_back_to_a_local_prefill_and_the_late_resu
     finally:
         await decode.stop()
         await prefill.stop()
+
+
+async def test_a_decode_worker_s_drain_waits_for_its_remote_prefills(make_runtime):
+    prefill = await slow_prefill_worker(make_runtime)
+    decode, client = await decode_worker(make_runtime)
+    try:
+        await wait_until(lambda: decode.remote.prefill_workers.count(time.monotonic()) == 1, timeout_s=10)
+        got = asyncio.ensure_future(tokens_of(await client.direct(req("drain-1", PROMPT), decode.instance_id)))
+        await wait_until(lambda: prefill.prefill_loop.busy, timeout_s=10)
+        assert decode.remote.outstanding == 1
+        assert await decode.stop() == 0  # SIGTERM's path: nothing had to be cancelled
+        assert got.done() and await got == await reference_tokens("drain-1", PROMPT)
+        assert decode.remote.counters.remote_committed == 1 and prefill.prefill_loop.counters.delivered == 1
+    finally:
+        await decode.stop()
+        await prefill.stop()
