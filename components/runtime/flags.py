@@ -48,7 +48,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel],
         flags = (
             [_flag(name), *(a for a in aliases if isinstance(a, str))] if isinstance(aliases, list) else [_flag(name)]
         )
-        if base is bool:
+        if base is bool and name.startswith("no_"):
+            # `--no-operation` (Dynamo's planner flag): BooleanOptionalAction would read any `--no-` flag as "off",
+            # so a field whose name is already a negation is a plain switch that turns it on.
+            group.add_argument(*flags, dest=name, action="store_const", const=True, default=None, help=help_text)
+        elif base is bool:
             group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif typing.get_origin(base) is list:
             group.add_argument(*flags, dest=name, default=None, help=help_text + "; comma-separated")
