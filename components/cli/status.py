@@ -14,6 +14,14 @@ Role is a worker's ``WorkerMetadata.role`` (aggregated, prefill, decode), as ``d
 Load is each worker's latest ``load_metrics`` event heard within ``--load-wait-s`` (workers publish every 100 ms by
 default, so 1 s hears every live one); ``-`` when none arrived. Age counts from the ``started_at`` a worker puts in
 its metadata when it registers.
+
+Prefill queues (disaggregated serving) are heard in the same window, from the ``PrefillQueueReport``s prefill workers
+publish on ``prefill_queue`` (every 100 ms by default): one line per model under the instance table, ``NS: prefill
+queue MODEL: W waiting, F in flight, oldest A s, N prefill workers, R redelivered``, with the numbers of the freshest
+report that read the queue and the workers alive by ``components.router.prefill_queue``'s rule (the one frontends'
+``/metrics`` use). A model with prefill workers registered and no report heard says so. In ``--json`` (a list of
+instance rows, as before) a worker row of a model with a prefill queue carries ``prefill_queue`` (the model's line as
+a mapping), and a prefill worker's row ``prefill_report`` (its own last report: ``busy``, ``items_done``, ...).
 """
 
 from __future__ import annotations
@@ -30,9 +38,10 @@ from typing import Any
 
 from components.deploy.errors import DeployError
 from components.deploy.state import ServeState, live_states, resolve_state_dir
-from components.protocol.endpoints import TOPIC_LOAD_METRICS
+from components.protocol.endpoints import TOPIC_LOAD_METRICS, TOPIC_PREFILL_QUEUE
 from components.protocol.messages import LoadSnapshot
-from components.protocol.metadata import RemotePrefillMode, WorkerMetadata
+from components.protocol.metadata import RemotePrefillMode, WorkerMetadata, WorkerRole
+from components.router.prefill_queue import PrefillQueues, PrefillQueueView, parse_report
 from components.runtime import EventSubscription, InstanceInfo, Runtime, RuntimeConfig, RuntimeMeshError
 
 
@@ -45,7 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--state-dir", default=None, help="where kvmesh serve keeps state files (default: $KVMESH_STATE_DIR or ./state)"
     )
-    p.add_argument("--load-wait-s", type=float, default=1.0, help="how long to listen for load metrics (0: skip)")
+    p.add_argument(
+        "--load-wait-s",
+        type=float,
+        default=1.0,
+        help="how long to listen for load metrics and prefill queue reports (0: skip)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -79,8 +93,33 @@ def targets(args: argparse.Namespace) -> list[tuple[RuntimeConfig, list[str]]]:
     return [(cfg, namespaces)]
 
 
-async def collect(cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: float) -> list[dict[str, Any]]:
-    """One row per instance id: its endpoints, metadata, latest load and age."""
+class Heard:
+    """What the event plane said within the listening window: each worker's latest load, and each namespace's
+    prefill queue reports (``PrefillQueues``, read at ``now_s`` on the same monotonic clock)."""
+
+    def __init__(self) -> None:
+        self.loads: dict[tuple[str, int], dict[str, Any]] = {}
+        self.queues: dict[str, PrefillQueues] = {}
+        self.now_s = 0.0
+        self.listened = False  # False: --load-wait-s 0, or nothing registered to listen for
+
+    def queue_views(self) -> dict[str, list[PrefillQueueView]]:
+        return {ns: q.views(self.now_s) for ns, q in sorted(self.queues.items())}
+
+    def prefill_reports(self) -> dict[tuple[str, int], dict[str, Any]]:
+        out = {}
+        for ns, q in self.queues.items():
+            for iid in q.sources():
+                report = q.latest(iid)
+                if report is not None:
+                    out[(ns, iid)] = report.to_dict()
+        return out
+
+
+async def collect(
+    cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(one row per instance id: its endpoints, metadata, latest load and age; one row per prefill queue heard)."""
     rt = await Runtime.connect(cfg, name="kvmesh-status")
     try:
         prefixes = [f"kvmesh/{ns}/instances/" for ns in namespaces] or ["kvmesh/"]
@@ -88,16 +127,24 @@ async def collect(cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: fl
         for prefix in prefixes:
             listing = await rt.discovery.get_prefix(prefix)
             infos += [InstanceInfo.from_json(v) for k, v in sorted(listing.items()) if "/instances/" in k]
-        loads = await _latest_loads(rt, sorted({i.namespace for i in infos}), load_wait_s) if infos else {}
+        heard = await _listen(rt, sorted({i.namespace for i in infos}), load_wait_s) if infos else Heard()
     finally:
         await rt.shutdown(drain_timeout_s=1.0)
-    return rows_of(infos, loads, time.time())
+    rows = rows_of(infos, heard.loads, time.time(), heard.prefill_reports())
+    queues = queue_rows_of(rows, heard.queue_views(), heard.listened)
+    attach_queues(rows, queues)
+    return rows, queues
 
 
 def rows_of(
-    infos: Sequence[InstanceInfo], loads: Mapping[tuple[str, int], dict[str, Any]], now: float
+    infos: Sequence[InstanceInfo],
+    loads: Mapping[tuple[str, int], dict[str, Any]],
+    now: float,
+    prefill_reports: Mapping[tuple[str, int], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per instance id (its endpoints gathered), from what discovery lists and the loads heard."""
+    """One row per instance id (its endpoints gathered), from what discovery lists and the loads heard; a prefill
+    worker's row also carries its last prefill queue report (``prefill_report``, None when none was heard)."""
+    prefill_reports = prefill_reports or {}
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     for info in infos:
         meta = WorkerMetadata.from_dict(info.metadata)
@@ -120,33 +167,69 @@ def rows_of(
                 "age_s": _age(meta.started_at or None, now),
             },
         )
+        if row["role"] == WorkerRole.PREFILL:
+            row["prefill_report"] = prefill_reports.get((info.namespace, info.instance_id))
         row["endpoints"].append(info.endpoint)
     return list(rows.values())
 
 
-async def _latest_loads(rt: Runtime, namespaces: list[str], wait_s: float) -> dict[tuple[str, int], dict[str, Any]]:
+def queue_rows_of(
+    rows: Sequence[Mapping[str, Any]], views: Mapping[str, Sequence[PrefillQueueView]], listened: bool
+) -> list[dict[str, Any]]:
+    """One row per (namespace, model) with a prefill queue: every model a report was heard for, and, when we
+    listened, every model with prefill workers registered but silent (``heard: False``: all numbers None)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for ns, vs in views.items():
+        for v in vs:
+            out[(ns, v.model)] = {"namespace": ns, "heard": True, **v.to_dict()}
+    if listened:
+        for r in rows:
+            key = (r["namespace"], r["model"])
+            if r.get("role") == WorkerRole.PREFILL and r["model"] and key not in out:
+                out[key] = {"namespace": key[0], "heard": False, **PrefillQueueView(key[1], 0).to_dict()}
+    return [out[k] for k in sorted(out)]
+
+
+def attach_queues(rows: Sequence[dict[str, Any]], queues: Sequence[Mapping[str, Any]]) -> None:
+    """Give each worker row of a model with a prefill queue that queue's row (``prefill_queue``) for ``--json``."""
+    by_model = {(q["namespace"], q["model"]): dict(q) for q in queues}
+    for r in rows:
+        if r.get("role") and (r["namespace"], r["model"]) in by_model:
+            r["prefill_queue"] = by_model[(r["namespace"], r["model"])]
+
+
+async def _listen(rt: Runtime, namespaces: list[str], wait_s: float) -> Heard:
+    """Load metrics and prefill queue reports of ``namespaces``, heard for ``wait_s`` (both in the same window)."""
+    heard = Heard()
     if wait_s <= 0:
-        return {}
-    subs: dict[str, EventSubscription[Any]] = {
-        ns: await rt.namespace(ns).events.subscribe(TOPIC_LOAD_METRICS, max_pending=100_000) for ns in namespaces
-    }
-    latest: dict[tuple[str, int], dict[str, Any]] = {}
-
-    async def drain(ns: str, sub: EventSubscription[Any], deadline: float) -> None:
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                ev = await sub.get(timeout_s=left)
-            except TimeoutError:
-                return
-            with contextlib.suppress(KeyError, TypeError):  # a payload that is not a LoadSnapshot: no load shown
-                latest[(ns, ev.source_id)] = LoadSnapshot.from_dict(ev.payload).to_dict()
-
+        return heard
+    subs: list[tuple[str, str, EventSubscription[Any]]] = []
     try:
+        for ns in namespaces:
+            for topic in (TOPIC_LOAD_METRICS, TOPIC_PREFILL_QUEUE):
+                subs.append((ns, topic, await rt.namespace(ns).events.subscribe(topic, max_pending=100_000)))
+        heard.listened = True
+
+        async def drain(ns: str, topic: str, sub: EventSubscription[Any], deadline: float) -> None:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    ev = await sub.get(timeout_s=left)
+                except TimeoutError:
+                    return
+                if topic == TOPIC_PREFILL_QUEUE:
+                    report = parse_report(ev.payload)  # None: not a PrefillQueueReport, not shown
+                    if report is not None:
+                        heard.queues.setdefault(ns, PrefillQueues()).apply(ev.source_id, report, time.monotonic())
+                    continue
+                with contextlib.suppress(KeyError, TypeError):  # a payload that is not a LoadSnapshot: no load shown
+                    heard.loads[(ns, ev.source_id)] = LoadSnapshot.from_dict(ev.payload).to_dict()
+
         deadline = time.monotonic() + wait_s
-        await asyncio.gather(*(drain(ns, sub, deadline) for ns, sub in subs.items()))
-        return latest
+        await asyncio.gather(*(drain(ns, topic, sub, deadline) for ns, topic, sub in subs))
+        heard.now_s = time.monotonic()
+        return heard
     finally:
-        for sub in subs.values():
+        for _, _, sub in subs:
             await sub.close()
 
 
@@ -179,6 +262,22 @@ def format_role(role: str | None, remote_prefill_mode: str | None = None) -> str
     return f"{role}:{remote_prefill_mode}" if remote_prefill_mode == RemotePrefillMode.RECOMPUTE else role
 
 
+def format_queue(q: Mapping[str, Any]) -> str:
+    """One prefill queue row as a line: ``NS: prefill queue MODEL: 3 waiting, 1 in flight, oldest 0.4 s, 2 prefill
+    workers, 0 redelivered``."""
+    head = f"{q['namespace']}: prefill queue {q['model']}:"
+    if not q.get("heard", True):
+        return f"{head} no report heard from its prefill workers"
+    workers = f"{q['prefill_workers']} prefill worker{'' if q['prefill_workers'] == 1 else 's'}"
+    if q["waiting"] is None:
+        why = f" ({q['stats_error']})" if q.get("stats_error") else ""
+        return f"{head} depth unknown{why}, {workers}"
+    return (
+        f"{head} {q['waiting']} waiting, {q['in_flight']} in flight, oldest {q['oldest_age_s']:.1f} s, "
+        f"{workers}, {q['redelivered']} redelivered"
+    )
+
+
 def attach_watchers(rows: list[dict[str, Any]], states: Sequence[ServeState]) -> None:
     """Fill each row's ``watcher`` from the state files: the watcher whose process has the row's pid."""
     by_pid = {(st.namespace, p.pid): w.name for st in states for w in st.watchers for p in w.processes}
@@ -209,17 +308,20 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
 
 
-async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+async def _run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
+    queues: list[dict[str, Any]] = []
     for cfg, namespaces in targets(args):
-        rows += await collect(cfg, namespaces, args.load_wait_s)
+        more_rows, more_queues = await collect(cfg, namespaces, args.load_wait_s)
+        rows += more_rows
+        queues += more_queues
     attach_watchers(rows, live_states(resolve_state_dir(args.state_dir)))
-    return rows
+    return rows, queues
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        rows = asyncio.run(_run(args))
+        rows, queues = asyncio.run(_run(args))
     except NothingServedError as e:
         print(f"kvmesh status: {e}")
         return e.exit_code
@@ -234,6 +336,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(render_table(rows))
         print(f"{len(rows)} instances")
+        for q in queues:
+            print(format_queue(q))
         states = [st for st in live_states(resolve_state_dir(args.state_dir)) if args.namespace in ("", st.namespace)]
         for line in server_lines(states):
             print(line)

@@ -14,6 +14,14 @@ it was sent there. ``kvmesh_frontend_routing_decisions_total{model,policy,kind}`
 returns, retries' included (so it is at least the number of requests placed); ``kind`` is ``DecisionKind``
 (components/router/types.py), a word, never the free-text reason.
 
+Prefill queues (disaggregated serving), per model, from the ``PrefillQueueReport``s prefill workers publish on
+``TOPIC_PREFILL_QUEUE`` (``components.frontend.prefill_queue`` follows them into a ``PrefillQueues``, whose module
+says which reporters count as alive and which report the numbers come from): ``kvmesh_frontend_prefill_queue_*``
+gauges ``waiting``, ``in_flight``, ``oldest_age_seconds`` and ``redelivered`` (the queue, as of the freshest report
+that read it: absent while no alive prefill worker could read it) and ``prefill_workers`` (alive reporters; 0 once
+they all went silent). They are computed at scrape time from the reports (a collector, not gauges set on every
+report), so a silent worker stops counting without a timer, and a queue nobody reads is not shown as empty.
+
 Cardinality: one ``worker`` value per worker that ever served a request through this frontend, never one per request.
 A worker that leaves keeps its series until the frontend restarts: removing them when the frontend forgets it would
 lose the increments since the last scrape, and the frontend does not know when that was. A fleet that churns through
@@ -22,7 +30,14 @@ many instance ids over one frontend's life grows the exposition by three series 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from components.router.prefill_queue import PrefillQueues, PrefillQueueView
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
 
@@ -30,6 +45,57 @@ CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 _E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+# (name, help, the PrefillQueueView field it shows). Only prefill_workers is never None.
+PREFILL_QUEUE_GAUGES = (
+    ("kvmesh_frontend_prefill_queue_waiting", "Prefill queue items never delivered to a prefill worker", "waiting"),
+    (
+        "kvmesh_frontend_prefill_queue_in_flight",
+        "Prefill queue items delivered to a prefill worker and not yet acknowledged",
+        "in_flight",
+    ),
+    (
+        "kvmesh_frontend_prefill_queue_oldest_age_seconds",
+        "Age of the oldest prefill queue item never delivered, as of the freshest report (0 when none waits)",
+        "oldest_age_s",
+    ),
+    (
+        "kvmesh_frontend_prefill_queue_prefill_workers",
+        "Prefill workers reporting on the queue (silent for 3 of their intervals, at least 1 s: not counted)",
+        "prefill_workers",
+    ),
+    (
+        "kvmesh_frontend_prefill_queue_redelivered",
+        "Unacknowledged prefill queue items delivered more than once (a prefill worker died or stalled)",
+        "redelivered",
+    ),
+)
+
+
+def prefill_queue_families(views: Iterable[PrefillQueueView]) -> list[Metric]:
+    """The prefill-queue gauges of ``views``, one sample per model and gauge (none where the view says None)."""
+    families = [GaugeMetricFamily(name, doc, labels=["model"]) for name, doc, _ in PREFILL_QUEUE_GAUGES]
+    for view in views:
+        for family, (_, _, field) in zip(families, PREFILL_QUEUE_GAUGES, strict=True):
+            value = getattr(view, field)
+            if value is not None:
+                family.add_metric([view.model], float(value))
+    return list(families)
+
+
+class PrefillQueueCollector(Collector):
+    """Renders ``queues`` at scrape time (``clock``: the monotonic clock its reports were applied with)."""
+
+    def __init__(self, queues: PrefillQueues, clock: Callable[[], float]) -> None:
+        self.queues = queues
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(prefill_queue_families(self.queues.views(self.clock())))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(prefill_queue_families(()))
 
 
 class WorkerMetrics:
@@ -95,10 +161,14 @@ class ModelMetrics:
 
 
 class FrontendMetrics:
-    """``policy``: the router policy's readable name, the ``policy`` label of routing decisions."""
+    """``policy``: the router policy's readable name, the ``policy`` label of routing decisions. ``prefill_queues``
+    is what the prefill-queue gauges show (``components.frontend.prefill_queue`` fills it), read with ``clock``."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(
+        self, policy: str, prefill_queues: PrefillQueues | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.policy = policy
+        self.prefill_queues = prefill_queues if prefill_queues is not None else PrefillQueues()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -162,6 +232,7 @@ class FrontendMetrics:
             ["model", "policy", "kind"],
             registry=r,
         )
+        r.register(PrefillQueueCollector(self.prefill_queues, clock))
         self._models: dict[str, ModelMetrics] = {}
 
     def model(self, name: str) -> ModelMetrics:

@@ -19,6 +19,7 @@ from components.frontend.app import FrontendApp
 from components.frontend.config import FrontendConfig
 from components.frontend.metrics import FrontendMetrics
 from components.frontend.models import ModelRegistry
+from components.frontend.prefill_queue import PrefillQueueFeed
 from components.frontend.service import FrontendService
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
 from components.router import Router
@@ -41,6 +42,8 @@ class Frontend:
         # Load metrics, KV events (KV policies) and replica sync; membership comes from the registry below.
         self.feed = RouterFeed(runtime, self.router, config.namespace, config.components)
         self.metrics = FrontendMetrics(policy=self.router.policy.name)
+        # Prefill workers' queue reports -> the prefill-queue gauges of /metrics (disaggregated serving).
+        self.prefill_queue = PrefillQueueFeed(runtime, config.namespace, self.metrics.prefill_queues)
         self.registry = ModelRegistry(runtime, config.namespace, config.components, self.router, tokenizer_loader)
         self.service = FrontendService(config, self.registry, self.router, self.metrics)
         self.app = FrontendApp(config, self.service, self.registry, self.metrics)
@@ -50,6 +53,7 @@ class Frontend:
     async def start(self) -> str:
         """Follow the workers, then listen; returns the base URL (``http://host:port``, the real port if 0)."""
         await self.feed.start()  # first: workers the registry announces get their KV state fetched as they appear
+        await self.prefill_queue.start()
         await self.registry.start()
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request upstream.
         runner = web.AppRunner(
@@ -77,4 +81,7 @@ class Frontend:
             try:
                 await self.registry.close()
             finally:
-                await self.feed.stop()
+                try:
+                    await self.feed.stop()
+                finally:
+                    await self.prefill_queue.stop()

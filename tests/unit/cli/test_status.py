@@ -1,0 +1,131 @@
+"""``kvmesh status``'s pure parts (components/cli/status.py): instance rows from discovery and what the event plane
+said, prefill queue rows, and their rendering. No mesh: the listening is the adapter's, tested end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.cli.status import (
+    attach_queues,
+    format_queue,
+    format_role,
+    queue_rows_of,
+    render_table,
+    rows_of,
+)
+from components.protocol.messages import PrefillQueueReport
+from components.protocol.metadata import WorkerMetadata, WorkerRole
+from components.router.prefill_queue import PrefillQueues, PrefillQueueView
+from components.runtime import InstanceInfo
+
+pytestmark = pytest.mark.unit
+
+NOW = 1_000_000.0
+
+
+def info(iid: int, endpoint: str, role: WorkerRole | None, model: str = "m", ns: str = "ns") -> InstanceInfo:
+    meta = {} if role is None else WorkerMetadata(model=model, role=role, pid=iid, started_at=NOW - 65).to_dict()
+    if role is not None and role != WorkerRole.AGGREGATED:
+        meta["remote_prefill_mode"] = "kv_transfer"
+    return InstanceInfo(ns, "backend" if role else "frontend", endpoint, iid, f"subj.{iid}", meta)
+
+
+def fleet() -> list[InstanceInfo]:
+    """Two prefill workers (0xa, 0xb: kv_state only), one decode worker (0xc), a frontend (0xf, no role)."""
+    return [
+        info(0xA, "kv_state", WorkerRole.PREFILL),
+        info(0xB, "kv_state", WorkerRole.PREFILL),
+        info(0xC, "generate", WorkerRole.DECODE),
+        info(0xC, "kv_state", WorkerRole.DECODE),
+        info(0xC, "prefill_result", WorkerRole.DECODE),
+        info(0xF, "http", None),
+    ]
+
+
+def report(waiting: int, busy: bool = False, items_done: int = 0) -> PrefillQueueReport:
+    return PrefillQueueReport("m", waiting, 1, 0.42, 1, 0, busy, items_done=items_done)
+
+
+def test_rows_gather_endpoints_and_a_prefill_worker_carries_its_own_report():
+    reports = {("ns", 0xA): report(2, busy=True, items_done=7).to_dict()}
+    rows = rows_of(fleet(), {}, NOW, reports)
+    by_id = {r["instance_id"]: r for r in rows}
+    assert sorted(by_id) == ["a", "b", "c", "f"]
+    assert sorted(by_id["c"]["endpoints"]) == ["generate", "kv_state", "prefill_result"]
+    assert by_id["a"]["prefill_report"]["items_done"] == 7 and by_id["a"]["prefill_report"]["busy"] is True
+    assert by_id["b"]["prefill_report"] is None  # a prefill worker not heard from
+    assert "prefill_report" not in by_id["c"] and "prefill_report" not in by_id["f"]  # not prefill workers
+    assert (by_id["a"]["role"], by_id["c"]["role"], by_id["f"]["role"]) == ("prefill", "decode", None)
+    assert by_id["a"]["age_s"] == 65.0
+    # Without reports (as before this change), rows_of still works.
+    assert rows_of(fleet(), {}, NOW)[0]["prefill_report"] is None
+
+
+def test_queue_rows_come_from_the_reports_and_name_silent_prefill_workers():
+    q = PrefillQueues()
+    for t in (0.0, 0.1):
+        q.apply(0xA, report(3), t)
+    q.apply(0xB, report(2), 0.15)
+    rows = rows_of(fleet(), {}, NOW)
+    queues = queue_rows_of(rows, {"ns": q.views(0.2)}, listened=True)
+    assert queues == [
+        {
+            "namespace": "ns",
+            "heard": True,
+            "model": "m",
+            "prefill_workers": 2,
+            "waiting": 2,  # 0xb's report is the freshest
+            "in_flight": 1,
+            "oldest_age_s": 0.42,
+            "redelivered": 0,
+            "pullers": 1,
+            "busy": 0,
+            "report_age_s": pytest.approx(0.05),
+            "stats_error": "",
+        }
+    ]
+    # Prefill workers registered and nothing heard from them: a row that says so (only when we listened at all).
+    silent = queue_rows_of(rows, {}, listened=True)
+    assert [(s["model"], s["heard"], s["prefill_workers"], s["waiting"]) for s in silent] == [("m", False, 0, None)]
+    assert queue_rows_of(rows, {}, listened=False) == []
+    # An aggregated fleet has no prefill queue row.
+    agg = [info(1, "generate", WorkerRole.AGGREGATED)]
+    assert queue_rows_of(rows_of(agg, {}, NOW), {}, listened=True) == []
+
+
+def test_worker_rows_of_a_disaggregated_model_carry_its_queue_for_json():
+    rows = rows_of(fleet(), {}, NOW)
+    queues = queue_rows_of(rows, {"ns": [PrefillQueueView("m", 2, 0, 0, 0.0, 0, 2)]}, listened=True)
+    attach_queues(rows, queues)
+    by_id = {r["instance_id"]: r for r in rows}
+    assert by_id["c"]["prefill_queue"]["prefill_workers"] == 2 and by_id["a"]["prefill_queue"]["waiting"] == 0
+    assert "prefill_queue" not in by_id["f"]  # the frontend serves no model's queue
+    json.dumps(rows)  # --json prints them as they are
+
+
+def test_a_queue_line_says_depth_workers_and_what_is_unknown():
+    def line(**over: object) -> str:
+        row = {"namespace": "ns", "heard": True, **PrefillQueueView("tiny-llama", 2, 3, 1, 0.42, 0, 1).to_dict()}
+        return format_queue(row | over)
+
+    assert line() == (
+        "ns: prefill queue tiny-llama: 3 waiting, 1 in flight, oldest 0.4 s, 2 prefill workers, 0 redelivered"
+    )
+    assert line(prefill_workers=1).endswith("1 prefill worker, 0 redelivered")
+    unknown = {"waiting": None, "in_flight": None, "oldest_age_s": None, "redelivered": None}
+    assert line(**unknown, prefill_workers=0) == "ns: prefill queue tiny-llama: depth unknown, 0 prefill workers"
+    assert line(**unknown, stats_error="nats: timeout").endswith("depth unknown (nats: timeout), 2 prefill workers")
+    assert line(heard=False) == "ns: prefill queue tiny-llama: no report heard from its prefill workers"
+
+
+def test_the_table_shows_roles_and_keeps_its_first_six_columns():
+    rows = rows_of(fleet(), {}, NOW)
+    lines = render_table(rows).splitlines()
+    assert lines[0].split()[:7] == ["NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ROLE"]
+    roles = {line.split()[2]: line.split()[6] for line in lines[1:]}
+    assert roles == {"a": "prefill", "b": "prefill", "c": "decode", "f": "-"}
+    assert format_role("decode", "recompute") == "decode:recompute" and format_role("prefill", "kv_transfer") == (
+        "prefill"
+    )
