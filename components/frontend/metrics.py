@@ -31,7 +31,8 @@ many instance ids over one frontend's life grows the exposition by three series 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -82,6 +83,44 @@ def prefill_queue_families(views: Iterable[PrefillQueueView]) -> list[Metric]:
             if value is not None:
                 family.add_metric([view.model], float(value))
     return list(families)
+
+
+WORKER_INFO_LABELS = ("model", "worker", "engine", "role", "remote_prefill_mode")
+
+
+def worker_info_family(workers: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> GaugeMetricFamily:
+    """``kvmesh_frontend_worker_info``: 1 per routable worker, labelled with what its metadata says of it, notably
+    ``remote_prefill_mode`` (``kv_transfer``: a decode worker receives the KV; ``recompute``: it computes the prompt
+    again, as vLLM decode workers do on the CPU build; "" for an aggregated worker)."""
+    family = GaugeMetricFamily(
+        "kvmesh_frontend_worker_info",
+        "Workers this frontend routes to, by engine, role and how a decode worker takes a remotely prefilled prompt",
+        labels=list(WORKER_INFO_LABELS),
+    )
+    for model, by_id in sorted(workers.items()):
+        for iid, meta in sorted(by_id.items()):
+            labels = [
+                model,
+                f"{iid:x}",
+                str(meta.get("engine", "")),
+                str(meta.get("role", "")),
+                str(meta.get("remote_prefill_mode", "")),
+            ]
+            family.add_metric(labels, 1.0)
+    return family
+
+
+class WorkerInfoCollector(Collector):
+    """Renders ``source()`` (each model's workers and their metadata) at scrape time."""
+
+    def __init__(self, source: Callable[[], Mapping[str, Mapping[int, Mapping[str, Any]]]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        return iter([worker_info_family(self.source())])
+
+    def describe(self) -> Iterator[Metric]:
+        return iter([worker_info_family({})])
 
 
 class PrefillQueueCollector(Collector):
@@ -165,7 +204,11 @@ class FrontendMetrics:
     is what the prefill-queue gauges show (``components.frontend.prefill_queue`` fills it), read with ``clock``."""
 
     def __init__(
-        self, policy: str, prefill_queues: PrefillQueues | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        policy: str,
+        prefill_queues: PrefillQueues | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        worker_metadata: Callable[[], Mapping[str, Mapping[int, Mapping[str, Any]]]] | None = None,
     ) -> None:
         self.policy = policy
         self.prefill_queues = prefill_queues if prefill_queues is not None else PrefillQueues()
@@ -233,6 +276,8 @@ class FrontendMetrics:
             registry=r,
         )
         r.register(PrefillQueueCollector(self.prefill_queues, clock))
+        if worker_metadata is not None:
+            r.register(WorkerInfoCollector(worker_metadata))
         self._models: dict[str, ModelMetrics] = {}
 
     def model(self, name: str) -> ModelMetrics:

@@ -326,6 +326,10 @@ class Router:
     def members(self) -> list[int]:
         return sorted(self._member_of)
 
+    def worker_metadata(self) -> dict[str, dict[int, Mapping[str, Any]]]:
+        """Each model's workers and the metadata they registered with (a copy, for ``/metrics``'s worker info)."""
+        return {model: dict(state.metadata) for model, state in self._models.items()}
+
     def workers(self, model: str) -> list[WorkerSnapshot]:
         """The snapshots a policy would see for ``model`` right now."""
         state = self._models.get(model)

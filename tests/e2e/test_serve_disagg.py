@@ -160,6 +160,10 @@ def test_short_prompts_stay_on_the_decode_workers_and_long_ones_go_through_the_q
     assert metric(url, "kvmesh_frontend_prefill_queue_in_flight") == 0
     assert metric(url, "kvmesh_frontend_prefill_queue_redelivered") == 0
     assert metric(url, "kvmesh_frontend_prefill_queue_prefill_workers") == 2
+    # The decode workers say how they take a remote prefill: simulated engines receive the KV.
+    _, body = http_get(f"{url}/metrics")
+    info = re.findall(r"^kvmesh_frontend_worker_info\{(.*)\} 1\.0$", body.decode(), re.MULTILINE)
+    assert len(info) == 2 and all('role="decode"' in i and 'remote_prefill_mode="kv_transfer"' in i for i in info)
 
 
 def test_status_shows_the_roles_and_the_prefill_queue_line(mock_disagg):
@@ -232,5 +236,9 @@ def test_disagg_graph_gives_agg_graphs_greedy_tokens_on_real_vllm(tmp_path):
         table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--namespace", "disagg").stdout
         assert "decode:recompute" in table and "prefill:recompute" in table
         assert "disagg: prefill queue tiny-llama: 0 waiting, 0 in flight" in table
+        _, body = http_get(f"{url}/metrics")  # ...and /metrics says it too
+        assert re.search(
+            r'^kvmesh_frontend_worker_info\{.*remote_prefill_mode="recompute".*\} 1\.0$', body.decode(), re.M
+        )
         records = serve.state("disagg").all_processes()
     assert wait_gone(records, 90) == []
