@@ -22,9 +22,10 @@ That is the seam the next features extend, each in one method:
   the new upstream's item at that position (frames carry their token position: items below it, already delivered,
   are dropped). ``next_item`` then reads the new ``stream``; the client keeps its one stream. Today ``resume`` ends
   the request with ``UpstreamError``: nothing reached the client twice, and ``close`` cancels what still runs.
-- **disaggregated prefill** (``_attempt``): between choosing the decode worker and sending to it, a remote-prefill
-  hop: select a prefill worker (its own ``on_routed``/``on_finished``), have it compute the prompt's KV, then send
-  the decode request naming where the KV lies. A failed hop is a failed attempt like any other, retried elsewhere.
+- **disaggregated prefill** needs nothing here: as in Dynamo, the decode worker a request is routed to decides
+  whether its prompt is prefilled remotely and does the hop itself (components/workers/disagg.py), because only it
+  knows its own prefix cache and holds the blocks the KV must land in. The frontend routes to decode (and
+  aggregated) workers only; a decode worker that fails before its first item is a failed attempt like any other.
 
 Retries before the first item: a worker that is gone, draining, dead, aborted the request, or whose stream broke is
 replaced by another (up to ``max_retries``) without the client seeing anything. Error codes from the worker
