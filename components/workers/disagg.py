@@ -56,8 +56,8 @@ from components.protocol.messages import (
     RemotePrefillResult,
     TokenChunk,
 )
-from components.protocol.metadata import stale_after
 from components.router.policies.disagg import PrefillDecision, decide_prefill
+from components.router.prefill_queue import PrefillQueues
 from components.runtime import (
     Client,
     EventSubscription,
@@ -76,9 +76,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PrefillLoop", "PrefillWorkers", "RemotePrefiller", "supports_remote_decode"]
 
-# A prefill worker's report counts as "alive" for this many of its intervals (the rule router and planner use).
-REPORT_STALE_INTERVALS = 3.0
-REPORT_STALE_MIN_S = 1.0
 # How long a decode worker waits for the queue's depth before deciding without it (local).
 QUEUE_STATS_TIMEOUT_S = 1.0
 # How long a prefill worker waits for a decode worker to take a delivered result.
@@ -93,34 +90,22 @@ def supports_remote_decode(engine: object) -> bool:
 
 
 class PrefillWorkers:
-    """The prefill workers alive for one model, as a decode worker hears them (their ``PrefillQueueReport``s)."""
+    """The prefill workers alive for one model, as a decode worker hears their ``PrefillQueueReport``s: the one rule
+    frontend and status use too (``components.router.prefill_queue.PrefillQueues``), for this model only."""
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self._seen: dict[int, tuple[float, float | None]] = {}  # iid -> (received at, observed interval)
-        self.last: PrefillQueueReport | None = None
+        self._queues = PrefillQueues()
 
     def apply(self, source_id: int, report: PrefillQueueReport, now_s: float) -> None:
-        if report.model != self.model:
-            return
-        prev = self._seen.get(source_id)
-        interval = None if prev is None else max(1e-3, now_s - prev[0])
-        if prev is not None and prev[1] is not None and interval is not None:
-            interval = prev[1] + 0.3 * (min(interval, 2 * prev[1]) - prev[1])
-        self._seen[source_id] = (now_s, interval)
-        self.last = report
+        if report.model == self.model:
+            self._queues.apply(source_id, report, now_s)
 
     def forget(self, source_id: int) -> None:
-        self._seen.pop(source_id, None)
+        self._queues.forget(source_id)
 
     def count(self, now_s: float) -> int:
-        alive = 0
-        for received, interval in self._seen.values():
-            # A single report has no interval yet: give it the minimum window rather than forever.
-            until = stale_after(received, interval if interval is not None else 0.0, REPORT_STALE_INTERVALS, 0.0)
-            if now_s <= max(until, received + REPORT_STALE_MIN_S):
-                alive += 1
-        return alive
+        return self._queues.count(self.model, now_s)
 
 
 @dataclasses.dataclass(slots=True)
