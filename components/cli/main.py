@@ -40,6 +40,7 @@ COMMANDS = (
     Command("logs", "components.cli.logs", "print or follow (-f) a served component's log, state/logs/NAME.log"),
     Command("frontend", "components.frontend.main", "serve the OpenAI API for a namespace's workers (from etcd)"),
     Command("router", "components.router.main", "a standalone router: serves 'route'/'report' for a namespace"),
+    Command("planner", "components.planner.main", "scale prefill/decode pools on KV use and the prefill queue"),
 )
 
 BENCHMARKS = (

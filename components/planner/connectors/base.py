@@ -1,0 +1,50 @@
+"""What every planner connector is: the ``Connector`` protocol the loop (components/planner/loop.py) drives, and the
+connectors' typed errors.
+
+A connector sets an absolute worker count per pool (STYLE.md habit 4); ``set_pool_size`` returns once the change is
+done (the new worker registered, the leaving one gone). The loop runs each call in a named task of its own and, while
+that task runs, counts the pool as changing (``PoolView.starting``/``leaving`` by the difference asked for), which
+pauses the policy's intervals; so "is a change still in progress" is "has ``set_pool_size`` returned", one rule for
+every connector.
+
+Imports only the planner's policy (for ``Pool``) and the standard library.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from components.planner.policy import Pool
+
+
+class Connector(Protocol):
+    """Sets the size of a deployment's pools."""
+
+    name: str  # the --environment it implements: virtual, local, kubernetes
+
+    async def set_pool_size(self, pool: Pool, count: int) -> None:
+        """Make ``pool`` have ``count`` workers and return when it has (idempotent: the same count again is a no-op
+        for the outside system). Raises ``ConnectorError`` when the change failed or did not finish in time."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the connector holds (watches, clients); a change in flight is abandoned, not undone."""
+        ...
+
+
+class ConnectorError(Exception):
+    """A pool size was not set. Recoverable: the planner logs it and decides again at a later interval."""
+
+    def __init__(self, connector: str, pool: Pool, count: int, message: str) -> None:
+        super().__init__(f"{connector} connector: setting {pool} pool to {count} workers: {message}")
+        self.connector = connector
+        self.pool = pool
+        self.count = count
+
+
+class ScalingTimeoutError(ConnectorError, TimeoutError):
+    """The outside system did not report the change done within the connector's timeout."""
+
+    def __init__(self, connector: str, pool: Pool, count: int, timeout_s: float) -> None:
+        super().__init__(connector, pool, count, f"not done within {timeout_s:g} s")
+        self.timeout_s = timeout_s

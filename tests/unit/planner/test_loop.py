@@ -1,0 +1,294 @@
+"""The planner adapter's pure parts: discovery listing -> pools, wire reports -> the policy's observation, and the
+TensorBoard writer (its files read back with tensorboard's own event reader)."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.planner.config import PlannerConfig
+from components.planner.loop import (
+    Fleet,
+    PendingChange,
+    PlannerBoard,
+    adjustment_to_dict,
+    build_observation,
+    fleet_from_instances,
+    pool_view,
+    queue_reading,
+    request_totals,
+)
+from components.planner.policy import (
+    Adjustment,
+    Direction,
+    Pool,
+    PoolView,
+    QueueReading,
+    ScalingDecision,
+    WorkerLoad,
+    pull_figures,
+)
+from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE
+from components.protocol.messages import LoadSnapshot, PrefillQueueReport
+from components.protocol.metadata import WorkerMetadata, WorkerRole
+from components.runtime import InstanceInfo
+
+pytestmark = pytest.mark.unit
+MODEL = "m"
+
+
+def instance(iid: int, endpoint: str, role: WorkerRole, model: str = MODEL) -> InstanceInfo:
+    meta = WorkerMetadata(model=model, role=role).to_dict()
+    return InstanceInfo("ns", "backend", endpoint, iid, f"s.{iid}", meta)
+
+
+def worker(iid: int, role: WorkerRole, model: str = MODEL) -> list[InstanceInfo]:
+    """The registrations one worker makes: prefill workers serve kv_state only, the others generate and kv_state."""
+    if role == WorkerRole.PREFILL:
+        return [instance(iid, ENDPOINT_KV_STATE, role, model)]
+    return [instance(iid, ENDPOINT_GENERATE, role, model), instance(iid, ENDPOINT_KV_STATE, role, model)]
+
+
+def load(kv: float, running: int = 0, waiting: int = 0) -> LoadSnapshot:
+    return LoadSnapshot(
+        now_s=0.0,
+        kv_usage=kv,
+        num_total_blocks=100,
+        num_active_blocks=int(kv * 100),
+        num_running=running,
+        num_waiting=waiting,
+        num_waiting_prefill_tokens=0,
+        num_preemptions=0,
+        batch_size=running,
+        num_kv_tokens=0,
+    )
+
+
+def report(waiting: int, in_flight: int = 0, model: str = MODEL, error: str = "") -> PrefillQueueReport:
+    return PrefillQueueReport(model, waiting, in_flight, 0.0, 1, 0, False, stats_error=error)
+
+
+# --- discovery -> pools -----------------------------------------------------------------------------------------------
+
+
+def test_aggregated_workers_are_the_decode_pool_counted_once_each():
+    listing = worker(1, WorkerRole.AGGREGATED) + worker(2, WorkerRole.AGGREGATED)
+    assert fleet_from_instances(listing, MODEL) == Fleet(frozenset({1, 2}), frozenset(), disaggregated=False)
+
+
+def test_disaggregated_pools_by_role_and_other_models_ignored():
+    listing = (
+        worker(1, WorkerRole.DECODE)
+        + worker(2, WorkerRole.DECODE)
+        + worker(3, WorkerRole.PREFILL)
+        + worker(4, WorkerRole.AGGREGATED, model="other")
+        + worker(5, WorkerRole.PREFILL, model="other")
+    )
+    assert fleet_from_instances(listing, MODEL) == Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
+
+
+def test_decode_workers_without_prefill_workers_still_make_a_disaggregated_fleet():
+    # The prefill pool exists with 0 workers: the policy holds it ("no prefill worker registered"), not aggregated.
+    fleet = fleet_from_instances(worker(1, WorkerRole.DECODE), MODEL)
+    assert fleet.disaggregated and fleet.prefill == frozenset()
+    obs = build_observation(0.0, fleet, {}, None, {})
+    assert obs.prefill == PoolView(workers=0)
+
+
+def test_no_workers_at_all():
+    assert fleet_from_instances([], MODEL) == Fleet(frozenset(), frozenset(), disaggregated=False)
+
+
+# --- changes in progress ----------------------------------------------------------------------------------------------
+
+
+def test_pool_view_settled_and_in_progress():
+    assert pool_view(2, None) == PoolView(workers=2)
+    assert pool_view(2, PendingChange(before=2, target=2)) == PoolView(workers=2)
+    # Asked 2 -> 3, not registered yet: one starting.
+    assert pool_view(2, PendingChange(before=2, target=3)) == PoolView(workers=2, starting=1)
+    # Registered already, but the connector has not returned: still counts as one starting.
+    assert pool_view(3, PendingChange(before=2, target=3)) == PoolView(workers=3, starting=1)
+    # Asked 3 -> 2: one leaving until it is gone, and while the connector runs.
+    assert pool_view(3, PendingChange(before=3, target=2)) == PoolView(workers=3, leaving=1)
+    assert pool_view(2, PendingChange(before=3, target=2)) == PoolView(workers=2, leaving=1)
+    assert pool_view(2, PendingChange(before=2, target=3)).changing
+
+
+# --- reports -> observation -------------------------------------------------------------------------------------------
+
+
+def test_queue_reading_takes_the_freshest_readable_report_of_the_model():
+    reports = {
+        1: (report(4, 1), 10.0),
+        2: (report(7, 2), 11.0),
+        3: (report(0, error="stream gone"), 12.0),  # newest, but its counts are not a measurement
+        4: (report(99, model="other"), 13.0),
+    }
+    assert queue_reading(reports, MODEL) == QueueReading(waiting=7, in_flight=2, received_s=11.0)
+    assert queue_reading({3: reports[3], 4: reports[4]}, MODEL) is None
+
+
+def test_observation_keeps_only_decode_pool_loads_with_the_planner_receive_time():
+    fleet = Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
+    loads = {1: (load(0.5), 9.0), 2: (load(0.7), 9.5), 3: (load(0.9), 9.5), 8: (load(1.0), 9.5)}
+    queue = QueueReading(3, 0, 9.8)
+    obs = build_observation(10.0, fleet, loads, queue, {Pool.DECODE: PendingChange(2, 3)})
+    assert obs.loads == (WorkerLoad(1, 0.5, 9.0), WorkerLoad(2, 0.7, 9.5))
+    assert obs.decode == PoolView(workers=2, starting=1)
+    assert obs.prefill == PoolView(workers=1)
+    assert obs.queue == queue
+    # Pull figures as the policy computes them: mean KV (0.5 + 0.7) / 2 = 0.6; queue 3 items over 1 prefill worker.
+    figures = pull_figures(obs, PlannerConfig())
+    assert figures.kv_usage == pytest.approx(0.6)
+    assert figures.queue_waiting == 3 and figures.queue_utilisation == 3.0
+
+
+def test_aggregated_observation_has_no_prefill_pool_and_no_queue():
+    fleet = Fleet(frozenset({1}), frozenset(), disaggregated=False)
+    obs = build_observation(1.0, fleet, {1: (load(0.2), 1.0)}, QueueReading(5, 0, 1.0), {})
+    assert obs.aggregated and obs.queue is None
+
+
+def test_request_totals_count_fresh_decode_workers_only():
+    # Pull every 1 s: snapshots older than 3 pulls (received before 7.0 at now 10.0) are stale.
+    fleet = Fleet(frozenset({1, 2, 3}), frozenset({4}), disaggregated=True)
+    loads = {
+        1: (load(0.1, running=3, waiting=1), 9.0),
+        2: (load(0.1, running=5, waiting=2), 7.0),  # exactly 3 pulls old: still fresh, as in the policy
+        3: (load(0.1, running=100, waiting=100), 6.9),  # stale
+        4: (load(0.1, running=50, waiting=50), 9.0),  # a prefill worker
+    }
+    assert request_totals(loads, fleet, 10.0, PlannerConfig()) == (8, 3)
+
+
+# --- TensorBoard ------------------------------------------------------------------------------------------------------
+
+
+def adjustment(no_operation: bool = False) -> Adjustment:
+    decode = ScalingDecision(
+        Pool.DECODE, Direction.UP, 1, 2, "average KV-cache use 0.95 > 0.9", {"kv_usage": 0.95}, no_operation
+    )
+    prefill = ScalingDecision(
+        Pool.PREFILL,
+        Direction.HOLD,
+        1,
+        1,
+        "prefill queue utilisation 0.3 within [0.2, 0.5]",
+        {"queue_waiting": 0.3, "queue_utilisation": 0.3},
+        no_operation,
+    )
+    return Adjustment(30.0, (decode, prefill), gpus_before=2, gpus_after=3, no_operation=no_operation)
+
+
+def read_events(log_dir: str):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_board_writes_pull_and_adjustment_scalars_and_decision_text(tmp_path):
+    fleet = Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
+    loads = {1: (load(0.8, running=4, waiting=1), 1.0), 2: (load(0.6, running=2, waiting=0), 1.0)}
+    obs = build_observation(1.0, fleet, loads, QueueReading(2, 1, 1.0), {})
+    cfg = PlannerConfig()
+    board = PlannerBoard(str(tmp_path))
+    board.pull(1, obs, pull_figures(obs, cfg), *request_totals(loads, fleet, 1.0, cfg), walltime=100.0)
+    board.adjustment(1, adjustment(), walltime=100.0)
+    board.close()
+
+    acc = read_events(str(tmp_path))
+    tags = set(acc.Tags()["scalars"])
+    expected = {
+        "pull/kv_usage": 0.7,  # (0.8 + 0.6) / 2
+        "pull/prefill_queue_size": 2,
+        "pull/prefill_queue_utilisation": 2.0,  # 2 waiting / 1 prefill worker
+        "pull/running_requests": 6,
+        "pull/waiting_requests": 1,
+        "pull/decode_workers": 2,
+        "pull/prefill_workers": 1,
+        "pull/gpus": 3,
+        "adjustment/kv_usage": 0.95,
+        "adjustment/prefill_queue_size": 0.3,
+        "adjustment/prefill_queue_utilisation": 0.3,
+        "adjustment/decode_workers": 2,
+        "adjustment/prefill_workers": 1,
+        "adjustment/gpus": 3,
+    }
+    assert set(expected) <= tags
+    for tag, value in expected.items():
+        [event] = acc.Scalars(tag)
+        assert event.step == 1
+        assert event.value == pytest.approx(value), tag
+    text = acc.Tensors("adjustment/decisions/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "decode: scale up 1 -> 2 (average KV-cache use 0.95 > 0.9)" in text
+    assert "prefill: hold at 1" in text and "GPUs 2 -> 3" in text
+
+
+def test_board_leaves_out_unknown_figures_and_marks_no_operation(tmp_path):
+    fleet = Fleet(frozenset({1}), frozenset(), disaggregated=False)
+    obs = build_observation(1.0, fleet, {}, None, {})  # no snapshot yet: KV use unknown
+    board = PlannerBoard(str(tmp_path))
+    board.pull(1, obs, pull_figures(obs, PlannerConfig()), 0, 0, walltime=100.0)
+    board.adjustment(2, adjustment(no_operation=True), walltime=101.0)
+    board.close()
+    acc = read_events(str(tmp_path))
+    tags = set(acc.Tags()["scalars"])
+    assert "pull/decode_workers" in tags
+    assert not {"pull/kv_usage", "pull/prefill_queue_size", "pull/prefill_workers"} & tags
+    text = acc.Tensors("adjustment/decisions/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "[no-operation] decode: would scale up 1 -> 2" in text
+
+
+def test_adjustment_to_dict_is_json_ready():
+    import json
+
+    d = json.loads(json.dumps(adjustment_to_dict(adjustment())))
+    assert [x["pool"] for x in d["decisions"]] == ["decode", "prefill"]
+    assert d["decisions"][0]["target"] == 2 and d["gpus_after"] == 3
+
+
+# --- command line ----------------------------------------------------------------------------------------------------
+
+
+def parse(*argv: str):
+    import argparse
+
+    from components.planner.main import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    return ap.parse_args(list(argv))
+
+
+def test_cli_flags_keep_dynamo_names_and_defaults():
+    from components.planner.main import Environment, configs_from_args
+
+    run, cfg = configs_from_args(
+        parse("--namespace", "ns", "--served-model-name", "m", "--environment", "virtual", "--no-operation")
+    )
+    assert (run.namespace, run.served_model_name, run.environment, run.log_dir) == (
+        "ns",
+        "m",
+        Environment.VIRTUAL,
+        None,
+    )
+    assert cfg.no_operation and cfg.adjustment_interval == 30.0 and cfg.metric_pulling_interval == 1.0
+    _, cfg = configs_from_args(parse("--adjustment-interval", "10", "--decode-kv-scale-up-threshold", "0.8"))
+    assert cfg.adjustment_interval == 10.0 and cfg.decode_kv_scale_up_threshold == 0.8
+
+
+@pytest.mark.parametrize("environment", ["local", "kubernetes"])
+def test_cli_environments_not_implemented_exit_2_before_connecting(environment, capsys):
+    from components.planner.main import main
+
+    assert main(parse("--environment", environment, "--etcd", "http://127.0.0.1:1")) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_cli_refuses_inconsistent_policy_flags():
+    from components.planner.main import configs_from_args
+
+    with pytest.raises(SystemExit, match="must be below"):
+        configs_from_args(parse("--decode-kv-scale-down-threshold", "0.95"))
