@@ -52,6 +52,7 @@ BENCHMARKS = (
     Command("router", "components.cli.bench.router", "cost of one routing decision (8-1024 workers), KV event ingest"),
     Command("routing", "components.cli.bench.routing", "routing quality per policy at fractions of measured capacity"),
     Command("routing-live", "components.cli.bench.routing_live", "one trace slice per policy on a live deployment"),
+    Command("disagg", "components.cli.bench.disagg", "aggregated vs disaggregated prefill/decode, simulated fleets"),
 )
 
 

@@ -7,14 +7,20 @@ step-time model) driven by a caller that owns the clock: ``add`` a request at ``
 the engine is idle, and the step's outputs become visible ``StepOutput.step_time_s`` later. Nothing here sleeps,
 reads a clock or does I/O.
 
+For disaggregated fleets (``kvmesh bench disagg``) it also exposes the scheduler's remote-prefill primitives as a
+decode engine uses them (``reserve_remote_prefill``, ``commit_remote_prefill``, ``cancel_remote_prefill``,
+``cached_prefix_tokens``), ``abort`` (a prefill engine drops a request after its first token) and the modelled KV
+transfer time (``kv_transfer_time_s``, as ``MockEngine`` charges it, without ``speedup_ratio``: time is virtual).
+
 The public face of the private ``engines`` package for the command line (tests/unit/test_layering.py: only
 ``components.workers`` imports its engines).
 """
 
 from __future__ import annotations
 
-from components.protocol.messages import GenerateRequest, KvEvent, LoadSnapshot
+from components.protocol.messages import GenerateRequest, KvEvent, LoadSnapshot, TokenChunk
 from components.workers.engines.mock.config import STEP_TIME_FIELDS, MockEngineConfig
+from components.workers.engines.mock.perf_model import transfer_time_s
 from components.workers.engines.mock.scheduler import Scheduler, StepOutput
 
 __all__ = ["MockEngineConfig", "StepOutput", "VirtualEngine", "step_time_of"]
@@ -52,3 +58,42 @@ class VirtualEngine:
 
     def snapshot(self, now_s: float) -> LoadSnapshot:
         return self.scheduler.snapshot(now_s)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting, running or reserved request and free its blocks; False if it is unknown or finished."""
+        return self.scheduler.abort(request_id)
+
+    # --- remote prefill (disaggregated serving), thin wrappers over the scheduler's primitives --------------------
+
+    @property
+    def num_reserved(self) -> int:
+        """Requests holding blocks while another engine prefills their prompt (not scheduled here)."""
+        return len(self.scheduler.remote)
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading prompt tokens this engine's prefix cache holds (whole blocks); touches nothing."""
+        return self.scheduler.cached_prefix_tokens(token_ids)
+
+    def reserve_remote_prefill(self, request: GenerateRequest, now_s: float) -> bool:
+        """Reserve blocks for ``request``'s whole prompt (sharing the cached prefix) while another engine prefills
+        it; False, changing nothing, when the cache has no room now (prefill it here instead)."""
+        return self.scheduler.reserve_remote_prefill(request, now_s) is not None
+
+    def commit_remote_prefill(self, request_id: str, first_token: int) -> TokenChunk | None:
+        """The prompt's KV arrived with its first token: the request decodes from the next step. The first token's
+        chunk (with a finish reason when it is the last), or None if the request is no longer reserved."""
+        return self.scheduler.commit_remote_prefill(request_id, first_token)
+
+    def cancel_remote_prefill(self, request_id: str) -> bool:
+        """Prefill a reserved request here after all (back of the waiting queue); False if it is not reserved."""
+        return self.scheduler.cancel_remote_prefill(request_id)
+
+    def kv_transfer_time_s(self, num_tokens: int) -> float:
+        """Modelled time to send the KV of ``num_tokens`` prompt tokens (whole blocks) to another engine."""
+        cfg = self.config
+        return transfer_time_s(
+            -(-num_tokens // cfg.block_size),
+            bytes_per_block=cfg.kv_bytes_per_block,
+            bandwidth_gbps=cfg.kv_transfer_bandwidth_gbps,
+            latency_ms=cfg.kv_transfer_latency_ms,
+        )

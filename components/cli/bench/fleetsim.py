@@ -30,7 +30,7 @@ import heapq
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from components.protocol.kv_hashing import block_hashes
@@ -348,11 +348,24 @@ def _decode_ms(c: MockEngineConfig, seqs: int, kv: int) -> float:
     return c.decode_base_ms + c.decode_ms_per_seq * seqs + c.decode_ms_per_kv_token * kv
 
 
-def probe(workload: Workload, fleet: FleetSpec, rate: float, seed: int = 0, policy: str = "round_robin") -> Probe:
-    """Replay at ``rate`` with ``policy``: drained when the last request finished within ``DRAIN_SLACK`` of the
+# Replays a workload (already at its rate) on some fleet: ``kvmesh bench disagg`` passes its disaggregated fleet's.
+Simulator = Callable[[Workload], RunResult]
+
+
+def probe(
+    workload: Workload,
+    fleet: FleetSpec,
+    rate: float,
+    seed: int = 0,
+    policy: str = "round_robin",
+    *,
+    simulator: Simulator | None = None,
+) -> Probe:
+    """Replay at ``rate`` with ``policy`` (or with ``simulator``, which then replaces ``simulate``; ``fleet`` still
+    sizes the isolated-request allowance): drained when the last request finished within ``DRAIN_SLACK`` of the
     replay's length (plus the longest isolated request) after the last arrival."""
     w = workload.at_rate(rate)
-    res = simulate(w, policy, fleet, seed)
+    res = simulator(w) if simulator is not None else simulate(w, policy, fleet, seed)
     allowed = DRAIN_SLACK * w.span_s + isolated_service_s(w, fleet)
     return Probe(rate, res.drain_s, allowed)
 
@@ -370,16 +383,23 @@ def model_estimate(workload: Workload, fleet: FleetSpec) -> float:
 
 
 def find_capacity(
-    workload: Workload, fleet: FleetSpec, seed: int = 0, rel_tol: float = 0.04, max_probes: int = 14
+    workload: Workload,
+    fleet: FleetSpec,
+    seed: int = 0,
+    rel_tol: float = 0.04,
+    max_probes: int = 14,
+    *,
+    simulator: Simulator | None = None,
 ) -> tuple[float, list[Probe]]:
     """The highest arrival rate (requests per second) at which round-robin still drains the workload (``probe``),
-    by bracketing from the step-time model's estimate and bisecting geometrically to ``rel_tol``."""
+    by bracketing from the step-time model's estimate and bisecting geometrically to ``rel_tol``. ``simulator``:
+    the same search for another fleet (``probe``)."""
     probes: list[Probe] = []
     guess = model_estimate(workload, fleet)
     lo = hi = None
     rate = guess
     while len(probes) < max_probes and (lo is None or hi is None):
-        p = probe(workload, fleet, rate, seed)
+        p = probe(workload, fleet, rate, seed, simulator=simulator)
         probes.append(p)
         if p.drained:
             lo = rate
@@ -391,7 +411,7 @@ def find_capacity(
         raise RuntimeError(f"capacity not bracketed in {max_probes} probes: {probes}")
     while hi / lo > 1 + rel_tol and len(probes) < max_probes:
         mid = math.sqrt(lo * hi)
-        p = probe(workload, fleet, mid, seed)
+        p = probe(workload, fleet, mid, seed, simulator=simulator)
         probes.append(p)
         if p.drained:
             lo = mid

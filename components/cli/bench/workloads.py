@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from components.cli.bench.fleetsim import SimRequest, Workload, derive_programs
-from components.cli.bench.loadgen.traces import MooncakeBlocks, read_trace, token_ids
+from components.cli.bench.loadgen.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
 
 SHAREGPT_OUTPUT_TOKENS = 256
 SHAPES = ("system_prompts", "documents", "conversations")
@@ -59,10 +59,15 @@ def from_trace(
     seed: int = 0,
     fmt: str = "auto",
     output_tokens: int = SHAREGPT_OUTPUT_TOKENS,
+    min_prompt_tokens: int = 0,
 ) -> Workload:
-    """The first ``max_requests`` rows of a trace file as a workload (module docstring)."""
+    """The first ``max_requests`` rows of a trace file as a workload (module docstring); with ``min_prompt_tokens``,
+    the first that many rows whose prompt has at least that many tokens (a ShareGPT text: its UTF-8 bytes), the
+    others skipped (their prompts are not built, and the kept rows' prompts are the ones they get unfiltered)."""
     rows = []
     for row in read_trace(path, fmt):
+        if min_prompt_tokens > 0 and _prompt_length(row) < min_prompt_tokens:
+            continue
         rows.append(row)
         if len(rows) >= max_requests:
             break
@@ -95,6 +100,10 @@ def from_trace(
     out.sort(key=lambda r: r.arrival_s)
     t0 = out[0].arrival_s
     return Workload(name, tuple(SimRequest(r.arrival_s - t0, r.prompt, r.max_tokens, r.program_id) for r in out))
+
+
+def _prompt_length(row: TraceRow) -> int:
+    return len(row.text.encode("utf-8")) if row.text is not None else max(1, row.input_length or 1)
 
 
 def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0) -> Workload:

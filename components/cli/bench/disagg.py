@@ -1,0 +1,799 @@
+"""``kvmesh bench disagg``: aggregated vs disaggregated prefill/decode with the same number of simulated workers, at
+stated fractions of the aggregated fleet's measured capacity.
+
+Two fleets of ``VirtualEngine``s (the mock engine's own scheduler on a virtual clock, as in ``kvmesh bench routing``;
+``fleetsim``'s docstring says what that leaves out), same engines, same router policy (``--policy``, default
+``round_robin``: the policy the capacity is defined with, so that the comparison measures where prefills run and
+not where requests are placed), same workload, same seed:
+
+* **aggregated**: ``N`` engines; the router places each request on one, which prefills and decodes it
+  (``fleetsim.simulate``'s fleet: ``simulate_fleet`` with no prefill workers reproduces it request for request);
+* **disaggregated**: ``P`` prefill + ``D`` decode engines, ``P + D = N``. As in ``components/workers/disagg.py``:
+  the router places the request on a decode engine, which asks ``decide_prefill`` (its own prefix cache's hit,
+  ``queue_size`` = items in the prefill queue not yet popped, ``prefill_workers`` = ``P``, the rule's default
+  thresholds 1000 tokens / 3 items); remote: the decode engine reserves blocks for the whole prompt
+  (``reserve_remote_prefill``; no room -> local after all) and the item joins a FIFO queue. Each prefill engine pops
+  ONE item at a time, prefills it (a normal request with the request's sampling; the step that samples the first
+  token ends it: the rest is aborted), holds it for the KV transfer of the whole prompt's blocks
+  (``perf_model.transfer_time_s``: 1 ms + 2 MiB per 16-token block at 400 Gb/s with the defaults), delivers it (the
+  decode engine commits the KV and first token, which the client sees now, and decodes on from its next step), and
+  only then pops the next item. Short prompts, and long ones while the queue is full, are prefilled by the decode
+  engine itself, in its decode batches.
+
+Per workload:
+
+1. **Capacity** of the aggregated fleet, as the routing benchmark measures it (``fleetsim.find_capacity``: the
+   highest arrival rate at which round-robin still drains, found by bracketing and geometric bisection to 4%).
+   The disaggregated fleet's capacity is searched the same way (same drain rule) and reported beside it.
+2. **Replays** of both fleets at each load (default 0.5, 0.7, 0.9 x the aggregated capacity; above 1.0 the
+   aggregated fleet does not drain and its latencies grow with the replay's length, measuring the replay rather
+   than the fleet): TTFT p50/p99 (arrival to the first token the client sees: for a remote prefill, its delivery),
+   inter-token latency p50/p99 (every gap between two consecutive tokens of a request), end-to-end p50/p99, output
+   tokens/s over the makespan, whether the replay drained (the capacity search's rule), and for the disaggregated
+   fleet the fraction prefilled remotely, the decisions by kind, the queue wait p50/p99 (push to pop), the
+   transfer time and each prefill engine's busy fraction.
+3. **Ratios** disaggregated over aggregated at each load, and the **target** (issue 13): disaggregated ITL p99 at
+   least 1.5x better than aggregated at equal throughput (output tokens/s within 5%), judged per load.
+
+Workloads (``workloads.from_trace``): by default the first ``--requests`` rows with a prompt of at least
+``--min-prompt-tokens`` (512) tokens of the Azure conversation trace and of the Mooncake conversation trace, plus
+the ShareGPT file as a check on data the defaults were not chosen on (``held_out``: true). One slice rule for every
+trace: 512 tokens drops the short chat turns that stall no decode batch much (Azure's p10 prompt is 207 tokens: a
+~20 ms step) while the slice still holds prompts on both sides of the rule's 1000-token threshold (15% of Azure's
+slice, 9% of Mooncake's and 25% of ShareGPT's stay below it), so both of its branches are exercised;
+``--min-prompt-tokens 0`` replays the whole distribution. The first 1000 kept rows are 20 to 40 s of Azure's slice
+and 150 to 300 s of Mooncake's at these loads.
+
+JSON is the last line on stdout; a table per workload goes to stderr; ``--png`` (default ``bench-disagg.png``)
+draws the TTFT and ITL CDFs, aggregated against disaggregated at each load, one row per workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import heapq
+import json
+import math
+import multiprocessing
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from components.cli.bench import fleetsim
+from components.cli.bench.fleetsim import MODEL, FleetSpec, RunResult, Workload
+from components.cli.bench.routing import TRACE_DIR, _floats, _ms, _pct
+from components.cli.bench.workloads import from_trace
+from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
+from components.router import Router, RouterConfig, RouteRequest
+from components.router.names import POLICY_NAMES
+from components.router.policies.disagg import (
+    DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
+    DEFAULT_MAX_PREFILL_QUEUE_SIZE,
+    PrefillKind,
+    decide_prefill,
+)
+from components.workers.simulated import MockEngineConfig, StepOutput, VirtualEngine
+
+DEFAULT_TRACES = ("AzureLLMInferenceTrace_conv.csv", "mooncake_conversation_trace.jsonl")
+HELD_OUT_TRACES = ("sharegpt_v3_filtered_500.json",)
+LOADS = (0.5, 0.7, 0.9)
+MIN_PROMPT_TOKENS = 512
+TARGET_ITL_P99_SPEEDUP = 1.5
+THROUGHPUT_TOLERANCE = 0.05  # "equal throughput": disaggregated output tokens/s within 5% of aggregated
+NO_ROOM = "no_room"  # a remote decision whose reservation the decode engine's cache could not hold: prefilled locally
+# Quantile levels the CDFs are drawn at: every percent, then the tail finer (on a logit axis, where p99 shows).
+CDF_LEVELS = (*(k / 100 for k in range(1, 100)), 0.995, 0.999)
+
+
+# --- the simulated fleets ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DisaggSpec:
+    """A fleet of ``prefill`` prefill engines and ``decode`` engines the router places requests on; ``prefill = 0``
+    is an aggregated fleet of ``decode`` engines. The thresholds are the decode engines' ``WorkerConfig`` fields."""
+
+    prefill: int
+    decode: int
+    engine: MockEngineConfig = dataclasses.field(default_factory=MockEngineConfig)
+    metrics_interval_s: float = 0.1
+    max_local_prefill_length: int = DEFAULT_MAX_LOCAL_PREFILL_LENGTH
+    max_prefill_queue_size: int = DEFAULT_MAX_PREFILL_QUEUE_SIZE
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+
+@dataclasses.dataclass
+class DisaggResult(RunResult):
+    """``RunResult`` (its per-worker lists over the decode engines) plus what the prefill side did."""
+
+    prefill_kinds: dict[str, int]  # decide_prefill's kinds, plus NO_ROOM
+    remote: int  # prompts prefilled by a prefill engine
+    queue_wait_s: list[float]  # per remote prompt: pushed -> popped by a prefill engine
+    transfer_s: list[float]  # per remote prompt: the modelled KV transfer
+    prefill_busy_s: list[float]  # per prefill engine: time holding an item (prefill + transfer)
+    prefill_computed_tokens: list[int]  # per prefill engine
+    max_queue: int  # deepest the prefill queue got
+
+
+@dataclasses.dataclass(slots=True)
+class _Req:
+    arrival_s: float
+    prompt: tuple[int, ...]
+    max_tokens: int
+    worker: int  # decode engine
+    first_s: float = -1.0
+    last_s: float = -1.0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    enqueued_s: float = -1.0  # pushed on the prefill queue (remote prompts only)
+
+
+def simulate_fleet(workload: Workload, spec: DisaggSpec, policy: str = "round_robin", seed: int = 0) -> DisaggResult:
+    """Replay ``workload`` on ``spec``'s fleet (module docstring); deterministic for a seed.
+
+    Events are (time, order, kind, payload) in one heap, ``order`` a counter, so events at one instant run in the
+    order they were scheduled; the kinds 0-2 and their scheduling order are ``fleetsim.simulate``'s, so that with no
+    prefill engine the replay is the same one."""
+    config = RouterConfig(router_policy=policy, router_seed=seed)
+    router = Router(config, rng=random.Random(seed))
+    engines = [VirtualEngine(spec.engine) for _ in range(spec.decode)]
+    prefillers = [VirtualEngine(spec.engine) for _ in range(spec.prefill)]
+    ids = list(range(1, spec.decode + 1))
+    meta = {
+        "model": MODEL,
+        "block_size": spec.engine.block_size,
+        "max_model_len": spec.engine.max_model_len,
+        "step_time": engines[0].step_time,
+    }
+    router.set_workers(MODEL, [(iid, dict(meta)) for iid in ids])
+    reqs: dict[str, _Req] = {}
+    ttft: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+    kinds: dict[str, int] = {}
+    prefill_kinds: dict[str, int] = {}
+    queue_wait: list[float] = []
+    transfers: list[float] = []
+    busy = [False] * spec.decode
+    pending: list[StepOutput | None] = [None] * spec.decode
+    in_flight_sum = [0.0] * spec.decode
+    computed = [0] * spec.decode
+    samples = 0
+    queue: collections.deque[str] = collections.deque()  # the prefill queue: request ids, FIFO
+    max_queue = 0
+    holding: list[str | None] = [None] * spec.prefill  # the item each prefill engine holds
+    popped_at = [0.0] * spec.prefill
+    first_token = [0] * spec.prefill
+    pf_pending: list[StepOutput | None] = [None] * spec.prefill
+    pf_busy_s = [0.0] * spec.prefill
+    pf_computed = [0] * spec.prefill
+    heap: list[tuple[float, int, int, int]] = []
+    seq = 0
+    for i, r in enumerate(workload.requests):
+        heap.append((r.arrival_s, seq, 1, i))
+        seq += 1
+    heapq.heapify(heap)
+    if workload.requests:
+        heapq.heappush(heap, (workload.requests[0].arrival_s, seq, 2, 0))
+        seq += 1
+    remaining = len(workload.requests)
+    last_finish = workload.requests[0].arrival_s if workload.requests else 0.0
+
+    def push(t: float, kind: int, payload: int) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, payload))
+        seq += 1
+
+    def start_step(w: int, now: float) -> None:
+        out = engines[w].step(now)
+        if out.batch_size == 0:
+            if engines[w].num_reserved:
+                # Its cache is held by prompts being prefilled elsewhere: nothing fits until one is delivered (the
+                # delivery starts the next step) or finishes.
+                return
+            raise RuntimeError(f"simulated worker {w} has work but scheduled nothing at t={now:.3f}")
+        pending[w] = out
+        busy[w] = True
+        push(now + out.step_time_s, 0, w)
+
+    def start_prefill_step(p: int, now: float) -> None:
+        out = prefillers[p].step(now)
+        pf_pending[p] = out
+        push(now + out.step_time_s, 3, p)
+
+    def emit(rid: str, chunk: TokenChunk, now: float) -> None:
+        nonlocal remaining, last_finish
+        t = reqs[rid]
+        if t.first_s < 0:
+            t.first_s = now
+            t.cached_tokens = chunk.num_cached_tokens
+            ttft.append(now - t.arrival_s)
+            router.on_first_token(rid)
+        else:
+            itl.append(now - t.last_s)
+        t.last_s = now
+        t.output_tokens += len(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            router.on_finished(rid)
+            e2e.append(now - t.arrival_s)
+            remaining -= 1
+            last_finish = now
+
+    def dispatch(now: float) -> None:
+        """Idle prefill engines pop the queue's oldest items, one each."""
+        for p in range(spec.prefill):
+            if not queue:
+                return
+            if holding[p] is not None:
+                continue
+            rid = queue.popleft()
+            t = reqs[rid]
+            holding[p] = rid
+            popped_at[p] = now
+            queue_wait.append(now - t.enqueued_s)
+            sampling = SamplingParams(max_tokens=t.max_tokens, ignore_eos=True, temperature=0.0)
+            prefillers[p].add(GenerateRequest(f"{rid}@prefill", list(t.prompt), sampling), now)
+            start_prefill_step(p, now)
+
+    def prefill_step_ended(p: int, now: float) -> None:
+        out = pf_pending[p]
+        rid = holding[p]
+        assert out is not None and rid is not None
+        pf_pending[p] = None
+        pf_computed[p] += sum(out.num_scheduled_tokens.values())
+        prefillers[p].take_kv_events()  # nobody routes to a prefill engine: its cache events go nowhere
+        chunk = out.chunks.get(f"{rid}@prefill")
+        if chunk is None:  # one chunk of a prompt longer than a step's budget
+            start_prefill_step(p, now)
+            return
+        first_token[p] = chunk.token_ids[0]
+        if chunk.finish_reason is None:
+            prefillers[p].abort(f"{rid}@prefill")  # the first token is all a prefill engine produces
+        transfer = prefillers[p].kv_transfer_time_s(len(reqs[rid].prompt))  # the whole prompt, as the worker sends
+        transfers.append(transfer)
+        push(now + transfer, 4, p)
+
+    def deliver(p: int, now: float) -> None:
+        rid = holding[p]
+        assert rid is not None
+        holding[p] = None
+        pf_busy_s[p] += now - popped_at[p]
+        w = reqs[rid].worker
+        committed = engines[w].commit_remote_prefill(rid, first_token[p])
+        assert committed is not None, f"{rid} was not reserved on decode engine {w}"
+        emit(rid, committed, now)
+        events = engines[w].take_kv_events()  # the committed prompt's blocks are now in its prefix cache
+        if events:
+            router.apply_kv_events(ids[w], events)
+        if engines[w].has_work and not busy[w]:
+            start_step(w, now)
+        dispatch(now)
+
+    while heap:
+        now, _, kind, payload = heapq.heappop(heap)
+        if kind == 0:  # a decode (or aggregated) engine's step ends
+            w = payload
+            out = pending[w]
+            assert out is not None
+            pending[w] = None
+            busy[w] = False
+            computed[w] += sum(out.num_scheduled_tokens.values())
+            for rid, chunk in out.chunks.items():
+                emit(rid, chunk, now)
+            events = engines[w].take_kv_events()
+            if events:
+                router.apply_kv_events(ids[w], events)
+            if engines[w].has_work:
+                start_step(w, now)
+        elif kind == 1:  # an arrival: routed to a decode engine, which decides where its prompt is prefilled
+            r = workload.requests[payload]
+            rid = f"r{payload}"
+            req = router.prepare(RouteRequest(r.prompt, MODEL, now, program_id=r.program_id))
+            decision = router.select(req)
+            router.on_routed(rid, decision, req)
+            kinds[str(decision.kind)] = kinds.get(str(decision.kind), 0) + 1
+            w = ids.index(decision.instance_id) if decision.instance_id is not None else 0
+            reqs[rid] = t = _Req(now, r.prompt, r.max_tokens, w)
+            sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
+            request = GenerateRequest(rid, list(r.prompt), sampling)
+            where = decide_prefill(
+                len(r.prompt),
+                engines[w].cached_prefix_tokens(request.token_ids) if spec.prefill else 0,
+                queue_size=len(queue),
+                prefill_workers=spec.prefill,
+                max_local_prefill_length=spec.max_local_prefill_length,
+                max_prefill_queue_size=spec.max_prefill_queue_size,
+            )
+            what = str(where.kind)
+            if where.kind is PrefillKind.REMOTE and not engines[w].reserve_remote_prefill(request, now):
+                what = NO_ROOM
+            prefill_kinds[what] = prefill_kinds.get(what, 0) + 1
+            if what == str(PrefillKind.REMOTE):
+                t.enqueued_s = now
+                queue.append(rid)
+                max_queue = max(max_queue, len(queue))
+                dispatch(now)
+            else:
+                engines[w].add(request, now)
+                if not busy[w]:
+                    start_step(w, now)
+        elif kind == 2:  # every metrics interval: the decode engines' load reports
+            samples += 1
+            for w, e in enumerate(engines):
+                snap = e.snapshot(now)
+                in_flight_sum[w] += snap.num_running + snap.num_waiting
+                router.apply_load(ids[w], snap, now)
+            if remaining > 0:
+                push(now + spec.metrics_interval_s, 2, 0)
+        elif kind == 3:  # a prefill engine's step ends
+            prefill_step_ended(payload, now)
+        else:  # kind 4: a prefill engine delivers its item (KV and first token) to the decode engine, then pops
+            deliver(payload, now)
+    if remaining:
+        raise RuntimeError(f"{remaining} requests never finished")  # a simulator bug: every event chain ends
+    return DisaggResult(
+        ttft_s=ttft,
+        itl_s=itl,
+        e2e_s=e2e,
+        prompt_tokens=sum(len(t.prompt) for t in reqs.values()),
+        cached_tokens=sum(t.cached_tokens for t in reqs.values()),
+        output_tokens=sum(t.output_tokens for t in reqs.values()),
+        first_arrival_s=workload.requests[0].arrival_s if workload.requests else 0.0,
+        last_arrival_s=workload.requests[-1].arrival_s if workload.requests else 0.0,
+        last_finish_s=last_finish,
+        in_flight_mean=[s / samples if samples else 0.0 for s in in_flight_sum],
+        computed_tokens=computed,
+        preemptions=sum(e.scheduler.num_preemptions for e in engines + prefillers),
+        decision_kinds=kinds,
+        prefill_kinds=prefill_kinds,
+        remote=prefill_kinds.get(str(PrefillKind.REMOTE), 0),
+        queue_wait_s=queue_wait,
+        transfer_s=transfers,
+        prefill_busy_s=pf_busy_s,
+        prefill_computed_tokens=pf_computed,
+        max_queue=max_queue,
+    )
+
+
+# --- workloads and fleets -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    """How to build a workload (picklable: every worker process builds and caches its own copy)."""
+
+    source: str  # a trace file
+    requests: int
+    min_prompt_tokens: int
+    seed: int
+    vocab_size: int
+    output_tokens: int
+    held_out: bool = False
+
+    @property
+    def label(self) -> str:
+        return Path(self.source).stem
+
+
+@functools.lru_cache(maxsize=4)
+def build(spec: WorkloadSpec) -> Workload:
+    return from_trace(
+        spec.source,
+        spec.requests,
+        vocab_size=spec.vocab_size,
+        seed=spec.seed,
+        output_tokens=spec.output_tokens,
+        min_prompt_tokens=spec.min_prompt_tokens,
+    )
+
+
+def engine_for(w: Workload, num_gpu_blocks: int, block_size: int) -> MockEngineConfig:
+    """The mock engine's defaults with a context long enough for the workload's longest request (rounded up to a
+    multiple of 1024) and a cache that holds at least that request: the rule ``routing.fleet_for`` applies."""
+    longest = max(len(r.prompt) + r.max_tokens for r in w.requests)
+    max_len = max(MockEngineConfig().max_model_len, -(-longest // 1024) * 1024)
+    blocks = max(num_gpu_blocks, -(-max_len // block_size) + 1)
+    return MockEngineConfig(max_model_len=max_len, num_gpu_blocks=blocks, block_size=block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fleets:
+    """The two fleets one workload is replayed on."""
+
+    aggregated: DisaggSpec
+    disaggregated: DisaggSpec
+
+    def of(self, name: str) -> DisaggSpec:
+        return self.aggregated if name == "aggregated" else self.disaggregated
+
+
+FLEETS = ("aggregated", "disaggregated")
+
+
+# --- tasks (run in worker processes) ----------------------------------------------------------------------------------
+
+
+def _replay(w: Workload, spec: DisaggSpec, policy: str, seed: int) -> DisaggResult:
+    return simulate_fleet(w, spec, policy, seed)
+
+
+def _capacity_task(ws: WorkloadSpec, spec: DisaggSpec, policy: str, seed: int) -> dict[str, Any]:
+    w = build(ws)
+    t0 = time.process_time()
+    fleet = FleetSpec(workers=spec.workers, engine=spec.engine, metrics_interval_s=spec.metrics_interval_s)
+    simulator = functools.partial(_replay, spec=spec, policy=policy, seed=seed)
+    capacity, probes = fleetsim.find_capacity(w, fleet, seed, simulator=simulator)
+    return {
+        "capacity_rps": capacity,
+        "probes": [
+            {"rate_rps": round(p.rate, 4), "drain_s": round(p.drain_s, 2), "allowed_s": round(p.allowed_s, 2)}
+            for p in probes
+        ],
+        "cpu_s": round(time.process_time() - t0, 1),
+    }
+
+
+def _quantiles(xs: Sequence[float]) -> list[float]:
+    s = sorted(xs)
+    if not s:
+        return []
+    return [round(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))], 6) for q in CDF_LEVELS]
+
+
+def summarize(res: DisaggResult, rate: float, allowed_s: float) -> dict[str, Any]:
+    makespan = res.makespan_s
+    n = len(res.e2e_s)
+    out: dict[str, Any] = {
+        "rate_rps": round(rate, 4),
+        "requests": n,
+        "ttft_ms": {"p50": _ms(_pct(res.ttft_s, 0.5)), "p99": _ms(_pct(res.ttft_s, 0.99))},
+        "itl_ms": {"p50": _ms(_pct(res.itl_s, 0.5)), "p99": _ms(_pct(res.itl_s, 0.99))},
+        "e2e_ms": {"p50": _ms(_pct(res.e2e_s, 0.5)), "p99": _ms(_pct(res.e2e_s, 0.99))},
+        "output_tokens": res.output_tokens,
+        "output_tokens_per_s": round(res.output_tokens / makespan, 1) if makespan > 0 else None,
+        "drain_s": round(res.drain_s, 2),
+        "drained": res.drain_s <= allowed_s,
+        "hit_rate": round(res.hit_rate, 4),
+        "preemptions": res.preemptions,
+    }
+    if res.prefill_busy_s:
+        out["prefill"] = {
+            "remote_fraction": round(res.remote / n, 4) if n else None,
+            "decisions": dict(sorted(res.prefill_kinds.items())),
+            "queue_wait_ms": {"p50": _ms(_pct(res.queue_wait_s, 0.5)), "p99": _ms(_pct(res.queue_wait_s, 0.99))},
+            "max_queue": res.max_queue,
+            "transfer_ms": {"p50": _ms(_pct(res.transfer_s, 0.5)), "p99": _ms(_pct(res.transfer_s, 0.99))},
+            "prefill_busy_fraction": [round(b / makespan, 3) if makespan > 0 else None for b in res.prefill_busy_s],
+        }
+    return out
+
+
+def _run_task(ws: WorkloadSpec, spec: DisaggSpec, policy: str, rate: float, seed: int) -> dict[str, Any]:
+    w = build(ws).at_rate(rate)
+    t0 = time.process_time()
+    res = simulate_fleet(w, spec, policy, seed)
+    fleet = FleetSpec(workers=spec.workers, engine=spec.engine)
+    allowed = fleetsim.DRAIN_SLACK * w.span_s + fleetsim.isolated_service_s(w, fleet)
+    out = summarize(res, rate, allowed)
+    out["cpu_s"] = round(time.process_time() - t0, 1)
+    out["_cdf"] = {"ttft_s": _quantiles(res.ttft_s), "itl_s": _quantiles(res.itl_s)}  # for the PNG, not the JSON
+    return out
+
+
+def _call(task: tuple[Any, ...]) -> Any:
+    fn, *args = task
+    return fn(*args)
+
+
+# --- ratios and the target --------------------------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def compare(entry: dict[str, Any], loads: Sequence[float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per load: disaggregated over aggregated (TTFT, ITL, throughput), and the ITL target."""
+    ratios: dict[str, Any] = {}
+    target: dict[str, Any] = {}
+    for load in loads:
+        key = f"{load:g}"
+        agg = entry["points"]["aggregated"].get(key)
+        dis = entry["points"]["disaggregated"].get(key)
+        if agg is None or dis is None:
+            continue
+        itl_speedup = _ratio(agg["itl_ms"]["p99"], dis["itl_ms"]["p99"])
+        tput = _ratio(dis["output_tokens_per_s"], agg["output_tokens_per_s"])
+        ratios[key] = {
+            "itl_p99_speedup": itl_speedup,  # aggregated / disaggregated: > 1 is disaggregation's gain
+            "itl_p50_speedup": _ratio(agg["itl_ms"]["p50"], dis["itl_ms"]["p50"]),
+            "ttft_p50_disagg_over_agg": _ratio(dis["ttft_ms"]["p50"], agg["ttft_ms"]["p50"]),
+            "ttft_p99_disagg_over_agg": _ratio(dis["ttft_ms"]["p99"], agg["ttft_ms"]["p99"]),
+            "throughput_disagg_over_agg": tput,
+        }
+        equal = tput is not None and tput >= 1 - THROUGHPUT_TOLERANCE
+        target[key] = {
+            "target": f"itl_p99_speedup >= {TARGET_ITL_P99_SPEEDUP} with throughput_disagg_over_agg >= "
+            f"{1 - THROUGHPUT_TOLERANCE:g}",
+            "itl_p99_speedup": itl_speedup,
+            "equal_throughput": equal,
+            "met": itl_speedup is not None and itl_speedup >= TARGET_ITL_P99_SPEEDUP and equal,
+        }
+    return ratios, target
+
+
+# --- output -----------------------------------------------------------------------------------------------------------
+
+
+def _f(x: float | None, nd: int = 0, unit: str = "") -> str:
+    return "-" if x is None else f"{x:.{nd}f}{unit}"
+
+
+def table(name: str, entry: dict[str, Any]) -> str:
+    head = (
+        f"{'fleet':<14} {'load':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'out tok/s':>9} "
+        f"{'drained':>7} {'remote':>6} {'qwait p99':>9} {'preempt':>7}"
+    )
+    cap = entry["capacity_rps"]
+    lines = [
+        f"== {name}: {entry['requests']} requests, aggregated capacity {cap['aggregated']:.3f} req/s, "
+        f"disaggregated {cap['disaggregated']:.3f} req/s (ms below)",
+        head,
+        "-" * len(head),
+    ]
+    for fleet, by_load in entry["points"].items():
+        for load, r in by_load.items():
+            pf = r.get("prefill", {})
+            remote = pf.get("remote_fraction")
+            lines.append(
+                f"{fleet:<14} {load:>4} {_f(r['ttft_ms']['p50']):>9} {_f(r['ttft_ms']['p99']):>9} "
+                f"{_f(r['itl_ms']['p50'], 1):>8} {_f(r['itl_ms']['p99'], 1):>8} {_f(r['output_tokens_per_s']):>9} "
+                f"{'yes' if r['drained'] else 'NO':>7} {_f(None if remote is None else 100 * remote, 0, '%'):>6} "
+                f"{_f(pf.get('queue_wait_ms', {}).get('p99')):>9} {r['preemptions']:>7}"
+            )
+    for load, t in entry["target"].items():
+        rt = entry["ratios"][load]
+        lines.append(
+            f"load {load}: ITL p99 {rt['itl_p99_speedup']}x better disaggregated; disaggregated TTFT p50 "
+            f"x{rt['ttft_p50_disagg_over_agg']}, p99 x{rt['ttft_p99_disagg_over_agg']}, throughput "
+            f"x{rt['throughput_disagg_over_agg']}: target met {t['met']}"
+        )
+    return "\n".join(lines)
+
+
+def plot(
+    report: dict[str, Any], cdfs: dict[str, dict[str, dict[str, dict[str, list[float]]]]], path: str
+) -> str | None:
+    """TTFT and ITL CDFs (p1 to p99.9 on a logit axis, so that the tails the targets speak of are visible),
+    aggregated (blue) against disaggregated (orange), one line style per load, one row per workload; None when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError:
+        return None
+    names = list(report["workloads"])
+    fig, axes = plt.subplots(len(names), 2, figsize=(11.0, 3.9 * len(names)), squeeze=False)
+    styles = [":", "--", "-", "-."]
+    colors = {"aggregated": "tab:blue", "disaggregated": "tab:orange"}
+    for row, name in zip(axes, names, strict=True):
+        entry = report["workloads"][name]
+        d = entry["fleet"]
+        for ax, metric, label in ((row[0], "ttft_s", "TTFT"), (row[1], "itl_s", "inter-token latency")):
+            for fleet in FLEETS:
+                for k, load in enumerate(cdfs[name][fleet]):
+                    q = cdfs[name][fleet][load][metric]
+                    if q:
+                        ax.step([1000.0 * x for x in q], CDF_LEVELS, where="post", color=colors[fleet],
+                                linestyle=styles[k % len(styles)], label=f"{fleet} {load}x")  # fmt: skip
+            ax.axhline(0.99, color="grey", linewidth=0.8, alpha=0.6)
+            ax.set_xscale("log")
+            ax.set_yscale("logit")
+            ax.set_yticks([0.01, 0.1, 0.5, 0.9, 0.99, 0.999])
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
+            ax.set_xlabel(f"{label} (ms)")
+            ax.set_ylabel("fraction at or below")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_title(
+                f"{name}{' (held out)' if entry['held_out'] else ''}: {label}\n{d['workers']} aggregated vs "
+                f"{d['prefill']}P+{d['decode']}D; loads x {entry['capacity_rps']['aggregated']:.2f} req/s "
+                "(aggregated capacity)",
+                fontsize=9,
+            )
+        row[1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- the benchmark ----------------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    specs = [
+        WorkloadSpec(t, args.requests, args.min_prompt_tokens, args.seed, args.vocab_size, args.output_tokens, held)
+        for t, held in args.trace
+    ]
+    fleets: dict[WorkloadSpec, Fleets] = {}
+    for s in specs:
+        engine = engine_for(build(s), args.num_gpu_blocks, args.block_size)
+        fleets[s] = Fleets(DisaggSpec(0, args.workers, engine), DisaggSpec(args.prefill, args.decode, engine))
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(args.jobs) as pool:
+        caps = pool.map(
+            _call,
+            [(_capacity_task, s, fleets[s].of(f), args.policy, args.seed) for s in specs for f in FLEETS],
+            chunksize=1,
+        )
+        capacity = {(s, f): caps[2 * i + j] for i, s in enumerate(specs) for j, f in enumerate(FLEETS)}
+        for s in specs:
+            print(
+                f"bench disagg: {s.label}: capacity aggregated {capacity[s, 'aggregated']['capacity_rps']:.3f} "
+                f"req/s, disaggregated {capacity[s, 'disaggregated']['capacity_rps']:.3f} req/s",
+                file=sys.stderr,
+                flush=True,
+            )
+        tasks = [(s, f, load) for s in specs for load in args.loads for f in FLEETS]
+        results = pool.map(
+            _call,
+            [
+                (
+                    _run_task,
+                    s,
+                    fleets[s].of(f),
+                    args.policy,
+                    capacity[s, "aggregated"]["capacity_rps"] * load,
+                    args.seed,
+                )
+                for s, f, load in tasks
+            ],
+            chunksize=1,
+        )
+    report: dict[str, Any] = {"bench": "disagg", "workloads": {}}
+    cdfs: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {}
+    for s in specs:
+        w = build(s)
+        lengths = sorted(len(r.prompt) for r in w.requests)
+        outs = sorted(r.max_tokens for r in w.requests)
+        e = fleets[s].aggregated.engine
+        report["workloads"][s.label] = {
+            "source": s.source,
+            "held_out": s.held_out,
+            "requests": len(w.requests),
+            "min_prompt_tokens": s.min_prompt_tokens,
+            "prompt_tokens": {
+                "p50": lengths[len(lengths) // 2],
+                "p90": lengths[int(0.9 * len(lengths))],
+                "max": lengths[-1],
+            },
+            "prompts_over_max_local_prefill_length": round(
+                sum(n > DEFAULT_MAX_LOCAL_PREFILL_LENGTH for n in lengths) / len(lengths), 4
+            ),
+            "output_tokens": {"p50": outs[len(outs) // 2], "max": outs[-1]},
+            "fleet": {
+                "workers": args.workers,
+                "prefill": args.prefill,
+                "decode": args.decode,
+                "policy": args.policy,
+                "num_gpu_blocks": e.num_gpu_blocks,
+                "max_model_len": e.max_model_len,
+                "max_local_prefill_length": DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
+                "max_prefill_queue_size": DEFAULT_MAX_PREFILL_QUEUE_SIZE,
+            },
+            "capacity_rps": {f: round(capacity[s, f]["capacity_rps"], 4) for f in FLEETS},
+            "capacity": {f: capacity[s, f] for f in FLEETS},
+            "points": {f: {} for f in FLEETS},
+        }
+        cdfs[s.label] = {f: {} for f in FLEETS}
+    for (s, f, load), r in zip(tasks, results, strict=True):
+        cdfs[s.label][f][f"{load:g}"] = r.pop("_cdf")
+        report["workloads"][s.label]["points"][f][f"{load:g}"] = r
+    designed: list[bool] = []
+    for name, entry in report["workloads"].items():
+        entry["ratios"], entry["target"] = compare(entry, args.loads)
+        if not entry["held_out"]:
+            designed += [t["met"] for t in entry["target"].values()]
+        print(table(name, entry), file=sys.stderr, flush=True)
+    report["target_met_at"] = {
+        name: [load for load, t in entry["target"].items() if t["met"]] for name, entry in report["workloads"].items()
+    }
+    report["target_met_everywhere"] = bool(designed) and all(designed)  # the workloads that are not held out
+    report["loads"] = list(args.loads)
+    report["load_basis"] = "fractions of the aggregated fleet's measured capacity (round-robin drain rate)"
+    report["seed"] = args.seed
+    report["jobs"] = args.jobs
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.png:
+        drawn = plot(report, cdfs, args.png)
+        report["png"] = drawn
+        if drawn is None:
+            print("bench disagg: matplotlib is not installed (pip install 'kvmesh[bench]'): no PNG", file=sys.stderr)
+    return report
+
+
+def _policy(s: str) -> str:
+    if s not in POLICY_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown policy {s!r}; known: {sorted(POLICY_NAMES)}")
+    return s
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        action="append",
+        default=None,
+        help="a Mooncake, Azure or ShareGPT trace file (repeatable; default: the Azure and Mooncake conversation "
+        "traces in ../shared/traces, plus ShareGPT as a held-out check)",
+    )
+    p.add_argument("--requests", type=int, default=1000, help="requests per workload (the first N kept rows)")
+    p.add_argument(
+        "--min-prompt-tokens",
+        type=int,
+        default=MIN_PROMPT_TOKENS,
+        help="keep only rows with a prompt of at least this many tokens, on every trace (0: all rows)",
+    )
+    p.add_argument("--loads", type=_floats, default=list(LOADS), help="fractions of the aggregated capacity")
+    p.add_argument("--workers", type=int, default=4, help="engines in the aggregated fleet (= prefill + decode)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill engines of the disaggregated fleet (workers/2)")
+    p.add_argument("--decode", type=int, default=None, help="decode engines of the disaggregated fleet (the rest)")
+    p.add_argument("--policy", type=_policy, default="round_robin", help="router policy of both fleets")
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=MockEngineConfig().num_gpu_blocks,
+        help="KV cache blocks per engine (default: the mock engine's; raised to hold the longest request)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--vocab-size", type=int, default=MockEngineConfig().vocab_size, help="token ids of the prompts")
+    p.add_argument("--output-tokens", type=int, default=256, help="output length where a trace gives none (ShareGPT)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the router and the prompts")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations run in parallel")
+    p.add_argument("--png", default="bench-disagg.png", help="where to draw the TTFT and ITL CDFs ('' for none)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.trace is None:
+        args.trace = [(str(TRACE_DIR / t), False) for t in DEFAULT_TRACES]
+        args.trace += [(str(TRACE_DIR / t), True) for t in HELD_OUT_TRACES if (TRACE_DIR / t).is_file()]
+    else:
+        args.trace = [(t, False) for t in args.trace]
+    missing = [t for t, _ in args.trace if not Path(t).is_file()]
+    if missing:
+        print(f"kvmesh bench disagg: no trace file at {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if args.prefill is None and args.decode is None:
+        args.prefill = args.workers // 2
+    if args.prefill is None:
+        args.prefill = args.workers - args.decode
+    if args.decode is None:
+        args.decode = args.workers - args.prefill
+    if args.requests < 2 or args.jobs < 1 or args.prefill < 1 or args.decode < 1:
+        print("kvmesh bench disagg: --requests must be >= 2, --jobs, --prefill and --decode >= 1", file=sys.stderr)
+        return 2
+    if args.prefill + args.decode != args.workers:
+        print(
+            f"kvmesh bench disagg: --prefill {args.prefill} + --decode {args.decode} must equal --workers "
+            f"{args.workers} (the fleets are compared at the same number of engines)",
+            file=sys.stderr,
+        )
+        return 2
+    print(json.dumps(run(args)), flush=True)
+    return 0
