@@ -11,6 +11,7 @@ The runtime is the caller's: ``stop`` does not shut it down.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -74,9 +75,11 @@ class Frontend:
     async def stop(self) -> None:
         """Stop accepting connections, give requests in flight ``shutdown_timeout_s`` to finish, release the rest."""
         runner, self._runner = self._runner, None
+        t0 = time.monotonic()
         try:
             if runner is not None:
                 await runner.cleanup()
+                logger.info("HTTP server closed after %.1f s", time.monotonic() - t0)
         finally:
             try:
                 await self.registry.close()
@@ -85,3 +88,4 @@ class Frontend:
                     await self.feed.stop()
                 finally:
                     await self.prefill_queue.stop()
+                    logger.info("frontend stopped in %.1f s", time.monotonic() - t0)
