@@ -13,12 +13,12 @@ import time
 import pytest
 
 from components.protocol.endpoints import ENDPOINT_GENERATE, TOPIC_PREFILL_QUEUE
-from components.protocol.messages import GenerateRequest, PrefillQueueReport, SamplingParams, TokenChunk
+from components.protocol.messages import GenerateRequest, PrefillQueueReport, SamplingParams
 from components.protocol.metadata import WorkerRole
 from components.workers.config import WorkerConfig
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 from components.workers.worker import Worker
-from tests.integration.test_worker import MOCK_WORKER_FLAGS, ready_instance_id, worker_env
+from tests.integration.test_worker import MOCK_WORKER_FLAGS, ready_instance_id, tokens_of, worker_env
 from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.integration
@@ -50,13 +50,6 @@ def worker_config(role: WorkerRole, **over: object) -> WorkerConfig:
 def req(rid: str, n: int, max_tokens: int = 12, offset: int = 0) -> dict:
     prompt = [(7 * i + offset) % 997 for i in range(n)]
     return GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).to_dict()
-
-
-async def tokens_of(stream) -> list[int]:
-    out: list[int] = []
-    async for item in stream:
-        out += TokenChunk.from_dict(item).token_ids
-    return out
 
 
 @pytest.fixture

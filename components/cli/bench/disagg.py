@@ -213,19 +213,7 @@ def simulate_fleet(workload: Workload, spec: DisaggSpec, policy: str = "round_ro
 
     def emit(rid: str, chunk: TokenChunk, now: float) -> None:
         nonlocal remaining, last_finish
-        t = reqs[rid]
-        if t.first_s < 0:
-            t.first_s = now
-            t.cached_tokens = chunk.num_cached_tokens
-            ttft.append(now - t.arrival_s)
-            router.on_first_token(rid)
-        else:
-            itl.append(now - t.last_s)
-        t.last_s = now
-        t.output_tokens += len(chunk.token_ids)
-        if chunk.finish_reason is not None:
-            router.on_finished(rid)
-            e2e.append(now - t.arrival_s)
+        if fleetsim.account_chunk(reqs[rid], rid, chunk, now, router, ttft, itl, e2e):
             remaining -= 1
             last_finish = now
 

@@ -31,10 +31,10 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from components.protocol.kv_hashing import block_hashes
-from components.protocol.messages import GenerateRequest, SamplingParams
+from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
 from components.router import Router, RouterConfig, RouteRequest
 from components.workers.simulated import MockEngineConfig, VirtualEngine
 
@@ -99,6 +99,44 @@ class _Track:
     last_s: float = -1.0
     cached_tokens: int = 0
     output_tokens: int = 0
+
+
+class Timed(Protocol):
+    """What ``account_chunk`` reads and writes of one request's record (fleetsim's and bench disagg's)."""
+
+    arrival_s: float
+    first_s: float
+    last_s: float
+    cached_tokens: int
+    output_tokens: int
+
+
+def account_chunk(
+    t: Timed,
+    rid: str,
+    chunk: TokenChunk,
+    now: float,
+    router: Router,
+    ttft: list[float],
+    itl: list[float],
+    e2e: list[float],
+) -> bool:
+    """Record a chunk of request ``rid`` that reached its client at ``now``: its first token (TTFT, the router told),
+    else an inter-token gap; its tokens; its end (E2E, the router told). True when the request finished."""
+    if t.first_s < 0:
+        t.first_s = now
+        t.cached_tokens = chunk.num_cached_tokens
+        ttft.append(now - t.arrival_s)
+        router.on_first_token(rid)
+    else:
+        itl.append(now - t.last_s)
+    t.last_s = now
+    t.output_tokens += len(chunk.token_ids)
+    if chunk.finish_reason is None:
+        return False
+    router.on_finished(rid)
+    e2e.append(now - t.arrival_s)
+    return True
 
 
 @dataclasses.dataclass
@@ -189,19 +227,7 @@ def simulate(workload: Workload, policy: RouterConfig | str, fleet: FleetSpec, s
             busy[w] = False
             computed[w] += sum(out.num_scheduled_tokens.values())
             for rid, chunk in out.chunks.items():
-                t = tracks[rid]
-                if t.first_s < 0:
-                    t.first_s = now
-                    t.cached_tokens = chunk.num_cached_tokens
-                    ttft.append(now - t.arrival_s)
-                    router.on_first_token(rid)
-                else:
-                    itl.append(now - t.last_s)
-                t.last_s = now
-                t.output_tokens += len(chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    router.on_finished(rid)
-                    e2e.append(now - t.arrival_s)
+                if account_chunk(tracks[rid], rid, chunk, now, router, ttft, itl, e2e):
                     remaining -= 1
                     last_finish = now
             events = engines[w].take_kv_events()
