@@ -8,7 +8,9 @@ import contextlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -97,14 +99,20 @@ SLOW_PREFILL_FLAGS = ["--role", "prefill", "--model", MODEL, "--speedup-ratio", 
 PROMPT = 3000
 
 
+LOGS: dict[int, Path] = {}  # pid -> log file of the prefill worker processes a test started
+
+
 def prefill_process(runtime_config) -> subprocess.Popen:
     flags = list(MOCK_WORKER_FLAGS)
     flags[flags.index("--namespace") + 1] = NS
     flags[flags.index("--speedup-ratio") + 1] = "0.05"
     cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "worker", *flags, *SLOW_PREFILL_FLAGS]
-    return subprocess.Popen(
-        cmd, env=worker_env(runtime_config), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+    # Its log goes to a file that stop_process prints (pytest shows it when the test fails).
+    log = tempfile.NamedTemporaryFile(prefix="prefill-worker-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, env=worker_env(runtime_config), stdout=subprocess.PIPE, stderr=log, text=True)
+    log.close()
+    LOGS[proc.pid] = Path(log.name)
+    return proc
 
 
 def process_engine_config(**over: object) -> MockEngineConfig:
@@ -143,6 +151,10 @@ def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(10)
+    log = LOGS.pop(proc.pid, None)
+    if log is not None:
+        print(f"--- prefill worker {proc.pid} (exit {proc.returncode}) ---\n{log.read_text(errors='replace')[-20000:]}")
+        log.unlink(missing_ok=True)
 
 
 async def decode_worker(make_runtime, **over: object) -> tuple[Worker, object]:
@@ -220,9 +232,12 @@ def decode_process(runtime_config, *extra: str) -> subprocess.Popen:
     flags[flags.index("--namespace") + 1] = NS
     cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "worker", *flags]
     cmd += ["--role", "decode", "--model", MODEL, "--max-local-prefill-length", "256", *extra]
-    return subprocess.Popen(
-        cmd, env=worker_env(runtime_config), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+    # Its log goes to a file that stop_process prints (pytest shows it when the test fails).
+    log = tempfile.NamedTemporaryFile(prefix="prefill-worker-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, env=worker_env(runtime_config), stdout=subprocess.PIPE, stderr=log, text=True)
+    log.close()
+    LOGS[proc.pid] = Path(log.name)
+    return proc
 
 
 async def slow_prefill_worker(make_runtime) -> Worker:
