@@ -115,7 +115,18 @@ def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
             ":2: workerz:",
             "unknown field 'workerz'; did you mean 'workers'?; allowed here: namespace, base_dir",
         ),
-        ("namespace: t\nplanner: {}\n", ":2: planner:", "unknown field 'planner'"),
+        ("namespace: t\nrescheduler: {}\n", ":2: rescheduler:", "unknown field 'rescheduler'"),
+        (
+            "namespace: t\nplanner: {adjustment_intervl: 3}\n",
+            ":2: planner.adjustment_intervl:",
+            "unknown field 'adjustment_intervl'; did you mean 'adjustment_interval'?",
+        ),
+        ("namespace: t\nplanner:\n  environment: virtual\n", ":2: planner:", "environment is not set here"),
+        (
+            "namespace: t\nplanner:\n  decode_kv_scale_up_threshold: 0.4\n",
+            ":2: planner:",
+            "decode_kv_scale_down_threshold (0.5) must be below decode_kv_scale_up_threshold (0.4)",
+        ),
         ("namespace: t\ninfrastructure: {etcd: embeded}\n", ":2: infrastructure.etcd:", "expected 'embedded' or"),
         (
             "namespace: t\ninfrastructure:\n  nats: {url: 'nats://h:4222', port: 5}\n",
