@@ -27,6 +27,11 @@ class Connector(Protocol):
         for the outside system). Raises ``ConnectorError`` when the change failed or did not finish in time."""
         ...
 
+    def gpus_per_worker(self, pool: Pool) -> int | None:
+        """GPUs one worker of ``pool`` uses as the deployment says (a graph group's gpus_per_replica; 0 counts as 1
+        in the budget), or None when the connector does not know (the policy then uses ``*_engine_num_gpu``)."""
+        ...
+
     async def close(self) -> None:
         """Release what the connector holds (watches, clients); a change in flight is abandoned, not undone."""
         ...

@@ -279,12 +279,19 @@ def test_cli_flags_keep_dynamo_names_and_defaults():
     assert cfg.adjustment_interval == 10.0 and cfg.decode_kv_scale_up_threshold == 0.8
 
 
-@pytest.mark.parametrize("environment", ["local", "kubernetes"])
-def test_cli_environments_not_implemented_exit_2_before_connecting(environment, capsys):
+def test_cli_kubernetes_not_implemented_exits_2_before_connecting(capsys):
     from components.planner.main import main
 
-    assert main(parse("--environment", environment, "--etcd", "http://127.0.0.1:1")) == 2
+    assert main(parse("--environment", "kubernetes", "--etcd", "http://127.0.0.1:1")) == 2
     assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_cli_local_without_a_served_namespace_says_so_before_connecting(tmp_path, capsys):
+    from components.planner.main import main
+
+    assert main(parse("--environment", "local", "--namespace", "nope", "--state-dir", str(tmp_path))) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/nope.json: no such state file" in err, err
 
 
 def test_cli_refuses_inconsistent_policy_flags():
