@@ -370,6 +370,10 @@ class Planner:
                     f"kvmesh planner: cannot serve /metrics on {server.host}:{server.port}: {e.strerror or e} "
                     "(--metrics-port 0 takes a free port)"
                 ) from None
+        try:
+            await self.connector.start()
+        except ConnectorError as e:
+            logger.warning("%s; the planner runs on", e)
         ns = self.runtime.namespace(self.namespace)
         spawn = self.runtime.supervisor.spawn
         loads: EventSubscription[Any] = await ns.events.subscribe(TOPIC_LOAD_METRICS)

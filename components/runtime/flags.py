@@ -29,16 +29,16 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-# Name suffix -> (unit, a word whose presence in the description means it already says so).
-_UNITS = {"_ms": ("milliseconds", "ms"), "_s": ("seconds", "second")}
+# Name suffix -> unit (checked longest first: "_ms" before "_s").
+_UNITS = {"_ms": "milliseconds", "_s": "seconds"}
 
 
 def _unit(name: str, description: str) -> str:
-    """ "in seconds; " for ``timeout_s`` when its description does not say so, else ""."""
-    for suffix, (unit, word) in _UNITS.items():
+    """The unit to add to the help of a field named ``*_s`` (``*_ms``) whose description does not name it:
+    'in seconds; ', else ''."""
+    for suffix, unit in _UNITS.items():
         if name.endswith(suffix):
-            said = word in description.lower().replace("-", " ").split() or unit in description.lower()
-            return "" if said else f"in {unit}; "
+            return "" if unit in description.lower() else f"in {unit}; "
     return ""
 
 

@@ -124,7 +124,7 @@ class NoFreeGpuError(ConnectorError):
 class WorkerStartError(ConnectorError):
     """A new watcher's process kept exiting before its workers registered; ``log_tail`` says why."""
 
-    def __init__(self, pool: Pool, count: int, message: str, log_tail: str = "") -> None:
+    def __init__(self, pool: Pool, count: int | None, message: str, log_tail: str = "") -> None:
         tail_text = f"\n--- last lines of its log ---\n{log_tail}" if log_tail else ""
         super().__init__(NAME, pool, count, message + tail_text)
         self.log_tail = log_tail
@@ -256,6 +256,22 @@ class LocalConnector:
 
     # --- the Connector protocol -------------------------------------------------------------------------------------
 
+    async def start(self) -> None:
+        """Remove the stopped watchers of both pools (not their templates): a previous planner had them leave and
+        stopped before removing them, or circus gave up on them. Nothing else changes; nothing at all while the
+        deployment is not ``ready`` (a planner that serve starts starts with it)."""
+        async with self._lock:
+            for pool in Pool:
+                try:
+                    st = read_state(self.path)
+                    if st.status != "ready" or st.circus is None or not st.serve.alive():
+                        return
+                    ctl = CircusController(st.circus.endpoint, timeout_s=self.circus_timeout_s)
+                    layout = pool_layout(st, await asyncio.to_thread(ctl.statuses), self.model, pool)
+                    await self._remove_stopped(pool, None, layout, ctl)
+                except (CircusError, StateError) as e:
+                    raise DeploymentUnavailableError(NAME, pool, None, f"picking up the fleet: {e}") from e
+
     async def set_pool_size(self, pool: Pool, count: int) -> None:
         async with self._lock:
             try:
@@ -312,12 +328,7 @@ class LocalConnector:
             raise NothingToScaleError(
                 NAME, pool, count, f"no watcher in {self.path} runs {roles} workers of model {self.model!r}"
             )
-        for w in layout.stopped:
-            if w is not layout.template:
-                # Circus stopped it: it crash-looped, or a planner had it leave and stopped before removing it.
-                logger.info("%s pool: removing stopped watcher %s (it runs no process)", pool, w.name)
-                await asyncio.to_thread(ctl.remove, w.name)
-                await self._wait_state(pool, count, _without(w.name), f"{w.name} removed")
+        await self._remove_stopped(pool, count, layout, ctl)
         if layout.workers == count:
             logger.debug("%s pool already has %d workers", pool, count)
             return
@@ -344,6 +355,15 @@ class LocalConnector:
         )
         for victim in victims:
             await self._retire(pool, count, victim, ctl)
+
+    async def _remove_stopped(self, pool: Pool, count: int | None, layout: PoolLayout, ctl: CircusController) -> None:
+        for w in layout.stopped:
+            if w is not layout.template:
+                # Circus stopped it: it crash-looped, or a planner had it leave and stopped before removing it.
+                logger.info("%s pool: removing stopped watcher %s (it runs no process)", pool, w.name)
+                await asyncio.to_thread(ctl.remove, w.name)
+                self.num_removed += 1
+                await self._wait_state(pool, count, _without(w.name), f"{w.name} removed")
 
     async def _add(self, pool: Pool, count: int, template: WatcherState, ctl: CircusController) -> None:
         st = self._ready_state(pool, count)
@@ -459,7 +479,7 @@ class LocalConnector:
         await self._wait_state(pool, count, _without(victim.name), f"{victim.name} removed")
         logger.info("%s pool: %s drained, exited and removed in %.1f s", pool, victim.name, time.monotonic() - t0)
 
-    async def _wait_state(self, pool: Pool, count: int, done: Callable[[ServeState], bool], what: str) -> None:
+    async def _wait_state(self, pool: Pool, count: int | None, done: Callable[[ServeState], bool], what: str) -> None:
         """Until serve's state file shows the change (it refreshes within a fraction of a second)."""
         deadline = time.monotonic() + self.state_wait_s
         while True:

@@ -74,6 +74,9 @@ class VirtualConnector:
         self.model = model
         self.timeout_s = timeout_s
 
+    async def start(self) -> None:
+        """Nothing to pick up: the last targets stay in etcd for the outside system, which answers or not."""
+
     async def set_pool_size(self, pool: Pool, count: int) -> None:
         discovery = self.runtime.discovery
         request = VirtualRequest(count, uuid.uuid4().hex)
