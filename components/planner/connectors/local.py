@@ -276,6 +276,8 @@ class LocalConnector:
         async with self._lock:
             try:
                 await self._set(pool, count)
+            except ConnectorError:
+                raise  # ScalingTimeoutError is a TimeoutError, an OSError: not to be read as a file problem below
             except CircusUnreachableError as e:
                 raise DeploymentUnavailableError(NAME, pool, count, str(e)) from e
             except CircusError as e:
