@@ -433,11 +433,14 @@ def planner_says(serve: Serve, pattern: str) -> bool:
 
 
 async def test_a_hand_removed_watcher_is_the_new_start_and_a_restarted_planner_resumes_from_the_state_file(tmp_path):
+    # Speedup 0.25: a decode step of the step-time model (~5 ms) takes ~20 ms, so a 1500-token request streams for
+    # ~30 s: still in flight when a planner started after it has decided (start-up + one 4 s interval).
     args = sets(
         "frontend.port=0",
         "frontend.router_policy=round_robin",
         "workers[0].replicas=3",
         "workers[0].num_workers=1",
+        "workers[0].speedup_ratio=0.25",
     )
     log = tmp_path / "planner.log"
     names = [f"{AGG_NS}-frontend", f"{AGG_NS}-mock-0", f"{AGG_NS}-mock-1", f"{AGG_NS}-mock-2"]
@@ -472,7 +475,7 @@ async def test_a_hand_removed_watcher_is_the_new_start_and_a_restarted_planner_r
         # (its KV use is far under 0.2) retires mock-1, whose request is still streaming: killed mid-drain.
         streams = Streams(url)
         long_requests = asyncio.ensure_future(
-            asyncio.gather(*(streams.one(f"long {i}", 1800) for i in range(2)))  # ~10 s of decoding each
+            asyncio.gather(*(streams.one(f"long {i}", 1500) for i in range(2)))
         )
         await wait_until(lambda: len(streams.outcomes) == 2 and all(o.chunks for o in streams.outcomes), 30)
         with planner_process(serve, log, "--adjustment-interval", "4") as (doomed, _):
