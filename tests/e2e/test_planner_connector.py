@@ -8,12 +8,14 @@ not use them) with one replica of one GPU: one more replica fits, a third does n
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from components.deploy.circus import CircusController
 from components.deploy.state import read_state, state_path, write_state
 from components.planner.config import PlannerConfig
 from components.planner.connectors.base import ScalingTimeoutError
@@ -28,7 +30,7 @@ from components.planner.policy import Adjustment, Direction, Pool, ScalingDecisi
 from components.runtime import Runtime, RuntimeConfig
 from components.runtime.servers import free_port
 from tests.e2e.test_serve import Serve, serving
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -163,3 +165,30 @@ async def test_the_planner_runs_on_after_a_failed_change_and_says_why(served, ru
     assert names(served) == [f"{NS}-frontend", FIRST, SECOND]
     await connector(runtime, served).set_pool_size(Pool.DECODE, 1)
     assert names(served) == [f"{NS}-frontend", FIRST]
+
+
+async def test_a_watcher_added_by_hand_counts_in_its_pool_and_is_where_the_next_change_starts(served, runtime):
+    """A person adds a replica with circusctl, named as serve names them: serve records it as one of the group's,
+    the connector counts it (the pool already has 2: nothing to add) and removes it first when the pool shrinks."""
+    st = served.state()
+    first = st.watcher(FIRST)
+    assert st.circus is not None and first is not None
+    by_hand = f"{NS}-mock-5"
+    log = served.state_dir / "logs" / f"{by_hand}.log"
+    ctl = CircusController(st.circus.endpoint)
+    await asyncio.to_thread(ctl.add, by_hand, first.cmd, first.env, log, first.graceful_timeout_s)
+    await wait_until(lambda: (w := served.state().watcher(by_hand)) is not None and bool(w.processes), timeout_s=10)
+    recorded = served.state().watcher(by_hand)
+    assert recorded is not None and (recorded.group, recorded.replica, recorded.model) == ("mock", 5, MODEL)
+    [proc] = recorded.processes
+
+    async def registered() -> bool:
+        return proc.pid in await registered_pids(runtime)
+
+    await wait_until_async(registered, timeout_s=60, step_s=0.1)
+
+    c = connector(runtime, served)
+    await c.set_pool_size(Pool.DECODE, 2)
+    assert (c.num_added, c.num_removed) == (0, 0)  # two already: mock-0 and the one added by hand
+    await c.set_pool_size(Pool.DECODE, 1)
+    assert names(served) == [f"{NS}-frontend", FIRST] and not proc.alive()

@@ -474,9 +474,7 @@ async def test_a_hand_removed_watcher_is_the_new_start_and_a_restarted_planner_r
         # Two long requests, one on each worker (round robin); then a planner that scales the idle-ish pool down
         # (its KV use is far under 0.2) retires mock-1, whose request is still streaming: killed mid-drain.
         streams = Streams(url)
-        long_requests = asyncio.ensure_future(
-            asyncio.gather(*(streams.one(f"long {i}", 1500) for i in range(2)))
-        )
+        long_requests = asyncio.ensure_future(asyncio.gather(*(streams.one(f"long {i}", 1500) for i in range(2))))
         await wait_until(lambda: len(streams.outcomes) == 2 and all(o.chunks for o in streams.outcomes), 30)
         with planner_process(serve, log, "--adjustment-interval", "4") as (doomed, _):
             await wait_until(lambda: f"retiring {names[2]}: SIGTERM" in log.read_text(), timeout_s=30, step_s=0.05)
