@@ -102,8 +102,10 @@ async def test_a_new_replica_gets_a_free_gpu_and_a_reused_name_and_an_unchanged_
     await c.set_pool_size(Pool.DECODE, 1)
     assert names(served) == [f"{NS}-frontend", FIRST] and not proc.alive()
     assert proc.pid not in await registered_pids(runtime)
-    # ... and the next replica takes the same name and GPU (its previous log kept as .log.1).
-    await c.set_pool_size(Pool.DECODE, 2)
+    # ... and the next replica takes the same name and GPU (its previous log kept as .log.1). Two such changes at
+    # once run one after the other: the second finds the pool at its size (each would otherwise add a watcher).
+    await asyncio.gather(c.set_pool_size(Pool.DECODE, 2), c.set_pool_size(Pool.DECODE, 2))
+    assert c.num_added == 2 and names(served) == [f"{NS}-frontend", FIRST, SECOND]
     again = served.state().watcher(SECOND)
     assert again is not None and again.gpus == ["1"]
     assert (served.state_dir / "logs" / f"{SECOND}.log.1").exists()
