@@ -22,6 +22,13 @@ report that read the queue and the workers alive by ``components.router.prefill_
 ``/metrics`` use). A model with prefill workers registered and no report heard says so. In ``--json`` (a list of
 instance rows, as before) a worker row of a model with a prefill queue carries ``prefill_queue`` (the model's line as
 a mapping), and a prefill worker's row ``prefill_report`` (its own last report: ``busy``, ``items_done``, ...).
+
+Pools and the planner: one line per model with workers, ``NS: pools MODEL: decode 2 workers, prefill 1 worker``
+(``aggregated`` for a model served without a prefill pool), counted from the registered instances; and, where a
+planner runs for the model (its status at ``kvmesh/<ns>/planner/status/<model>``, components/planner/status.py),
+``NS: planner MODEL (local connector, metrics URL): ...`` with its last decision, how long ago, each pool's decision
+with its reason, the changes in progress and the last change that failed. In ``--json`` a worker row of such a model
+carries ``planner`` (that status as the planner published it).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 
 from components.deploy.errors import DeployError
 from components.deploy.state import ServeState, live_states, resolve_state_dir
+from components.planner.status import status_prefix
 from components.protocol.endpoints import TOPIC_LOAD_METRICS, TOPIC_PREFILL_QUEUE
 from components.protocol.messages import LoadSnapshot
 from components.protocol.metadata import RemotePrefillMode, WorkerMetadata, WorkerRole
@@ -118,8 +126,9 @@ class Heard:
 
 async def collect(
     cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: float
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(one row per instance id: its endpoints, metadata, latest load and age; one row per prefill queue heard)."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(one row per instance id: its endpoints, metadata, latest load and age; one row per prefill queue heard; one
+    planner status per (namespace, model) a planner publishes)."""
     rt = await Runtime.connect(cfg, name="kvmesh-status")
     try:
         prefixes = [f"kvmesh/{ns}/instances/" for ns in namespaces] or ["kvmesh/"]
@@ -127,13 +136,82 @@ async def collect(
         for prefix in prefixes:
             listing = await rt.discovery.get_prefix(prefix)
             infos += [InstanceInfo.from_json(v) for k, v in sorted(listing.items()) if "/instances/" in k]
+        planners: list[dict[str, Any]] = []
+        for ns in sorted(set(namespaces) | {i.namespace for i in infos}):
+            listing = await rt.discovery.get_prefix(status_prefix(ns))
+            planners += planner_rows_of(ns, listing.values())
         heard = await _listen(rt, sorted({i.namespace for i in infos}), load_wait_s) if infos else Heard()
     finally:
         await rt.shutdown(drain_timeout_s=1.0)
     rows = rows_of(infos, heard.loads, time.time(), heard.prefill_reports())
     queues = queue_rows_of(rows, heard.queue_views(), heard.listened)
     attach_queues(rows, queues)
-    return rows, queues
+    attach_planners(rows, planners)
+    return rows, queues, planners
+
+
+def planner_rows_of(namespace: str, values: Any) -> list[dict[str, Any]]:
+    """The planners' published statuses (JSON), each with its namespace; unreadable values are skipped."""
+    out = []
+    for raw in values:
+        with contextlib.suppress(ValueError, TypeError):
+            row = json.loads(raw)
+            if isinstance(row, dict) and row.get("model"):
+                out.append({"namespace": namespace, **row})
+    return sorted(out, key=lambda r: str(r["model"]))
+
+
+def attach_planners(rows: Sequence[dict[str, Any]], planners: Sequence[Mapping[str, Any]]) -> None:
+    """Give each worker row of a model a planner scales that planner's status (``planner``) for ``--json``."""
+    by_model = {(p["namespace"], p["model"]): dict(p) for p in planners}
+    for r in rows:
+        if r.get("role") and (r["namespace"], r["model"]) in by_model:
+            r["planner"] = by_model[(r["namespace"], r["model"])]
+
+
+def pool_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per (namespace, model) with workers: the size of each pool, from the registered instances."""
+    pools: dict[tuple[str, str], dict[str, int]] = {}
+    for r in rows:
+        role = r.get("role")
+        if not role or not r.get("model"):
+            continue
+        counts = pools.setdefault((r["namespace"], r["model"]), {})
+        counts[role] = counts.get(role, 0) + 1
+    out = []
+    for (ns, model), counts in sorted(pools.items()):
+
+        def n(k: str, c: Mapping[str, int] = counts) -> str:
+            return f"{k} {c[k]} worker{'' if c[k] == 1 else 's'}"
+
+        parts = [n(k) for k in (WorkerRole.AGGREGATED, WorkerRole.DECODE, WorkerRole.PREFILL) if k in counts]
+        out.append(f"{ns}: pools {model}: {', '.join(parts)}")
+    return out
+
+
+def format_planner(p: Mapping[str, Any], now: float) -> str:
+    """One planner's status as a line: its last decision (how long ago), each pool's with its reason, what is
+    changing and the last change that failed."""
+    extra = f", metrics {p['metrics_url']}" if p.get("metrics_url") else ""
+    noop = ", no-operation" if p.get("no_operation") else ""
+    head = f"{p['namespace']}: planner {p['model']} ({p.get('connector', '?')} connector{noop}{extra}):"
+    parts = []
+    last = p.get("last_decision")
+    if last:
+        when = last.get("walltime")
+        ago = f" {format_age(max(0.0, now - when))} ago" if isinstance(when, int | float) else ""
+        summaries = "; ".join(str(d.get("summary", "")) for d in last.get("decisions", []))
+        parts.append(f"last decision{ago}: {summaries or '-'}")
+        if last.get("note"):
+            parts.append(f"note: {last['note']}")
+    else:
+        parts.append("no decision yet (the first comes one adjustment interval after it started)")
+    changing = p.get("changes_in_progress") or {}
+    if changing:
+        parts.append("changing " + ", ".join(f"{pool} {c['from']} -> {c['to']}" for pool, c in changing.items()))
+    if p.get("last_change_error"):
+        parts.append(f"last failed change: {p['last_change_error']}")
+    return f"{head} " + "; ".join(parts)
 
 
 def rows_of(
@@ -308,20 +386,24 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
 
 
-async def _run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+async def _run(
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
     queues: list[dict[str, Any]] = []
+    planners: list[dict[str, Any]] = []
     for cfg, namespaces in targets(args):
-        more_rows, more_queues = await collect(cfg, namespaces, args.load_wait_s)
+        more_rows, more_queues, more_planners = await collect(cfg, namespaces, args.load_wait_s)
         rows += more_rows
         queues += more_queues
+        planners += more_planners
     attach_watchers(rows, live_states(resolve_state_dir(args.state_dir)))
-    return rows, queues
+    return rows, queues, planners
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        rows, queues = asyncio.run(_run(args))
+        rows, queues, planners = asyncio.run(_run(args))
     except NothingServedError as e:
         print(f"kvmesh status: {e}")
         return e.exit_code
@@ -336,6 +418,11 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(render_table(rows))
         print(f"{len(rows)} instances")
+        for line in pool_lines(rows):
+            print(line)
+        now = time.time()
+        for p in planners:
+            print(format_planner(p, now))
         for q in queues:
             print(format_queue(q))
         states = [st for st in live_states(resolve_state_dir(args.state_dir)) if args.namespace in ("", st.namespace)]

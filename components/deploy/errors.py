@@ -151,3 +151,22 @@ class StopTimeoutError(DeployError, TimeoutError):
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.pids = pids
+
+
+class CircusError(DeployError):
+    """A command to a deployment's circus arbiter (its controller on ``endpoint``) failed."""
+
+    def __init__(self, endpoint: str, command: str, reason: str) -> None:
+        super().__init__(f"circus at {endpoint}: {command}: {reason}")
+        self.endpoint = endpoint
+        self.command = command
+        self.reason = reason
+
+
+class CircusUnreachableError(CircusError, TimeoutError):
+    """The arbiter did not answer within the client's timeout: ``kvmesh serve`` is gone, stuck or stopping."""
+
+
+class CircusCommandError(CircusError):
+    """The arbiter answered with an error (no such watcher, a name already taken, a bad option, still busy with
+    another command after the wait)."""

@@ -42,8 +42,18 @@ the graph file, so ``graphs/x.yaml`` refers to ``models/tiny-llama`` as the repo
 sets ``base_dir`` (itself relative to the graph file's own directory, e.g. ``base_dir: .``). ``--set`` overrides are
 applied to the parsed YAML before validation, so their errors are reported like any other.
 
-Not in the schema yet: planner and rescheduler sections. They are added with their components; until then a graph
-that has them is rejected as having an unknown field.
+``planner`` (optional) is the planner's own configs, ``PlannerConfig`` (intervals, thresholds, GPU budget,
+``no_operation``) and ``PlannerRunConfig`` (model, TensorBoard directory, Prometheus port, scaling timeout), less what
+the graph decides (``namespace``; ``environment``, always ``local``: the circus arbiter serve runs; ``state_dir``,
+serve's), plus ``graceful_timeout_s``. With it, ``kvmesh serve`` starts ``kvmesh planner --environment local`` as one
+more watcher, ``<namespace>-planner``. ``served_model_name`` may be left out when the graph serves one model; it must
+name a model the graph's workers serve. A relative ``log_dir`` resolves against the base directory, as
+``model_path`` does. ``components/planner/config.py`` is imported although the planner package ranks above this one:
+it is a pure config module (standard library and pydantic only), a leaf any package may import
+(tests/unit/test_layering.py).
+
+Not in the schema yet: a rescheduler section. It is added with its component; until then a graph that has one is
+rejected as having an unknown field.
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ from pydantic_core import PydanticUndefined
 
 from components.deploy.errors import GraphError, GraphProblem, OverrideError
 from components.frontend.config import FrontendConfig
+from components.planner.config import PlannerConfig, PlannerRunConfig
 from components.protocol.metadata import WorkerRole
 from components.runtime.config import RuntimeConfig, parse_host_port
 from components.runtime.errors import ConfigError
@@ -248,6 +259,40 @@ class FrontendSpec(FrontendConfig):
         return {k: getattr(self, k) for k in sorted(self.model_fields_set) if k in FrontendConfig.model_fields}
 
 
+_PLANNER_ELSEWHERE = {
+    "namespace": _SET_BY_GRAPH,
+    "environment": "a graph's planner always drives the deployment's own circus arbiter (local)",
+    "state_dir": "the planner uses kvmesh serve's own state directory",
+}
+
+
+class PlannerSpec(PlannerConfig, PlannerRunConfig):
+    """The planner (``kvmesh planner --help``): every ``PlannerConfig`` and ``PlannerRunConfig`` field but those the
+    graph decides, plus how the deployment runs it."""
+
+    model_config = _strict(PlannerConfig)
+
+    graceful_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="After SIGTERM, how long the planner may run before it is killed. It stops at once: a change in "
+        "flight is abandoned, not undone (a worker it was adding finishes starting, one it was removing finishes "
+        "draining and exits).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _set_elsewhere(cls, data: Any) -> Any:
+        return _not_here(data, _PLANNER_ELSEWHERE)
+
+    def component_values(self) -> dict[str, Any]:
+        """The ``kvmesh planner`` options this section sets: those given, and always the model (its default, when the
+        graph serves a single model, is filled in after validation)."""
+        own = (set(PlannerConfig.model_fields) | set(PlannerRunConfig.model_fields)) - set(_PLANNER_ELSEWHERE)
+        keys = (self.model_fields_set | {"served_model_name"}) & own
+        return {k: getattr(self, k) for k in sorted(keys)}
+
+
 class _GroupFields(BaseModel):
     """What a worker group adds to the worker's and its engine's configs: how many processes, GPUs, environment.
     (What a graph asks more of the worker's own fields than ``kvmesh worker`` does is in ``_TIGHTENED``.)"""
@@ -395,6 +440,11 @@ def frontend_watcher(namespace: str) -> str:
     return f"{namespace}-frontend"
 
 
+def planner_watcher(namespace: str) -> str:
+    """Never a replica's name: those end in -<index>."""
+    return f"{namespace}-planner"
+
+
 def replica_watcher(namespace: str, group: str, replica: int) -> str:
     """Watchers (and so log files) carry the namespace: two deployments can share a state directory."""
     return f"{namespace}-{group}-{replica}"
@@ -423,6 +473,15 @@ class Graph(_Strict):
     )
     frontend: FrontendSpec = Field(default_factory=FrontendSpec, description="The OpenAI-compatible frontend.")
     workers: list[WorkerGroup] = Field(min_length=1, description="Worker groups, started in this order.")
+    planner: PlannerSpec | None = Field(
+        default=None,
+        description="Scale the worker pools of one model on their load (kvmesh planner); absent: no planner.",
+    )
+
+    @field_validator("planner", mode="before")
+    @classmethod
+    def _empty_planner(cls, v: Any) -> Any:
+        return {} if v is None else v  # `planner:` with nothing under it: a planner with its defaults
 
     @field_validator("frontend", "runtime", mode="before")
     @classmethod
@@ -446,7 +505,8 @@ class Graph(_Strict):
 
     def watcher_names(self) -> list[str]:
         front = [frontend_watcher(self.namespace)] if self.frontend.enabled else []
-        return front + [w for g in self.workers for w in g.watcher_names(self.namespace)]
+        planner = [planner_watcher(self.namespace)] if self.planner is not None else []
+        return front + [w for g in self.workers for w in g.watcher_names(self.namespace)] + planner
 
     def num_workers_expected(self) -> int:
         return sum(g.replicas * g.num_workers for g in self.workers)
@@ -530,7 +590,11 @@ def validate_graph(
     overridden = set(overridden)
 
     def problem(loc: Loc, message: str) -> GraphProblem:
-        from_set = any(loc[: len(o)] == o for o in overridden)
+        # From --set: at or under an override; or a section's own error (a validator across its fields) when the
+        # section is not in the file at all and overrides created it.
+        from_set = any(loc[: len(o)] == o for o in overridden) or (
+            bool(loc) and loc not in lines and any(o[: len(loc)] == loc for o in overridden)
+        )
         return GraphProblem(_render_loc(loc), message, None if from_set else _line_of(lines, loc), _origin(from_set))
 
     old = _old_schema_problems(data)
@@ -547,6 +611,8 @@ def validate_graph(
         raise GraphError(path, problems)
     for g in graph.workers:
         g.model_path = str((base / g.model_path).resolve())
+    if graph.planner is not None and graph.planner.log_dir:
+        graph.planner.log_dir = str((base / graph.planner.log_dir).resolve())
     return graph
 
 
@@ -576,6 +642,9 @@ def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
             out.append((("workers", i, "model_path"), f"{model_dir} is not a directory (relative to {base})"))
         sections.append((("workers", i), g, g.component_values()))
     out += _role_problems(graph)
+    if graph.planner is not None:
+        out += _planner_problems(graph)
+        sections.append((("planner",), graph.planner, graph.planner.component_values()))
     for loc, section, values in sections:
         for key, value in values.items():
             if value is None and type(section).model_fields[key].get_default(call_default_factory=True) is not None:
@@ -583,6 +652,32 @@ def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
             elif (why := flag_problem(key, value)) is not None:
                 out.append(((*loc, key), why.removeprefix(f"{key}: ")))
     return out
+
+
+def _planner_problems(graph: Graph) -> list[tuple[Loc, str]]:
+    """The planner scales one model that this graph serves; left out, it is the graph's only model (filled in here)."""
+    assert graph.planner is not None
+    models = list(dict.fromkeys(g.model for g in graph.workers))
+    if "served_model_name" not in graph.planner.model_fields_set:
+        if len(models) == 1:
+            graph.planner.served_model_name = models[0]
+            return []
+        return [
+            (
+                ("planner", "served_model_name"),
+                f"required: this graph serves {len(models)} models ({', '.join(models)}); say which one the planner "
+                "scales",
+            )
+        ]
+    if graph.planner.served_model_name not in models:
+        return [
+            (
+                ("planner", "served_model_name"),
+                f"{graph.planner.served_model_name!r} is served by no worker group of this graph (models: "
+                f"{', '.join(models)})",
+            )
+        ]
+    return []
 
 
 def _role_problems(graph: Graph) -> list[tuple[Loc, str]]:
@@ -778,6 +873,8 @@ def _settable(model: type[BaseModel]) -> list[str]:
         elsewhere = _ENDPOINTS_ELSEWHERE
     elif issubclass(model, FrontendSpec | _GroupFields):
         elsewhere = _NAMESPACE_ELSEWHERE
+    elif issubclass(model, PlannerSpec):
+        elsewhere = _PLANNER_ELSEWHERE
     names = [n for n in model.model_fields if n not in elsewhere]
     if issubclass(model, _GroupFields):
         rank = {n: i for i, n in enumerate([*_GroupFields.model_fields, *WorkerConfig.model_fields])}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from components.deploy.circus import CircusLauncher, detect_gpus, rotate_log
+from components.deploy.circus import CircusLauncher, WatcherInfo, detect_gpus, rotate_log
 from components.deploy.errors import (
     AlreadyServingError,
     DeployError,
@@ -41,7 +41,7 @@ from components.deploy.errors import (
     StopTimeoutError,
     WatcherClashError,
 )
-from components.deploy.graph import Graph
+from components.deploy.graph import Graph, planner_watcher, replica_watcher
 from components.deploy.plan import WatcherPlan, assign_gpus, plan_watchers
 from components.deploy.state import (
     ProcessRecord,
@@ -56,7 +56,7 @@ from components.deploy.state import (
 )
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE
 from components.protocol.metadata import WorkerMetadata, WorkerRole
-from components.runtime import Runtime, RuntimeConfig, RuntimeMeshError
+from components.runtime import InstanceInfo, Runtime, RuntimeConfig, RuntimeMeshError
 from components.runtime.servers import EtcdServer, NatsServer, ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
@@ -209,6 +209,7 @@ class Deployment:
             frontend_port=port,
             gpus=self.gpus,
             log_dir=logs,
+            state_dir=self.state_dir,
         )
         for plan in self.plans:
             plan.log.parent.mkdir(parents=True, exist_ok=True)
@@ -223,17 +224,29 @@ class Deployment:
         self.refresh()
 
     def refresh(self) -> bool:
-        """Record each watcher's current processes; rewrite the state file if anything changed."""
-        if self.launcher is None:
+        """Bring the state file's watchers in line with the arbiter's and record their current processes; rewrite
+        the file (atomically) if anything changed. A watcher added through the circus controller (the planner, or a
+        person with circusctl) is recorded from what circus runs (``added_watcher_state``); one removed through it
+        is dropped, and its log file closed. So the state file is the fleet as it is, whoever changed it."""
+        if self.launcher is None or self.launcher.stopping:
             return False
         procs = self.launcher.processes()
-        known = {w.name for w in self.state.watchers}
+        names = self.launcher.watcher_names()
         changed = False
-        for name in self.launcher.watcher_names():
-            if name not in known:  # added through the circus controller (the planner): record what we can
-                self.state.watchers.append(
-                    WatcherState(name=name, kind="worker", cmd=[], env={}, log="", graceful_timeout_s=0, processes=[])
-                )
+        present = set(names)
+        kept = [w for w in self.state.watchers if w.name in present]
+        if len(kept) != len(self.state.watchers):
+            gone = sorted({w.name for w in self.state.watchers} - present)
+            logger.info("watchers removed through the circus controller: %s", ", ".join(gone))
+            self.state.watchers = kept
+            changed = True
+        self.launcher.close_removed()
+        known = {w.name for w in self.state.watchers}
+        for name in names:
+            if name not in known and (info := self.launcher.describe(name)) is not None:
+                record = added_watcher_state(self.graph, info)
+                logger.info("watcher added through the circus controller: %s (%s)", name, record.group or record.kind)
+                self.state.watchers.append(record)
                 changed = True
         for w in self.state.watchers:
             new = procs.get(w.name, [])
@@ -294,17 +307,7 @@ class Deployment:
             )
 
     async def _waiting_for(self, runtime: Runtime) -> list[str]:
-        instances = await runtime.namespace(self.graph.namespace).list_instances()
-        by_pid: dict[int, int] = {}
-        for inst in instances:
-            meta = WorkerMetadata.from_dict(inst.metadata)
-            # A worker is up once it serves generate; a prefill worker serves none (its work comes from the prefill
-            # queue), so its kv_state counts, registered once it pulls from the queue.
-            counts = inst.endpoint == ENDPOINT_GENERATE or (
-                inst.endpoint == ENDPOINT_KV_STATE and meta.role == WorkerRole.PREFILL
-            )
-            if counts and meta.pid:
-                by_pid[meta.pid] = by_pid.get(meta.pid, 0) + 1
+        by_pid = registered_workers_by_pid(await runtime.namespace(self.graph.namespace).list_instances())
         waiting = []
         for w in self.state.watchers:
             if w.kind == "worker":
@@ -395,6 +398,80 @@ class Deployment:
             self.write()
 
 
+def registered_workers_by_pid(instances: Iterable[InstanceInfo]) -> dict[int, int]:
+    """Process id -> how many of its workers have registered. A worker is up once it serves ``generate``; a prefill
+    worker serves none (its work comes from the prefill queue), so its ``kv_state`` counts, registered once it pulls
+    from the queue. Serve's readiness and the planner's "the new worker is up" use this one rule."""
+    by_pid: dict[int, int] = {}
+    for inst in instances:
+        meta = WorkerMetadata.from_dict(inst.metadata)
+        counts = inst.endpoint == ENDPOINT_GENERATE or (
+            inst.endpoint == ENDPOINT_KV_STATE and meta.role == WorkerRole.PREFILL
+        )
+        if counts and meta.pid:
+            by_pid[meta.pid] = by_pid.get(meta.pid, 0) + 1
+    return by_pid
+
+
+_SUBCOMMANDS = ("worker", "frontend", "planner")
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def added_watcher_state(graph: Graph, info: WatcherInfo) -> WatcherState:
+    """The state file's record of a watcher added through the circus controller. A name serve would give a replica
+    of a group (``<namespace>-<group>-<i>``; the longest matching group name wins, as 'a-b' over 'a') makes it a
+    replica of that group: its component, model, role and worker count are the group's. Any other name: read from
+    its command line (``kvmesh worker --model M --role R --num-workers N``), so a watcher a person added under a
+    name of their own still counts in its model's pools."""
+    gpus = [g for g in info.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    base = WatcherState(
+        name=info.name,
+        kind="worker",
+        cmd=info.cmd,
+        env=info.env,
+        gpus=gpus,
+        log=info.log,
+        graceful_timeout_s=info.graceful_timeout_s,
+        added=True,
+    )
+    for g in sorted(graph.workers, key=lambda g: len(g.name), reverse=True):
+        prefix = replica_watcher(graph.namespace, g.name, 0)[:-1]
+        rest = info.name[len(prefix) :] if info.name.startswith(prefix) else ""
+        if rest.isdigit():
+            return base.model_copy(
+                update={
+                    "group": g.name,
+                    "replica": int(rest),
+                    "component": g.component,
+                    "model": g.model,
+                    "role": str(g.role),
+                    "num_workers": g.num_workers,
+                }
+            )
+    kind = next((a for a in info.cmd if a in _SUBCOMMANDS), "worker")
+    if info.name == planner_watcher(graph.namespace):
+        kind = "planner"
+    if kind != "worker":
+        return base.model_copy(update={"kind": kind})
+    num = _flag_value(info.cmd, "--num-workers")
+    return base.model_copy(
+        update={
+            "component": _flag_value(info.cmd, "--component") or "backend",
+            "model": _flag_value(info.cmd, "--model"),
+            "role": _flag_value(info.cmd, "--role") or str(WorkerRole.AGGREGATED),
+            "num_workers": int(num) if num and num.isdigit() else 1,
+        }
+    )
+
+
 def ready_message(state: ServeState, state_dir: Path, elapsed_s: float) -> str:
     workers = [w for w in state.watchers if w.kind == "worker"]
     example = workers[0].name if workers else f"{state.namespace}-frontend"
@@ -407,6 +484,11 @@ def ready_message(state: ServeState, state_dir: Path, elapsed_s: float) -> str:
         f"  etcd      {','.join(state.etcd_endpoints)}" + (" (embedded)" if state.embedded_etcd else ""),
         f"  nats      {state.nats_url}" + (" (embedded)" if state.embedded_nats else ""),
         f"  circus    {state.circus.endpoint if state.circus else '-'}",
+        *(
+            f"  planner   {w.name} scales {w.model} (kvmesh status shows its decisions; kvmesh logs {w.name})"
+            for w in state.watchers
+            if w.kind == "planner"
+        ),
         f"  state     {state_path(state_dir, state.namespace)}",
         f"  logs      {log_dir(state_dir)}/<watcher>.log  (kvmesh logs {example} -f)",
         f"  stop      Ctrl-C, or kvmesh stop {state.namespace}",
@@ -427,6 +509,8 @@ def _watcher_state(p: WatcherPlan) -> WatcherState:
         group=p.group,
         replica=p.replica,
         component=p.component,
+        model=p.model,
+        role=p.role,
         num_workers=p.num_workers,
         cmd=p.cmd,
         env=p.redacted_env(),

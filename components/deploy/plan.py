@@ -5,8 +5,9 @@
   ``<namespace>-<group>-<i>``, each with its argv (``python -m components.cli.main ... worker|frontend``, every
   option derived from the graph section through ``components.runtime.flags.argv_for``), the environment kvmesh
   adds, its GPUs, its log;
-- ``plan_frontend`` and ``plan_replica`` plan one watcher each; ``plan_replica`` is also how the planner adds one
-  more replica of a group than the graph started.
+- ``plan_frontend``, ``plan_replica`` and ``plan_planner`` plan one watcher each (the planner's is
+  ``<namespace>-planner``, when the graph has a ``planner:`` section: ``kvmesh planner --environment local`` on
+  serve's state directory).
 
 Used by ``kvmesh serve`` (``components.deploy.local``) and by the planner's circus connector alike.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from components.deploy.errors import GpuAssignmentError
-from components.deploy.graph import Graph, frontend_watcher, replica_watcher
+from components.deploy.graph import Graph, frontend_watcher, planner_watcher, replica_watcher
 from components.runtime.flags import argv_for
 
 REDACTED = "<redacted>"
@@ -32,7 +33,7 @@ class WatcherPlan:
     """One watcher to start: what it runs, with which environment and GPUs, where its output goes."""
 
     name: str
-    kind: Literal["frontend", "worker"]
+    kind: Literal["frontend", "worker", "planner"]
     cmd: list[str]
     env: dict[str, str]  # on top of kvmesh serve's own environment
     log: Path
@@ -41,6 +42,8 @@ class WatcherPlan:
     group: str | None = None
     replica: int | None = None
     component: str | None = None
+    model: str | None = None
+    role: str | None = None
     num_workers: int = 0
 
     def redacted_env(self) -> dict[str, str]:
@@ -136,7 +139,7 @@ def plan_replica(
     python: str = sys.executable,
 ) -> WatcherPlan:
     """Replica ``replica`` of worker group ``group_name``: ``kvmesh worker`` with the group's WorkerConfig and engine
-    fields as flags. Also how the planner adds one more replica of a group than the graph started."""
+    fields as flags. (The planner adds replicas by copying a running one's watcher, from the state file.)"""
     g = graph.group(group_name)
     if len(gpus) != g.gpus_per_replica:
         raise GpuAssignmentError(g.gpus_per_replica, list(gpus), f"{g.name}: 1 x {g.gpus_per_replica}")
@@ -156,7 +159,36 @@ def plan_replica(
         group=g.name,
         replica=replica,
         component=g.component,
+        model=g.model,
+        role=str(g.role),
         num_workers=g.num_workers,
+    )
+
+
+def plan_planner(
+    graph: Graph,
+    *,
+    etcd_endpoints: Sequence[str],
+    nats_url: str,
+    state_dir: Path,
+    log_dir: Path,
+    python: str = sys.executable,
+) -> WatcherPlan:
+    """The planner's watcher: ``kvmesh planner --environment local`` on this deployment (its state file in
+    ``state_dir``), with the graph's ``planner:`` fields as flags."""
+    if graph.planner is None:
+        raise ValueError(f"graph {graph.namespace!r} has no planner section")
+    args = ["planner", "--namespace", graph.namespace, "--environment", "local", "--state-dir", str(state_dir)]
+    args += [*runtime_argv(graph), *argv_for(graph.planner.component_values())]
+    name = planner_watcher(graph.namespace)
+    return WatcherPlan(
+        name=name,
+        kind="planner",
+        cmd=kvmesh_argv(python, graph.log_level, *args),
+        env=base_env(etcd_endpoints, nats_url),
+        log=log_dir / f"{name}.log",
+        graceful_timeout_s=graph.planner.graceful_timeout_s,
+        model=graph.planner.served_model_name,
     )
 
 
@@ -168,9 +200,12 @@ def plan_watchers(
     frontend_port: int,
     gpus: Mapping[str, list[str]],
     log_dir: Path,
+    state_dir: Path | None = None,
     python: str = sys.executable,
 ) -> list[WatcherPlan]:
-    """Every watcher of ``graph``: the frontend first, then each group's replicas in order."""
+    """Every watcher of ``graph``: the frontend first, then each group's replicas in order, then the planner (it needs
+    ``state_dir``). Circus stops them all at once; the planner changes nothing once the state file says the
+    deployment is no longer ``ready`` (components/planner/connectors/local.py)."""
     where = {"etcd_endpoints": etcd_endpoints, "nats_url": nats_url, "log_dir": log_dir, "python": python}
     plans: list[WatcherPlan] = []
     if graph.frontend.enabled:
@@ -178,4 +213,8 @@ def plan_watchers(
     for g in graph.workers:
         for i, name in enumerate(g.watcher_names(graph.namespace)):
             plans.append(plan_replica(graph, g.name, i, gpus=gpus.get(name, []), **where))  # type: ignore[arg-type]
+    if graph.planner is not None:
+        if state_dir is None:
+            raise ValueError("a graph with a planner section needs the state directory its planner reads")
+        plans.append(plan_planner(graph, state_dir=state_dir, **where))  # type: ignore[arg-type]
     return plans

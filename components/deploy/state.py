@@ -77,16 +77,23 @@ class ProcessRecord(BaseModel):
             return False
 
 
+WatcherKind = Literal["frontend", "worker", "planner"]
+
+
 class WatcherState(BaseModel):
-    """One circus watcher: a frontend or one worker replica."""
+    """One circus watcher: the frontend, one worker replica, or the planner."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="Watcher name: 'frontend' or '<group>-<replica>'.")
-    kind: Literal["frontend", "worker"] = Field(description="What the watcher runs.")
+    name: str = Field(description="Watcher name: '<namespace>-frontend', '<namespace>-<group>-<replica>', ...")
+    kind: WatcherKind = Field(description="What the watcher runs.")
     group: str | None = Field(default=None, description="Worker group name (workers only).")
     replica: int | None = Field(default=None, description="Replica index within the group (workers only).")
     component: str | None = Field(default=None, description="Component the workers register under (workers only).")
+    model: str | None = Field(default=None, description="Served model name of its workers (workers only).")
+    role: str | None = Field(
+        default=None, description="Its workers' role: aggregated, prefill or decode (workers only)."
+    )
     num_workers: int = Field(default=0, description="Workers this watcher registers in etcd once ready.")
     cmd: list[str] = Field(description="argv.")
     env: dict[str, str] = Field(
@@ -96,6 +103,11 @@ class WatcherState(BaseModel):
     log: str = Field(description="Where its stdout and stderr go.")
     graceful_timeout_s: float = Field(description="SIGTERM, then SIGKILL after this long.")
     processes: list[ProcessRecord] = Field(default_factory=list, description="Its live processes, last we looked.")
+    added: bool = Field(
+        default=False,
+        description="Added after start-up through the circus controller (by the planner, or by hand), not planned "
+        "from the graph; what is known of it was read from circus.",
+    )
 
 
 class ServerState(BaseModel):

@@ -9,12 +9,25 @@ instead. Both are floats, not Dynamo's ints: the planner benchmark compresses ti
 
 What the thresholds are compared against is defined in ``components/planner/policy.py``'s docstring.
 
-This module is read by the pure policy (its own package's config, STYLE.md habit 1); it imports only pydantic.
+``PlannerRunConfig`` is the rest of ``kvmesh planner``'s own flags: which deployment and model, how pools are resized
+(``--environment``), TensorBoard and Prometheus. Both models are also the ``planner:`` section of a graph file
+(components/deploy/graph.py derives it from them, less what the graph itself decides), so this module is a leaf any
+package may import (tests/unit/test_layering.py: a pure config module).
+
+This module is read by the pure policy (its own package's config, STYLE.md habit 1); it imports only the standard
+library and pydantic.
 """
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# A change to a pool may take this long before it counts as failed: an outside system (virtual) that starts a real
+# engine, or a new vLLM worker (local: model load, profiling, CUDA graphs) takes minutes; ten minutes covers it
+# without leaving a planner paused forever on a worker that never comes up.
+DEFAULT_SCALING_TIMEOUT_S = 600.0
 
 
 class PlannerConfig(BaseModel):
@@ -109,3 +122,58 @@ class PlannerConfig(BaseModel):
                 f"({self.adjustment_interval} s): an interval needs at least one pull"
             )
         return self
+
+
+class Environment(enum.StrEnum):
+    LOCAL = "local"  # the circus arbiter `kvmesh serve` started, found through state/<namespace>.json
+    VIRTUAL = "virtual"  # an outside system answers through etcd (tests, the fleet simulator)
+    KUBERNETES = "kubernetes"  # its own issue: refused for now
+
+
+class PlannerRunConfig(BaseModel):
+    """Where the planner runs: the deployment, its model, how it changes the fleet and where it reports."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(default="kvmesh", description="Namespace of the deployment to scale.")
+    served_model_name: str = Field(
+        default="mock-model",
+        min_length=1,
+        description="Served model name whose workers are scaled (the workers' --model).",
+    )
+    environment: Environment = Field(
+        default=Environment.LOCAL,
+        description="How pools are resized: local (the circus arbiter of the `kvmesh serve` deployment of this "
+        "namespace, found through <state-dir>/<namespace>.json), virtual (target sizes written to etcd under "
+        "kvmesh/<namespace>/planner/virtual/ for an outside system to apply and acknowledge), kubernetes (not "
+        "implemented yet).",
+    )
+    state_dir: str | None = Field(
+        default=None,
+        description="local environment: the directory of kvmesh serve's state files; unset: $KVMESH_STATE_DIR, else "
+        "./state. etcd and NATS endpoints are read from the state file unless given as flags or in the environment.",
+    )
+    log_dir: str | None = Field(
+        default=None,
+        description="Directory for TensorBoard event files (scalars at every pull and adjustment, decisions as "
+        "text); none: no TensorBoard output.",
+    )
+    scaling_timeout_s: float = Field(
+        default=DEFAULT_SCALING_TIMEOUT_S,
+        gt=0,
+        description="Seconds one pool change may take before it counts as failed: local, until a new worker has "
+        "registered in etcd (a leaving one gets its watcher's graceful_timeout_s to drain instead); virtual, until "
+        "the outside system reports it done.",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="Address of the planner's Prometheus endpoint (GET /metrics); loopback unless said otherwise.",
+    )
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="TCP port of the planner's Prometheus endpoint; 0: a free port, announced on the READY line and "
+        "by `kvmesh status` (a fixed default would clash between the planners of two deployments on one machine).",
+    )

@@ -13,11 +13,17 @@
   * queue: the freshest ``PrefillQueueReport`` (``prefill_queue`` topic) for the model that read the queue;
   * changes in progress: a pool whose ``Connector.set_pool_size`` has not returned counts the difference asked for
     as ``starting`` (or ``leaving``), which pauses the policy's intervals (connectors/base.py);
+  * GPUs per worker: ``Connector.gpus_per_worker`` (the local connector: the graph group's gpus_per_replica, from
+    the state file), else the config's ``*_engine_num_gpu``;
 - applies each ``Adjustment`` (``apply``): one named task per pool change, through the connector; a failed change is
   logged and the next interval decides again;
 - logs one INFO line per adjustment with its reasons, writes TensorBoard scalars at every pull and adjustment and
-  each decision as text (``PlannerBoard``, with ``--log-dir``), keeps ``last_decision`` and puts it, as JSON, at
-  ``kvmesh/<ns>/planner/status/<model>`` under the planner's lease for ``kvmesh status``.
+  each decision as text (``PlannerBoard``, with ``--log-dir``), keeps the same figures and counters of decisions for
+  Prometheus (``metrics.PlannerMetrics``, served on ``GET /metrics`` when a metrics host is given), keeps
+  ``last_decision`` and puts the planner's status (``status_payload``: pool sizes, the last decision with its
+  reasons, changes in progress, the last failed change, the metrics URL), as JSON, at
+  ``kvmesh/<ns>/planner/status/<model>`` under the planner's lease for ``kvmesh status``: at start, at every
+  adjustment and when a change starts or ends.
 
 The wire-to-policy conversions (``fleet_from_instances``, ``pool_view``, ``queue_reading``, ``build_observation``,
 ``request_totals``) are pure functions with unit tests (tests/unit/planner/test_loop.py).
@@ -36,10 +42,10 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import quote
 
 from components.planner.config import PlannerConfig
 from components.planner.connectors.base import Connector, ConnectorError
+from components.planner.metrics import MetricsServer, PlannerMetrics
 from components.planner.policy import (
     STALE_AFTER_PULLS,
     Adjustment,
@@ -54,6 +60,7 @@ from components.planner.policy import (
     decide,
     pull_figures,
 )
+from components.planner.status import status_key
 from components.protocol.endpoints import ENDPOINT_GENERATE, TOPIC_LOAD_METRICS, TOPIC_PREFILL_QUEUE
 from components.protocol.messages import LoadSnapshot, PrefillQueueReport
 from components.protocol.metadata import WorkerMetadata, WorkerRole
@@ -133,18 +140,25 @@ def build_observation(
     loads: Mapping[int, tuple[LoadSnapshot, float]],
     queue: QueueReading | None,
     pending: Mapping[Pool, PendingChange],
+    gpus_per_worker: Mapping[Pool, int | None] | None = None,
 ) -> Observation:
     """One pull's ``Observation``: ``loads`` maps an instance id to its latest snapshot and the planner-clock time
-    it arrived; only the decode pool's workers count (a prefill worker's KV use is not the decode pool's)."""
+    it arrived; only the decode pool's workers count (a prefill worker's KV use is not the decode pool's).
+    ``gpus_per_worker``: what the deployment says a pool's worker uses (None or absent: the config's figure)."""
     worker_loads = tuple(
         WorkerLoad(worker_id=iid, kv_usage=snap.kv_usage, received_s=received_s)
         for iid, (snap, received_s) in sorted(loads.items())
         if iid in fleet.decode
     )
-    prefill = pool_view(len(fleet.prefill), pending.get(Pool.PREFILL)) if fleet.disaggregated else None
+    gpus = gpus_per_worker or {}
+
+    def view(pool: Pool, workers: int) -> PoolView:
+        return dataclasses.replace(pool_view(workers, pending.get(pool)), gpus_per_worker=gpus.get(pool))
+
+    prefill = view(Pool.PREFILL, len(fleet.prefill)) if fleet.disaggregated else None
     return Observation(
         now_s=now_s,
-        decode=pool_view(len(fleet.decode), pending.get(Pool.DECODE)),
+        decode=view(Pool.DECODE, len(fleet.decode)),
         prefill=prefill,
         loads=worker_loads,
         queue=queue if fleet.disaggregated else None,
@@ -183,8 +197,46 @@ def adjustment_to_dict(adj: Adjustment) -> dict[str, Any]:
     }
 
 
-def status_key(namespace: str, model: str) -> str:
-    return f"kvmesh/{namespace}/planner/status/{quote(model, safe='')}"
+def status_payload(
+    *,
+    model: str,
+    connector: str,
+    walltime: float,
+    no_operation: bool,
+    observation: Observation | None,
+    adjustment: Adjustment | None,
+    adjustment_walltime: float | None,
+    pending: Mapping[Pool, PendingChange],
+    changes_applied: int,
+    change_failures: int,
+    last_change_error: str,
+    metrics_url: str,
+) -> dict[str, Any]:
+    """What ``kvmesh status`` reads at ``status_key``: JSON-ready. ``pools`` are the workers registered at the last
+    pull (prefill None for an aggregated deployment); ``last_decision`` is ``adjustment_to_dict`` plus its wall-clock
+    time, None before the first adjustment."""
+    pools: dict[str, int | None] | None = None
+    if observation is not None:
+        pools = {
+            str(Pool.DECODE): observation.decode.workers,
+            str(Pool.PREFILL): None if observation.prefill is None else observation.prefill.workers,
+        }
+    last = None
+    if adjustment is not None:
+        last = adjustment_to_dict(adjustment) | {"walltime": adjustment_walltime}
+    return {
+        "model": model,
+        "connector": connector,
+        "walltime": walltime,
+        "no_operation": no_operation,
+        "pools": pools,
+        "last_decision": last,
+        "changes_in_progress": {str(p): {"from": c.before, "to": c.target} for p, c in sorted(pending.items())},
+        "changes_applied": changes_applied,
+        "change_failures": change_failures,
+        "last_change_error": last_change_error,
+        "metrics_url": metrics_url,
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -270,6 +322,8 @@ class Planner:
         connector: Connector,
         log_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics_host: str | None = None,
+        metrics_port: int = 0,
     ) -> None:
         self.runtime = runtime
         self.config = config
@@ -286,6 +340,12 @@ class Planner:
         self.num_adjustments = 0
         self.num_changes_applied = 0
         self.num_change_failures = 0
+        self.last_change_error = ""
+        self.last_decision_walltime: float | None = None
+        self.metrics = PlannerMetrics(model, no_operation=config.no_operation)
+        self.metrics.in_progress = self.changes_in_progress
+        self._metrics_server = None if metrics_host is None else MetricsServer(self.metrics, metrics_host, metrics_port)
+        self.metrics_url = ""
         self._loads: dict[int, tuple[LoadSnapshot, float]] = {}
         self._queue_reports: dict[int, tuple[PrefillQueueReport, float]] = {}
         self._pending: dict[Pool, PendingChange] = {}
@@ -301,6 +361,19 @@ class Planner:
             # In a thread: tensorboardX imports torch when it is installed (2.5-7 s here, with vLLM's), which on the
             # event loop would stall every lease keep-alive of this process past a 3 s TTL.
             self.board = await asyncio.to_thread(PlannerBoard, self.log_dir)
+        if self._metrics_server is not None:
+            server = self._metrics_server
+            try:
+                self.metrics_url = await server.start()
+            except OSError as e:
+                raise SystemExit(
+                    f"kvmesh planner: cannot serve /metrics on {server.host}:{server.port}: {e.strerror or e} "
+                    "(--metrics-port 0 takes a free port)"
+                ) from None
+        try:
+            await self.connector.start()
+        except ConnectorError as e:
+            logger.warning("%s; the planner runs on", e)
         ns = self.runtime.namespace(self.namespace)
         spawn = self.runtime.supervisor.spawn
         loads: EventSubscription[Any] = await ns.events.subscribe(TOPIC_LOAD_METRICS)
@@ -321,7 +394,9 @@ class Planner:
             cfg.metric_pulling_interval,
             cfg.adjustment_interval,
         )
-        return f"planner {self.namespace}/{self.model} ({self.connector.name})"
+        await self._publish_status()
+        metrics = f", metrics {self.metrics_url}" if self.metrics_url else ""
+        return f"planner {self.namespace}/{self.model} ({self.connector.name}){metrics}"
 
     async def ended(self) -> None:
         """Returns only if the pull loop died (a bug: every expected failure is handled inside a pull), so the
@@ -357,6 +432,11 @@ class Planner:
                 self.board.close()
             except OSError as e:
                 logger.warning("closing TensorBoard writer: %s", e)
+        if self._metrics_server is not None:
+            try:
+                await self._metrics_server.stop()
+            except OSError as e:
+                logger.warning("stopping the metrics server: %s", e)
         return code, last
 
     # --- inputs -----------------------------------------------------------------------------------------------------
@@ -411,21 +491,25 @@ class Planner:
         oldest_s = now - STALE_AFTER_PULLS * self.config.metric_pulling_interval
         for iid in [i for i, (_, t) in self._queue_reports.items() if t < oldest_s and i not in fleet.prefill]:
             del self._queue_reports[iid]
+        gpus = {pool: self.connector.gpus_per_worker(pool) for pool in Pool}
         obs = build_observation(
-            now, fleet, self._loads, queue_reading(self._queue_reports, self.model), dict(self._pending)
+            now, fleet, self._loads, queue_reading(self._queue_reports, self.model), dict(self._pending), gpus
         )
         figures = pull_figures(obs, self.config)
         self.num_pulls += 1
         self.last_observation = obs
         walltime = time.time()
+        running, waiting = request_totals(self._loads, fleet, now, self.config)
+        self.metrics.pull(obs, figures, running, waiting)
         if self.board is not None:
-            running, waiting = request_totals(self._loads, fleet, now, self.config)
             self.board.pull(self.num_pulls, obs, figures, running, waiting, walltime)
         adj, self.state = decide(self.state, obs, self.config)
         if adj is None:
             return None
         self.num_adjustments += 1
         self.last_decision = adj
+        self.last_decision_walltime = walltime
+        self.metrics.adjustment(adj)
         changed = any(d.direction != Direction.HOLD for d in adj.decisions)
         logger.log(
             logging.INFO if changed or self.num_adjustments == 1 else logging.DEBUG,
@@ -440,7 +524,7 @@ class Planner:
             self.board.adjustment(self.num_pulls, adj, walltime)
             self.board.flush()
         self.apply(adj)
-        await self._publish_status(adj)
+        await self._publish_status()
         return adj
 
     def apply(self, adj: Adjustment) -> None:
@@ -453,30 +537,53 @@ class Planner:
                 continue
             self._pending[d.pool] = PendingChange(before=d.current, target=d.target)
             self._change_tasks[d.pool] = self.runtime.supervisor.spawn(
-                self._change(d.pool, d.target), name=f"planner-scale:{d.pool}"
+                self._change(d.pool, d.target, str(d.direction)), name=f"planner-scale:{d.pool}"
             )
 
-    async def _change(self, pool: Pool, target: int) -> None:
+    async def _change(self, pool: Pool, target: int, direction: str) -> None:
+        ok = False
         try:
             await self.connector.set_pool_size(pool, target)
+            ok = True
             self.num_changes_applied += 1
         except ConnectorError as e:
             self.num_change_failures += 1
+            self.last_change_error = str(e)
             logger.warning("%s; the planner decides again at a later interval", e)
         except RuntimeMeshError as e:
             self.num_change_failures += 1
+            self.last_change_error = f"{pool} pool to {target} workers: {e}"
             logger.warning("%s pool to %d workers: %s; the planner decides again later", pool, target, e)
         finally:
             self._pending.pop(pool, None)
             if self._change_tasks.get(pool) is asyncio.current_task():
                 del self._change_tasks[pool]
+        self.metrics.change(pool, direction, ok)
+        await self._publish_status()
 
     def changes_in_progress(self) -> dict[Pool, PendingChange]:
         return dict(self._pending)
 
-    async def _publish_status(self, adj: Adjustment) -> None:
-        """The last decision, where ``kvmesh status`` can read it; it goes with the planner's lease."""
-        value = json.dumps(adjustment_to_dict(adj) | {"model": self.model, "connector": self.connector.name})
+    def status(self) -> dict[str, Any]:
+        return status_payload(
+            model=self.model,
+            connector=self.connector.name,
+            walltime=time.time(),
+            no_operation=self.config.no_operation,
+            observation=self.last_observation,
+            adjustment=self.last_decision,
+            adjustment_walltime=self.last_decision_walltime,
+            pending=self._pending,
+            changes_applied=self.num_changes_applied,
+            change_failures=self.num_change_failures,
+            last_change_error=self.last_change_error,
+            metrics_url=self.metrics_url,
+        )
+
+    async def _publish_status(self) -> None:
+        """The planner's status (``status_payload``), where ``kvmesh status`` can read it; it goes with the planner's
+        lease."""
+        value = json.dumps(self.status())
         try:
             await self.runtime.discovery.put(
                 status_key(self.namespace, self.model), value.encode(), lease=self.runtime.primary_lease

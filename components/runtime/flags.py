@@ -5,7 +5,9 @@ help live in one place (the config model).
 default = the model's); ``model_from_args(Model, args)`` builds the model back, letting pydantic validate;
 ``argv_for(values)`` is the inverse, the flags that give a process those field values (``kvmesh serve`` starts every
 component this way from a graph's sections).
-Lists take comma-separated values; booleans take ``--flag/--no-flag``. A field may name extra spellings of its flag in
+Lists take comma-separated values; booleans take ``--flag/--no-flag``. A field whose name carries its unit
+(``*_s``, ``*_ms``) and whose description does not say it gets the unit in its help ("in seconds"), so every
+``--help`` states the unit of every timing flag. A field may name extra spellings of its flag in
 ``json_schema_extra={"cli_aliases": ["--seed-system-name"]}`` (the router keeps Dynamo's flag names this way).
 """
 
@@ -27,6 +29,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# Name suffix -> unit (checked longest first: "_ms" before "_s").
+_UNITS = {"_ms": "milliseconds", "_s": "seconds"}
+
+
+def _unit(name: str, description: str) -> str:
+    """The unit to add to the help of a field named ``*_s`` (``*_ms``) whose description does not name it:
+    'in seconds; ', else ''."""
+    for suffix, unit in _UNITS.items():
+        if name.endswith(suffix):
+            return "" if unit in description.lower() else f"in {unit}; "
+    return ""
+
+
 def _base_type(annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -42,7 +57,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel],
             continue
         base = _base_type(field.annotation)
         default = field.get_default(call_default_factory=True)
-        help_text = f"{field.description or ''} (default: {default})".replace("%", "%%")
+        desc = field.description or ""
+        help_text = f"{desc} ({_unit(name, desc)}default: {default})".replace("%", "%%")
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         aliases = extra.get("cli_aliases")
         flags = (

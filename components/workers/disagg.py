@@ -307,10 +307,21 @@ class PrefillLoop:
     async def stop(self) -> None:
         """Pop no more; finish, deliver and ack the item in hand; then stop reporting."""
         self._stopping.set()
+        busy = self.busy
+        logger.info(
+            "prefill worker %x stopping: %s", self.instance_id,
+            "finishing the item in hand first" if busy else "no item in hand",
+        )  # fmt: skip
         tasks, self._tasks = self._tasks, []
         if tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await tasks[0]  # the loop: it ends after the item in hand
+        if busy:
+            c = self.counters
+            logger.info(
+                "prefill worker %x: the item in hand is done; %d items taken, %d delivered", self.instance_id,
+                c.items, c.delivered,
+            )  # fmt: skip
         for t in tasks[1:]:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -265,9 +265,11 @@ def test_status_shows_every_worker_with_model_load_and_age(mock_agg):
     assert lines[0].split()[:6] == ["NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID"]
     assert "16 instances" in lines
     assert [line.split()[:3] for line in lines[lines.index("16 instances") + 1 :]] == [
+        ["mock:", "pools", "tiny-llama:"],
         ["mock:", "embedded", "etcd"],
         ["mock:", "embedded", "nats"],
     ]
+    assert "mock: pools tiny-llama: aggregated 16 workers" in lines
     worker_rows = [line.split() for line in lines[1:17]]
     assert {row[4] for row in worker_rows} == {"mock-mock-0", "mock-mock-1"}  # each instance's watcher
 

@@ -182,6 +182,7 @@ def test_status_shows_the_roles_and_the_prefill_queue_line(mock_disagg):
         ("mock-disagg-prefill-1", "prefill"),
     ]
     after = lines[lines.index("4 instances") + 1 :]
+    assert after.pop(0) == "mock-disagg: pools tiny-llama: decode 2 workers, prefill 2 workers"
     assert re.fullmatch(
         r"mock-disagg: prefill queue tiny-llama: 0 waiting, 0 in flight, oldest \d+\.\d s, 2 prefill workers, "
         r"0 redelivered",

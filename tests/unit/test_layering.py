@@ -6,6 +6,12 @@ the purity of policies checked by importing them in a fresh interpreter.
 - Packages have ranks (``RANKS``, lowest first); a package imports only packages of lower rank, never one of its own
   rank or above, so the drawing of imports has no arrow running back up and no circle (also checked directly).
 - Nothing outside ``components/cli`` imports it; nothing outside ``components/workers`` imports its engines.
+- A *pure config module* (``components/<package>/config.py`` that imports only the standard library and pydantic) is
+  a leaf: any package may import it, whatever the ranks, and such an import is no edge of the package graph. A
+  component's config is data (its fields, defaults and validation), not behaviour; a graph file's sections are the
+  component configs (components/deploy/graph.py), including the planner's, whose package sits above ``deploy``
+  because its circus connector drives deployments. A config module that imports anything else (the runtime, a
+  client) gets no such pass.
 - A policy module (a file under a ``policies/`` directory, or a file named ``policy.py``) imports only the standard
   library and its own package, and none of the standard library's I/O: a policy is a pure function over a snapshot
   (STYLE.md habit 1), testable without a loop, a socket or a clock. And importing it in a fresh interpreter leaves
@@ -47,6 +53,8 @@ RANKS = {
     "planner": 5,
     "cli": 6,
 }
+# What a pure config module may import besides the standard library.
+CONFIG_THIRD_PARTY = {"pydantic", "pydantic_core"}
 # Standard-library modules that mean I/O, concurrency or a clock of one's own; a policy takes those as inputs.
 POLICY_FORBIDDEN_STDLIB = {"asyncio", "socket", "subprocess", "http", "urllib", "selectors", "multiprocessing"}
 
@@ -212,10 +220,22 @@ def package_of(name: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[0] == "components" else None
 
 
+def pure_config_modules(root: Path = ROOT) -> set[str]:
+    """``components.<package>.config`` modules that import only the standard library and pydantic (module docstring)."""
+    out = set()
+    for path in sorted((root / "components").glob("*/config.py")):
+        names = [name for _, name in imports_of(path, root) if name != "__future__"]
+        if all(top(n) in sys.stdlib_module_names or top(n) in CONFIG_THIRD_PARTY for n in names):
+            out.add(module_name(path, root))
+    return out
+
+
 def package_imports(root: Path = ROOT) -> list[tuple[Path, int, str, str, str]]:
-    """(file, line, importing package, imported package, imported module) for every import between kvmesh packages."""
+    """(file, line, importing package, imported package, imported module) for every import between kvmesh packages,
+    less imports of pure config modules (leaves: module docstring)."""
     out = []
     components = root / "components"
+    leaves = pure_config_modules(root)
     for path in python_files(components):
         rel_parts = path.relative_to(components).parts
         if len(rel_parts) < 2:
@@ -223,6 +243,8 @@ def package_imports(root: Path = ROOT) -> list[tuple[Path, int, str, str, str]]:
         mine = rel_parts[0]
         for line, name in imports_of(path, root):
             theirs = package_of(name)
+            if any(name == leaf or name.startswith(leaf + ".") for leaf in leaves):
+                continue
             if theirs is not None and theirs != mine:
                 out.append((path, line, mine, theirs, name))
     return out
@@ -325,6 +347,28 @@ def test_the_package_rules_reject_what_they_should(tmp_path):
     assert any("workers/main.py:1" in v and "components.cli" in v for v in private)
     assert any("protocol/messages.py:1" in v and "imports nothing" in v for v in private)
     assert not any("workers/main.py:2" in v for v in private)  # workers may import its own engines
+
+
+def test_a_pure_config_module_is_a_leaf_and_an_impure_one_is_not(tmp_path):
+    """The config-leaf rule on a synthetic tree: deploy may import the planner's pydantic-only config although the
+    planner ranks above it; a config that imports the runtime is an ordinary module and the same import is refused."""
+
+    def write(rel: str, text: str) -> None:
+        f = tmp_path / "components" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+
+    for pkg in ("runtime", "deploy", "planner", "cli"):
+        write(f"{pkg}/__init__.py", "")
+    write("planner/config.py", "from __future__ import annotations\nimport enum\nfrom pydantic import BaseModel\n")
+    write("planner/connectors.py", "from components.deploy import graph\n")  # down: fine
+    write("deploy/graph.py", "from components.planner.config import PlannerConfig\nfrom components.cli import config\n")
+    write("cli/config.py", "from components.runtime import flags\nfrom pydantic import BaseModel\n")
+
+    assert pure_config_modules(tmp_path) == {"components.planner.config"}
+    assert {v.split(" ")[0] for v in rank_violations(tmp_path)} == {"components/deploy/graph.py:2"}
+    assert cycles(tmp_path) == []
+    assert "components.planner.config" in pure_config_modules()  # the real one qualifies
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -22,9 +22,19 @@ class Connector(Protocol):
 
     name: str  # the --environment it implements: virtual, local, kubernetes
 
+    async def start(self) -> None:
+        """Pick up where a previous planner left off (the local connector removes watchers a planner stopped before
+        it could remove them). Raises ``ConnectorError``; the planner runs on regardless."""
+        ...
+
     async def set_pool_size(self, pool: Pool, count: int) -> None:
         """Make ``pool`` have ``count`` workers and return when it has (idempotent: the same count again is a no-op
         for the outside system). Raises ``ConnectorError`` when the change failed or did not finish in time."""
+        ...
+
+    def gpus_per_worker(self, pool: Pool) -> int | None:
+        """GPUs one worker of ``pool`` uses as the deployment says (a graph group's gpus_per_replica; 0 counts as 1
+        in the budget), or None when the connector does not know (the policy then uses ``*_engine_num_gpu``)."""
         ...
 
     async def close(self) -> None:
@@ -35,8 +45,9 @@ class Connector(Protocol):
 class ConnectorError(Exception):
     """A pool size was not set. Recoverable: the planner logs it and decides again at a later interval."""
 
-    def __init__(self, connector: str, pool: Pool, count: int, message: str) -> None:
-        super().__init__(f"{connector} connector: setting {pool} pool to {count} workers: {message}")
+    def __init__(self, connector: str, pool: Pool, count: int | None, message: str) -> None:
+        what = f"setting {pool} pool to {count} workers" if count is not None else f"{pool} pool"
+        super().__init__(f"{connector} connector: {what}: {message}")
         self.connector = connector
         self.pool = pool
         self.count = count

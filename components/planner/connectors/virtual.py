@@ -24,6 +24,7 @@ import logging
 import uuid
 from urllib.parse import quote
 
+from components.planner.config import DEFAULT_SCALING_TIMEOUT_S
 from components.planner.connectors.base import ConnectorError, ScalingTimeoutError
 from components.planner.policy import Pool
 from components.runtime import Runtime
@@ -32,8 +33,8 @@ from components.runtime.discovery import WatchEventKind
 logger = logging.getLogger(__name__)
 
 # An outside system that starts a simulated worker answers in well under a second; one that starts a real engine
-# (model load, CUDA graphs) takes minutes. Ten minutes covers the second without leaving a planner stuck forever.
-DEFAULT_TIMEOUT_S = 600.0
+# (model load, CUDA graphs) takes minutes: PlannerRunConfig.scaling_timeout_s.
+DEFAULT_TIMEOUT_S = DEFAULT_SCALING_TIMEOUT_S
 
 
 def pool_prefix(namespace: str, model: str, pool: Pool) -> str:
@@ -73,6 +74,9 @@ class VirtualConnector:
         self.model = model
         self.timeout_s = timeout_s
 
+    async def start(self) -> None:
+        """Nothing to pick up: the last targets stay in etcd for the outside system, which answers or not."""
+
     async def set_pool_size(self, pool: Pool, count: int) -> None:
         discovery = self.runtime.discovery
         request = VirtualRequest(count, uuid.uuid4().hex)
@@ -106,6 +110,10 @@ class VirtualConnector:
             if aclose is not None:
                 await aclose()
         raise ConnectorError(self.name, pool, count, "discovery closed before the change was reported done")
+
+    def gpus_per_worker(self, pool: Pool) -> int | None:
+        """Unknown: the outside system's workers count as the config's ``*_engine_num_gpu``."""
+        return None
 
     async def close(self) -> None:
         """Nothing held between calls: each ``set_pool_size`` owns its watch."""

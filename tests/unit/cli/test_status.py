@@ -8,9 +8,13 @@ import json
 import pytest
 
 from components.cli.status import (
+    attach_planners,
     attach_queues,
+    format_planner,
     format_queue,
     format_role,
+    planner_rows_of,
+    pool_lines,
     queue_rows_of,
     render_table,
     rows_of,
@@ -129,3 +133,72 @@ def test_the_table_shows_roles_and_keeps_its_first_six_columns():
     assert format_role("decode", "recompute") == "decode:recompute" and format_role("prefill", "kv_transfer") == (
         "prefill"
     )
+
+
+# -- pools and the planner ------------------------------------------------------------------------------------------
+
+
+def test_pool_lines_count_each_models_workers_by_role():
+    rows = rows_of([*fleet(), info(0xD, "generate", WorkerRole.AGGREGATED, model="other")], {}, NOW)
+    assert pool_lines(rows) == [
+        "ns: pools m: decode 1 worker, prefill 2 workers",
+        "ns: pools other: aggregated 1 worker",
+    ]
+
+
+def planner_status(**over: object) -> dict:
+    decision = {
+        "pool": "decode",
+        "direction": "up",
+        "current": 1,
+        "target": 2,
+        "reason": "average KV-cache use 0.95 > up-threshold 0.9",
+        "summary": "decode: scale up 1 -> 2 (average KV-cache use 0.95 > up-threshold 0.9)",
+        "metrics": {"kv_usage": 0.95},
+    }
+    status = {
+        "model": "m",
+        "connector": "local",
+        "walltime": NOW,
+        "no_operation": False,
+        "pools": {"decode": 1, "prefill": None},
+        "last_decision": {"decisions": [decision], "note": "", "walltime": NOW - 75},
+        "changes_in_progress": {"decode": {"from": 1, "to": 2}},
+        "changes_applied": 0,
+        "change_failures": 0,
+        "last_change_error": "",
+        "metrics_url": "http://127.0.0.1:9/metrics",
+    }
+    return status | over
+
+
+def test_a_planner_line_says_its_last_decision_with_the_reason_and_what_is_changing():
+    [row] = planner_rows_of("ns", [json.dumps(planner_status()).encode(), b"not json", b'{"no": "model"}'])
+    assert format_planner(row, NOW) == (
+        "ns: planner m (local connector, metrics http://127.0.0.1:9/metrics): last decision 1m15s ago: decode: scale "
+        "up 1 -> 2 (average KV-cache use 0.95 > up-threshold 0.9); changing decode 1 -> 2"
+    )
+    [idle] = planner_rows_of(
+        "ns",
+        [
+            json.dumps(
+                planner_status(
+                    last_decision=None, changes_in_progress={}, no_operation=True, metrics_url="",
+                    last_change_error="local connector: setting decode pool to 2 workers: no free GPU",
+                )
+            )
+        ],
+    )  # fmt: skip
+    assert format_planner(idle, NOW) == (
+        "ns: planner m (local connector, no-operation): no decision yet (the first comes one adjustment interval "
+        "after it started); last failed change: local connector: setting decode pool to 2 workers: no free GPU"
+    )
+
+
+def test_worker_rows_of_a_planned_model_carry_the_planner_status_for_json():
+    rows = rows_of(fleet(), {}, NOW)
+    attach_planners(rows, planner_rows_of("ns", [json.dumps(planner_status())]))
+    by_id = {r["instance_id"]: r for r in rows}
+    assert by_id["c"]["planner"]["connector"] == "local" and by_id["a"]["planner"]["model"] == "m"
+    assert "planner" not in by_id["f"]
+    json.dumps(rows)

@@ -81,10 +81,10 @@ def test_agg_is_a_frontend_and_two_vllm_workers_on_the_tiny_model():
     assert g.watcher_names() == ["kvmesh-frontend", "kvmesh-vllm-0", "kvmesh-vllm-1"]
 
 
-@pytest.mark.parametrize("graph", ["mock_agg.yaml", "agg.yaml"])
+@pytest.mark.parametrize("graph", ["mock_agg.yaml", "agg.yaml", "mock_planner.yaml"])
 def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
-    """Every flag serve will pass exists in `kvmesh worker` / `kvmesh frontend` (an unknown flag would only show up
-    as a crash-looping watcher)."""
+    """Every flag serve will pass exists in `kvmesh worker` / `kvmesh frontend` / `kvmesh planner` (an unknown flag
+    would only show up as a crash-looping watcher)."""
     g = load_graph(ROOT / "graphs" / graph)
     plans = plan_watchers(
         g,
@@ -93,7 +93,9 @@ def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
         frontend_port=8000,
         gpus={},
         log_dir=tmp_path,
+        state_dir=tmp_path,
     )
+    assert ("planner" in [p.kind for p in plans]) == (graph == "mock_planner.yaml")
     parser = build_parser()
     for plan in plans:
         assert plan.cmd[1:3] == ["-m", "components.cli.main"]
@@ -115,7 +117,18 @@ def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
             ":2: workerz:",
             "unknown field 'workerz'; did you mean 'workers'?; allowed here: namespace, base_dir",
         ),
-        ("namespace: t\nplanner: {}\n", ":2: planner:", "unknown field 'planner'"),
+        ("namespace: t\nrescheduler: {}\n", ":2: rescheduler:", "unknown field 'rescheduler'"),
+        (
+            "namespace: t\nplanner: {adjustment_intervl: 3}\n",
+            ":2: planner.adjustment_intervl:",
+            "unknown field 'adjustment_intervl'; did you mean 'adjustment_interval'?",
+        ),
+        ("namespace: t\nplanner:\n  environment: virtual\n", ":2: planner:", "environment is not set here"),
+        (
+            "namespace: t\nplanner:\n  decode_kv_scale_up_threshold: 0.4\n",
+            ":2: planner:",
+            "decode_kv_scale_down_threshold (0.5) must be below decode_kv_scale_up_threshold (0.4)",
+        ),
         ("namespace: t\ninfrastructure: {etcd: embeded}\n", ":2: infrastructure.etcd:", "expected 'embedded' or"),
         (
             "namespace: t\ninfrastructure:\n  nats: {url: 'nats://h:4222', port: 5}\n",

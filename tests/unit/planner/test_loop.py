@@ -1,5 +1,6 @@
-"""The planner adapter's pure parts: discovery listing -> pools, wire reports -> the policy's observation, and the
-TensorBoard writer (its files read back with tensorboard's own event reader)."""
+"""The planner adapter's pure parts: discovery listing -> pools, wire reports -> the policy's observation, the
+TensorBoard writer (its files read back with tensorboard's own event reader), the Prometheus exposition of the same
+figures, the status ``kvmesh status`` reads, and the command line (every flag's help states its unit)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from components.planner.loop import (
     pool_view,
     queue_reading,
     request_totals,
+    status_payload,
 )
 from components.planner.policy import (
     Adjustment,
@@ -249,7 +251,158 @@ def test_adjustment_to_dict_is_json_ready():
     assert d["decisions"][0]["target"] == 2 and d["gpus_after"] == 3
 
 
+def test_the_deployments_gpus_per_worker_reach_the_pool_views():
+    fleet = Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
+    obs = build_observation(1.0, fleet, {}, None, {}, {Pool.DECODE: 2, Pool.PREFILL: None})
+    assert (obs.decode.gpus_per_worker, obs.prefill and obs.prefill.gpus_per_worker) == (2, None)
+    # 2 decode workers x 2 GPUs + 1 prefill worker x prefill_engine_num_gpu (1) = 5
+    assert pull_figures(obs, PlannerConfig()).gpus == 5
+
+
+# --- Prometheus ------------------------------------------------------------------------------------------------------
+
+
+def samples(text: str) -> dict[str, float]:
+    """Exposition lines 'name{labels} value' -> {name{labels}: value} (comments and _created left out)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "_created" not in line:
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_metrics_show_the_tensorboard_figures_and_count_decisions_by_pool_and_direction():
+    from components.planner.metrics import PlannerMetrics
+
+    m = PlannerMetrics(MODEL)
+    before = samples(m.render().decode())
+    assert before['kvmesh_planner_no_operation{model="m"}'] == 0.0
+    assert not any(k.startswith("kvmesh_planner_kv_usage") for k in before)  # no pull yet: absent, not 0
+    fleet = Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
+    loads = {1: (load(0.8, running=4, waiting=1), 1.0), 2: (load(0.6, running=2, waiting=0), 1.0)}
+    obs = build_observation(1.0, fleet, loads, QueueReading(2, 1, 1.0), {})
+    m.pull(obs, pull_figures(obs, PlannerConfig()), *request_totals(loads, fleet, 1.0, PlannerConfig()))
+    m.adjustment(adjustment())
+    m.adjustment(adjustment())
+    m.change(Pool.DECODE, "up", ok=True)
+    m.change(Pool.DECODE, "up", ok=False)
+    got = samples(m.render().decode())
+    expected = {  # the same figures as test_board_writes_pull_and_adjustment_scalars_and_decision_text
+        'kvmesh_planner_kv_usage{model="m"}': 0.7,
+        'kvmesh_planner_prefill_queue_size{model="m"}': 2,
+        'kvmesh_planner_prefill_queue_utilisation{model="m"}': 2.0,
+        'kvmesh_planner_running_requests{model="m"}': 6,
+        'kvmesh_planner_waiting_requests{model="m"}': 1,
+        'kvmesh_planner_workers{model="m",pool="decode"}': 2,
+        'kvmesh_planner_workers{model="m",pool="prefill"}': 1,
+        'kvmesh_planner_gpus{model="m"}': 3,
+        'kvmesh_planner_adjustment_kv_usage{model="m"}': 0.95,
+        'kvmesh_planner_adjustment_prefill_queue_size{model="m"}': 0.3,
+        'kvmesh_planner_adjustment_prefill_queue_utilisation{model="m"}': 0.3,
+        'kvmesh_planner_adjustment_target_workers{model="m",pool="decode"}': 2,
+        'kvmesh_planner_adjustment_target_workers{model="m",pool="prefill"}': 1,
+        'kvmesh_planner_adjustment_gpus{model="m"}': 3,
+        'kvmesh_planner_decisions_total{direction="up",model="m",pool="decode"}': 2,
+        'kvmesh_planner_decisions_total{direction="hold",model="m",pool="prefill"}': 2,
+        'kvmesh_planner_changes_total{direction="up",model="m",outcome="done",pool="decode"}': 1,
+        'kvmesh_planner_changes_total{direction="up",model="m",outcome="failed",pool="decode"}': 1,
+        'kvmesh_planner_pulls_total{model="m"}': 1,
+        'kvmesh_planner_adjustments_total{model="m"}': 2,
+    }
+    for key, value in expected.items():
+        assert got.get(key) == pytest.approx(value), key
+
+
+async def test_the_metrics_server_answers_on_a_free_loopback_port():
+    import aiohttp
+
+    from components.planner.metrics import MetricsServer, PlannerMetrics
+
+    server = MetricsServer(PlannerMetrics(MODEL, no_operation=True), "127.0.0.1", 0)
+    url = await server.start()
+    try:
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics") and ":0/" not in url
+        async with aiohttp.ClientSession() as session, session.get(url) as r:
+            body = await r.text()
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        assert samples(body)['kvmesh_planner_no_operation{model="m"}'] == 1.0
+    finally:
+        await server.stop()
+
+
+# --- status for kvmesh status ----------------------------------------------------------------------------------------
+
+
+def test_status_payload_says_pools_last_decision_changes_and_failures():
+    import json
+
+    fleet = Fleet(frozenset({1, 2}), frozenset(), disaggregated=False)
+    obs = build_observation(1.0, fleet, {}, None, {Pool.DECODE: PendingChange(2, 3)})
+    payload = status_payload(
+        model=MODEL,
+        connector="local",
+        walltime=123.0,
+        no_operation=False,
+        observation=obs,
+        adjustment=adjustment(),
+        adjustment_walltime=120.0,
+        pending={Pool.DECODE: PendingChange(2, 3)},
+        changes_applied=4,
+        change_failures=1,
+        last_change_error="local connector: setting decode pool to 3 workers: no free GPU",
+        metrics_url="http://127.0.0.1:9/metrics",
+    )
+    back = json.loads(json.dumps(payload))
+    assert back["pools"] == {"decode": 2, "prefill": None}
+    assert back["last_decision"]["walltime"] == 120.0
+    assert back["last_decision"]["decisions"][0]["summary"].startswith("decode: scale up 1 -> 2")
+    assert back["changes_in_progress"] == {"decode": {"from": 2, "to": 3}}
+    assert (back["changes_applied"], back["change_failures"]) == (4, 1)
+    empty = status_payload(
+        model=MODEL, connector="virtual", walltime=1.0, no_operation=True, observation=None, adjustment=None,
+        adjustment_walltime=None, pending={}, changes_applied=0, change_failures=0, last_change_error="",
+        metrics_url="",
+    )  # fmt: skip
+    assert (empty["pools"], empty["last_decision"], empty["changes_in_progress"]) == (None, None, {})
+
+
 # --- command line ----------------------------------------------------------------------------------------------------
+
+
+# Flags whose value has no unit (names, addresses, paths, switches, choices).
+UNITLESS = {
+    "--etcd-endpoints",
+    "--nats-url",
+    "--response-transport",
+    "--response-host",
+    "--namespace",
+    "--served-model-name",
+    "--environment",
+    "--state-dir",
+    "--log-dir",
+    "--metrics-host",
+    "--no-operation",
+}
+UNIT_WORDS = ("seconds", "fraction 0..1", "items", "gpus", "port")
+
+
+def test_every_flag_of_kvmesh_planner_states_its_unit_in_help():
+    import argparse
+
+    from components.planner.main import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    flags = [a for a in ap._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 25  # runtime, run and policy flags
+    missing = []
+    for action in flags:
+        flag = action.option_strings[0]
+        text = " ".join((action.help or "").split()).lower()
+        if flag not in UNITLESS and not any(word in text for word in UNIT_WORDS):
+            missing.append(f"{flag}: {text}")
+    assert missing == []
 
 
 def parse(*argv: str):
@@ -279,12 +432,19 @@ def test_cli_flags_keep_dynamo_names_and_defaults():
     assert cfg.adjustment_interval == 10.0 and cfg.decode_kv_scale_up_threshold == 0.8
 
 
-@pytest.mark.parametrize("environment", ["local", "kubernetes"])
-def test_cli_environments_not_implemented_exit_2_before_connecting(environment, capsys):
+def test_cli_kubernetes_not_implemented_exits_2_before_connecting(capsys):
     from components.planner.main import main
 
-    assert main(parse("--environment", environment, "--etcd", "http://127.0.0.1:1")) == 2
+    assert main(parse("--environment", "kubernetes", "--etcd", "http://127.0.0.1:1")) == 2
     assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_cli_local_without_a_served_namespace_says_so_before_connecting(tmp_path, capsys):
+    from components.planner.main import main
+
+    assert main(parse("--environment", "local", "--namespace", "nope", "--state-dir", str(tmp_path))) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/nope.json: no such state file" in err, err
 
 
 def test_cli_refuses_inconsistent_policy_flags():
