@@ -311,6 +311,7 @@ class VllmStats:
     num_prompt_tokens_external: int = 0  # loaded by the KV connector (pulled from another engine)
     num_kv_transfers: int = 0  # KV reads this engine completed as a target
     num_kv_bytes_received: int = 0
+    kv_transfer_s: float = 0.0  # summed duration of those reads, as NIXL measured them
     num_kv_transfer_failures: int = 0  # failed reads, handshakes and notifications
     num_kv_expired: int = 0  # requests whose kept blocks this engine (a source) freed unpulled, at lease end
 
@@ -346,6 +347,7 @@ class VllmStats:
             return v if isinstance(v, list) else []
 
         self.num_kv_transfers += len(entries("transfer_duration"))
+        self.kv_transfer_s += float(sum(entries("transfer_duration")))
         self.num_kv_bytes_received += int(sum(entries("bytes_transferred")))
         self.num_kv_transfer_failures += sum(
             len(entries(k)) for k in ("num_failed_transfers", "num_failed_handshakes", "num_failed_notifications")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _nixl_worker
@@ -32,6 +33,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 
 # Under vLLM's logger: in the engine-core and model processes only vLLM's loggers have handlers.
 logger = logging.getLogger(f"vllm.{__name__}")
+
+
+def _nixl_logs_to_stderr() -> None:
+    """NIXL's Python logger writes to stdout (configured when vLLM imports nixl, which importing the modules above
+    did); a ``kvmesh worker``'s stdout carries its READY/STOPPED lines, and vLLM's own logs already go to stderr."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
+_nixl_logs_to_stderr()
 
 __all__ = ["KvmeshNixlConnector"]
 
