@@ -13,6 +13,12 @@ kept and the rest aborted), charges the KV transfer (the simulated engine's mode
 ``RemotePrefillResult`` to the decode worker's ``prefill_result`` endpoint, and only then acks. The decode worker's
 engine commits the blocks and the first token and decodes on, in the client's same stream.
 
+How the KV gets to the decode engine is the engines' business: a simulated decode engine commits the blocks it
+reserved; a vLLM decode engine with NIXL (``remote_prefill_mode`` kv_transfer) pulls them from the prefill engine,
+which kept them because the item said the decode worker would pull (``RemotePrefillRequest.kv_transfer``) and named
+them in the result (``kv_transfer_params``, from the engine's ``prefill_handoff``); a vLLM decode engine without it
+recomputes the prompt (components/workers/engines/vllm/nixl.py, docs/disagg.md).
+
 What can go wrong, and what happens:
 
 * The queue is full, unreachable, or no prefill worker is alive: ``decide_prefill`` (or the push) says local; the
