@@ -26,6 +26,11 @@ and calls ``AsyncLLM.shutdown()``, which terminates the engine-core and model pr
 leaves them orphaned (vLLM has no parent-death signal; docs/vllm-cpu.md), so supervisors should start workers in
 their own process group and kill the group as a backstop.
 
+Disaggregated serving (prefill and decode workers' engines only): ``start()`` decides ``remote_prefill_mode``
+(``nixl.choose_remote_prefill_mode``) and, for kv_transfer, builds the engine with kvmesh's NIXL connector (a
+``kv_producer`` for a prefill worker, a ``kv_consumer`` for a decode worker; one free handshake port each);
+``prefill_handoff`` keeps a prompt's KV for a pull and ``generate_remote`` pulls it, or recomputes (nixl.py).
+
 Imports vLLM lazily (in ``start()``), so importing this module costs nothing and the mock path never loads vLLM.
 """
 
@@ -305,7 +310,12 @@ class VllmEngine:
         if kv_role is not None:
             for key, value in UCX_ENVIRONMENT.items():
                 os.environ.setdefault(key, value)  # read by the model process when vLLM spawns it
-            self.kv_transfer_port = free_loopback_port(self.config.kv_transfer_host)
+            try:
+                self.kv_transfer_port = free_loopback_port(self.config.kv_transfer_host)
+            except OSError as exc:
+                raise EngineDeadError(
+                    f"vLLM engine {self.name!r}: no port for NIXL's handshake on {self.config.kv_transfer_host}: {exc}"
+                ) from exc
             kv_transfer = v.KVTransferConfig(
                 **kv_transfer_config(
                     kv_role=kv_role,
