@@ -38,6 +38,7 @@ from components.runtime import Runtime, RuntimeConfig
 from components.runtime.codec import pack, unpack
 from components.runtime.servers import EtcdServer, NatsServer
 from components.workers.config import EngineKind, WorkerConfig
+from components.workers.engines.base import EngineDeadError
 from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
 from components.workers.worker import Worker
 from tests.support.vllm import HAVE_NIXL, MODEL_DIR, check_weights, requires_nixl, requires_vllm
@@ -292,6 +293,30 @@ async def test_short_prompts_are_prefilled_on_the_decode_worker(fleet):
     assert len(tokens(chunks)) == 6
     assert fleet.prefill.prefill_loop.counters.items == before
     assert fleet.pull.remote.counters.decisions.get("short") == short + 1
+
+
+@requires_nixl
+async def test_an_engine_that_cannot_start_its_connector_recomputes_or_refuses(caplog):
+    """NIXL imports, but the connector cannot work (here: its handshake host is no address of this machine). auto:
+    the engine starts without it, announces recompute and logs why; kv_transfer: it refuses to start."""
+    bad = dict(model_path=str(MODEL_DIR), kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=1024)
+    strict = VllmEngine(
+        VllmEngineConfig(**bad, kv_transfer_host="192.0.2.1", remote_prefill_mode="kv_transfer"),
+        name="strict",
+        role=WorkerRole.DECODE,
+    )
+    with pytest.raises(EngineDeadError, match=r"no port for NIXL's handshake on 192\.0\.2\.1"):
+        await strict.start()
+    engine = VllmEngine(VllmEngineConfig(**bad, kv_transfer_host="192.0.2.1"), name="fallback", role=WorkerRole.DECODE)
+    try:
+        with caplog.at_level("WARNING", logger="components.workers.engines.vllm.engine"):
+            await engine.start()
+        assert engine.remote_prefill_mode == "recompute" and engine.kv_transfer_port == 0
+        assert "no port for NIXL's handshake" in engine.remote_prefill_reason
+        assert any("remote_prefill_mode recompute" in r.getMessage() for r in caplog.records)
+        assert len(await local_tokens(engine, request("fb-1", prompt_of(40, 7), 4))) == 4
+    finally:
+        await engine.shutdown()
 
 
 @requires_nixl
