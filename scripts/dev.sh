@@ -109,6 +109,10 @@ run_tests() {
   if [ "${CI:-}" = true ] && ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
     log "CI=true but vllm is not importable in $VENV: the tests marked vllm would be skipped"; exit 1
   fi
+  # Likewise NIXL (vLLM's KV transfer between prefill and decode engines), unless set up without it on purpose.
+  if [ "${CI:-}" = true ] && [ "${KVMESH_SKIP_NIXL:-0}" != 1 ] && ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("nixl") is None)'; then
+    log "CI=true but nixl is not importable in $VENV: the tests marked nixl would be skipped"; exit 1
+  fi
   log "pytest (unit, integration, e2e, vllm, slow)"
   set +e
   "$PY" -m pytest tests "$@"

@@ -187,6 +187,10 @@ class RemotePrefillRequest:
     decode_component: str
     deadline_s: float
     enqueued_s: float
+    # The decode worker will pull the prompt's KV (its engine's remote_prefill_mode is kv_transfer): the prefill
+    # worker's engine keeps the blocks and names them in the result. False: it would never pull them, and kept
+    # blocks would wait out their lease for nothing.
+    kv_transfer: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -195,6 +199,7 @@ class RemotePrefillRequest:
             "decode_component": self.decode_component,
             "deadline_s": self.deadline_s,
             "enqueued_s": self.enqueued_s,
+            "kv_transfer": self.kv_transfer,
         }
 
     @classmethod
@@ -205,16 +210,22 @@ class RemotePrefillRequest:
             decode_component=str(d["decode_component"]),
             deadline_s=float(d["deadline_s"]),
             enqueued_s=float(d.get("enqueued_s", 0.0)),
+            kv_transfer=bool(d.get("kv_transfer", False)),
         )
 
 
 @dataclasses.dataclass(slots=True)
 class RemotePrefillResult:
     """What a prefill worker delivers to the decode worker: the first output token (``token_ids``, one id; more
-    never), how many prompt tokens it computed and how many its own prefix cache held, the KV's block hashes
-    (chained, ``kv_hashing``; what the decode worker's engine stores them under), the time the KV transfer took,
-    and ``error`` instead of all that when the prompt could not be prefilled there (the decode worker then prefills
-    it itself, and reports the engine's own error if the prompt is bad)."""
+    never), how many prompt tokens it computed and how many its own prefix cache held, the KV's block count, the
+    time the KV transfer took (a simulated engine's modelled transfer), and ``error`` instead of all that when the
+    prompt could not be prefilled there (the decode worker then prefills it itself, and reports the engine's own
+    error if the prompt is bad).
+
+    ``kv_transfer_params``: where a vLLM decode engine pulls the KV from (vLLM's own hand-off: the prefill engine's
+    id and handshake address, its request id, block ids, token count; components/workers/engines/vllm/nixl.py);
+    None when the prefill engine kept no KV for a pull. Opaque to everything but the engine that pulls; plain
+    msgpack values."""
 
     request_id: str
     prefill_instance: int
@@ -224,6 +235,7 @@ class RemotePrefillResult:
     num_blocks: int = 0
     transfer_s: float = 0.0
     error: str = ""
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -104,6 +105,18 @@ def engine_config_model(kind: EngineKind) -> type[BaseModel]:
     from components.workers.engines.vllm.config import VllmEngineConfig
 
     return VllmEngineConfig
+
+
+def vllm_engine(config: BaseModel, *, name: str, role: WorkerRole) -> Any:
+    """A ``VllmEngine`` (not started) of ``config`` (a ``VllmEngineConfig``) for a worker of ``role``: how the
+    command line's benchmarks drive engines without importing ``components.workers.engines`` (only this package
+    does). Imports no vLLM: ``start()`` does."""
+    from components.workers.engines.vllm.config import VllmEngineConfig
+    from components.workers.engines.vllm.engine import VllmEngine
+
+    if not isinstance(config, VllmEngineConfig):
+        raise TypeError(f"expected a VllmEngineConfig, got {type(config).__name__}")
+    return VllmEngine(config, name=name, role=role)
 
 
 def vllm_reference() -> tuple[type[BaseModel], dict[str, str], str]:

@@ -13,6 +13,12 @@ kept and the rest aborted), charges the KV transfer (the simulated engine's mode
 ``RemotePrefillResult`` to the decode worker's ``prefill_result`` endpoint, and only then acks. The decode worker's
 engine commits the blocks and the first token and decodes on, in the client's same stream.
 
+How the KV gets to the decode engine is the engines' business: a simulated decode engine commits the blocks it
+reserved; a vLLM decode engine with NIXL (``remote_prefill_mode`` kv_transfer) pulls them from the prefill engine,
+which kept them because the item said the decode worker would pull (``RemotePrefillRequest.kv_transfer``) and named
+them in the result (``kv_transfer_params``, from the engine's ``prefill_handoff``); a vLLM decode engine without it
+recomputes the prompt (components/workers/engines/vllm/nixl.py, docs/disagg.md).
+
 What can go wrong, and what happens:
 
 * The queue is full, unreachable, or no prefill worker is alive: ``decide_prefill`` (or the push) says local; the
@@ -56,6 +62,7 @@ from components.protocol.messages import (
     RemotePrefillResult,
     TokenChunk,
 )
+from components.protocol.metadata import RemotePrefillMode, WorkerRole
 from components.router.policies.disagg import PrefillDecision, decide_prefill
 from components.router.prefill_queue import PrefillQueues
 from components.runtime import (
@@ -70,7 +77,7 @@ from components.runtime import (
 )
 from components.runtime.codec import pack, unpack
 from components.workers.config import WorkerConfig
-from components.workers.engines.base import Engine, EngineError
+from components.workers.engines.base import Engine, EngineError, remote_prefill_mode_of
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +145,12 @@ class RemotePrefiller:
     def outstanding(self) -> int:
         """Remote prefills this worker waits for now."""
         return len(self._waiting)
+
+    @property
+    def pulls_kv(self) -> bool:
+        """Whether this worker's engine pulls a remotely prefilled prompt's KV (else it recomputes the prompt, and
+        asks the prefill worker to keep no KV for it)."""
+        return remote_prefill_mode_of(self.engine, WorkerRole.DECODE) == RemotePrefillMode.KV_TRANSFER
 
     async def start(self) -> None:
         ns = self.runtime.namespace(self.config.namespace)
@@ -225,6 +238,7 @@ class RemotePrefiller:
             decode_component=self.config.component,
             deadline_s=now + timeout_s,
             enqueued_s=now,
+            kv_transfer=self.pulls_kv,
         )
         fut: asyncio.Future[RemotePrefillResult] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
@@ -396,14 +410,21 @@ class PrefillLoop:
         # Its own id on this engine: a retried item must not collide with a request still being aborted here.
         local = GenerateRequest(f"{request.request_id}@prefill", request.token_ids, request.sampling)
         first: TokenChunk | None = None
+        kv_transfer_params: dict[str, Any] | None = None
+        # An engine that can keep the KV for the decode engine to pull (vLLM with NIXL) does, when the decode worker
+        # will pull it; otherwise the first token is all that goes back.
+        handoff = getattr(self.engine, "prefill_handoff", None) if job.kv_transfer else None
         try:
-            async with contextlib.aclosing(self.engine.generate(local)) as chunks:  # type: ignore[type-var]
-                async for chunk in chunks:
-                    if chunk.token_ids:
-                        first = chunk
-                        break
-                    if chunk.finish_reason is not None:
-                        break
+            if handoff is not None:
+                first, kv_transfer_params = await handoff(local)
+            else:
+                async with contextlib.aclosing(self.engine.generate(local)) as chunks:  # type: ignore[type-var]
+                    async for chunk in chunks:
+                        if chunk.token_ids:
+                            first = chunk
+                            break
+                        if chunk.finish_reason is not None:
+                            break
         except EngineError as e:
             self.counters.errors += 1
             return RemotePrefillResult(request.request_id, self.instance_id, error=str(e))
@@ -425,6 +446,7 @@ class PrefillLoop:
             num_cached_tokens=first.num_cached_tokens,
             num_blocks=-(-n // bs),
             transfer_s=transfer_s,
+            kv_transfer_params=kv_transfer_params,
         )
 
     async def _deliver(self, job: RemotePrefillRequest, result: RemotePrefillResult) -> bool:

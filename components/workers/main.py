@@ -91,7 +91,7 @@ def make_engine(cfg: WorkerConfig, args: argparse.Namespace, index: int) -> Engi
             vcfg = model_from_args(VllmEngineConfig, args, model_path=cfg.model_path)
         except ValidationError as e:
             raise SystemExit(f"kvmesh worker --engine vllm: {e}") from None
-        return VllmEngine(vcfg, name=f"vllm-{index}")
+        return VllmEngine(vcfg, name=f"vllm-{index}", role=cfg.role)
     raise SystemExit(f"engine {cfg.engine} is not available in this build (supported: mock, vllm)")
 
 

@@ -68,6 +68,11 @@ class Worker:
         # worker's queue loop; neither on an aggregated worker.
         self.remote: RemotePrefiller | None = None
         self.prefill_loop: PrefillLoop | None = None
+        engine_role = getattr(engine, "role", None)
+        if engine_role is not None and engine_role != config.role:
+            # An engine built for another role would set up the wrong KV connector (a prefill engine keeps KV for
+            # pulls, a decode engine pulls): refused rather than announcing a mode the engine cannot keep.
+            raise ValueError(f"a {config.role} worker got an engine built for role {engine_role}")
         if config.role == WorkerRole.DECODE:
             if not supports_remote_decode(engine):
                 raise ValueError(f"engine {config.engine} cannot decode remotely prefilled prompts (role decode)")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.vllm import check_weights, requires_nixl
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,3 +49,15 @@ def test_bench_frontend(tmp_path):
     assert r["requests_completed"] == 40 and r["errors"] == {}
     assert r["frontend"]["frontend_cpu_ms_per_request"] > 0
     assert r["baseline_runtime_client"]["client_cpu_ms_per_request"] > 0
+
+
+@pytest.mark.vllm
+@requires_nixl
+def test_bench_kv_transfer():
+    check_weights()
+    r = bench("kv-transfer", "--prompt-tokens", "64", "--rounds", "2")
+    assert r["bench"] == "kv-transfer" and r["pull_failures"] == 0
+    n64 = r["lengths"]["64"]
+    assert n64["pull_ms"]["n"] == 2 and n64["recompute_ms"]["n"] == 2
+    assert n64["pull_ms"]["median"] > 0 and n64["recompute_ms"]["median"] > 0
+    assert n64["kv_bytes"] == 2 * 64 * 2**10  # two 32-token blocks of the tiny model, read per pull

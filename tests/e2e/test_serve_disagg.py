@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_serve import ROOT, Serve, http_get, run_kvmesh, serving, wait_gone
-from tests.support.vllm import check_weights, requires_vllm
+from tests.support.vllm import HAVE_NIXL, check_weights, requires_vllm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -203,8 +203,9 @@ def test_status_shows_the_roles_and_the_prefill_queue_line(mock_disagg):
 @requires_vllm
 def test_disagg_graph_gives_agg_graphs_greedy_tokens_on_real_vllm(tmp_path):
     """graphs/agg.yaml first (one replica: the tokens do not depend on how many), for the reference tokens of two
-    long prompts; then graphs/disagg.yaml, whose decode worker sends both through the prefill queue (and recomputes
-    them: vLLM workers move no KV yet) and must produce the same greedy tokens, streamed or not."""
+    long prompts; then graphs/disagg.yaml, whose decode worker sends both through the prefill queue and must produce
+    the same greedy tokens, streamed or not. With NIXL installed the decode worker pulls the prompts' KV from the
+    prefill worker (kv_transfer); without it, it recomputes them, and every surface says which."""
     check_weights()
     greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
     prompt_a, prompt_b = long_prompt("a"), long_prompt("b")
@@ -230,16 +231,19 @@ def test_disagg_graph_gives_agg_graphs_greedy_tokens_on_real_vllm(tmp_path):
 
         rows = status_rows(serve, "disagg")
         assert items_done(rows) == before + 2  # both long prompts, not the short one
+        mode = "kv_transfer" if HAVE_NIXL else "recompute"
         assert sorted((r["role"], r["remote_prefill_mode"]) for r in rows if r["role"]) == [
-            ("decode", "recompute"),
-            ("prefill", "recompute"),
+            ("decode", mode),
+            ("prefill", mode),
         ]
         table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--namespace", "disagg").stdout
-        assert "decode:recompute" in table and "prefill:recompute" in table
+        # The ROLE column marks a worker that recomputes (decode:recompute); one that moves KV shows its plain role.
+        lines = table.splitlines()
+        roles = {line.split()[6] for line in lines[1 : lines.index("2 instances")]}
+        assert roles == ({"decode", "prefill"} if HAVE_NIXL else {"decode:recompute", "prefill:recompute"}), table
         assert "disagg: prefill queue tiny-llama: 0 waiting, 0 in flight" in table
         _, body = http_get(f"{url}/metrics")  # ...and /metrics says it too
-        assert re.search(
-            r'^kvmesh_frontend_worker_info\{.*remote_prefill_mode="recompute".*\} 1\.0$', body.decode(), re.M
-        )
+        info = re.findall(r"^kvmesh_frontend_worker_info\{(.*)\} 1\.0$", body.decode(), re.M)
+        assert len(info) == 1 and 'role="decode"' in info[0] and f'remote_prefill_mode="{mode}"' in info[0], info
         records = serve.state("disagg").all_processes()
     assert wait_gone(records, 90) == []

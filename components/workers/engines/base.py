@@ -44,7 +44,9 @@ class Engine(Protocol):
     methods; the worker checks for them with ``hasattr``. Likewise optional: ``remote_prefill_mode``, a
     ``RemotePrefillMode`` saying how the engine takes a remotely prefilled prompt (``remote_prefill_mode_of``). An
     optional attribute, not a protocol member: a ``runtime_checkable`` protocol checks data members too, and every
-    engine (test doubles included) would have to grow one.
+    engine (test doubles included) would have to grow one. And ``prefill_handoff(request)``: prefill a prompt and
+    keep its KV for another engine to pull, returning the first chunk and where the KV is (vLLM with NIXL); a
+    prefill worker uses it when the decode worker will pull (components/workers/disagg.py).
     """
 
     block_size: int

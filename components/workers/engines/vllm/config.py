@@ -131,6 +131,30 @@ class VllmEngineConfig(BaseModel):
         "asks for a replay when it sees a gap in vLLM's sequence numbers (PUB/SUB drops, late subscription).",
     )
 
+    # --- Disaggregation: moving a prompt's KV between engines (prefill and decode workers only) --------------------
+    remote_prefill_mode: Literal["auto", "kv_transfer", "recompute"] = Field(
+        default="auto",
+        description="How a decode worker's engine gets a remotely prefilled prompt, and whether a prefill worker's "
+        "keeps the KV for it (components/workers/engines/vllm/nixl.py). auto: kv_transfer when NIXL is installed and "
+        "the engine starts with its connector, else recompute (and the log says why); kv_transfer: NIXL or the "
+        "engine does not start; recompute: no KV connector, the decode engine computes the prompt again. Aggregated "
+        "workers never load a connector.",
+    )
+    kv_transfer_lease_s: int = Field(
+        default=10,
+        ge=1,
+        description="How long a prefill engine keeps a prompt's KV blocks that no decode engine pulls (its decode "
+        "worker died or gave up): vLLM's kv_lease_duration. A waiting decode engine extends it every lease/6 s; the "
+        "gap before its first heartbeat (result delivery over NATS, a few ms, up to ~1 s on a stalled machine) must "
+        "fit well inside it. While it runs, a prefill engine with unpulled blocks steps without work (~1.2 cores "
+        "measured on 2 cores), so shorter is cheaper; vLLM's default is 30.",
+    )
+    kv_transfer_host: str = Field(
+        default="127.0.0.1",
+        description="Address of this engine's NIXL handshake listener (one free port per engine), as other "
+        "engines reach it. Loopback by default: KV never leaves the machine unless this and UCX_NET_DEVICES say so.",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> VllmEngineConfig:
         if not self.model_path:

@@ -291,6 +291,12 @@ class VllmStats:
 
     vLLM records once per batch of engine-core outputs, i.e. about once per step while anything runs, and not at all
     while idle; its last record before going idle already shows 0 running, so the last values simply hold.
+
+    Cumulative counters since the engine started: where prompt tokens came from (vLLM's ``PromptTokenStats``: computed
+    here, found in this engine's prefix cache, or pulled from another engine by a KV connector), and the KV
+    connector's transfers (NIXL's ``kv_connector_stats``: successful reads and their bytes, failures, and source
+    blocks released because nobody pulled them before their lease ran out). They are what shows that a decode
+    engine computed one token of a remotely prefilled prompt and pulled the rest.
     """
 
     num_total_blocks: int = 0  # usable blocks: vLLM's num_gpu_blocks minus its null block
@@ -300,6 +306,14 @@ class VllmStats:
     num_preemptions: int = 0
     batch_size: int = 0  # requests in the last step, from iteration details (0 when vLLM sent none)
     num_records: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_prompt_tokens_local_hit: int = 0
+    num_prompt_tokens_external: int = 0  # loaded by the KV connector (pulled from another engine)
+    num_kv_transfers: int = 0  # KV reads this engine completed as a target
+    num_kv_bytes_received: int = 0
+    kv_transfer_s: float = 0.0  # summed duration of those reads, as NIXL measured them
+    num_kv_transfer_failures: int = 0  # failed reads, handshakes and notifications
+    num_kv_expired: int = 0  # requests whose kept blocks this engine (a source) freed unpulled, at lease end
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         self.num_records += 1
@@ -313,8 +327,32 @@ class VllmStats:
             details = getattr(scheduler_stats, "iteration_details", None)
             if details is not None and not getattr(details, "is_dummy", False):
                 self.batch_size = int(details.num_ctx_requests) + int(details.num_generation_requests)
+            self._record_kv_connector(getattr(scheduler_stats, "kv_connector_stats", None))
         if iteration_stats is not None:
             self.num_preemptions += int(iteration_stats.num_preempted_reqs)
+            prompt = getattr(iteration_stats, "prompt_token_stats", None)
+            if prompt is not None:
+                self.num_prompt_tokens_computed += int(prompt.computed)
+                self.num_prompt_tokens_local_hit += int(prompt.local_cache_hit)
+                self.num_prompt_tokens_external += int(prompt.external_kv_transfer)
+
+    def _record_kv_connector(self, data: Any) -> None:
+        """NIXL's per-interval observations (lists, one entry per event); another connector's payload has none of
+        these keys and changes nothing."""
+        if not isinstance(data, Mapping):
+            return
+
+        def entries(key: str) -> list[Any]:
+            v = data.get(key)
+            return v if isinstance(v, list) else []
+
+        self.num_kv_transfers += len(entries("transfer_duration"))
+        self.kv_transfer_s += float(sum(entries("transfer_duration")))
+        self.num_kv_bytes_received += int(sum(entries("bytes_transferred")))
+        self.num_kv_transfer_failures += sum(
+            len(entries(k)) for k in ("num_failed_transfers", "num_failed_handshakes", "num_failed_notifications")
+        )
+        self.num_kv_expired += len(entries("num_kv_expired_reqs"))
 
 
 @dataclasses.dataclass(slots=True)

@@ -26,6 +26,11 @@ and calls ``AsyncLLM.shutdown()``, which terminates the engine-core and model pr
 leaves them orphaned (vLLM has no parent-death signal; docs/vllm-cpu.md), so supervisors should start workers in
 their own process group and kill the group as a backstop.
 
+Disaggregated serving (prefill and decode workers' engines only): ``start()`` decides ``remote_prefill_mode``
+(``nixl.choose_remote_prefill_mode``) and, for kv_transfer, builds the engine with kvmesh's NIXL connector (a
+``kv_producer`` for a prefill worker, a ``kv_consumer`` for a decode worker; one free handshake port each);
+``prefill_handoff`` keeps a prompt's KV for a pull and ``generate_remote`` pulls it, or recomputes (nixl.py).
+
 Imports vLLM lazily (in ``start()``), so importing this module costs nothing and the mock path never loads vLLM.
 """
 
@@ -40,7 +45,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 from components.protocol.kv_hashing import block_hashes
@@ -53,7 +58,7 @@ from components.protocol.messages import (
     RemotePrefillResult,
     TokenChunk,
 )
-from components.protocol.metadata import RemotePrefillMode
+from components.protocol.metadata import RemotePrefillMode, WorkerRole
 
 from ..base import EngineDeadError, EngineRequestError
 from .config import VllmEngineConfig, apply_vllm_environment, engine_arguments
@@ -67,6 +72,15 @@ from .convert import (
     load_snapshot,
     sampling_kwargs,
     validate_prompt,
+)
+from .nixl import (
+    SOURCE_PARAMS,
+    UCX_ENVIRONMENT,
+    check_handoff,
+    choose_remote_prefill_mode,
+    free_loopback_port,
+    kv_transfer_config,
+    nixl_unavailable_reason,
 )
 
 __all__ = ["VllmEngine"]
@@ -85,6 +99,7 @@ class _Vllm:
     SamplingParams: Any
     RequestOutputKind: Any
     KVEventsConfig: Any
+    KVTransferConfig: Any
     StatLoggerBase: Any  # what the adapter's stat logger extends (``_stat_logger_class``)
     tokens_input: Callable[[list[int]], Any]
     EngineDeadError: type[BaseException]
@@ -96,7 +111,7 @@ def _import_vllm() -> _Vllm:
     import vllm.exceptions
     import vllm.inputs
     from vllm import AsyncEngineArgs, SamplingParams
-    from vllm.config import KVEventsConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
@@ -116,6 +131,7 @@ def _import_vllm() -> _Vllm:
         SamplingParams=SamplingParams,
         RequestOutputKind=RequestOutputKind,
         KVEventsConfig=KVEventsConfig,
+        KVTransferConfig=KVTransferConfig,
         # vLLM adds a PrometheusStatLogger unless one is given: ours stands in for it (a worker serves no vLLM
         # metrics endpoint; its load goes out on NATS), which saves a Prometheus update per engine step.
         StatLoggerBase=getattr(loggers, "PrometheusStatLogger", loggers.StatLoggerBase),
@@ -160,17 +176,37 @@ def _stat_logger_class(base: type, stats: VllmStats) -> type:
     return KvmeshStatLogger
 
 
+@dataclasses.dataclass(slots=True)
+class HandoffCounters:
+    """What became of the remotely prefilled requests a decode engine received (``generate_remote``)."""
+
+    pulled: int = 0  # submitted with the prefill engine's KV hand-off (vLLM pulls; a failed pull it recomputes)
+    refused: int = 0  # a hand-off ``check_handoff`` refused: recomputed instead
+    recomputed: int = 0  # recomputed from the prompt plus the prefill worker's first token (refused ones included)
+
+
 class VllmEngine:
     """A vLLM engine. ``start()`` it (~10 s), ``generate()`` on it, ``shutdown()`` it (~4 s)."""
 
-    # No KV connector route is built yet: a vLLM decode worker computes a remotely prefilled prompt again.
+    # Until start() has decided (``nixl.choose_remote_prefill_mode``): what a decode engine without a connector does.
     remote_prefill_mode = RemotePrefillMode.RECOMPUTE
 
     def __init__(
-        self, config: VllmEngineConfig, *, name: str = "vllm", clock: Callable[[], float] = time.monotonic
+        self,
+        config: VllmEngineConfig,
+        *,
+        name: str = "vllm",
+        role: WorkerRole = WorkerRole.AGGREGATED,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.name = name
+        # The worker's role decides the KV connector's: a prefill engine keeps KV for pulls, a decode engine pulls.
+        self.role = role
+        self.remote_prefill_mode = RemotePrefillMode.RECOMPUTE
+        self.remote_prefill_reason = "not started"
+        self.kv_transfer_port = 0  # this engine's NIXL handshake port (0: no connector)
+        self.handoffs = HandoffCounters()
         # Both are replaced by what vLLM settled on once start() returns (max_model_len may come from the model).
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or 0
@@ -202,29 +238,48 @@ class VllmEngine:
         changed = apply_vllm_environment(self.config, os.environ)
         if changed:
             logger.debug("vLLM environment: %s", changed)
+        try:
+            mode, kv_role, reason = choose_remote_prefill_mode(
+                str(self.role), self.config.remote_prefill_mode, nixl_unavailable_reason()
+            )
+        except ValueError as exc:
+            raise EngineDeadError(f"vLLM engine {self.name!r}: {exc}") from exc
         t0 = time.perf_counter()
         v = self._vllm = await asyncio.to_thread(_import_vllm)
         # mkdtemp makes the directory 0700: only this user can reach the sockets inside.
         self._tmpdir = tempfile.mkdtemp(prefix=f"kvmesh-{self.name}-")
-        args = v.AsyncEngineArgs(**engine_arguments(self.config), kv_events_config=self._kv_events_config(v))
-        build = asyncio.ensure_future(
-            asyncio.to_thread(
-                v.AsyncLLM.from_engine_args, args, stat_loggers=[_stat_logger_class(v.StatLoggerBase, self._stats)]
-            )
-        )
         try:
-            llm = await asyncio.shield(build)
-        except asyncio.CancelledError:
-            # The thread cannot be stopped and its engine processes would outlive us: let it finish, then shut the
-            # engine down before letting the cancellation through (up to ~10 s late).
-            await self._discard(build)
-            raise
-        except Exception as exc:  # vLLM raises RuntimeError, ValueError, OSError... all mean "no engine"
-            self._remove_tmpdir()
-            raise EngineDeadError(f"vLLM engine {self.name!r} failed to start: {exc}") from exc
-        if self._closed:  # shutdown() ran while we were starting
-            await self._discard(build)
-            raise EngineDeadError(f"vLLM engine {self.name!r} was shut down while starting")
+            llm = await self._build(v, kv_role)
+        except EngineDeadError as exc:
+            if self._closed or kv_role is None or self.config.remote_prefill_mode != "auto":
+                self._remove_tmpdir()
+                raise
+            # NIXL is installed but the engine did not start with it (a broken package, a port taken meanwhile):
+            # a decode worker that recomputes beats no worker.
+            logger.warning("vLLM engine %s: %s; starting again without a KV connector", self.name, exc)
+            reason = f"the engine did not start with the NIXL connector: {exc}"
+            mode, kv_role = RemotePrefillMode.RECOMPUTE, None
+            try:
+                llm = await self._build(v, None)
+            except EngineDeadError:
+                self._remove_tmpdir()
+                raise
+        self.remote_prefill_mode = RemotePrefillMode(mode)
+        self.remote_prefill_reason = reason
+        if self.role != WorkerRole.AGGREGATED:
+            if kv_role is not None:
+                logger.info(
+                    "vLLM engine %s: remote_prefill_mode kv_transfer: %s, handshake on %s:%d, lease %d s",
+                    self.name,
+                    reason,
+                    self.config.kv_transfer_host,
+                    self.kv_transfer_port,
+                    self.config.kv_transfer_lease_s,
+                )
+            else:
+                logger.warning(
+                    "vLLM engine %s (%s worker): remote_prefill_mode recompute: %s", self.name, self.role, reason
+                )
         self._llm = llm
         if hasattr(llm, "_run_output_handler"):
             llm._run_output_handler()
@@ -247,6 +302,49 @@ class VllmEngine:
             self.max_model_len,
             self.vocab_size,
         )
+
+    async def _build(self, v: _Vllm, kv_role: str | None) -> Any:
+        """Build the ``AsyncLLM`` in a thread (~10 s), with kvmesh's NIXL connector in ``kv_role`` unless None."""
+        kv_transfer = None
+        self.kv_transfer_port = 0
+        if kv_role is not None:
+            for key, value in UCX_ENVIRONMENT.items():
+                os.environ.setdefault(key, value)  # read by the model process when vLLM spawns it
+            try:
+                self.kv_transfer_port = free_loopback_port(self.config.kv_transfer_host)
+            except OSError as exc:
+                raise EngineDeadError(
+                    f"vLLM engine {self.name!r}: no port for NIXL's handshake on {self.config.kv_transfer_host}: {exc}"
+                ) from exc
+            kv_transfer = v.KVTransferConfig(
+                **kv_transfer_config(
+                    kv_role=kv_role,
+                    host=self.config.kv_transfer_host,
+                    port=self.kv_transfer_port,
+                    lease_s=self.config.kv_transfer_lease_s,
+                )
+            )
+        args = v.AsyncEngineArgs(
+            **engine_arguments(self.config), kv_events_config=self._kv_events_config(v), kv_transfer_config=kv_transfer
+        )
+        build = asyncio.ensure_future(
+            asyncio.to_thread(
+                v.AsyncLLM.from_engine_args, args, stat_loggers=[_stat_logger_class(v.StatLoggerBase, self._stats)]
+            )
+        )
+        try:
+            llm = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped and its engine processes would outlive us: let it finish, then shut the
+            # engine down before letting the cancellation through (up to ~10 s late).
+            await self._discard(build)
+            raise
+        except Exception as exc:  # vLLM raises RuntimeError, ValueError, OSError... all mean "no engine"
+            raise EngineDeadError(f"vLLM engine {self.name!r} failed to start: {exc}") from exc
+        if self._closed:  # shutdown() ran while we were starting
+            await self._discard(build)
+            raise EngineDeadError(f"vLLM engine {self.name!r} was shut down while starting")
+        return llm
 
     def _kv_events_config(self, v: _Vllm) -> Any:
         if not self.config.enable_prefix_caching:
@@ -335,18 +433,33 @@ class VllmEngine:
 
     # --- requests ---------------------------------------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Stream the request's new tokens; the first chunk carries the prompt and prefix-cache counts, the last a
         ``finish_reason``. Closing the iterator early aborts the request in vLLM (its blocks are freed)."""
+        return self._stream(request)
+
+    async def _stream(
+        self,
+        request: GenerateRequest,
+        *,
+        max_tokens: int | None = None,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+        handoff: dict[str, Any] | None = None,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """``generate()``, optionally with ``max_tokens`` replaced and vLLM ``kv_transfer_params`` attached (a hand-off
+        to keep, or one to pull: ``nixl``); the final output's ``kv_transfer_params`` are copied into ``handoff``."""
         llm, v = self._check_alive()
         rid = request.request_id
         validate_prompt(request.token_ids, self.vocab_size)
         if rid in self._requests:
             raise DuplicateRequestError(rid)
+        kwargs = sampling_kwargs(request.sampling)
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        if kv_transfer_params is not None:
+            kwargs["extra_args"] = {"kv_transfer_params": dict(kv_transfer_params)}
         try:
-            params = v.SamplingParams(
-                **sampling_kwargs(request.sampling), output_kind=v.RequestOutputKind.DELTA, detokenize=False
-            )
+            params = v.SamplingParams(**kwargs, output_kind=v.RequestOutputKind.DELTA, detokenize=False)
         except (ValueError, TypeError, v.ClientError) as exc:
             raise EngineRequestError(f"request {rid!r}: {exc}") from exc
         progress = RequestProgress(num_prompt_tokens=len(request.token_ids))
@@ -373,6 +486,8 @@ class VllmEngine:
                 progress.num_output_tokens += len(chunk.token_ids)
                 if out.finished:
                     chunk.finish_reason = finish_reason(completion.finish_reason)
+                    if handoff is not None and out.kv_transfer_params:
+                        handoff.update(out.kv_transfer_params)
                 yield chunk
                 if out.finished:
                     return
@@ -382,21 +497,62 @@ class VllmEngine:
             # A no-op for a finished stream; otherwise vLLM's generator aborts the request on GeneratorExit.
             await stream.aclose()
 
+    # --- disaggregation: a prompt's KV moves from a prefill engine to a decode engine (nixl.py) --------------------
+
+    async def prefill_handoff(self, request: GenerateRequest) -> tuple[TokenChunk | None, dict[str, Any] | None]:
+        """Prefill ``request``'s prompt and sample its first token (``max_tokens=1``), keeping the KV for another
+        engine to pull (a prefill worker's engine, ``remote_prefill_mode`` kv_transfer). Returns the first chunk
+        (None if the engine produced no token) and the ``kv_transfer_params`` naming the kept blocks (None without a
+        connector, or when vLLM kept nothing). Blocks nobody pulls are freed at the end of the lease."""
+        keep = dict(SOURCE_PARAMS) if self.remote_prefill_mode == RemotePrefillMode.KV_TRANSFER else None
+        handoff: dict[str, Any] = {}
+        first: TokenChunk | None = None
+        async with contextlib.aclosing(
+            self._stream(request, max_tokens=1, kv_transfer_params=keep, handoff=handoff)
+        ) as chunks:
+            async for chunk in chunks:
+                if chunk.token_ids and first is None:
+                    first = chunk
+                if chunk.finish_reason is not None:
+                    break
+        if first is None or keep is None or not handoff:
+            return first, None
+        return first, handoff
+
     async def generate_remote(
         self, request: GenerateRequest, prefill: Callable[[], Awaitable[RemotePrefillResult | None]]
     ) -> AsyncGenerator[TokenChunk, None]:
-        """Decode a request another engine prefilled, by **recompute** (``remote_prefill_mode``): no vLLM KV
-        connector is used, so this engine computes the prompt again. What the remote prefill buys is the first token,
-        streamed as soon as the prefill worker has it; the rest is generated here from the prompt plus that token
-        (``max_tokens - 1`` more), so greedy output is what an aggregated worker gives. Seeded sampling continues
-        from a fresh generator state and may differ from an unmoved run. ``prefill()`` returning None (or an error
-        result): the request is generated here from the start."""
+        """Decode a request another engine prefilled (``prefill()`` waits for its ``RemotePrefillResult``).
+
+        * **kv_transfer** (this engine has the NIXL connector, the result names the KV, ``check_handoff`` accepts
+          it): the prompt is submitted with the hand-off; vLLM pulls the prompt's blocks from the prefill engine and
+          computes only the last prompt token, then samples the first output token itself, so the client's stream is
+          this engine's one generation (greedy and seeded sampling alike). A pull that fails (the prefill engine
+          died) is recomputed by vLLM: slower, still whole.
+        * **recompute** (no connector, no hand-off, or one refused): the prefill worker's first token is streamed
+          at once, and this engine generates the rest from the prompt plus that token (``max_tokens - 1`` more), so
+          greedy output is what an aggregated worker gives; seeded sampling continues from a fresh generator state
+          and may differ from an unmoved run.
+
+        ``prefill()`` returning None (or an error result): the request is generated here from the start."""
         result = await prefill()
         if result is None or result.error or not result.token_ids:
             async with contextlib.aclosing(self.generate(request)) as chunks:
                 async for chunk in chunks:
                     yield chunk
             return
+        params = result.kv_transfer_params
+        if params and self.remote_prefill_mode == RemotePrefillMode.KV_TRANSFER:
+            problem = check_handoff(params, len(request.token_ids), self.block_size)
+            if problem is None:
+                self.handoffs.pulled += 1
+                async with contextlib.aclosing(self._stream(request, kv_transfer_params=params)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                return
+            self.handoffs.refused += 1
+            logger.warning("request %s: KV hand-off refused (%s): recomputing the prompt", request.request_id, problem)
+        self.handoffs.recomputed += 1
         first = result.token_ids[0]
         sp = request.sampling
         finish = self._first_token_finish(request, first)
