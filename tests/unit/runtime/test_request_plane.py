@@ -555,15 +555,30 @@ async def test_slow_but_alive_handler_is_not_interrupted(mesh):
     assert sum(1 for f in spy.kinds() if f[0] == PROBE) >= 3
 
 
-@pytest.mark.parametrize("bad_seq", [2, 0, 7])
-async def test_sequence_gap_interrupts_the_stream_and_cancels_the_request(mesh, bad_seq):
+async def test_a_frame_from_the_past_interrupts_the_stream_and_cancels_the_request(mesh):
     probe = Probe(gated=True)
     _, client = await serve_and_connect(mesh, probe)
+    stream = await client.generate({})
+    await mesh.bus.publish(stream._inbox, pack([0, DATA, "injected"]))
+    with pytest.raises(StreamInterruptedError) as exc:
+        await stream.__anext__()
+    assert "expected frame 1, got 0" in exc.value.reason
+    assert exc.value.num_frames == 0
+    assert stream.done
+    await wait_until(lambda: probe.cancelled == [stream.request_id])
+
+
+@pytest.mark.parametrize("bad_seq", [2, 7])
+async def test_a_missing_frame_is_declared_lost_once_the_instance_answers_a_probe(mesh, bad_seq):
+    """Frames ahead of their turn are held (a hand-over's two instances race, test_stream_handover.py); the one
+    missing is lost once the instance that owes it answers a probe, since its answer travels behind its frames."""
+    probe = Probe(gated=True)
+    _, client = await serve_and_connect(mesh, probe, **FAST)
     stream = await client.generate({})
     await mesh.bus.publish(stream._inbox, pack([bad_seq, DATA, "injected"]))
     with pytest.raises(StreamInterruptedError) as exc:
         await stream.__anext__()
-    assert f"expected frame 1, got {bad_seq}" in exc.value.reason
+    assert "frame 1 lost (1 later ones arrived)" in exc.value.reason
     assert exc.value.num_frames == 0
     assert stream.done
     await wait_until(lambda: probe.cancelled == [stream.request_id])
