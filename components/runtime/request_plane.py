@@ -124,7 +124,7 @@ class RequestContext:
         out = self._out
         if out is None:
             raise RuntimeError("this request's stream cannot be handed over")
-        return dict(out.route), out.seq + 1
+        return {**out.route, "request_id": self.request_id}, out.seq + 1
 
     def hand_over(self, subject: str, instance_id: int, request_id: str | None = None) -> None:
         """The instance behind ``subject`` has adopted this request: tell the client (MOVED) and send nothing more
@@ -289,11 +289,15 @@ class InstanceServer:
             self._client_of[request_id] = client
         self._idle.clear()
 
-    def adopt(self, request_id: str, handler: Handler, body: Any, route: dict[str, Any], first_seq: int) -> None:
-        """Serve ``request_id``, handed over by another instance, on its client's stream (module docstring):
-        ``handler(body, context)`` as for a request received here, its frames on ``route`` numbered from
+    def adopt(self, handler: Handler, body: Any, route: dict[str, Any], first_seq: int) -> None:
+        """Serve a request handed over by another instance on its client's stream (module docstring):
+        ``handler(body, context)`` as for a request received here, its frames on ``route`` (from
+        ``RequestContext.reply_route``: it carries the request's id on the request plane) numbered from
         ``first_seq`` (an ADOPTED frame first). Raises ``InstanceDrainingError`` while draining and ``ValueError``
-        when a request with that id is already in flight here."""
+        when a request with that id is already in flight here or the route is malformed."""
+        request_id = route.get("request_id")
+        if not isinstance(request_id, str) or not request_id or "inbox" not in route:
+            raise ValueError(f"not a reply route: {route!r}")
         if self.draining:
             raise InstanceDrainingError(self.instance_id)
         earlier = self._outgoing.get(request_id)

@@ -322,10 +322,10 @@ class ServedEndpoint:
     async def register(self) -> None:
         await self.endpoint.runtime.discovery.put(self.key, self.info.to_json(), lease=self.lease)
 
-    def adopt(self, request_id: str, handler: Handler, body: Any, route: dict[str, Any], first_seq: int) -> None:
+    def adopt(self, handler: Handler, body: Any, route: dict[str, Any], first_seq: int) -> None:
         """Serve a request another instance handed over (``InstanceServer.adopt``): ``handler(body, ctx)``'s items
         go to the client's stream on ``route`` from frame ``first_seq`` on."""
-        self.server.adopt(request_id, handler, body, route, first_seq)
+        self.server.adopt(handler, body, route, first_seq)
 
     async def update_metadata(self, **changes: Any) -> None:
         """Change the advertised metadata (e.g. a role change) without re-subscribing."""

@@ -6,6 +6,7 @@ import enum
 
 from pydantic import BaseModel, Field, model_validator
 
+from components.migration.config import MigrationConfig
 from components.protocol.metadata import WorkerRole
 from components.router.policies.disagg import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DEFAULT_MAX_PREFILL_QUEUE_SIZE
 
@@ -18,9 +19,9 @@ class EngineKind(enum.StrEnum):
     VLLM = "vllm"
 
 
-class WorkerConfig(BaseModel):
+class WorkerConfig(MigrationConfig):
     """A worker process: which engine, where it registers, its role (aggregated or disaggregated), how often it
-    reports."""
+    reports, and how it moves requests (``MigrationConfig``'s fields, inherited)."""
 
     engine: EngineKind = Field(default=EngineKind.MOCK, description="Inference engine: mock (simulated) or vllm.")
     namespace: str = Field(default="kvmesh", description="Namespace to register in.")

@@ -72,7 +72,6 @@ class Relay:
                 done = self.sent.setdefault(nxt.instance_id, asyncio.Event())
                 done.clear()
                 nxt.adopt(
-                    ctx.request_id,
                     self.handler((index + 1) % len(self.served)),
                     {"start": start + self.per_hop, "hops": hops_left - 1},
                     route,
@@ -175,15 +174,18 @@ async def test_idle_probes_of_a_moved_stream_do_not_interrupt_it(mesh):
 
 
 async def test_adopting_a_request_already_in_flight_or_while_draining_is_refused(mesh):
-    relay = Relay(per_hop=1, order="old_first", gate_last=True)
+    relay = Relay(per_hop=1, gate_last=True)
     await serve_relay(mesh, relay)
     a, _ = relay.served
-    a.adopt("r", relay.handler(0), {"start": 0, "hops": 0}, {"inbox": "_INBOX.none"}, 1)
+    route = {"inbox": "_INBOX.none", "request_id": "r"}
+    a.adopt(relay.handler(0), {"start": 0, "hops": 0}, route, 1)
     with pytest.raises(ValueError, match="already in flight"):
-        a.adopt("r", relay.handler(0), {"start": 0, "hops": 0}, {"inbox": "_INBOX.none"}, 1)
+        a.adopt(relay.handler(0), {"start": 0, "hops": 0}, route, 1)
+    with pytest.raises(ValueError, match="not a reply route"):
+        a.adopt(relay.handler(0), {"start": 0, "hops": 0}, {"inbox": "_INBOX.none"}, 1)
     relay.go.set()
     await a.server.drain(1.0)
     from components.runtime import InstanceDrainingError
 
     with pytest.raises(InstanceDrainingError):
-        a.adopt("r2", relay.handler(0), {"start": 0, "hops": 0}, {"inbox": "_INBOX.none"}, 1)
+        a.adopt(relay.handler(0), {"start": 0, "hops": 0}, {**route, "request_id": "r2"}, 1)

@@ -353,7 +353,7 @@ class Scheduler:
     def kv_extent(self, request_id: str) -> KvExtent | None:
         """The blocks of KV ``request_id`` has now (whole ones and their tokens, and all with the partial one)."""
         req = self.requests.get(request_id)
-        if req is None or req.status not in (RequestStatus.RUNNING, RequestStatus.SUSPENDED):
+        if req is None or req.status is RequestStatus.REMOTE_PREFILL:
             return None
         bs = self.block_size
         full = req.num_computed_tokens // bs
