@@ -383,6 +383,10 @@ class Router:
         self._update_blocked()
         return True
 
+    def down_since(self, instance_id: int) -> float | None:
+        """When the owner marked the worker down (its ``now_s``), None if it is not marked."""
+        return self._down.get(instance_id)
+
     def is_schedulable(self, instance_id: int) -> bool:
         return instance_id not in self._blocked
 
