@@ -471,11 +471,13 @@ class MigrationAgent:
             extent = engine.kv_extent(rid)
             assert extent is not None
             try:
-                if extent.num_full_blocks > sent or not reserved:
-                    to_copy = await self._send_blocks(m, component, extent.token_ids[sent * bs :], reserved)
+                if not reserved:
+                    to_copy = await self._send_blocks(m, component, extent.token_ids, reserved)
                     reserved = True
                     to_copy += extent.num_blocks - extent.num_full_blocks  # the partial last block
                 else:
+                    # The few blocks produced since the last stage: the commit reserves them on the destination (one
+                    # round trip less while the request is suspended).
                     to_copy = extent.num_blocks - sent
                 if to_copy:
                     await self._transfer(m, component, to_copy)

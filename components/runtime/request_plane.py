@@ -46,7 +46,9 @@ Failure detection, fastest first:
   ``probe_timeout_s`` or "not alive" -> StreamInterruptedError. A SIGKILLed worker is therefore noticed within about
   0.5 s + a round trip, long before its lease (10 s) expires, without any heartbeat traffic on healthy streams.
 - Mid-stream, the direct connection the stream's frames come on closes (the kernel closes a dead process's sockets):
-  the same probe is sent at once, so a SIGKILLed worker's streams end within a round trip.
+  the same probe is sent at once, and repeated at growing intervals from ``REPROBE_FIRST_S`` until an answer comes
+  (the first can reach nats-server before it noticed the process's NATS connection close too), so a SIGKILLed
+  worker's streams end within a few round trips.
 - A gap in sequence numbers (a frame lost) -> StreamInterruptedError.
 
 Cancellation: closing the stream (``aclose``), cancelling the task iterating it, or dropping it unfinished sends
@@ -483,6 +485,17 @@ class _Outbox:
 _NO_RESPONDERS: list[Any] = [None, -1, -1, None]  # the stream's instance subject had no subscriber
 _IDLE: list[Any] = [None, -3, -1, None]  # nothing for idle_probe_s: probe the instance
 _SILENT: list[Any] = [None, -4, -1, None]  # the probe's answer did not come within probe_timeout_s
+_LOST: list[Any] = [None, -5, -1, None]  # the direct connection the stream's frames came on closed: probe now, again
+# After a lost connection the probe is repeated at these growing intervals until an answer comes: the first may
+# reach nats-server before it has noticed that the killed process's connection closed too, and wait out the whole
+# probe timeout on a subscription nobody reads; a later one gets "no responders" at once.
+REPROBE_FIRST_S = 0.02
+
+
+def _on_reprobe(ref: weakref.ref[ResponseStream]) -> None:
+    stream = ref()
+    if stream is not None:
+        stream._on_reprobe()
 
 
 def _on_stream_timer(ref: weakref.ref[ResponseStream]) -> None:
@@ -572,7 +585,7 @@ class ResponseMux:
                 del self._source[key]
                 q = self._queues.get(key)
                 if q is not None:
-                    q.put_nowait(_IDLE)
+                    q.put_nowait(_LOST)
 
     async def _on_message(self, msg: BusMessage) -> None:
         queues = self._queues
@@ -670,6 +683,7 @@ class ResponseStream:
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._probe_deadline: float | None = None
+        self._reprobe_s = 0.0  # > 0 while probes are repeated after a lost connection
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._arm(self._last + idle_probe_s)
@@ -783,16 +797,26 @@ class ResponseStream:
             if msg[1] >= 0:  # a sequenced frame: the hot path
                 self._last = self._loop.time()
                 self._probe_deadline = None
+                self._reprobe_s = 0.0
                 return msg
             if msg is _IDLE:
                 if self._probe_deadline is None:
-                    mux = self._mux
-                    await self._bus.publish(
-                        self.subject,
-                        pack([PROBE, self.request_id, mux.batch_subject, self._key, mux.response_address]),
-                        reply=self._inbox,
-                    )
+                    await self._probe()
                     self._probe_deadline = self._loop.time() + self._probe_timeout_s
+                self._rearm()
+                continue
+            if msg is _LOST:
+                deadline = self._probe_deadline
+                if deadline is None or not self._reprobe_s:
+                    self._reprobe_s = REPROBE_FIRST_S  # the connection just closed: start repeating
+                elif self._loop.time() >= deadline:
+                    continue  # the probe timeout decides (_SILENT)
+                else:
+                    self._reprobe_s *= 2
+                await self._probe()
+                if deadline is None:
+                    self._probe_deadline = self._loop.time() + self._probe_timeout_s
+                self._loop.call_later(self._reprobe_s, _on_reprobe, weakref.ref(self))
                 self._rearm()
                 continue
             if msg is _SILENT:
@@ -810,10 +834,23 @@ class ResponseStream:
                     # Its answer travels behind every frame it sent: the one still missing never will come.
                     raise self._interrupted(f"frame {self._next_seq} lost ({len(self._held)} later ones arrived)")
                 self._probe_deadline = None  # alive: keep waiting, probe again after the next silence
+                self._reprobe_s = 0.0
                 self._last = self._loop.time()
                 self._rearm()
                 continue
             return msg  # a malformed frame (negative seq): __anext__ reports it as a gap
+
+    async def _probe(self) -> None:
+        mux = self._mux
+        await self._bus.publish(
+            self.subject,
+            pack([PROBE, self.request_id, mux.batch_subject, self._key, mux.response_address]),
+            reply=self._inbox,
+        )
+
+    def _on_reprobe(self) -> None:
+        if not self._done and self._reprobe_s:
+            self._q.put_nowait(_LOST)
 
     def _rearm(self) -> None:
         """Make sure the timer fires by the next moment that matters: the probe's deadline while one is out (it

@@ -291,6 +291,34 @@ async def test_a_connection_lost_mid_stream_is_replaced_by_the_bus(mesh):
     assert outbox.num_messages >= 1
 
 
+async def test_a_lost_connection_is_probed_again_until_the_bus_knows_the_instance_is_gone(mesh):
+    """Regression (bench migration, a SIGKILLed worker): the probe sent when the connection closed reached
+    nats-server before it noticed the process's NATS connection close, waited out the whole probe timeout on a
+    subscription nobody read, and the death was seen 1 s late. Probes now repeat until one is answered."""
+    probe = Probe(gated=True)
+    [served], client = await serve_and_connect(mesh, probe, response_transport="tcp", probe_timeout_s=5.0)
+    stream = await client.generate({})
+    outbox = served.server._outbox
+    await wait_until(lambda: len(outbox._conns._conns) == 1)
+    # The "killed" instance: its subject swallows messages for a moment (nats-server has not noticed yet) ...
+    await served.server._sub.unsubscribe()
+    swallowed: list[object] = []
+
+    async def black_hole(msg):
+        swallowed.append(msg)
+
+    hole = await mesh.bus.subscribe(served.info.subject, black_hole)
+    reading = asyncio.ensure_future(stream.__anext__())
+    await outbox._conns.close()  # ... and its connection closes (the kernel closes a dead process's sockets)
+    await wait_until(lambda: len(swallowed) >= 1)
+    t0 = time.monotonic()
+    await hole.unsubscribe()  # nats-server noticed: no responders from now on
+    with pytest.raises(StreamInterruptedError, match="no responders"):
+        await asyncio.wait_for(reading, 2.0)
+    assert time.monotonic() - t0 < 1.0  # a repeated probe, not the 5 s probe timeout
+    assert len(swallowed) >= 1
+
+
 async def test_garbage_on_the_response_listener_drops_only_that_connection(mesh):
     probe = Probe(n=3)
     [served], client = await serve_and_connect(mesh, probe, response_transport="tcp")
