@@ -10,6 +10,7 @@ pure function of the config and the request: components/workers/engines/mock/sch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -326,3 +327,49 @@ async def test_served_endpoints_of_a_migrating_worker(pair) -> None:
     a, _, _ = pair
     assert isinstance(a.agent.generate_endpoint, ServedEndpoint)  # type: ignore[union-attr]
     assert a.metadata["migration_mode"] == "live"
+
+
+async def test_a_draining_worker_says_it_is_unschedulable_and_stays_registered_until_its_requests_are_done(
+    make_runtime,
+) -> None:
+    from components.protocol.endpoints import TOPIC_WORKER_STATUS
+    from components.protocol.migration import WorkerStatus
+    from components.router import Router
+    from components.router.feed import RouterFeed
+
+    w = await start_worker(make_runtime, 0)
+    crt = await make_runtime()
+    gen, _, _ = await clients(crt)
+    await gen.wait_for_instances(1, timeout_s=5)
+    # A router fed from the event plane, as the frontend's is.
+    router = Router()
+    router.set_workers("mock-model", [(w.instance_id, w.metadata)])
+    feed = RouterFeed(crt, router, NS, ["backend"])
+    await feed.start()
+    statuses: list[WorkerStatus] = []
+    sub = await crt.namespace(NS).events.subscribe(TOPIC_WORKER_STATUS)
+
+    async def follow() -> None:
+        async for ev in sub:
+            if ev.source_id == w.instance_id:
+                statuses.append(WorkerStatus.from_dict(ev.payload))
+
+    following = asyncio.ensure_future(follow())
+    try:
+        s = Stream(await gen.direct(gen_request("drain", 100, 400).to_dict(), w.instance_id))  # ~2 s of decoding
+        await wait_until(lambda: len(s.tokens) >= 2, timeout_s=10)
+        stopping = asyncio.ensure_future(w.stop())
+        await wait_until(lambda: bool(statuses), timeout_s=5)
+        assert statuses[0] == WorkerStatus(False, "draining", 1)
+        await wait_until(lambda: not router.is_schedulable(w.instance_id), timeout_s=5)
+        assert w.instance_id in gen.instance_ids()  # still registered: its request runs on
+        assert not s.task.done()
+        assert len(await s.done(timeout_s=20)) == 400  # drained to its end
+        await stopping
+        await wait_until(lambda: w.instance_id not in gen.instance_ids(), timeout_s=5)
+    finally:
+        following.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await following
+        await sub.close()
+        await feed.stop()
