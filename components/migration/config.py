@@ -37,7 +37,9 @@ class MigrationConfig(BaseModel):
         default=10.0,
         gt=0,
         description="Longest wait for the other worker's answer to one migration message (pre_alloc, copy, commit, "
-        "abort); no answer aborts the migration and the request stays where it was.",
+        "abort). No answer before the commit aborts the migration and the request goes on where it was; no answer "
+        "to the commit itself ends the request there with a recoverable error (the destination may have taken it: "
+        "the frontend re-issues it from its position rather than risk two workers answering one stream).",
     )
     pending_migrate_in_timeout_s: float = Field(
         default=10.0,
