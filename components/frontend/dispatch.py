@@ -139,7 +139,8 @@ def _is_death(e: BaseException) -> bool:
     """Whether ``e`` says the worker itself is gone (its process: no responders, no answer to a probe; or its
     engine died), not merely this request: then no new request should go there (``Router.mark_down``)."""
     if isinstance(e, StreamInterruptedError):
-        return True
+        # Not a lost frame or a request the instance forgot: those say nothing of the instance itself.
+        return "no responders" in e.reason or "no answer to a liveness probe" in e.reason
     if isinstance(e, InstanceGoneError):
         return "no responders" in str(e)
     return isinstance(e, RemoteHandlerError) and e.code == ErrorCode.ENGINE_DEAD

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -105,6 +106,20 @@ def engine_config_model(kind: EngineKind) -> type[BaseModel]:
     from components.workers.engines.vllm.config import VllmEngineConfig
 
     return VllmEngineConfig
+
+
+def build_engine(kind: EngineKind, config: BaseModel, name: str) -> Any:
+    """An engine of ``kind`` (an ``Engine``) from its config (``engine_config_model(kind)``), for a ``Worker`` built
+    outside ``components.workers`` (benchmarks); imports the engine only when called."""
+    if kind == EngineKind.MOCK:
+        from components.workers.engines.mock import MockEngine, MockEngineConfig
+
+        assert isinstance(config, MockEngineConfig)
+        return MockEngine(config, name=name)
+    from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
+
+    assert isinstance(config, VllmEngineConfig)
+    return VllmEngine(config, name=name)
 
 
 def vllm_reference() -> tuple[type[BaseModel], dict[str, str], str]:

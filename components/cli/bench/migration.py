@@ -133,15 +133,14 @@ def _median(values: list[float]) -> float:
 
 
 async def simulated_downtime(cfg: RuntimeConfig, args: argparse.Namespace) -> dict[str, Any]:
-    from components.workers.config import WorkerConfig
-    from components.workers.engines.mock import MockEngine, MockEngineConfig
+    from components.workers.config import EngineKind, WorkerConfig, build_engine, engine_config_model
     from components.workers.worker import Worker
 
     lengths = sorted(args.lengths)
     out_tokens = args.warmup_tokens + 64
     max_len = max(lengths) + out_tokens + 64
     block = 16
-    engine_cfg = MockEngineConfig(
+    engine_cfg: Any = engine_config_model(EngineKind.MOCK)(
         speedup_ratio=1.0,
         max_model_len=max_len,
         num_gpu_blocks=2 * (max_len // block + 64),
@@ -156,7 +155,7 @@ async def simulated_downtime(cfg: RuntimeConfig, args: argparse.Namespace) -> di
             rt = await Runtime.connect(cfg)
             runtimes.append(rt)
             wcfg = WorkerConfig(namespace=NS_SIM, model="bench", metrics_interval_ms=100)
-            workers.append(Worker(rt, wcfg, MockEngine(engine_cfg, name=f"sim{i}"), index=i))
+            workers.append(Worker(rt, wcfg, build_engine(EngineKind.MOCK, engine_cfg, f"sim{i}"), index=i))
         for w in workers:
             await w.start()
         client_rt = await Runtime.connect(cfg)
@@ -227,8 +226,7 @@ async def simulated_downtime(cfg: RuntimeConfig, args: argparse.Namespace) -> di
 
 
 async def vllm_downtime(cfg: RuntimeConfig, args: argparse.Namespace) -> dict[str, Any]:
-    from components.workers.config import EngineKind, WorkerConfig
-    from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
+    from components.workers.config import EngineKind, WorkerConfig, build_engine, engine_config_model
     from components.workers.worker import Worker
 
     runtimes: list[Runtime] = []
@@ -241,10 +239,10 @@ async def vllm_downtime(cfg: RuntimeConfig, args: argparse.Namespace) -> dict[st
             wcfg = WorkerConfig(
                 engine=EngineKind.VLLM, namespace=NS_VLLM, model="tiny-llama", model_path=str(MODEL_DIR)
             )
-            ecfg = VllmEngineConfig(
+            ecfg = engine_config_model(EngineKind.VLLM)(
                 model_path=str(MODEL_DIR), kv_cache_memory_bytes=32 * 2**20, max_model_len=max(args.vllm_lengths) + 256
             )
-            workers.append(Worker(rt, wcfg, VllmEngine(ecfg, name=f"bench-vllm-{i}"), index=i))
+            workers.append(Worker(rt, wcfg, build_engine(EngineKind.VLLM, ecfg, f"bench-vllm-{i}"), index=i))
         await asyncio.gather(*(w.start() for w in workers))
         client_rt = await Runtime.connect(cfg)
         runtimes.append(client_rt)
