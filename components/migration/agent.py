@@ -428,7 +428,9 @@ class MigrationAgent:
                     if to_copy:
                         await self._transfer(m, component, to_copy)
                 except (_Refused, _NoAnswer) as e:
-                    return await self._settle_failure(m, t, component, S.ABORTED_BY_DESTINATION, str(e), reserved)
+                    # Silence may hide a reservation made: tell the destination to free it either way.
+                    told = reserved or isinstance(e, _NoAnswer)
+                    return await self._settle_failure(m, t, component, S.ABORTED_BY_DESTINATION, str(e), told)
                 m.num_blocks += to_copy
                 m.num_stages = stage
                 sent = extent.num_full_blocks
@@ -484,7 +486,8 @@ class MigrationAgent:
             except (_Refused, _NoAnswer) as e:
                 engine.resume(rid)
                 self._decide(t, None)
-                return await self._settle_failure(m, t, component, S.ABORTED_BY_DESTINATION, str(e), reserved)
+                told = reserved or isinstance(e, _NoAnswer)
+                return await self._settle_failure(m, t, component, S.ABORTED_BY_DESTINATION, str(e), told)
             m.num_blocks += to_copy
         else:
             state.num_computed_tokens = 0

@@ -373,3 +373,38 @@ async def test_a_draining_worker_says_it_is_unschedulable_and_stays_registered_u
             await following
         await sub.close()
         await feed.stop()
+
+
+async def test_a_client_that_leaves_while_the_commit_is_on_its_way_is_aborted_on_the_destination(pair) -> None:
+    """The source's handler is parked in the final stage when the client's CANCEL arrives; the commit succeeds
+    anyway (the destination already runs the request): the source forwards an abort there."""
+    from components.protocol.migration import MigrateInOp
+
+    a, b, crt = pair
+    gen, mig, _ = await clients(crt)
+    assert a.agent is not None
+    original = a.agent._call
+    commit_answered = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def held_call(component: str, dst: int, msg: Any) -> Any:
+        reply = await original(component, dst, msg)
+        if msg.op == MigrateInOp.COMMIT:
+            commit_answered.set()
+            await go_on.wait()  # the commit is done on B; A has not yet handed the stream over
+        return reply
+
+    a.agent._call = held_call  # type: ignore[method-assign]
+    stream = await gen.direct(gen_request("lv", 200, 3000).to_dict(), a.instance_id)
+    await stream.__anext__()
+    moving = asyncio.ensure_future(migrate(mig, a.instance_id, MigrateRequest(b.instance_id, request_ids=["lv"])))
+    await asyncio.wait_for(commit_answered.wait(), 10)
+    await wait_until(lambda: "lv" in b.engine.scheduler.requests)  # type: ignore[attr-defined]
+    await stream.aclose()  # the client leaves: its CANCEL reaches A, whose handler is parked
+    await wait_until(lambda: a.agent.num_tracked == 0)  # type: ignore[union-attr]
+    go_on.set()
+    [report] = await asyncio.wait_for(moving, 10)
+    assert report.state == "committed"
+    await wait_until(lambda: "lv" not in b.engine.scheduler.requests)  # type: ignore[attr-defined]
+    await wait_until(lambda: b.engine.scheduler.pool.num_active_blocks == 0)  # type: ignore[attr-defined]
+    assert a.agent.num_aborts_forwarded == 1
