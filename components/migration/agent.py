@@ -304,7 +304,9 @@ class MigrationAgent:
         )
         component = req.dst_component or self.component
         # Owned by the agent, not by this handler: a caller that leaves must not cut a migration mid-stage.
-        tasks = [self._spawn(self.migrate_one(rid, req.dst_instance_id, component, mode)) for rid in ids]
+        tasks = [
+            self._spawn(self.migrate_one(rid, req.dst_instance_id, component, mode), f"migrate:{rid}") for rid in ids
+        ]
         for next_done in asyncio.as_completed(tasks):
             report = await next_done
             yield report.to_dict()
@@ -318,8 +320,8 @@ class MigrationAgent:
 
         return RequestTable(mark(table.running), mark(table.waiting), table.kv_capacity_tokens)
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -513,7 +515,7 @@ class MigrationAgent:
             # here; the frontend re-issues it from its position.
             self.num_uncertain_commits += 1
             self._decide(t, MigrationInterruptedError(f"request {rid}: migration commit unanswered ({e})"))
-            self._spawn(self._send_abort(component, m, "commit unanswered"))
+            self._spawn(self._send_abort(component, m, "commit unanswered"), f"migration-abort:{m.migration_id}")
             self._end(m, S.ABORTED_BY_DESTINATION, f"commit unanswered: {e}")
             return None
         dst_subject = (
@@ -526,7 +528,7 @@ class MigrationAgent:
         if t.closed or t.abort_reason is not None:
             # Its client left (or someone aborted it) while the commit was on its way: end it where it is now.
             self._decide(t, None)
-            self._spawn(self._forward_abort(rid, t.abort_reason or "the client left", 0))
+            self._spawn(self._forward_abort(rid, t.abort_reason or "the client left", 0), f"abort-forward:{rid}")
         else:
             self._decide(t, (dst_subject, m.peer_instance_id))
         self._end(m, S.COMMITTED, "")
@@ -580,7 +582,7 @@ class MigrationAgent:
         request, if it was parked, goes on here."""
         self._decide(t, None)
         if reserved:
-            self._spawn(self._send_abort(component, m, reason))
+            self._spawn(self._send_abort(component, m, reason), f"migration-abort:{m.migration_id}")
         self._end(m, state, reason)
 
     def _end(self, m: Migration, state: MigrationState, reason: str) -> None:
@@ -653,7 +655,7 @@ class MigrationAgent:
                 t = self._tracked.get(rid)
                 if t is not None:
                     t.abort_reason = "its migration's commit went unanswered"
-                    self._spawn(self.engine.abort(rid))
+                    self._spawn(self.engine.abort(rid), f"abort:{rid}")
             return MigrateInReply(True)
         if msg.op == MigrateInOp.PRE_ALLOC:
             if not self.accepting:
@@ -724,7 +726,7 @@ class MigrationAgent:
         try:
             served.adopt(handler, None, req.reply, req.next_seq)
         except (InstanceDrainingError, ValueError) as e:
-            self._spawn(_aclose(chunks))  # frees the request in the engine
+            self._spawn(_aclose(chunks), f"release:{req.request_id}")  # frees the request in the engine
             self._end(m, S.ABORTED_BY_DESTINATION, str(e))
             return MigrateInReply(False, str(e))
         self._committed_in[mid] = req.request_id

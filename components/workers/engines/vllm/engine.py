@@ -590,7 +590,7 @@ class VllmEngine:
         if run is None or llm is None or run.suspending or run.suspended:
             return False
         run.suspending = True
-        task = asyncio.ensure_future(llm.abort(run.vllm_id))
+        task = asyncio.get_running_loop().create_task(llm.abort(run.vllm_id), name=f"vllm-suspend:{request_id}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return True
