@@ -56,6 +56,7 @@ BENCHMARKS = (
     Command(
         "kv-transfer", "components.cli.bench.kv_transfer", "a vLLM decode engine's first token: KV pull vs recompute"
     ),
+    Command("migration", "components.cli.bench.migration", "migration downtime (live vs recompute) and failover"),
 )
 
 

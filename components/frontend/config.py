@@ -42,6 +42,15 @@ class FrontendConfig(RouterConfig):
         description="Other workers to try when the chosen one is gone, draining or fails before the first token. "
         "Nothing has reached the client then, so a retry is invisible to it.",
     )
+    migration_limit: int = Field(
+        default=3,
+        ge=0,
+        le=64,
+        description="How many times a running request whose worker dies (no responders, a cut stream, an engine "
+        "that failed) is re-issued on another worker by recompute, continuing the client's stream where it stopped "
+        "(Dynamo's name and meaning). 0: such requests fail with an error. Moves the workers make themselves "
+        "(live migration) do not count.",
+    )
     first_token_timeout_s: float = Field(
         default=300.0,
         ge=0,

@@ -14,14 +14,24 @@ upstream can change under it without the client noticing. A request's life::
                       hands it to resume() with the position the client has reached (its output tokens so far)
     close()       _release(): cancel the request on its worker if it still runs, on_finished
 
-That is the seam the next features extend, each in one method:
+Migration, two ways, one client stream:
 
-- **migration / failover** (``resume``): a running request whose worker dies, or that the rescheduler moves, goes on
-  from another worker: ``_release`` the broken attempt, ``router.prepare`` the prompt plus the output so far,
-  ``_place`` it (the broken worker excluded) with a ``GenerateRequest`` that continues at ``position``, and return
-  the new upstream's item at that position (frames carry their token position: items below it, already delivered,
-  are dropped). ``next_item`` then reads the new ``stream``; the client keeps its one stream. Today ``resume`` ends
-  the request with ``UpstreamError``: nothing reached the client twice, and ``close`` cancels what still runs.
+- **live** (the workers move a running request, components/migration/agent.py): the stream itself is handed over in
+  the runtime (components/runtime/request_plane.py, hand-over: the old worker's last frame says MOVED, the new one
+  answers on the same stream, frames reordered by number). ``next_item`` only notices that the stream's instance
+  changed: the router's bookkeeping moves with it (``Router.on_migrated``), counted as a ``live`` migration.
+- **failover** (``resume``): a running request whose worker dies (no responders, a cut stream, its engine failed)
+  is re-issued, up to ``migration_limit`` times: ``_release`` the broken attempt, mark its worker down in the router
+  (no new request goes there from now on), ``router.prepare`` the prompt plus the outputs so far, ``_place`` it with
+  a continuation ``GenerateRequest`` (``num_output_tokens``: the engine resumes the sampler and numbers its output
+  from there) on another worker, and return the item that continues at the client's position. With
+  ``migration_limit`` 0, or once used up, the request fails with ``UpstreamError`` saying so.
+
+Every chunk carries its output position (``TokenChunk.position``) and ``next_item`` splices by it, whichever way
+the stream went on: a chunk starting below the position the client has reached is trimmed to the part it lacks (a
+repeat is never delivered), one starting above it means tokens were lost, which ends the upstream as an
+interruption (and so a failover from the last token the client has).
+
 - **disaggregated prefill** needs nothing here: as in Dynamo, the decode worker a request is routed to decides
   whether its prompt is prefilled remotely and does the hop itself (components/workers/disagg.py), because only it
   knows its own prefix cache and holds the blocks the KV must land in. The frontend routes to decode (and
@@ -125,6 +135,17 @@ def _process_of(info: Any) -> ProcessKey:
     return WorkerMetadata.from_dict(info.metadata).process_key
 
 
+def _is_death(e: BaseException) -> bool:
+    """Whether ``e`` says the worker itself is gone (its process: no responders, no answer to a probe; or its
+    engine died), not merely this request: then no new request should go there (``Router.mark_down``)."""
+    if isinstance(e, StreamInterruptedError):
+        # Not a lost frame or a request the instance forgot: those say nothing of the instance itself.
+        return "no responders" in e.reason or "no answer to a liveness probe" in e.reason
+    if isinstance(e, InstanceGoneError):
+        return "no responders" in str(e)
+    return isinstance(e, RemoteHandlerError) and e.code == ErrorCode.ENGINE_DEAD
+
+
 class _Aborted(Exception):
     """A stream that ended before its first output: the worker gave up on it (retriable)."""
 
@@ -166,6 +187,11 @@ class Dispatch:
         self.instance_id: int | None = None
         self.num_attempts = 0  # requests sent to a worker, all placements together (they number the route ids)
         self._open = False  # router bookkeeping open for route_id
+        # Output tokens delivered to the Generation so far (the splice point), and which.
+        self.position = 0
+        self.output_ids: list[int] = []
+        self.num_failovers = 0  # re-issues after a worker died (bounded by migration_limit)
+        self.num_live_moves = 0  # moves made by the workers, noticed on the stream
 
     # --- placement: before the first item -----------------------------------------------------------------------------
 
@@ -189,7 +215,10 @@ class Dispatch:
             )
         )
         body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
-        return await self._place(route, body, set())
+        first = await self._place(route, body, set())
+        item = self._accept(first)
+        assert item is not None  # the first item of a request starts at position 0
+        return item
 
     async def _place(self, route: RouteRequest, body: dict[str, Any], excluded: set[int]) -> dict[str, Any]:
         """Put ``body`` on a worker (not one of ``excluded``) and return its first item; that attempt becomes the
@@ -226,6 +255,8 @@ class Dispatch:
                 stream, first = await self._attempt(client, body, iid)
             except (*RETRIABLE, _Aborted) as e:
                 failure: Exception = e
+                if _is_death(e):
+                    self.router.mark_down(iid, time.monotonic(), str(e))
             except RemoteHandlerError as e:
                 # Decided on the wire code, never on the raising class's name (components/protocol/errors.py).
                 if e.code == ErrorCode.REQUEST_INVALID:
@@ -234,6 +265,8 @@ class Dispatch:
                 if not e.recoverable:
                     raise UpstreamError(f"the worker failed the request: {e.error_type}: {e.message}") from e
                 failure = e  # its engine is gone: another worker may serve it
+                if _is_death(e):
+                    self.router.mark_down(iid, time.monotonic(), e.message)
             except BusUnavailableError as e:
                 raise ServiceUnavailableError(f"the request plane is down: {e}") from e
             finally:
@@ -288,28 +321,99 @@ class Dispatch:
         could continue from (``resume``), ``UpstreamError`` where it could not."""
         stream = self.stream
         assert stream is not None, "start() first"
-        try:
-            item: dict[str, Any] = await stream.__anext__()
-        except StopAsyncIteration:
-            raise UpstreamError("the worker ended the stream without a finish reason") from None
-        except RemoteHandlerError as e:
-            message = f"the worker failed mid-stream: {e.error_type}: {e.message}"
-            if not e.recoverable:  # about the request or a bug: another worker would fail the same way
-                raise UpstreamError(message) from e
-            raise Interrupted(message) from e
-        except StreamInterruptedError as e:
-            raise Interrupted(f"the worker stopped answering mid-stream: {e.reason}") from e
-        if item["finish_reason"] == "abort":
-            # The worker gave up on the request (its engine shut down, its drain timed out): not a normal end.
-            raise Interrupted("the worker aborted the request")
+        while True:
+            try:
+                item: dict[str, Any] = await stream.__anext__()
+            except StopAsyncIteration:
+                raise UpstreamError("the worker ended the stream without a finish reason") from None
+            except RemoteHandlerError as e:
+                message = f"the worker failed mid-stream: {e.error_type}: {e.message}"
+                if e.code == ErrorCode.ABORTED:
+                    raise UpstreamError(f"the request was aborted: {e.message}") from e
+                if not e.recoverable:  # about the request or a bug: another worker would fail the same way
+                    raise UpstreamError(message) from e
+                raise Interrupted(message) from e
+            except StreamInterruptedError as e:
+                raise Interrupted(f"the worker stopped answering mid-stream: {e.reason}") from e
+            if stream.instance_id != self.instance_id:
+                self._moved(stream.instance_id)
+            if item["finish_reason"] == "abort":
+                # The worker gave up on the request (its engine shut down, its drain timed out): not a normal end.
+                raise Interrupted("the worker aborted the request")
+            accepted = self._accept(item)
+            if accepted is not None:
+                return accepted
+
+    def _accept(self, item: dict[str, Any]) -> dict[str, Any] | None:
+        """Splice ``item`` at the client's position (module docstring): the item to deliver (trimmed of tokens the
+        client has), None when it brings nothing new; ``Interrupted`` when tokens before it are missing."""
+        ids: list[int] = item["token_ids"]
+        if ids:
+            pos = item.get("position", self.position)
+            if pos != self.position:
+                if pos > self.position:
+                    raise Interrupted(f"output tokens {self.position}..{pos - 1} never arrived")
+                skip = self.position - pos
+                if skip >= len(ids) and item["finish_reason"] is None:
+                    return None  # a repeat of what the client has
+                ids = ids[skip:]
+                item = {**item, "token_ids": ids, "position": self.position}
+            self.position += len(ids)
+            self.output_ids += ids
         return item
+
+    def _moved(self, instance_id: int) -> None:
+        """The workers moved the request (live migration): its load goes with it."""
+        old = self.instance_id
+        self.instance_id = instance_id
+        self.num_live_moves += 1
+        if self._open:
+            self.router.on_migrated(self.route_id, instance_id)
+        self.metrics.count_migration("live")
+        logger.info("request %s moved from worker %x to %x", self.prepared.request_id, old or 0, instance_id)
 
     async def resume(self, interruption: Interrupted, position: int) -> dict[str, Any]:
         """What follows an ``Interrupted`` upstream once the client has received ``position`` output tokens: the
-        item that continues the output at that position. Migration implements it (module docstring) with
-        ``_release`` and ``_place``; until then the request fails with ``UpstreamError`` (``close`` then cancels
-        and settles the broken attempt)."""
-        raise UpstreamError(interruption.message) from interruption.__cause__
+        item that continues the output at that position, from another worker (failover, module docstring). Raises
+        ``UpstreamError`` when ``migration_limit`` re-issues are used up (0: none allowed) and whatever ``_place``
+        raises when no other worker takes it (``close`` then settles what is left)."""
+        p = self.prepared
+        limit = self.config.migration_limit
+        cause = interruption.__cause__
+        broken = self.instance_id
+        if broken is not None and cause is not None and _is_death(cause):
+            self.router.mark_down(broken, time.monotonic(), interruption.message)
+            info = p.model.instances.get(broken)
+            if info is not None:
+                self.suspects.mark(_process_of(info), time.monotonic())
+        if self.num_failovers >= limit:
+            self.metrics.count_migration_failure("limit")
+            why = "migration_limit is 0" if limit == 0 else f"it was re-issued {limit} times (migration_limit)"
+            raise UpstreamError(f"{interruption.message}; not re-issued elsewhere: {why}") from cause
+        await self._release()
+        self.num_failovers += 1
+        logger.warning(
+            "request %s: %s; re-issuing it from output token %d on another worker (%d of %d)",
+            p.request_id,
+            interruption.message,
+            self.position,
+            self.num_failovers,
+            limit,
+        )
+        prompt = p.prompt_ids + self.output_ids
+        hints = p.hints
+        route = self.router.prepare(RouteRequest(prompt, p.model.name, time.monotonic(), program_id=hints.program_id))
+        body = GenerateRequest(p.request_id, prompt, p.sampling, num_output_tokens=len(self.output_ids)).to_dict()
+        try:
+            first = await self._place(route, body, {broken} if broken is not None else set())
+        except ServiceUnavailableError:
+            self.metrics.count_migration_failure("nowhere")
+            raise
+        self.metrics.count_migration("failover")
+        item = self._accept(first)
+        while item is None:  # the new worker's first chunk repeated tokens the client has (cannot happen today)
+            item = await self.next_item()
+        return item
 
     # --- the end ------------------------------------------------------------------------------------------------------
 

@@ -9,10 +9,13 @@ free of per-token work.
 Per worker (``kvmesh_frontend_worker_*{model,worker}``, ``worker`` the instance id in hex as ``kvmesh status`` prints
 it): requests, prompt tokens and prefix-cached prompt tokens, counted once per request on the worker that produced
 its first output (``Dispatch._place``), so attempts that failed before it and were retried elsewhere count nowhere.
-A request that a future ``Dispatch.resume`` moves to another worker counts on each worker it ran on, with the prompt
-it was sent there. ``kvmesh_frontend_routing_decisions_total{model,policy,kind}`` counts every decision the router
-returns, retries' included (so it is at least the number of requests placed); ``kind`` is ``DecisionKind``
-(components/router/types.py), a word, never the free-text reason.
+A request that ``Dispatch.resume`` re-issues on another worker counts on each worker it ran on, with the prompt it
+was sent there (prompt plus the outputs so far); one moved live by the workers counts where it started only.
+``kvmesh_frontend_migrations_total{model,kind}`` counts streams that went on from another worker (``live``,
+``failover``) and ``kvmesh_frontend_migration_failures_total{model,reason}`` those that could not.
+``kvmesh_frontend_routing_decisions_total{model,policy,kind}`` counts every decision the router returns, retries'
+included (so it is at least the number of requests placed); ``kind`` is ``DecisionKind`` (components/router/types.py),
+a word, never the free-text reason.
 
 Prefill queues (disaggregated serving), per model, from the ``PrefillQueueReport``s prefill workers publish on
 ``TOPIC_PREFILL_QUEUE`` (``components.frontend.prefill_queue`` follows them into a ``PrefillQueues``, whose module
@@ -85,13 +88,15 @@ def prefill_queue_families(views: Iterable[PrefillQueueView]) -> list[Metric]:
     return list(families)
 
 
-WORKER_INFO_LABELS = ("model", "worker", "engine", "role", "remote_prefill_mode")
+WORKER_INFO_LABELS = ("model", "worker", "engine", "role", "remote_prefill_mode", "migration_mode")
 
 
 def worker_info_family(workers: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> GaugeMetricFamily:
     """``kvmesh_frontend_worker_info``: 1 per routable worker, labelled with what its metadata says of it, notably
     ``remote_prefill_mode`` (``kv_transfer``: a decode worker receives the KV; ``recompute``: it computes the prompt
-    again, as vLLM decode workers do on the CPU build; "" for an aggregated worker)."""
+    again, as vLLM decode workers do on the CPU build; "" for an aggregated worker) and ``migration_mode`` (``live``:
+    a running request's KV is copied to the worker it moves to; ``recompute``: that worker computes it again, as
+    vLLM workers do on the CPU build; "": the worker cannot move requests)."""
     family = GaugeMetricFamily(
         "kvmesh_frontend_worker_info",
         "Workers this frontend routes to, by engine, role and how a decode worker takes a remotely prefilled prompt",
@@ -105,6 +110,7 @@ def worker_info_family(workers: Mapping[str, Mapping[int, Mapping[str, Any]]]) -
                 str(meta.get("engine", "")),
                 str(meta.get("role", "")),
                 str(meta.get("remote_prefill_mode", "")),
+                str(meta.get("migration_mode", "")),
             ]
             family.add_metric(labels, 1.0)
     return family
@@ -165,6 +171,13 @@ class ModelMetrics:
         "output_tokens",
         "ttft",
     )
+
+    def count_migration(self, kind: str) -> None:
+        """A running request went on from another worker (``live``: moved by the workers; ``failover``)."""
+        self._m.migrations.labels(model=self.model, kind=kind).inc()
+
+    def count_migration_failure(self, reason: str) -> None:
+        self._m.migration_failures.labels(model=self.model, reason=reason).inc()
 
     def __init__(self, m: FrontendMetrics, model: str) -> None:
         self._m = m
@@ -248,6 +261,20 @@ class FrontendMetrics:
             "kvmesh_frontend_retries",
             "Requests sent to another worker before their first token",
             ["reason"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            "kvmesh_frontend_migrations",
+            "Running requests whose stream went on from another worker: kind=live (moved by the workers, the client "
+            "saw a pause), kind=failover (its worker died or broke; re-issued here by recompute)",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.migration_failures = Counter(
+            "kvmesh_frontend_migration_failures",
+            "Requests that failed mid-stream because they could not go on elsewhere, by reason: limit "
+            "(--migration-limit re-issues used up, 0 included), nowhere (no other worker took it)",
+            ["model", "reason"],
             registry=r,
         )
         self.worker_requests = Counter(

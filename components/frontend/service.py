@@ -4,8 +4,8 @@
 checked, sampling parameters built); ``start`` hands it to a ``Dispatch`` (dispatch.py: the request's attempts, its
 retries before the first output and every router bookkeeping call, in one place) and returns a ``Generation`` once
 the first output has arrived. The Generation reads the dispatch, never a worker's stream: an upstream that breaks
-after that goes to ``Dispatch.resume`` with the position the client has reached, which today ends the generation
-with ``UpstreamError`` and with migration continues it from another worker, unseen here.
+after that goes to ``Dispatch.resume`` with the position the client has reached, which continues it from another
+worker (up to ``migration_limit`` times; then ``UpstreamError``), unseen here, as is a request the workers move.
 
 ``Generation`` is the hot path: per chunk from the worker it decodes the new tokens once (no per-token Python work
 beyond list extension), checks stop strings on the new text only, and keeps the counters usage and metrics need.

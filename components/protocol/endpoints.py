@@ -12,3 +12,9 @@ TOPIC_KV_EVENTS = "kv_events"  # payload: [KvEvent.to_dict(), ...] in event-id o
 ENDPOINT_PREFILL_RESULT = "prefill_result"
 # payload: PrefillQueueReport.to_dict(); source id: the prefill worker's instance id
 TOPIC_PREFILL_QUEUE = "prefill_queue"
+# Migration (components/protocol/migration.py): served by every worker that can move requests, same instance id.
+ENDPOINT_MIGRATE = "migrate"  # body: MigrateRequest.to_dict(); stream: one MigrationReport.to_dict() per request
+ENDPOINT_MIGRATE_IN = "migrate_in"  # body: MigrateInMessage.to_dict(); stream: one MigrateInReply.to_dict()
+ENDPOINT_ABORT = "abort"  # body: AbortRequest.to_dict(); stream: one AbortReply.to_dict()
+# payload: WorkerStatus.to_dict(); source id: the worker's instance id (it stopped taking new requests)
+TOPIC_WORKER_STATUS = "worker_status"

@@ -29,6 +29,7 @@ class ErrorCode(enum.StrEnum):
     ENGINE_DEAD = "engine_dead"  # the instance's engine is gone; another instance may serve the same request
     OVERLOADED = "overloaded"  # the instance cannot take it now (no free blocks); another may
     INTERNAL = "internal"  # anything else: a bug or an unexpected failure on the instance
+    ABORTED = "aborted"  # someone ended the request on purpose (the ``abort`` endpoint): not to be re-issued
 
 
 # Codes after which the same request may go to another instance.

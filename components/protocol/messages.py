@@ -37,21 +37,46 @@ class SamplingParams:
 
 @dataclasses.dataclass(slots=True)
 class GenerateRequest:
-    """One generation: prompt token ids, sampling parameters and a request id unique in the fleet."""
+    """One generation: prompt token ids, sampling parameters and a request id unique in the fleet.
+
+    ``num_output_tokens`` > 0 makes it a *continuation* (a request re-issued on another worker after its worker
+    died, or moved there by recompute): the last ``num_output_tokens`` of ``token_ids`` are outputs an earlier
+    holder already produced and the client already has. The engine counts them against ``max_tokens`` and the stop
+    conditions, continues the sampler's state after them (a seeded sampler resumes as if it had drawn them), and
+    numbers its output from that position (``TokenChunk.position``)."""
 
     request_id: str
     token_ids: list[int]
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    num_output_tokens: int = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The client's prompt: ``token_ids`` without the outputs of a continuation."""
+        n = self.num_output_tokens
+        return self.token_ids[: len(self.token_ids) - n] if n else self.token_ids
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "token_ids": self.token_ids, "sampling": self.sampling.to_dict()}
+        d: dict[str, Any] = {
+            "request_id": self.request_id,
+            "token_ids": self.token_ids,
+            "sampling": self.sampling.to_dict(),
+        }
+        if self.num_output_tokens:
+            d["num_output_tokens"] = self.num_output_tokens
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerateRequest:
+        token_ids = list(d["token_ids"])
+        n = int(d.get("num_output_tokens") or 0)
+        if not 0 <= n < max(1, len(token_ids)):
+            raise ValueError(f"num_output_tokens {n} must lie in [0, {len(token_ids)}) (the prompt cannot be empty)")
         return cls(
             request_id=d["request_id"],
-            token_ids=list(d["token_ids"]),
+            token_ids=token_ids,
             sampling=SamplingParams.from_dict(d.get("sampling") or {}),
+            num_output_tokens=n,
         )
 
 
@@ -63,12 +88,17 @@ class FinishReason(enum.StrEnum):
 
 @dataclasses.dataclass(slots=True)
 class TokenChunk:
-    """New output tokens since the previous chunk; the last chunk of a request carries ``finish_reason``."""
+    """New output tokens since the previous chunk; the last chunk of a request carries ``finish_reason``.
+
+    ``position`` is the index of ``token_ids[0]`` in the request's whole output (0 for the first token), so a
+    reader can splice the chunks of one request coming from several workers (a migrated or re-issued request): a
+    chunk below the position it has reached repeats tokens it already has, one above it means tokens were lost."""
 
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0  # set on the first chunk
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, set on the first chunk
+    position: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +106,7 @@ class TokenChunk:
             "finish_reason": None if self.finish_reason is None else str(self.finish_reason),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
+            "position": self.position,
         }
 
     @classmethod
@@ -86,6 +117,7 @@ class TokenChunk:
             finish_reason=None if fr is None else FinishReason(fr),
             num_prompt_tokens=d.get("num_prompt_tokens", 0),
             num_cached_tokens=d.get("num_cached_tokens", 0),
+            position=d.get("position", 0),
         )
 
 

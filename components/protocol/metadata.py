@@ -55,6 +55,9 @@ class WorkerMetadata:
     pid: int = 0  # process id on that node
     unit: int = 0  # index of the worker inside its process
     started_at: float = 0.0  # wall-clock registration time, seconds since the epoch
+    # How its engine moves a running request to another worker (``protocol.migration.MigrationMode``'s value:
+    # live or recompute); "" where it cannot (no migration agent). A str for the same reason as above.
+    migration_mode: str = ""
     # The engine's step-time model (router.types.StepTime's fields: ms per step by its shape), for the kv router's
     # predicted time to first token; empty: the router's defaults.
     step_time: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -63,6 +66,7 @@ class WorkerMetadata:
         d = dataclasses.asdict(self)
         d["role"] = str(self.role)
         d["remote_prefill_mode"] = str(self.remote_prefill_mode)  # a RemotePrefillMode member is written as its value
+        d["migration_mode"] = str(self.migration_mode)
         return d
 
     @classmethod

@@ -17,7 +17,13 @@ Fed by its owner, with no I/O of its own (``feed.RouterFeed`` does the I/O: even
   request adds its prompt's blocks (decode load) and its uncached prompt tokens (prefill load) when it is routed,
   the prefill part leaves at its first token, the rest at its end;
 - replicas: every assignment change is offered to ``sync_listeners`` (as a ``protocol`` sync message) and
-  ``apply_sync`` applies other replicas' messages, so several routers count each other's requests.
+  ``apply_sync`` applies other replicas' messages, so several routers count each other's requests;
+- schedulability: ``set_schedulable`` from the ``worker_status`` topic (a worker whose engine died or that drains
+  says so before its registration goes), ``mark_down`` from the owner (the frontend saw the worker's process gone:
+  no responders, a stream cut). Either keeps ``select`` off the worker at once; a worker marked down is taken back
+  only by a load report received ``DOWN_HOLD_S`` after the mark (a dead process sends none; a report already in
+  flight when it died arrives sooner), or when it registers again; one that left is forgotten with the rest;
+- ``on_migrated``: a running request moved to another worker; its load goes with it.
 
 Hot path: ``select`` rebuilds only the snapshots of workers that changed since the last decision (~5 at 256 workers
 and 1,000 requests/s: the workers a request was routed to, got its first token on and finished on, and ~2.5 load
@@ -73,6 +79,9 @@ MembershipListener = Callable[[set[int], set[int]], None]
 
 # Workers that left are remembered (so their late events are ignored) up to this many; the oldest are forgotten first.
 _MAX_DEPARTED = 4096
+# A worker the owner marked down is routable again only after a load report received this long after the mark: a
+# report published just before the process died may still be on its way, a live worker reports every 0.1 s.
+DOWN_HOLD_S = 1.0
 # Robust estimate of a worker's publishing interval: an exponential average whose samples are capped at twice the
 # estimate, so one long pause (a GC, a reconnect) moves it by at most 10% instead of making the worker look slow.
 _INTERVAL_ALPHA = 0.1
@@ -239,6 +248,10 @@ class Router:
         # never match this router's prompt hashes, so they are not indexed.
         self._foreign_hashes: set[int] = set()
         self._step_time: dict[int, StepTime] = {}  # instance id -> its announced step-time model, parsed
+        # Workers select() must not choose: they said they take no new requests (reason), or were seen dead (since).
+        self._unschedulable: dict[int, str] = {}
+        self._down: dict[int, float] = {}
+        self._blocked: frozenset[int] = frozenset()  # the union of both, for select's hot path
 
     # --- membership -------------------------------------------------------------------------------------------------
 
@@ -305,6 +318,8 @@ class Router:
                 cb(added, removed)
 
     def _forget(self, iid: int) -> None:
+        if self._unschedulable.pop(iid, None) is not None or self._down.pop(iid, None) is not None:
+            self._update_blocked()
         self.index.remove_worker(iid)
         self._step_time.pop(iid, None)
         self._foreign_hashes.discard(iid)
@@ -339,10 +354,50 @@ class Router:
         return list(state.workers)
 
     def routable(self, model: str, now_s: float) -> list[int]:
-        """Workers of ``model`` a policy may choose at ``now_s`` (``common.candidates``: the stale ones skipped)."""
+        """Workers of ``model`` a policy may choose at ``now_s`` (``common.candidates``: the stale ones skipped, and
+        those unschedulable or marked down)."""
         workers = self.workers(model)
-        cands, _ = common.candidates(RouteRequest((), model, now_s), workers)
+        cands, _ = common.candidates(RouteRequest((), model, now_s, excluded_instance_ids=self._blocked), workers)
         return [w.instance_id for w in cands]
+
+    # --- schedulability ---------------------------------------------------------------------------------------------
+
+    def set_schedulable(self, instance_id: int, schedulable: bool, reason: str = "") -> None:
+        """A worker says whether it takes new requests (``WorkerStatus``); False keeps ``select`` off it."""
+        if schedulable:
+            if self._unschedulable.pop(instance_id, None) is not None:
+                logger.info("worker %x takes requests again", instance_id)
+                self._update_blocked()
+        elif instance_id not in self._unschedulable and instance_id not in self._departed:
+            logger.info("worker %x takes no new requests: %s", instance_id, reason or "(no reason given)")
+            self._unschedulable[instance_id] = reason
+            self._update_blocked()
+
+    def mark_down(self, instance_id: int, now_s: float, reason: str = "") -> bool:
+        """The owner saw the worker's process gone: keep ``select`` off it (class docstring). True when newly
+        marked."""
+        if instance_id in self._down or instance_id in self._departed:
+            return False
+        logger.warning("worker %x marked down: %s", instance_id, reason or "(no reason given)")
+        self._down[instance_id] = now_s
+        self._update_blocked()
+        return True
+
+    def down_since(self, instance_id: int) -> float | None:
+        """When the owner marked the worker down (its ``now_s``), None if it is not marked."""
+        return self._down.get(instance_id)
+
+    def is_schedulable(self, instance_id: int) -> bool:
+        return instance_id not in self._blocked
+
+    def unschedulable(self) -> dict[int, str]:
+        """Workers ``select`` avoids now and why (``worker_status``'s reason, or "down")."""
+        out = {iid: "down" for iid in self._down}
+        out.update(self._unschedulable)
+        return out
+
+    def _update_blocked(self) -> None:
+        self._blocked = frozenset(self._unschedulable) | frozenset(self._down)
 
     # --- snapshots --------------------------------------------------------------------------------------------------
 
@@ -417,6 +472,9 @@ class Router:
             raise NoWorkersError(request.model, f"no workers serve model {request.model!r}")
         if self._dirty:
             self._flush()
+        blocked = self._blocked
+        if blocked and not blocked <= request.excluded_instance_ids:
+            request = dataclasses.replace(request, excluded_instance_ids=request.excluded_instance_ids | blocked)
         if self.uses_kv:
             if request.block_hashes is None:
                 request = self.prepare(request)
@@ -525,6 +583,19 @@ class Router:
                 return table
         return None
 
+    def on_migrated(self, request_id: str, instance_id: int) -> None:
+        """A running request now runs on ``instance_id`` (moved by migration): its load leaves the old worker and
+        joins the new one (prompt and blocks as routed; its prefill is done). Unknown ids are ignored."""
+        old = self._inflight.get(request_id)
+        if old is None or old.instance_id == instance_id:
+            return
+        self._sub(old)
+        a = dataclasses.replace(old, instance_id=instance_id, first_token_seen=True)
+        self._inflight[request_id] = a
+        self._add(a)
+        if self.sync_listeners:
+            self._emit({"op": "routed", "a": a.to_list()})
+
     def on_first_token(self, request_id: str) -> None:
         """The request's first token arrived. It may be another replica's request (a standalone router's caller
         reports to any replica): the report is applied and shared all the same."""
@@ -559,6 +630,11 @@ class Router:
         """A worker's load report arrived at ``now_s`` (the router's monotonic clock)."""
         if instance_id in self._departed:
             return
+        down = self._down.get(instance_id)
+        if down is not None and now_s - down >= DOWN_HOLD_S:
+            logger.info("worker %x reports again %.1f s after it was marked down: routable", instance_id, now_s - down)
+            del self._down[instance_id]
+            self._update_blocked()
         load = self._load(instance_id)
         interval_s = load.interval_s
         if load.received_s is not None:

@@ -25,7 +25,7 @@ from components.runtime.errors import (
     StreamInterruptedError,
 )
 from components.runtime.events import Event, EventSubscription
-from components.runtime.request_plane import RequestContext, ResponseStream, collect
+from components.runtime.request_plane import RequestContext, ResponseStream, collect, probe_instance
 from components.runtime.runtime import Client, Endpoint, InstanceInfo, RouterMode, Runtime, ServedEndpoint
 
 __all__ = [
@@ -59,4 +59,5 @@ __all__ = [
     "WorkItem",
     "WorkQueue",
     "collect",
+    "probe_instance",
 ]

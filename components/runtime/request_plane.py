@@ -11,6 +11,20 @@ Wire protocol (msgpack lists, smallest first):
                                   [seq, ERROR, {type, message}]
                                   [0, DRAINING, None]          the instance takes no new requests
                                   [-1, PROBE_ACK, alive]       answer to PROBE, outside the sequence
+                                  [seq, MOVED, {subject, instance_id, request_id}]   the stream goes on elsewhere
+    another instance -> client    [seq + 1, ADOPTED, {instance_id}]   then DATA/END/ERROR from seq + 2 on
+
+Hand-over (request migration): a handler may move its stream to another instance without the client doing anything.
+It asks its context for the stream's reply route and the number its next frame would take
+(``RequestContext.reply_route``), gives both to the other instance, which ``adopt``s the request: its frames go to
+the same client stream, numbered on from there, the first being ADOPTED. Once the other instance has taken it, the
+handler calls ``RequestContext.hand_over``: a last MOVED frame tells the client where its probes and CANCEL go now,
+and the handler ends without an END. The two instances' frames travel on different connections, so the client may
+receive the new instance's first frames before the old one's last: ``ResponseStream`` holds frames that arrive ahead
+of their turn (up to ``MAX_HELD_FRAMES``) and delivers everything in sequence order; a missing frame is declared lost
+when the instance that owes it answers a probe (its answer travels behind every frame it sent) or too many frames
+wait behind it. The old instance remembers where each request went (``MOVED_MEMORY``): a CANCEL that still reaches
+it is forwarded there, and a probe for it is answered "alive".
 
 Batches: a client runtime receives every stream on one wildcard subscription (``ResponseMux``), so an instance that
 is told the client's ``batch_subject`` and the stream's ``key`` sends ``[[key, seq, kind, payload], ...]`` there:
@@ -32,7 +46,9 @@ Failure detection, fastest first:
   ``probe_timeout_s`` or "not alive" -> StreamInterruptedError. A SIGKILLed worker is therefore noticed within about
   0.5 s + a round trip, long before its lease (10 s) expires, without any heartbeat traffic on healthy streams.
 - Mid-stream, the direct connection the stream's frames come on closes (the kernel closes a dead process's sockets):
-  the same probe is sent at once, so a SIGKILLed worker's streams end within a round trip.
+  the same probe is sent at once, and repeated at growing intervals from ``REPROBE_FIRST_S`` until an answer comes
+  (the first can reach nats-server before it noticed the process's NATS connection close too), so a SIGKILLed
+  worker's streams end within a few round trips.
 - A gap in sequence numbers (a frame lost) -> StreamInterruptedError.
 
 Cancellation: closing the stream (``aclose``), cancelling the task iterating it, or dropping it unfinished sends
@@ -69,21 +85,65 @@ from components.runtime.response_channel import ResponseConnections, ResponseLis
 logger = logging.getLogger(__name__)
 
 REQ, CANCEL, PROBE = 0, 1, 2
-ACK, DATA, END, ERROR, DRAINING, PROBE_ACK = 0, 1, 2, 3, 4, 5
+ACK, DATA, END, ERROR, DRAINING, PROBE_ACK, MOVED, ADOPTED = 0, 1, 2, 3, 4, 5, 6, 7
 
 _END_OF_STREAM = object()
 # A client remembers this many streams it gave up on (to cancel again if their frames keep coming), and re-sends a
 # CANCEL at most this often per stream.
 ABANDONED_MAX = 4096
 CANCEL_RESEND_S = 1.0
+# A client holds at most this many frames that arrived ahead of a missing one (a hand-over's two instances race);
+# beyond it the missing frame is declared lost.
+MAX_HELD_FRAMES = 1024
+# An instance remembers where it handed this many requests over (CANCEL forwarding), the oldest forgotten first.
+MOVED_MEMORY = 4096
+
+
+@dataclasses.dataclass(slots=True)
+class _Outgoing:
+    """One request's outgoing stream on an instance: how its frames travel, where to (``route``, for a hand-over),
+    the number of the next frame, and whether it was handed over (then nothing more is sent for it here)."""
+
+    send: Callable[[int, int, Any], None]
+    route: dict[str, Any]
+    seq: int = 1
+    moved: bool = False
 
 
 @dataclasses.dataclass(slots=True)
 class RequestContext:
-    """What a handler knows about the request it serves."""
+    """What a handler knows about the request it serves, and the hand-over of its stream (module docstring)."""
 
     request_id: str
     instance_id: int
+    _out: _Outgoing | None = dataclasses.field(default=None, compare=False, repr=False)
+    _server: InstanceServer | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def reply_route(self) -> tuple[dict[str, Any], int]:
+        """The client's reply route (opaque, for ``InstanceServer.adopt`` on another instance) and the number the
+        other instance's first frame takes. The frame before it is reserved for this instance's MOVED: call
+        ``hand_over`` before yielding anything more, or yield on (the reservation lapses)."""
+        out = self._out
+        if out is None:
+            raise RuntimeError("this request's stream cannot be handed over")
+        return {**out.route, "request_id": self.request_id}, out.seq + 1
+
+    def hand_over(self, subject: str, instance_id: int, request_id: str | None = None) -> None:
+        """The instance behind ``subject`` has adopted this request: tell the client (MOVED) and send nothing more
+        for it from here; the handler should return. CANCELs that still arrive here are forwarded there."""
+        out = self._out
+        if out is None or out.moved:
+            raise RuntimeError("this request's stream cannot be handed over")
+        rid = request_id or self.request_id
+        out.send(out.seq, MOVED, {"subject": subject, "instance_id": instance_id, "request_id": rid})
+        out.seq += 1
+        out.moved = True
+        if self._server is not None:
+            self._server._remember_moved(self.request_id, subject, rid)
+
+    @property
+    def handed_over(self) -> bool:
+        return self._out is not None and self._out.moved
 
 
 Handler = Callable[[Any, RequestContext], AsyncIterator[Any]]
@@ -117,6 +177,12 @@ class InstanceServer:
         self._idle.set()
         self.num_served = 0
         self._outbox = _Outbox(bus)
+        # Requests handed over to another instance: request id -> (that instance's subject, its request id there).
+        self._moved: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self._outgoing: dict[str, _Outgoing] = {}  # request id -> its stream, while its handler runs
+        self.num_adopted = 0
+        self.num_handed_over = 0
+        self.num_cancels_forwarded = 0
 
     @property
     def num_inflight(self) -> int:
@@ -159,14 +225,25 @@ class InstanceServer:
                         "%s: cancelled %d requests whose client is gone (%s)", self.subject, len(gone), client
                     )
 
-    def _sender(self, frame: list[Any], reply: str, at: int) -> Callable[[int, int, Any], None]:
-        """How this request's frames travel: in the client's batches when it named them (``frame[at]``,
-        ``frame[at + 1]``; on a direct connection to ``frame[at + 2]`` when given), else one message each on
-        ``reply``."""
+    @staticmethod
+    def _route(frame: list[Any], reply: str, at: int) -> dict[str, Any]:
+        """Where a request's frames go: the client's batch subject and stream key (``frame[at]``, ``frame[at + 1]``)
+        and its direct address (``frame[at + 2]``) when it named them, and its inbox (``reply``) in any case."""
+        route: dict[str, Any] = {"inbox": reply}
         if len(frame) > at + 1 and isinstance(frame[at], str) and frame[at]:
-            address = frame[at + 2] if len(frame) > at + 2 and isinstance(frame[at + 2], str) else ""
-            return self._outbox.sender(frame[at], frame[at + 1], address)
-        return self._outbox.direct_sender(reply)
+            route["batch_subject"] = frame[at]
+            route["key"] = frame[at + 1]
+            route["address"] = frame[at + 2] if len(frame) > at + 2 and isinstance(frame[at + 2], str) else ""
+        return route
+
+    def _sender(self, route: dict[str, Any]) -> Callable[[int, int, Any], None]:
+        """How frames travel on ``route``: in the client's batches when it named them (on a direct connection to its
+        address when given), else one message each on its inbox."""
+        batch_subject = route.get("batch_subject")
+        if isinstance(batch_subject, str) and batch_subject:
+            address = route.get("address")
+            return self._outbox.sender(batch_subject, route.get("key"), address if isinstance(address, str) else "")
+        return self._outbox.direct_sender(str(route["inbox"]))
 
     async def _on_message(self, msg: BusMessage) -> None:
         try:
@@ -178,45 +255,93 @@ class InstanceServer:
         if kind == REQ:
             if not msg.reply:
                 return
-            send = self._sender(frame, msg.reply, 3)
+            route = self._route(frame, msg.reply, 3)
+            send = self._sender(route)
             if self.draining:
                 send(0, DRAINING, None)
                 return
             send(0, ACK, None)
-            task = asyncio.create_task(self._run(request_id, frame[2], send), name=f"handler:{request_id}")
-            self._inflight[request_id] = task
-            if len(frame) > 3 and isinstance(frame[3], str) and frame[3]:
-                self._client_of[request_id] = frame[3]
-            self._idle.clear()
+            self._start(request_id, frame[2], _Outgoing(send, route), self._handler)
         elif kind == CANCEL:
             running = self._inflight.get(request_id)
             if running is not None:
                 running.cancel()
+            elif request_id in self._moved:
+                # Handed over: the client's CANCEL went to where the request was; send it where it is now.
+                subject, rid = self._moved[request_id]
+                self.num_cancels_forwarded += 1
+                with contextlib.suppress(Exception):
+                    await self._bus.publish(subject, pack([CANCEL, rid]))
         elif kind == PROBE and msg.reply:
-            # A probe for a request: is it still running here? A probe for no request (""): does this instance take
-            # requests (it is serving, not draining)?
-            alive = (not self.draining) if request_id == "" else request_id in self._inflight
-            self._sender(frame, msg.reply, 2)(-1, PROBE_ACK, alive)
+            # A probe for a request: is it still running here (or was it handed over: it runs elsewhere, and the
+            # MOVED frame saying so travels ahead of this answer)? A probe for no request (""): does this instance
+            # take requests (it is serving, not draining)?
+            if request_id == "":
+                alive = not self.draining
+            else:
+                alive = request_id in self._inflight or request_id in self._moved
+            self._sender(self._route(frame, msg.reply, 2))(-1, PROBE_ACK, alive)
 
-    async def _run(self, request_id: str, body: Any, send: Callable[[int, int, Any], None]) -> None:
-        seq = 1
-        agen = self._handler(body, RequestContext(request_id, self.instance_id))
+    def _start(self, request_id: str, body: Any, out: _Outgoing, handler: Handler) -> None:
+        task = asyncio.create_task(self._run(request_id, body, out, handler), name=f"handler:{request_id}")
+        self._inflight[request_id] = task
+        self._outgoing[request_id] = out
+        client = out.route.get("batch_subject")
+        if isinstance(client, str) and client:
+            self._client_of[request_id] = client
+        self._idle.clear()
+
+    def adopt(self, handler: Handler, body: Any, route: dict[str, Any], first_seq: int) -> None:
+        """Serve a request handed over by another instance on its client's stream (module docstring):
+        ``handler(body, context)`` as for a request received here, its frames on ``route`` (from
+        ``RequestContext.reply_route``: it carries the request's id on the request plane) numbered from
+        ``first_seq`` (an ADOPTED frame first). Raises ``InstanceDrainingError`` while draining and ``ValueError``
+        when a request with that id is already in flight here or the route is malformed."""
+        request_id = route.get("request_id")
+        if not isinstance(request_id, str) or not request_id or "inbox" not in route:
+            raise ValueError(f"not a reply route: {route!r}")
+        if self.draining:
+            raise InstanceDrainingError(self.instance_id)
+        earlier = self._outgoing.get(request_id)
+        if earlier is not None and not earlier.moved:  # one handed over from here may come back before it ended
+            raise ValueError(f"request {request_id} is already in flight on {self.subject}")
+        out = _Outgoing(self._sender(route), dict(route), seq=first_seq)
+        out.send(out.seq, ADOPTED, {"instance_id": self.instance_id})
+        out.seq += 1
+        self._moved.pop(request_id, None)  # it came back: it runs here again
+        self.num_adopted += 1
+        self._start(request_id, body, out, handler)
+
+    def _remember_moved(self, request_id: str, subject: str, new_request_id: str) -> None:
+        self._moved[request_id] = (subject, new_request_id)
+        self._moved.move_to_end(request_id)
+        self.num_handed_over += 1
+        if len(self._moved) > MOVED_MEMORY:
+            self._moved.popitem(last=False)
+
+    async def _run(self, request_id: str, body: Any, out: _Outgoing, handler: Handler) -> None:
+        send = out.send
+        agen = handler(body, RequestContext(request_id, self.instance_id, out, self))
         try:
             async for item in agen:
-                send(seq, DATA, item)
-                seq += 1
-            send(seq, END, None)
+                send(out.seq, DATA, item)
+                out.seq += 1
+            if not out.moved:  # a handed-over stream ends on the instance that has it now
+                send(out.seq, END, None)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
             logger.info("handler for %s raised %s: %s", request_id, type(e).__name__, e)
-            with contextlib.suppress(Exception):
-                send(seq, ERROR, ErrorPayload.of(e).to_dict())
+            if not out.moved:
+                with contextlib.suppress(Exception):
+                    send(out.seq, ERROR, ErrorPayload.of(e).to_dict())
         finally:
             with contextlib.suppress(Exception):
                 await agen.aclose()  # type: ignore[attr-defined]
-            self._inflight.pop(request_id, None)
-            self._client_of.pop(request_id, None)
+            if self._outgoing.get(request_id) is out:  # not a later adoption of the same request (moved back here)
+                del self._outgoing[request_id]
+                self._inflight.pop(request_id, None)
+                self._client_of.pop(request_id, None)
             self.num_served += 1
             if not self._inflight:
                 self._idle.set()
@@ -360,6 +485,17 @@ class _Outbox:
 _NO_RESPONDERS: list[Any] = [None, -1, -1, None]  # the stream's instance subject had no subscriber
 _IDLE: list[Any] = [None, -3, -1, None]  # nothing for idle_probe_s: probe the instance
 _SILENT: list[Any] = [None, -4, -1, None]  # the probe's answer did not come within probe_timeout_s
+_LOST: list[Any] = [None, -5, -1, None]  # the direct connection the stream's frames came on closed: probe now, again
+# After a lost connection the probe is repeated at these growing intervals until an answer comes: the first may
+# reach nats-server before it has noticed that the killed process's connection closed too, and wait out the whole
+# probe timeout on a subscription nobody reads; a later one gets "no responders" at once.
+REPROBE_FIRST_S = 0.02
+
+
+def _on_reprobe(ref: weakref.ref[ResponseStream]) -> None:
+    stream = ref()
+    if stream is not None:
+        stream._on_reprobe()
 
 
 def _on_stream_timer(ref: weakref.ref[ResponseStream]) -> None:
@@ -411,7 +547,8 @@ class ResponseMux:
             q = queues.get(item[0])
             if q is not None:
                 q.put_nowait(item)
-                if item[1] == 0 and source is not None:  # the ACK: this stream's frames come on that connection
+                # The ACK (or a new instance's ADOPTED): this stream's frames come on that connection from now on.
+                if source is not None and (item[1] == 0 or item[2] == ADOPTED):
                     self._source[item[0]] = source
             elif self._abandoned:
                 self._orphan_frame(item[0], item[2])
@@ -448,7 +585,7 @@ class ResponseMux:
                 del self._source[key]
                 q = self._queues.get(key)
                 if q is not None:
-                    q.put_nowait(_IDLE)
+                    q.put_nowait(_LOST)
 
     async def _on_message(self, msg: BusMessage) -> None:
         queues = self._queues
@@ -494,6 +631,10 @@ class ResponseMux:
         self._queues.pop(key, None)
         self._source.pop(key, None)
 
+    def moved(self, key: int) -> None:
+        """The stream was handed over: its frames no longer come on the connection they came on."""
+        self._source.pop(key, None)
+
     def new_request_id(self) -> str:
         return f"{self._salt}-{next(self._counter)}"
 
@@ -535,11 +676,14 @@ class ResponseStream:
         self._probe_timeout_s = probe_timeout_s
         self._next_seq = 1
         self._done = False
+        self._held: dict[int, list[Any]] = {}  # frames that arrived ahead of a missing one, by seq
+        self.num_moves = 0  # hand-overs to another instance (MOVED frames) so far
         # Silence detection with one lazily re-armed timer per stream, not a timeout per frame: a frame only
         # stamps _last; the timer, when it fires, re-arms for _last + idle_probe_s or queues _IDLE.
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._probe_deadline: float | None = None
+        self._reprobe_s = 0.0  # > 0 while probes are repeated after a lost connection
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._arm(self._last + idle_probe_s)
@@ -558,24 +702,41 @@ class ResponseStream:
         await self.aclose()
 
     async def __anext__(self) -> Any:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            _, seq, kind, payload = await self._next_frame()
-        except asyncio.CancelledError:
-            self._cancel_in_background()
-            raise
-        except BaseException:
-            self._finish()
-            raise
-        if seq != self._next_seq:
-            self._cancel_in_background()
-            raise StreamInterruptedError(
-                self.instance_id, self.request_id, self._next_seq - 1, f"expected frame {self._next_seq}, got {seq}"
-            )
-        self._next_seq += 1
-        if kind == DATA:
-            return payload
+        while True:
+            if self._done:
+                raise StopAsyncIteration
+            held = self._held
+            if held and self._next_seq in held:
+                _, seq, kind, payload = held.pop(self._next_seq)
+            else:
+                try:
+                    _, seq, kind, payload = await self._next_frame()
+                except asyncio.CancelledError:
+                    self._cancel_in_background()
+                    raise
+                except BaseException:
+                    self._finish()
+                    raise
+                if seq != self._next_seq:
+                    if seq > self._next_seq and len(held) < MAX_HELD_FRAMES:
+                        held[seq] = [None, seq, kind, payload]  # ahead of its turn (a hand-over's race): wait
+                        continue
+                    self._cancel_in_background()
+                    raise StreamInterruptedError(
+                        self.instance_id,
+                        self.request_id,
+                        self._next_seq - 1,
+                        f"expected frame {self._next_seq}, got {seq}",
+                    )
+            self._next_seq += 1
+            if kind == DATA:
+                return payload
+            if kind == MOVED:
+                self._moved_to(payload)
+                continue
+            if kind == ADOPTED:
+                continue
+            break
         if kind == END:
             self._finish()
             raise StopAsyncIteration
@@ -586,6 +747,18 @@ class ResponseStream:
         # so cancel it as for a sequence gap rather than leave it generating into an inbox nobody reads.
         self._cancel_in_background()
         raise StreamInterruptedError(self.instance_id, self.request_id, seq, f"unexpected frame kind {kind}")
+
+    def _moved_to(self, where: Any) -> None:
+        """The stream goes on from another instance: its probes and CANCEL go there from now on."""
+        try:
+            subject, instance_id = str(where["subject"]), int(where["instance_id"])
+        except (KeyError, TypeError, ValueError):
+            raise self._interrupted(f"malformed hand-over {where!r}") from None
+        self.subject = subject
+        self.instance_id = instance_id
+        self.request_id = str(where.get("request_id") or self.request_id)
+        self.num_moves += 1
+        self._mux.moved(self._key)
 
     def _interrupted(self, reason: str) -> StreamInterruptedError:
         self._cancel_in_background()
@@ -624,16 +797,26 @@ class ResponseStream:
             if msg[1] >= 0:  # a sequenced frame: the hot path
                 self._last = self._loop.time()
                 self._probe_deadline = None
+                self._reprobe_s = 0.0
                 return msg
             if msg is _IDLE:
                 if self._probe_deadline is None:
-                    mux = self._mux
-                    await self._bus.publish(
-                        self.subject,
-                        pack([PROBE, self.request_id, mux.batch_subject, self._key, mux.response_address]),
-                        reply=self._inbox,
-                    )
+                    await self._probe()
                     self._probe_deadline = self._loop.time() + self._probe_timeout_s
+                self._rearm()
+                continue
+            if msg is _LOST:
+                deadline = self._probe_deadline
+                if deadline is None or not self._reprobe_s:
+                    self._reprobe_s = REPROBE_FIRST_S  # the connection just closed: start repeating
+                elif self._loop.time() >= deadline:
+                    continue  # the probe timeout decides (_SILENT)
+                else:
+                    self._reprobe_s *= 2
+                await self._probe()
+                if deadline is None:
+                    self._probe_deadline = self._loop.time() + self._probe_timeout_s
+                self._loop.call_later(self._reprobe_s, _on_reprobe, weakref.ref(self))
                 self._rearm()
                 continue
             if msg is _SILENT:
@@ -647,11 +830,27 @@ class ResponseStream:
             if msg[2] == PROBE_ACK and msg[1] == -1:
                 if not msg[3]:
                     raise self._interrupted("instance no longer serves the request")
+                if self._held and self._probe_deadline is not None:
+                    # Its answer travels behind every frame it sent: the one still missing never will come.
+                    raise self._interrupted(f"frame {self._next_seq} lost ({len(self._held)} later ones arrived)")
                 self._probe_deadline = None  # alive: keep waiting, probe again after the next silence
+                self._reprobe_s = 0.0
                 self._last = self._loop.time()
                 self._rearm()
                 continue
             return msg  # a malformed frame (negative seq): __anext__ reports it as a gap
+
+    async def _probe(self) -> None:
+        mux = self._mux
+        await self._bus.publish(
+            self.subject,
+            pack([PROBE, self.request_id, mux.batch_subject, self._key, mux.response_address]),
+            reply=self._inbox,
+        )
+
+    def _on_reprobe(self) -> None:
+        if not self._done and self._reprobe_s:
+            self._q.put_nowait(_LOST)
 
     def _rearm(self) -> None:
         """Make sure the timer fires by the next moment that matters: the probe's deadline while one is out (it

@@ -252,6 +252,10 @@ class Endpoint:
         ns = self.component.namespace.name
         return f"kvmesh.{ns}.{self.component.name}.{self.name}.{instance_id:x}"
 
+    def subject_of(self, instance_id: int) -> str:
+        """The request-plane subject instance ``instance_id`` of this endpoint serves on (a hand-over names it)."""
+        return self._subject(instance_id)
+
     async def serve(
         self,
         handler: Handler,
@@ -317,6 +321,11 @@ class ServedEndpoint:
 
     async def register(self) -> None:
         await self.endpoint.runtime.discovery.put(self.key, self.info.to_json(), lease=self.lease)
+
+    def adopt(self, handler: Handler, body: Any, route: dict[str, Any], first_seq: int) -> None:
+        """Serve a request another instance handed over (``InstanceServer.adopt``): ``handler(body, ctx)``'s items
+        go to the client's stream on ``route`` from frame ``first_seq`` on."""
+        self.server.adopt(handler, body, route, first_seq)
 
     async def update_metadata(self, **changes: Any) -> None:
         """Change the advertised metadata (e.g. a role change) without re-subscribing."""

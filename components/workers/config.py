@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
+from components.migration.config import MigrationConfig
 from components.protocol.metadata import WorkerRole
 from components.router.policies.disagg import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DEFAULT_MAX_PREFILL_QUEUE_SIZE
 
@@ -19,9 +20,9 @@ class EngineKind(enum.StrEnum):
     VLLM = "vllm"
 
 
-class WorkerConfig(BaseModel):
+class WorkerConfig(MigrationConfig):
     """A worker process: which engine, where it registers, its role (aggregated or disaggregated), how often it
-    reports."""
+    reports, and how it moves requests (``MigrationConfig``'s fields, inherited)."""
 
     engine: EngineKind = Field(default=EngineKind.MOCK, description="Inference engine: mock (simulated) or vllm.")
     namespace: str = Field(default="kvmesh", description="Namespace to register in.")
@@ -117,6 +118,20 @@ def vllm_engine(config: BaseModel, *, name: str, role: WorkerRole) -> Any:
     if not isinstance(config, VllmEngineConfig):
         raise TypeError(f"expected a VllmEngineConfig, got {type(config).__name__}")
     return VllmEngine(config, name=name, role=role)
+
+
+def build_engine(kind: EngineKind, config: BaseModel, name: str) -> Any:
+    """An engine of ``kind`` (an ``Engine``) from its config (``engine_config_model(kind)``), for a ``Worker`` built
+    outside ``components.workers`` (benchmarks); imports the engine only when called."""
+    if kind == EngineKind.MOCK:
+        from components.workers.engines.mock import MockEngine, MockEngineConfig
+
+        assert isinstance(config, MockEngineConfig)
+        return MockEngine(config, name=name)
+    from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
+
+    assert isinstance(config, VllmEngineConfig)
+    return VllmEngine(config, name=name)
 
 
 def vllm_reference() -> tuple[type[BaseModel], dict[str, str], str]:

@@ -2,13 +2,22 @@
 
 Serves ``generate`` and ``kv_state`` (same instance id, so a router can ask the worker whose events it follows),
 publishes a ``LoadSnapshot`` every ``metrics_interval_ms`` and KV events in batches every ``kv_events_batch_ms``.
-``stop()`` deregisters first (no new requests are routed here), lets the requests in flight finish (up to
-``drain_timeout_s``), then revokes the lease and shuts the engine down.
+``stop()`` says it takes no new requests (``worker_status``), refuses new ones (a frontend that has not heard yet
+retries elsewhere), lets the requests in flight finish (up to ``drain_timeout_s``), deregisters, then revokes the
+lease and shuts the engine down.
 
 Every ``engine_check_interval_ms`` it asks the engine whether it died (``Engine.dead_reason``: vLLM's engine-core
 process exited, a simulated engine's ``fail_after_s`` fault); a dead engine's worker stops itself, so it leaves the
 fleet within a check interval instead of failing every request routed to it until the lease expires, and sets
 ``dead`` (``kvmesh worker`` exits 1 once all its workers are dead, for its supervisor to start a fresh one).
+
+Migration (components/migration/agent.py): a worker whose engine can move requests (``supports_migration``: the
+simulated engine live, vLLM by recompute) runs a ``MigrationAgent``: every request's stream goes through it, and it
+serves ``migrate``, ``migrate_in`` and ``abort`` on the worker's instance id; ``migration_mode`` in the metadata says
+how. When the engine dies, or on ``stop()``, the worker first says on the event plane that it takes no new requests
+(``WorkerStatus`` on ``worker_status``, repeated every ``metrics_interval_ms`` while it is registered), so routers
+stop choosing it at once; its ``generate`` registration stays until its requests are gone (drained, or moved off by
+the rescheduler), then goes.
 
 Roles (``WorkerConfig.role``; components/workers/disagg.py has the protocol): an aggregated worker is the above. A
 decode worker also serves ``prefill_result`` (where prefill workers deliver) and prefills long prompts remotely
@@ -26,18 +35,22 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
+from components.migration.agent import MigrationAgent
+from components.migration.engine import MigratableEngine, supports_migration
 from components.protocol.endpoints import (
     ENDPOINT_GENERATE,
     ENDPOINT_KV_STATE,
     ENDPOINT_PREFILL_RESULT,
     TOPIC_KV_EVENTS,
     TOPIC_LOAD_METRICS,
+    TOPIC_WORKER_STATUS,
 )
 from components.protocol.kv_hashing import HASH_SCHEME_VERSION
 from components.protocol.messages import GenerateRequest, KvEvent
 from components.protocol.metadata import WorkerMetadata, WorkerRole
+from components.protocol.migration import WorkerStatus
 from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.workers.config import WorkerConfig
 from components.workers.disagg import PrefillLoop, RemotePrefiller, supports_remote_decode
@@ -79,6 +92,16 @@ class Worker:
             self.remote = RemotePrefiller(runtime, config, engine, self.instance_id)
         elif config.role == WorkerRole.PREFILL:
             self.prefill_loop = PrefillLoop(runtime, config, engine, self.instance_id)
+        # Migration: a prefill worker serves no client stream, so it has nothing to move.
+        self.agent: MigrationAgent | None = None
+        if config.role != WorkerRole.PREFILL and supports_migration(engine):
+            migratable = cast(MigratableEngine, engine)  # supports_migration checked the protocol
+            self.agent = MigrationAgent(
+                runtime, config.namespace, config.component, config, migratable, self.instance_id
+            )
+        # Set when it stops taking new requests (its engine died, it drains): why, for the worker_status topic.
+        self.unschedulable_reason: str | None = None
+        self._generate_served: ServedEndpoint | None = None
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -99,6 +122,7 @@ class Worker:
             started_at=self.started_at,
             # The engine's step-time model, where it knows one (the mock engine's own coefficients).
             step_time=dict(getattr(self.engine, "step_time", None) or {}),
+            migration_mode="" if self.agent is None else str(self.agent.mode),
         ).to_dict()
 
     async def start(self) -> None:
@@ -125,13 +149,17 @@ class Worker:
                     self._prefill_result, metadata=meta, lease=self.lease, instance_id=self.instance_id
                 )
             )
+        if self.agent is not None:
+            # Before generate: a worker a router can send requests to can also take them by migration.
+            await self.agent.start(meta, self.lease)
         if self.prefill_loop is None:
             # A prefill worker takes its work from the prefill queue only: no client or router can send it any.
-            self._served.append(
-                await comp.endpoint(ENDPOINT_GENERATE).serve(
-                    self._generate, metadata=meta, lease=self.lease, instance_id=self.instance_id
-                )
+            self._generate_served = await comp.endpoint(ENDPOINT_GENERATE).serve(
+                self._generate, metadata=meta, lease=self.lease, instance_id=self.instance_id
             )
+            self._served.append(self._generate_served)
+            if self.agent is not None:
+                self.agent.generate_endpoint = self._generate_served
         sup = self.runtime.supervisor
         self._tasks = [
             sup.spawn(self._publish_metrics(), name=f"metrics:{self.instance_id:x}"),
@@ -152,6 +180,7 @@ class Worker:
         logger.error("worker %x: %s; leaving the fleet", self.instance_id, reason)
         self.dead_reason = reason
         self.dead.set()
+        await self._stop_scheduling(f"its engine died: {reason}")
         self._tasks = [t for t in self._tasks if t is not asyncio.current_task()]
         await self.stop()
 
@@ -161,9 +190,37 @@ class Worker:
             stream = self.remote.generate(request)
         else:
             stream = self.engine.generate(request)
+        if self.agent is not None:
+            # Through the agent: it can park and hand the stream over mid-way (components/migration/agent.py).
+            async with contextlib.aclosing(self.agent.serve(request, ctx, stream)) as items:  # type: ignore[type-var]
+                async for item in items:
+                    yield item
+            return
         async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
                 yield chunk.to_dict()
+
+    async def _stop_scheduling(self, reason: str) -> None:
+        """Say, once, that this worker takes no new requests (routers stop choosing it at once), and refuse
+        incoming migrations; the metrics loop repeats the status while the worker is registered."""
+        if self.unschedulable_reason is not None:
+            return
+        self.unschedulable_reason = reason
+        if self.agent is not None:
+            self.agent.accepting = False
+        await self._publish_status()
+
+    async def _publish_status(self) -> None:
+        if self.unschedulable_reason is None:
+            return
+        n = self._generate_served.server.num_inflight if self._generate_served is not None else 0
+        status = WorkerStatus(False, self.unschedulable_reason, n)
+        try:
+            await self.runtime.namespace(self.config.namespace).events.publish(
+                TOPIC_WORKER_STATUS, status.to_dict(), source_id=self.instance_id
+            )
+        except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next interval repeats it
+            logger.debug("publishing worker status: %s", e)
 
     async def _prefill_result(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         assert self.remote is not None
@@ -180,6 +237,8 @@ class Worker:
                 await events.publish(TOPIC_LOAD_METRICS, self.engine.snapshot().to_dict(), source_id=self.instance_id)
             except Exception as e:  # noqa: BLE001 - NATS reconnecting: skip this sample, the next one follows
                 logger.debug("publishing load metrics: %s", e)
+            if self.unschedulable_reason is not None:
+                await self._publish_status()  # a router that started since hears it too
             await asyncio.sleep(interval_s)
 
     async def _collect_kv_events(self) -> None:
@@ -212,6 +271,14 @@ class Worker:
         if self.prefill_loop is not None:
             # No more pops; the item in hand is prefilled, delivered and acked first (queued ones stay queued).
             await self.prefill_loop.stop()
+        await self._stop_scheduling(self.unschedulable_reason or "draining")
+        if self._generate_served is not None:
+            # Refuse new requests and let those in flight finish while still registered (the rescheduler may move
+            # them off meanwhile); only then deregister.
+            try:
+                cancelled += await self._generate_served.server.drain(self.config.drain_timeout_s)
+            except Exception as e:  # noqa: BLE001 - keep releasing the rest
+                logger.warning("draining %s: %s", self._generate_served.info.subject, e)
         # generate last in the list: stop it first so routing stops, then kv_state.
         for served in reversed(self._served):
             try:
@@ -220,6 +287,8 @@ class Worker:
                 logger.warning("stopping %s: %s", served.info.subject, e)
         if self.remote is not None:
             await self.remote.stop()
+        if self.agent is not None:
+            await self.agent.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -61,3 +61,24 @@ def test_bench_kv_transfer():
     assert n64["pull_ms"]["n"] == 2 and n64["recompute_ms"]["n"] == 2
     assert n64["pull_ms"]["median"] > 0 and n64["recompute_ms"]["median"] > 0
     assert n64["kv_bytes"] == 2 * 64 * 2**10  # two 32-token blocks of the tiny model, read per pull
+
+
+def test_bench_migration(tmp_path):
+    png = tmp_path / "m.png"
+    r = bench("migration", "--lengths", "256,2048", "--repeats", "1", "--failover-requests", "12",
+              "--failover-concurrency", "6", "--failover-tokens", "200", "--png", str(png))  # fmt: skip
+    sim = r["simulated"]
+    assert {(row["length"], row["mode"]) for row in sim["rows"]} == {
+        (256, "live"),
+        (256, "recompute"),
+        (2048, "live"),
+        (2048, "recompute"),
+    }
+    assert all(row["downtime_ms"] > 0 for row in sim["rows"])
+    assert sim["live_ratio_2048_over_256"] > 0
+    # Live copies blocks; recompute copies none.
+    assert all((row["blocks_copied"] > 0) == (row["mode"] == "live") for row in sim["rows"])
+    limits = r["failover"]["summary"]
+    assert limits["limit_3"]["failed"] == [0]
+    assert limits["limit_0"]["failed"][0] >= 1  # the killed worker held some of the first wave
+    assert r["png"] == str(png) and png.stat().st_size > 0

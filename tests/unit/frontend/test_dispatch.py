@@ -1,6 +1,7 @@
 """The dispatch (components/frontend/dispatch.py): its retry rule (a failed worker's process is suspect, and a retry
 goes to another process while one exists), and one request's life over the in-memory runtime: retries before the
-first output, the router's bookkeeping settled for every attempt, and the resume seam after it. The frontend's
+first output, the router's bookkeeping settled for every attempt, and failover after it (re-issue as a continuation,
+splice by position, migration_limit). The frontend's
 integration tests run the rest over real etcd and NATS."""
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from components.frontend.models import Model, ModelRegistry
 from components.frontend.service import FrontendService, Generation, Prepared, RoutingHints
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
 from components.protocol.endpoints import ENDPOINT_GENERATE
-from components.protocol.messages import GenerateRequest, SamplingParams
+from components.protocol.messages import SamplingParams
 from components.protocol.metadata import WorkerMetadata
-from components.router import Router, RouteRequest
+from components.router import Router
 from components.runtime.request_plane import RequestContext
 from tests.support.mesh import Mesh
 from tests.support.waiting import wait_until
@@ -81,9 +82,11 @@ class Scripted:
     def __init__(self, chunks: list[dict[str, Any]]) -> None:
         self.chunks = chunks
         self.request_ids: list[str] = []
+        self.bodies: list[dict[str, Any]] = []
 
     async def __call__(self, body: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
         self.request_ids.append(body["request_id"])
+        self.bodies.append(body)
         for c in self.chunks:
             yield c
 
@@ -225,55 +228,86 @@ class Recording(Dispatch):
         return await super().resume(interruption, position)
 
 
-async def test_an_upstream_that_breaks_mid_stream_reaches_resume_with_the_position_and_fails_today(make_fleet):
-    fleet = await make_fleet({A: [chunk([104]), chunk([105, 33]), chunk([], "abort")]})
-    d = fleet.dispatch(fleet.prepared("r2"), Recording)
+async def test_with_migration_limit_0_a_request_whose_worker_breaks_mid_stream_fails_with_a_clear_error(make_fleet):
+    fleet = await make_fleet({A: [chunk([104]), chunk([105, 33]), chunk([], "abort")], B: [chunk([1], "length")]})
+    fleet.service.config.migration_limit = 0
+    d = fleet.dispatch(fleet.prepared("r2", pin=A), Recording)
     gen = generation(fleet, d, await d.start())
     texts = []
-    with pytest.raises(UpstreamError, match="aborted"):
+    with pytest.raises(UpstreamError, match="not re-issued elsewhere: migration_limit is 0"):
         async for text, _ in gen:
             texts.append(text)
     assert texts == ["h", "i!"]
     assert Recording.resumed == [("the worker aborted the request", 3)]
     await gen.aclose()
-    assert fleet.active() == {A: 0}
+    assert fleet.active() == {A: 0, B: 0}
+    assert fleet.workers[B].request_ids == []  # never tried elsewhere
+    assert fleet.counted("kvmesh_frontend_migration_failures_total", reason="limit") == 1
 
 
-class Failover(Dispatch):
-    """A sketch of migration's ``resume``, from the parts the seam provides: settle the broken attempt, place the
-    request on another worker, splice its output at the position the client has reached. (The real one sends the
-    output so far and frames carry their position; here B replays the output from the start, and the tokens below
-    the position are dropped.)"""
-
-    async def resume(self, interruption: Interrupted, position: int) -> dict[str, Any]:
-        broken = self.instance_id
-        assert broken is not None
-        await self._release()
-        p = self.prepared
-        route = self.router.prepare(RouteRequest(p.prompt_ids, p.model.name, time.monotonic()))
-        body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
-        item = await self._place(route, body, {broken})
-        while len(item["token_ids"]) <= position:  # wholly delivered already
-            position -= len(item["token_ids"])
-            item = await self.next_item()
-        return item | {"token_ids": item["token_ids"][position:]}
+def at(ids: list[int], position: int, finish: str | None = None) -> dict[str, Any]:
+    return chunk(ids, finish) | {"position": position}
 
 
-async def test_resume_can_swap_the_upstream_under_a_running_generation(make_fleet):
+async def test_a_broken_upstream_is_re_issued_elsewhere_as_a_continuation_and_spliced_at_the_position(make_fleet):
     fleet = await make_fleet(
         {
-            A: [chunk([104]), chunk([105]), chunk([], "abort")],
-            B: [chunk([104]), chunk([105, 33]), chunk([63], "length")],
+            A: [at([104], 0), at([105], 1), chunk([], "abort")],
+            # B continues from position 2 (it was sent prompt + the 2 outputs as a continuation).
+            B: [at([33], 2), at([63], 3, "length")],
         }
     )
-    # The seam migration extends: the Generation keeps reading one dispatch while its upstream moves from A to B.
-    d = fleet.dispatch(fleet.prepared("r3", pin=A), Failover)
+    d = fleet.dispatch(fleet.prepared("r3", pin=A))
     gen = generation(fleet, d, await d.start())
     assert await read_all(gen) == "hi!?" and gen.finish_reason == "length"
-    assert gen.num_output_tokens == 4  # h i from A, ! ? from B: nothing twice
+    assert gen.num_output_tokens == 4 and d.output_ids == [104, 105, 33, 63]  # h i from A, ! ? from B
     assert (fleet.workers[A].request_ids, fleet.workers[B].request_ids) == (["r3"], ["r3.1"])
-    assert d.instance_id == B and fleet.active() == {A: 0, B: 1}
+    sent = fleet.workers[B].bodies[0]
+    assert sent["token_ids"] == [104, 105, 104, 105] and sent["num_output_tokens"] == 2  # prompt + outputs
+    assert d.instance_id == B and d.num_failovers == 1 and fleet.active() == {A: 0, B: 1}
     await gen.aclose()
     assert fleet.active() == {A: 0, B: 0}
     # It ran on both: counted once on each, with the prompt each was sent.
-    assert fleet.placed() == {A: (1, 2), B: (1, 2)}
+    assert fleet.placed() == {A: (1, 2), B: (1, 4)}
+    assert fleet.counted("kvmesh_frontend_migrations_total", kind="failover") == 1
+
+
+async def test_tokens_a_new_upstream_repeats_are_dropped_and_a_gap_is_an_interruption(make_fleet):
+    fleet = await make_fleet(
+        {
+            # A skips position 2: the stream is cut there and the request re-issued from the 2 tokens the client has.
+            A: [at([104], 0), at([105], 1), at([63], 3)],
+            # B replays from position 1 (an overlap of one token): the client gets only what it lacks.
+            B: [at([105, 33], 1), at([63], 3, "length")],
+        }
+    )
+    d = fleet.dispatch(fleet.prepared("r4", pin=A))
+    gen = generation(fleet, d, await d.start())
+    assert await read_all(gen) == "hi!?"
+    assert d.output_ids == [104, 105, 33, 63] and d.num_failovers == 1
+    await gen.aclose()
+
+
+async def test_no_other_worker_for_a_re_issue_is_a_service_unavailable_error_counted_as_nowhere(make_fleet):
+    fleet = await make_fleet({A: [at([104], 0), chunk([], "abort")]})
+    d = fleet.dispatch(fleet.prepared("r5"))
+    gen = generation(fleet, d, await d.start())
+    with pytest.raises(ServiceUnavailableError, match="already tried"):
+        await read_all(gen)
+    await gen.aclose()
+    assert fleet.counted("kvmesh_frontend_migration_failures_total", reason="nowhere") == 1
+    assert fleet.active() == {A: 0}
+
+
+async def test_re_issues_stop_at_the_migration_limit(make_fleet):
+    breaking = [at([104], 0), chunk([], "abort")]
+    fleet = await make_fleet(
+        {A: breaking, B: [at([105], 1), chunk([], "abort")], 0xC3: [at([33], 2), chunk([], "abort")]}
+    )
+    fleet.service.config.migration_limit = 2
+    d = fleet.dispatch(fleet.prepared("r6", pin=A))
+    gen = generation(fleet, d, await d.start())
+    with pytest.raises(UpstreamError, match="re-issued 2 times"):
+        await read_all(gen)
+    assert d.output_ids == [104, 105, 33] and d.num_failovers == 2
+    await gen.aclose()

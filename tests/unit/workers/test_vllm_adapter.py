@@ -265,13 +265,23 @@ def test_the_adapter_and_the_worker_cli_import_vllm_only_inside_functions():
     exception is the NIXL connector subclass, which vLLM loads itself in its own processes
     (``kv_connector_module_path``): no kvmesh module may import it."""
     root = Path(__file__).resolve().parents[3]
+    vllm_dir = root / "components/workers/engines/vllm"
     connector = "components.workers.engines.vllm.nixl_connector"
-    files = [*sorted((root / "components/workers/engines/vllm").glob("*.py")), root / "components/workers/main.py"]
+    # hooks.py and nixl_connector.py run inside vLLM's own processes only (loaded there by name: config.SCHEDULER_CLS,
+    # WORKER_EXTENSION_CLS, kv_connector_module_path) and import vLLM at the top; no module of kvmesh may import them.
+    skip = {"hooks.py", "nixl_connector.py"}
+    files = [p for p in sorted(vllm_dir.glob("*.py")) if p.name not in skip] + [root / "components/workers/main.py"]
     for path in sorted((root / "components").rglob("*.py")):
         source = path.read_text()
         assert connector not in source or path.name in {"nixl.py", "nixl_connector.py"}, f"{path} names {connector}"
         if path.name != "nixl.py":
             assert "nixl_connector import" not in source and "import nixl_connector" not in source, path
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom):
+                named = {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+                assert not any(n.endswith("hooks") and "vllm" in n for n in named) and not (
+                    node.level and any(a.name == "hooks" for a in node.names) and "vllm" in str(path)
+                ), f"{path} imports the vLLM-process hooks"
     for path in files:
         if path.name == "nixl_connector.py":
             continue
@@ -283,3 +293,39 @@ def test_the_adapter_and_the_worker_cli_import_vllm_only_inside_functions():
                 names = [node.module]
             heavy = [n for n in names if n.split(".")[0] in {"vllm", "torch", "zmq"}]
             assert not heavy, f"{path.name} imports {heavy} at module level"
+
+
+# --- migration: continuations (no vLLM needed: a stand-in for vllm.SamplingParams records the arguments) -----------
+
+
+def _continuation_params(request):
+    from components.workers.engines.vllm.config import SAMPLER_DRAWS_KEY
+    from components.workers.engines.vllm.engine import VllmEngine
+
+    made = []
+    fake = types.SimpleNamespace(
+        SamplingParams=lambda **kw: made.append(kw) or kw,
+        RequestOutputKind=types.SimpleNamespace(DELTA="delta"),
+        ClientError=ValueError,
+    )
+    engine = VllmEngine(VllmEngineConfig(model_path="/m"))
+    engine.vocab_size = 1000
+    run = engine._new_run(request, fake)
+    return run, made[-1], SAMPLER_DRAWS_KEY
+
+
+def test_a_continuation_asks_vllm_for_the_rest_and_a_seeded_one_for_the_draws_already_made():
+    from components.protocol.messages import GenerateRequest
+
+    seeded = GenerateRequest("r", [1, 2, 3, 40, 41], SamplingParams(max_tokens=10, seed=5), num_output_tokens=2)
+    run, kw, key = _continuation_params(seeded)
+    assert run.outputs == [40, 41] and run.request.prompt_token_ids == [1, 2, 3]
+    assert kw["max_tokens"] == 8 and kw["extra_args"] == {key: 2} and kw["seed"] == 5
+    greedy = GenerateRequest("g", [1, 2, 3, 40], SamplingParams(max_tokens=10, temperature=0.0), num_output_tokens=1)
+    _, kw, _ = _continuation_params(greedy)
+    assert kw["max_tokens"] == 9 and "extra_args" not in kw  # no generator to advance
+    fresh = GenerateRequest("f", [1, 2, 3], SamplingParams(max_tokens=10, seed=5))
+    _, kw, _ = _continuation_params(fresh)
+    assert kw["max_tokens"] == 10 and "extra_args" not in kw
+    with pytest.raises(EngineRequestError, match="nothing left to produce"):
+        _continuation_params(GenerateRequest("x", [1, 2, 3], SamplingParams(max_tokens=2), num_output_tokens=2))

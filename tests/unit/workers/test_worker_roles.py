@@ -122,13 +122,16 @@ async def test_a_worker_registers_its_configured_role_and_its_engine_s_mode(role
             await worker.stop()
     finally:
         await mesh.shutdown()
-    # A prefill worker takes work from the prefill queue only; a decode worker also takes prefill results.
-    endpoints = {WorkerRole.AGGREGATED: {"generate", "kv_state"}, WorkerRole.PREFILL: {"kv_state"}}
-    assert {i.endpoint for i in infos} == endpoints.get(role, {"generate", "kv_state", "prefill_result"})
+    # A prefill worker takes work from the prefill queue only; a decode worker also takes prefill results. Both
+    # client-serving roles move requests (the simulated engine live: components/migration/agent.py).
+    migration = {"migrate", "migrate_in", "abort"}
+    endpoints = {WorkerRole.AGGREGATED: {"generate", "kv_state", *migration}, WorkerRole.PREFILL: {"kv_state"}}
+    assert {i.endpoint for i in infos} == endpoints.get(role, {"generate", "kv_state", "prefill_result", *migration})
     for info in infos:
         assert info.metadata["role"] == str(role) and info.metadata["remote_prefill_mode"] == mode
         meta = WorkerMetadata.from_dict(info.metadata)
         assert (meta.role, meta.remote_prefill_mode) == (role, mode)
+        assert meta.migration_mode == ("" if role == WorkerRole.PREFILL else "live")
 
 
 # -- KV transfer time ------------------------------------------------------------------------------------------------

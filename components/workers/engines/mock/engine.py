@@ -27,6 +27,8 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
+from components.migration.engine import KvExtent, SuspendedChunk
+from components.migration.types import RequestTable
 from components.protocol.messages import (
     FinishReason,
     GenerateRequest,
@@ -37,6 +39,7 @@ from components.protocol.messages import (
     TokenChunk,
 )
 from components.protocol.metadata import RemotePrefillMode
+from components.protocol.migration import MigratingRequest, MigrationMode
 
 from ..base import EngineDeadError, EngineError
 from .config import STEP_TIME_FIELDS, MockEngineConfig
@@ -55,6 +58,8 @@ class MockEngine:
 
     # A simulated hand-off delivers the KV blocks themselves (kv_transfer_time_s); the decode engine computes nothing.
     remote_prefill_mode = RemotePrefillMode.KV_TRANSFER
+    # A running request's blocks are copied to another engine while it decodes (components/migration/agent.py).
+    migration_mode = MigrationMode.LIVE
 
     def __init__(
         self,
@@ -75,6 +80,10 @@ class MockEngine:
         self._kv_ready = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
+        # Migration: requests to suspend at the next step boundary, and whether a step is in flight (computed, its
+        # tokens not yet delivered: a suspension waits for them).
+        self._suspending: set[str] = set()
+        self._in_step = False
         self._dead: EngineDeadError | None = None
         self._fault: asyncio.TimerHandle | None = None
         # Observable counters (tests, metrics): steps run, steps followed by a real (positive) sleep, the simulated
@@ -213,16 +222,28 @@ class MockEngine:
         return s / cfg.speedup_ratio
 
     async def _stream(self, rid: str, queue: asyncio.Queue[_QueueItem]) -> AsyncGenerator[TokenChunk, None]:
-        """A request's chunks from its queue until its last one; closing early aborts it."""
+        """A request's chunks from its queue until its last one; closing early aborts it (a suspended one too: after
+        a migration's commit that is how the source's copy is freed)."""
         finished = False
+        carry: _QueueItem | None = None
         try:
             while True:
-                item = await queue.get()
+                if carry is not None:
+                    item, carry = carry, None
+                else:
+                    item = await queue.get()
+                if item.__class__ is SuspendedChunk:
+                    assert isinstance(item, TokenChunk)
+                    yield item
+                    continue
                 # Merge whatever else is already queued: one chunk per wakeup of the consumer, not per token.
                 while not isinstance(item, EngineError) and item.finish_reason is None and not queue.empty():
                     nxt = queue.get_nowait()
                     if isinstance(nxt, EngineError):
                         item = nxt
+                        break
+                    if nxt.__class__ is SuspendedChunk:  # never merged away: it follows the tokens before it
+                        carry = nxt
                         break
                     item = _merge(item, nxt)
                 if isinstance(item, EngineError):
@@ -244,6 +265,85 @@ class MockEngine:
         """Stop a request wherever it is and free its blocks; its ``generate()`` ends with an ``abort`` chunk."""
         self._scheduler.abort(request_id)
         self._push(request_id, TokenChunk(token_ids=[], finish_reason=FinishReason.ABORT))
+
+    # --- migration (components/migration/engine.py) ------------------------------------------------------------------
+
+    def request_table(self) -> RequestTable:
+        return self._scheduler.request_table()
+
+    def kv_extent(self, request_id: str) -> KvExtent | None:
+        return self._scheduler.kv_extent(request_id)
+
+    def suspend(self, request_id: str) -> bool:
+        """Suspend at the next step boundary (at once when no step is in flight); its stream then yields a
+        ``SuspendedChunk`` after every token produced before. False when the request is not in a queue here or has
+        no stream (a remote prefill's reservation, a finished request)."""
+        req = self._scheduler.requests.get(request_id)
+        if req is None or request_id not in self._queues or req.status.value not in ("running", "waiting", "preempted"):
+            return False
+        self._suspending.add(request_id)
+        if not self._in_step:
+            self._apply_suspensions()
+        return True
+
+    def _apply_suspensions(self) -> None:
+        rids, self._suspending = self._suspending, set()
+        for rid in rids:
+            if self._scheduler.suspend(rid) is not None:
+                self._push(rid, SuspendedChunk(token_ids=[]))
+
+    def suspended_state(self, request_id: str) -> MigratingRequest | None:
+        return self._scheduler.migration_state(request_id)
+
+    def resume(self, request_id: str) -> bool:
+        self._suspending.discard(request_id)
+        if not self._scheduler.resume(request_id):
+            return False
+        self._wakeup.set()
+        return True
+
+    def transfer_time_s(self, num_blocks: int) -> float:
+        """Simulated wall time to send ``num_blocks`` KV blocks to another engine (``perf_model.transfer_time_s``
+        over ``speedup_ratio``); 0 when infinitely fast or for no blocks."""
+        cfg = self.config
+        if cfg.is_infinitely_fast or num_blocks <= 0:
+            return 0.0
+        s = transfer_time_s(
+            num_blocks,
+            bytes_per_block=cfg.kv_bytes_per_block,
+            bandwidth_gbps=cfg.kv_transfer_bandwidth_gbps,
+            latency_ms=cfg.kv_transfer_latency_ms,
+        )
+        return s / cfg.speedup_ratio
+
+    def reserve_migration(self, migration_id: str, request_id: str, token_ids: list[int]) -> int | None:
+        self._check_alive()
+        hits = self._scheduler.reserve_migration(migration_id, request_id, token_ids, self._clock())
+        self._publish_kv_events(self._scheduler.take_kv_events())
+        return hits
+
+    def extend_migration(self, migration_id: str, token_ids: list[int]) -> bool:
+        ok = self._scheduler.extend_migration(migration_id, token_ids)
+        self._publish_kv_events(self._scheduler.take_kv_events())
+        return ok
+
+    def cancel_migration(self, migration_id: str) -> bool:
+        return self._scheduler.cancel_migration(migration_id)
+
+    def commit_migration(self, migration_id: str | None, request: MigratingRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Make ``request`` (suspended on another engine) run here and return its stream (the scheduler's
+        ``commit_migration``: with the KV reserved under ``migration_id``, or by recompute). Raises at once (not on
+        first iteration) so the caller can refuse the commit."""
+        self._check_alive()
+        rid = request.request_id
+        if rid in self._queues:
+            raise DuplicateRequestError(rid)
+        self._scheduler.commit_migration(migration_id, request, self._clock())
+        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._publish_kv_events(self._scheduler.take_kv_events())
+        self._wakeup.set()
+        return self._stream(rid, queue)
 
     # --- observation ------------------------------------------------------------------------------------------------
 
@@ -315,10 +415,12 @@ class MockEngine:
                 await self._wakeup.wait()
                 continue
             started_s = self._clock()
+            self._in_step = True
             out = sched.step(started_s)
             self.num_steps += 1
             self.simulated_time_s += out.step_time_s
             if out.batch_size == 0 and not out.preempted_ids:
+                self._in_step = False
                 # Cannot happen with a validated config (an empty pool always fits one max_model_len sequence and
                 # a step that preempts has changed state); waiting for the next request or abort beats spinning at
                 # 100% CPU if it ever does.
@@ -337,6 +439,9 @@ class MockEngine:
                     await asyncio.sleep(0)
             self._deliver(out)
             self._publish_kv_events(sched.take_kv_events())
+            self._in_step = False
+            if self._suspending:
+                self._apply_suspensions()  # the step's tokens are queued ahead of the SuspendedChunk
 
     def _deliver(self, out: StepOutput) -> None:
         for rid, chunk in out.chunks.items():
@@ -371,4 +476,5 @@ def _merge(a: TokenChunk, b: TokenChunk) -> TokenChunk:
         finish_reason=b.finish_reason,
         num_prompt_tokens=a.num_prompt_tokens or b.num_prompt_tokens,
         num_cached_tokens=a.num_cached_tokens or b.num_cached_tokens,
+        position=a.position if a.token_ids else b.position,
     )

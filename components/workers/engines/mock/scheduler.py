@@ -26,8 +26,14 @@ Output tokens are a pure function of (config seed, request sampling seed, every 
 Identical requests get identical answers on every engine, and a request re-sent with its first ``k`` outputs appended
 to its prompt (migration) continues with the same tokens. Temperature, top-p and top-k are accepted and ignored.
 
+Migration (components/migration/engine.py): a request can be *suspended* (taken out of the queues with its blocks
+and state kept, ``resume`` puts it back) and another engine's request *committed* here: with KV, into blocks
+reserved beforehand (``reserve_migration``/``extend_migration``, sharing the prefix cache), it joins the running
+batch decoding; without, it waits at the front of the queue and recomputes prompt and outputs (prefix cache hits
+included). Its outputs, sampling seed and stop conditions carry over, so it produces the tokens it would have.
+
 Pure: no asyncio, no clock (``now_s`` is an argument), no I/O. Imports the engine contract, this package, the
-runtime's ``kv_hashing`` and xxhash.
+protocol's ``kv_hashing`` and messages, the migration package's pure types, and xxhash.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from collections import deque
 
 import xxhash
 
+from components.migration.engine import KvExtent
+from components.migration.types import RequestTable, RequestView
 from components.protocol.errors import ErrorCode
 from components.protocol.kv_hashing import block_hashes, pack_token_ids
 from components.protocol.messages import (
@@ -49,14 +57,16 @@ from components.protocol.messages import (
     SamplingParams,
     TokenChunk,
 )
+from components.protocol.migration import MigratingRequest
 
-from ..base import EngineRequestError
+from ..base import EngineError, EngineRequestError
 from .block_pool import BlockPool
 from .config import MockEngineConfig
 from .perf_model import step_time_ms
 
 __all__ = [
     "DuplicateRequestError",
+    "MigrationRoomError",
     "PromptTooLongError",
     "Request",
     "RequestStatus",
@@ -80,6 +90,11 @@ class PromptTooLongError(EngineRequestError):
         self.max_model_len = max_model_len
 
 
+class MigrationRoomError(EngineError):
+    """No room for a migrating request's last blocks: the destination refuses the commit (the request stays on its
+    source)."""
+
+
 class DuplicateRequestError(EngineRequestError):
     """A request with this id is already in the engine."""
 
@@ -95,6 +110,8 @@ class RequestStatus(enum.StrEnum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, at the front of the queue, after being preempted
     REMOTE_PREFILL = "remote_prefill"  # holds blocks for its prompt while another engine prefills it (not scheduled)
+    SUSPENDED = "suspended"  # taken off the queues by a migration's final stage, blocks and state kept
+    MIGRATING_IN = "migrating_in"  # blocks reserved for a request another engine is sending (not yet a request here)
     FINISHED = "finished"
 
 
@@ -118,6 +135,7 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    suspended_from: RequestStatus | None = None  # the status a suspended request had (``resume`` restores it)
 
     @property
     def num_tokens(self) -> int:
@@ -169,8 +187,10 @@ class Scheduler:
         self.pool = BlockPool(config.num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}  # every unfinished request, waiting, running or reserved
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting, running, reserved or suspended
         self.remote: dict[str, Request] = {}  # reserved for a remote prefill (REMOTE_PREFILL), by id
+        self.suspended: dict[str, Request] = {}  # suspended by a migration's final stage (SUSPENDED), by id
+        self.incoming: dict[str, Request] = {}  # blocks reserved for a migration coming in (MIGRATING_IN), by its id
         self.num_preemptions = 0  # cumulative
         self.num_steps = 0
         self._last_batch_size = 0
@@ -194,6 +214,11 @@ class Scheduler:
             )
         if request.sampling.max_tokens < 1:
             raise EngineRequestError(f"request {rid!r}: max_tokens must be >= 1, got {request.sampling.max_tokens}")
+        if request.num_output_tokens >= request.sampling.max_tokens:
+            raise EngineRequestError(
+                f"request {rid!r}: a continuation of {request.num_output_tokens} output tokens has nothing left to "
+                f"produce under max_tokens = {request.sampling.max_tokens}"
+            )
         if rid in self.requests:
             raise DuplicateRequestError(rid)
 
@@ -208,14 +233,18 @@ class Scheduler:
     def _new_request(self, request: GenerateRequest, now_s: float) -> Request:
         seed_material = f"{self.config.seed}/{request.sampling.seed}".encode()
         sampler = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(seed_material))
+        # A continuation's outputs are hashed as its own sampled tokens were (4 bytes each, as pack_token_ids packs
+        # the prompt), so the sampler resumes exactly where the earlier engine's stopped.
         sampler.update(pack_token_ids(request.token_ids))
+        n = request.num_output_tokens
         return Request(
             request_id=request.request_id,
-            prompt_token_ids=list(request.token_ids),
+            prompt_token_ids=list(request.prompt_token_ids),
             sampling=request.sampling,
             arrival_s=now_s,
             all_token_ids=list(request.token_ids),
             sampler=sampler,
+            output_token_ids=list(request.token_ids[-n:]) if n else [],
         )
 
     def abort(self, request_id: str) -> bool:
@@ -227,6 +256,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.REMOTE_PREFILL:
             del self.remote[request_id]
+        elif req.status is RequestStatus.SUSPENDED:
+            del self.suspended[request_id]
         else:
             self.waiting.remove(req)
         self._release(req, FinishReason.ABORT)
@@ -304,6 +335,171 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
         return True
+
+    # --- migration (components/migration/engine.py: the source's and the destination's sides) ----------------------
+
+    def request_table(self) -> RequestTable:
+        """Running requests in admission order, waiting ones in queue order, for request selection."""
+
+        def view(r: Request) -> RequestView:
+            return RequestView(r.request_id, r.num_prompt_tokens, len(r.output_token_ids), r.arrival_s)
+
+        return RequestTable(
+            running=tuple(view(r) for r in self.running),
+            waiting=tuple(view(r) for r in self.waiting),
+            kv_capacity_tokens=self.pool.num_blocks * self.block_size,
+        )
+
+    def kv_extent(self, request_id: str) -> KvExtent | None:
+        """The blocks of KV ``request_id`` has now (whole ones and their tokens, and all with the partial one)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is RequestStatus.REMOTE_PREFILL:
+            return None
+        bs = self.block_size
+        full = req.num_computed_tokens // bs
+        return KvExtent(full, -(-req.num_computed_tokens // bs), req.all_token_ids[: full * bs])
+
+    def suspend(self, request_id: str) -> Request | None:
+        """Take a waiting or running request off the queues, keeping its blocks and state; None when it is unknown,
+        finished, or not in a queue (reserved for a remote prefill, already suspended)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        else:
+            return None
+        req.suspended_from = req.status
+        req.status = RequestStatus.SUSPENDED
+        self.suspended[request_id] = req
+        return req
+
+    def resume(self, request_id: str) -> bool:
+        """Put a suspended request back where it was (the end of the running batch, or the front of the queue)."""
+        req = self.suspended.pop(request_id, None)
+        if req is None:
+            return False
+        if req.suspended_from is RequestStatus.RUNNING:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        else:
+            req.status = req.suspended_from or RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        req.suspended_from = None
+        return True
+
+    def migration_state(self, request_id: str) -> MigratingRequest | None:
+        """A suspended request as it crosses to another engine (``reply``/``next_seq`` are the agent's to fill)."""
+        req = self.suspended.get(request_id)
+        if req is None:
+            return None
+        return MigratingRequest(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+            sampling=req.sampling,
+            num_computed_tokens=req.num_computed_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
+        )
+
+    def reserve_migration(self, migration_id: str, request_id: str, token_ids: list[int], now_s: float) -> int | None:
+        """Blocks for the whole blocks ``token_ids`` of a request another engine is sending, sharing the leading ones
+        this pool's prefix cache holds; returns how many it shares (the sender skips them), None (changing
+        nothing) without room."""
+        if migration_id in self.incoming:
+            raise EngineRequestError(f"migration {migration_id!r} already has blocks reserved here")
+        bs = self.block_size
+        n = len(token_ids) // bs
+        hashes = block_hashes(token_ids[: n * bs], bs) if self.pool.enable_caching else []
+        hits = self.pool.lookup_prefix(hashes)
+        if n - len(hits) + self.pool.num_reactivated(hits) > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(hits)
+        blocks = hits + self.pool.allocate(n - len(hits))
+        self.incoming[migration_id] = Request(
+            request_id=request_id,
+            prompt_token_ids=[],
+            sampling=SamplingParams(),
+            arrival_s=now_s,
+            all_token_ids=list(token_ids[: n * bs]),
+            sampler=xxhash.xxh3_64(),
+            status=RequestStatus.MIGRATING_IN,
+            block_ids=blocks,
+            block_hashes=hashes,
+            num_stored_blocks=len(hits),
+        )
+        return len(hits)
+
+    def extend_migration(self, migration_id: str, token_ids: list[int]) -> bool:
+        """More whole blocks (a later pre-copy stage's), after those already reserved; False without room (the
+        reservation is kept: the sender aborts it)."""
+        ph = self.incoming.get(migration_id)
+        if ph is None:
+            return False
+        n = len(token_ids) // self.block_size
+        if n > self.pool.num_free_blocks:
+            return False
+        ph.block_ids.extend(self.pool.allocate(n))
+        ph.all_token_ids.extend(token_ids[: n * self.block_size])
+        return True
+
+    def cancel_migration(self, migration_id: str) -> bool:
+        """Free an incoming migration's reserved blocks; False if none are reserved under that id."""
+        ph = self.incoming.pop(migration_id, None)
+        if ph is None:
+            return False
+        self.pool.free(ph.block_ids)
+        ph.block_ids = []
+        return True
+
+    def commit_migration(self, migration_id: str | None, incoming: MigratingRequest, now_s: float) -> Request:
+        """Make a request another engine suspended a request of this one. With ``migration_id`` its KV for
+        ``num_computed_tokens`` tokens is in the blocks reserved under it (plus, allocated now, those of the final
+        stage): it runs, decoding next step. Without, it waits at the front of the queue and recomputes. Raises
+        ``EngineRequestError`` for a request this engine cannot serve and ``MigrationRoomError`` without room (the
+        reservation, if any, is freed in both cases)."""
+        outputs = incoming.output_token_ids
+        request = GenerateRequest(
+            incoming.request_id, incoming.all_token_ids, incoming.sampling, num_output_tokens=len(outputs)
+        )
+        ph = self.incoming.pop(migration_id, None) if migration_id is not None else None
+        try:
+            if migration_id is not None and ph is None:
+                raise EngineRequestError(f"migration {migration_id!r} has no blocks reserved here (freed by timeout?)")
+            self.validate(request)
+            req = self._new_request(request, now_s)
+            req.num_cached_tokens = incoming.num_cached_tokens
+            if ph is not None:
+                computed = incoming.num_computed_tokens
+                have = len(ph.all_token_ids)
+                if req.all_token_ids[:have] != ph.all_token_ids or computed < have or computed >= req.num_tokens:
+                    raise EngineRequestError(
+                        f"migration {migration_id!r}: the committed request does not match the blocks sent "
+                        f"({have} tokens sent, {computed} computed of {req.num_tokens})"
+                    )
+                need = -(-computed // self.block_size) - len(ph.block_ids)
+                if need > self.pool.num_free_blocks:
+                    raise MigrationRoomError(f"no room for the last {need} blocks of migration {migration_id!r}")
+                req.block_ids = ph.block_ids + self.pool.allocate(max(0, need))
+                ph.block_ids = []
+                req.block_hashes = ph.block_hashes
+                req.num_stored_blocks = ph.num_stored_blocks
+                req.num_computed_tokens = computed
+                if self.pool.enable_caching:
+                    self._store_full_blocks(req)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            else:
+                req.status = RequestStatus.PREEMPTED  # recompute: first in line, as a preempted request is
+                self.waiting.appendleft(req)
+        except BaseException:
+            if ph is not None and ph.block_ids:
+                self.pool.free(ph.block_ids)
+            raise
+        self.requests[req.request_id] = req
+        return req
 
     # --- the step ---------------------------------------------------------------------------------------------------
 
@@ -468,12 +664,14 @@ class Scheduler:
         req.sampler.update(token.to_bytes(4, "little"))
         req.all_token_ids.append(token)
         req.output_token_ids.append(token)
-        first = len(req.output_token_ids) == 1
+        position = len(req.output_token_ids) - 1
+        first = position == 0
         return TokenChunk(
             token_ids=[token],
             finish_reason=self._stop_reason(req, token),
             num_prompt_tokens=req.num_prompt_tokens if first else 0,
             num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
+            position=position,
         )
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
@@ -508,7 +706,8 @@ class Scheduler:
             kv_usage=pool.usage,
             num_total_blocks=pool.num_blocks,
             num_active_blocks=pool.num_active_blocks,
-            num_running=len(self.running) + len(self.remote),  # a reserved request decodes here next
+            # A reserved request decodes here next; a suspended one still holds its blocks here.
+            num_running=len(self.running) + len(self.remote) + len(self.suspended),
             num_waiting=len(self.waiting),
             num_waiting_prefill_tokens=pending,
             num_preemptions=self.num_preemptions,

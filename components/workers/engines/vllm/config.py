@@ -23,7 +23,25 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["DEFAULT_ENVIRONMENT", "VllmEngineConfig", "apply_vllm_environment", "engine_arguments"]
+__all__ = [
+    "DEFAULT_ENVIRONMENT",
+    "OWNER_PID_ENV",
+    "RUNTIME_DIR_ENV",
+    "SAMPLER_DRAWS_KEY",
+    "VllmEngineConfig",
+    "apply_vllm_environment",
+    "engine_arguments",
+]
+
+# What the kvmesh process tells vLLM's processes (hooks.py): who owns them (their lifeline watches for its death),
+# and the private directory of their ipc sockets (removed when the owner is gone).
+OWNER_PID_ENV = "KVMESH_VLLM_OWNER_PID"
+RUNTIME_DIR_ENV = "KVMESH_VLLM_RUNTIME_DIR"
+# ``SamplingParams.extra_args`` key of a continued request: how many tokens its sampler already drew (hooks.py).
+SAMPLER_DRAWS_KEY = "kvmesh_sampler_draws"
+# Loaded by name in vLLM's engine-core and model-worker processes (hooks.py).
+SCHEDULER_CLS = "components.workers.engines.vllm.hooks.OwnedScheduler"
+WORKER_EXTENSION_CLS = "components.workers.engines.vllm.hooks.KvmeshWorkerExtension"
 
 MIB = 2**20
 
@@ -201,8 +219,9 @@ def engine_arguments(config: VllmEngineConfig) -> dict[str, Any]:
 
     Fixed choices: token ids in and out (``skip_tokenizer_init``: the frontend owns the tokenizer); vLLM's default
     stat loggers off (``disable_log_stats``: the adapter's own logger still gets every record) with per-step batch
-    details on (``enable_logging_iteration_details``: the only source of the step's batch size). ``None`` fields are
-    left out so vLLM applies its own per-platform defaults.
+    details on (``enable_logging_iteration_details``: the only source of the step's batch size); kvmesh's hooks in
+    vLLM's processes (hooks.py: ``scheduler_cls``, vLLM's default scheduler plus a lifeline, and
+    ``worker_extension_cls``). ``None`` fields are left out so vLLM applies its own per-platform defaults.
     """
     kwargs: dict[str, Any] = {
         "model": config.model_path,
@@ -217,6 +236,8 @@ def engine_arguments(config: VllmEngineConfig) -> dict[str, Any]:
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "disable_log_stats": True,
         "enable_logging_iteration_details": True,
+        "scheduler_cls": SCHEDULER_CLS,
+        "worker_extension_cls": WORKER_EXTENSION_CLS,
     }
     if config.kv_cache_memory_bytes:
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes

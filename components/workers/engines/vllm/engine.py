@@ -23,13 +23,25 @@ a dead engine core raises ``EngineDeadError``.
 
 Shutdown on SIGTERM: the worker drains its requests, then ``shutdown()`` aborts what is left, stops the subscriber
 and calls ``AsyncLLM.shutdown()``, which terminates the engine-core and model processes. A SIGKILL of the worker
-leaves them orphaned (vLLM has no parent-death signal; docs/vllm-cpu.md), so supervisors should start workers in
-their own process group and kill the group as a backstop.
+cannot run any of that; vLLM's processes then die by their lifeline (hooks.py: a thread in each that ends it once
+its parent is gone), and the private directory holding vLLM's ipc sockets (``VLLM_RPC_BASE_PATH``, one per worker
+process, with the KV-event sockets inside) is removed by them, or at a normal exit by this process.
 
 Disaggregated serving (prefill and decode workers' engines only): ``start()`` decides ``remote_prefill_mode``
 (``nixl.choose_remote_prefill_mode``) and, for kv_transfer, builds the engine with kvmesh's NIXL connector (a
 ``kv_producer`` for a prefill worker, a ``kv_consumer`` for a decode worker; one free handshake port each);
 ``prefill_handoff`` keeps a prompt's KV for a pull and ``generate_remote`` pulls it, or recomputes (nixl.py).
+
+Migration (components/migration/engine.py), by **recompute**: no vLLM KV connector moves a running request's blocks
+here (``migration_mode``). ``suspend`` aborts the request in vLLM (its full blocks stay in the prefix cache); the
+stream delivers what vLLM produced before, then a ``SuspendedChunk``. ``commit_migration`` on another engine
+continues it as a *continuation* request: prompt plus the outputs so far, ``max_tokens`` less them, and for a seeded
+request ``extra_args[SAMPLER_DRAWS_KEY]`` = the number of outputs, which hooks.py turns into the sampler draws the
+earlier engine made, so greedy and seeded output are exactly the unmoved request's. ``resume`` continues it the same
+way on this engine (its prefix cache holds nearly all of it). A KV-transfer mode would implement
+``reserve_migration`` (register the request's blocks with a NIXL connector), the copy stages (the connector's pull)
+and ``commit_migration`` with ``kv_transfer_params`` (``do_remote_prefill``) in the continuation's
+``SamplingParams``; /work/shared/notes/vllm-kv-transfer.md measured that path (docs/migration.md).
 
 Imports vLLM lazily (in ``start()``), so importing this module costs nothing and the mock path never loads vLLM.
 """
@@ -37,6 +49,7 @@ Imports vLLM lazily (in ``start()``), so importing this module costs nothing and
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -48,6 +61,8 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
+from components.migration.engine import KvExtent, SuspendedChunk
+from components.migration.types import RequestTable, RequestView
 from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import (
     FinishReason,
@@ -59,9 +74,17 @@ from components.protocol.messages import (
     TokenChunk,
 )
 from components.protocol.metadata import RemotePrefillMode, WorkerRole
+from components.protocol.migration import MigratingRequest, MigrationMode
 
 from ..base import EngineDeadError, EngineRequestError
-from .config import VllmEngineConfig, apply_vllm_environment, engine_arguments
+from .config import (
+    OWNER_PID_ENV,
+    RUNTIME_DIR_ENV,
+    SAMPLER_DRAWS_KEY,
+    VllmEngineConfig,
+    apply_vllm_environment,
+    engine_arguments,
+)
 from .convert import (
     DuplicateRequestError,
     KvEventTranslator,
@@ -185,11 +208,55 @@ class HandoffCounters:
     recomputed: int = 0  # recomputed from the prompt plus the prefill worker's first token (refused ones included)
 
 
+_runtime_dir: str | None = None
+
+
+def process_runtime_dir() -> str:
+    """This process's private directory for vLLM's ipc sockets (0700), created once, set as ``VLLM_RPC_BASE_PATH``
+    for the vLLM processes it starts (with ``OWNER_PID_ENV``/``RUNTIME_DIR_ENV`` for their lifeline), removed at exit
+    (by them, if this process is killed)."""
+    global _runtime_dir
+    if _runtime_dir is None or not os.path.isdir(_runtime_dir):
+        base = tempfile.gettempdir()
+        # An ipc:// path must fit sockaddr_un (107 bytes): vLLM puts a 36-character uuid, the KV-event sockets a
+        # subdirectory and a socket name, under this directory. A long TMPDIR falls back to /tmp.
+        if len(base) > 40 and os.path.isdir("/tmp"):
+            base = "/tmp"
+        _runtime_dir = tempfile.mkdtemp(prefix=f"kvmesh-vllm-{os.getpid()}-", dir=base)
+        atexit.register(shutil.rmtree, _runtime_dir, True)
+    os.environ["VLLM_RPC_BASE_PATH"] = _runtime_dir
+    os.environ[RUNTIME_DIR_ENV] = _runtime_dir
+    os.environ[OWNER_PID_ENV] = str(os.getpid())
+    return _runtime_dir
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Run:
+    """One request's life in this adapter across its submissions to vLLM (a suspension and resumption resubmits
+    it as a continuation under a new vLLM id): the client's request and every output token so far."""
+
+    request: GenerateRequest
+    outputs: list[int]
+    vllm_id: str
+    submissions: int = 0
+    suspending: bool = False  # suspend() aborted it in vLLM; its final "abort" output means suspended
+    suspended: bool = False
+    num_cached_tokens: int = 0
+    # The first submission's extras (a disaggregated hand-off, nixl.py): a max_tokens of its own, vLLM
+    # kv_transfer_params to keep or pull, and where the final output's kv_transfer_params are copied. A continuation
+    # (after a suspension) is computed from this engine's prefix cache and carries none of them.
+    max_tokens: int | None = None
+    kv_transfer_params: Mapping[str, Any] | None = None
+    handoff: dict[str, Any] | None = None
+
+
 class VllmEngine:
     """A vLLM engine. ``start()`` it (~10 s), ``generate()`` on it, ``shutdown()`` it (~4 s)."""
 
     # Until start() has decided (``nixl.choose_remote_prefill_mode``): what a decode engine without a connector does.
+    # A migrated request is computed again on its new engine (module docstring): no KV-transfer migration yet.
     remote_prefill_mode = RemotePrefillMode.RECOMPUTE
+    migration_mode = MigrationMode.RECOMPUTE
 
     def __init__(
         self,
@@ -216,6 +283,10 @@ class VllmEngine:
         self._llm: Any = None
         self._stats = VllmStats()
         self._requests: dict[str, RequestProgress] = {}
+        self._runs: dict[str, _Run] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        # What hooks.py reported from vLLM's model worker (lifeline, sampler continuation); {} until started.
+        self.hooks: dict[str, Any] = {}
         self._translator = KvEventTranslator(config.block_size)
         # What ends a request at EOS (the generation config's ids, as vLLM stops on them with skip_tokenizer_init).
         self.eos_token_ids: set[int] = set()
@@ -245,9 +316,10 @@ class VllmEngine:
         except ValueError as exc:
             raise EngineDeadError(f"vLLM engine {self.name!r}: {exc}") from exc
         t0 = time.perf_counter()
+        runtime_dir = process_runtime_dir()
         v = self._vllm = await asyncio.to_thread(_import_vllm)
         # mkdtemp makes the directory 0700: only this user can reach the sockets inside.
-        self._tmpdir = tempfile.mkdtemp(prefix=f"kvmesh-{self.name}-")
+        self._tmpdir = tempfile.mkdtemp(prefix="kv-", dir=runtime_dir)
         try:
             llm = await self._build(v, kv_role)
         except EngineDeadError as exc:
@@ -292,6 +364,13 @@ class VllmEngine:
         self._translator = KvEventTranslator(self.block_size)
         if self.config.enable_prefix_caching:
             self._start_subscriber(llm)
+        try:
+            [self.hooks] = await llm.collective_rpc("kvmesh_install_hooks")
+        except Exception as e:  # noqa: BLE001 - another vLLM without the extension: serves, but says what it lacks
+            logger.warning("vLLM engine %s: kvmesh hooks not installed in its worker (%s)", self.name, e)
+            self.hooks = {}
+        if not self.hooks.get("sampler_continuation"):
+            logger.warning("vLLM engine %s: seeded requests continued here will not resume their sampler", self.name)
         logger.info(
             "vLLM engine %s ready in %.1f s: %s, %d blocks of %d tokens, max_model_len %d, vocabulary %d",
             self.name,
@@ -378,11 +457,11 @@ class VllmEngine:
         self._closed = True
         llm, self._llm = self._llm, None
         try:
-            if llm is not None and self._requests:
+            if llm is not None and self._runs:
                 try:
-                    await llm.abort(list(self._requests))
+                    await llm.abort([run.vllm_id for run in self._runs.values()])
                 except Exception as e:  # noqa: BLE001 - the engine may already be dead; release the rest anyway
-                    logger.warning("vLLM engine %s: aborting %d requests: %s", self.name, len(self._requests), e)
+                    logger.warning("vLLM engine %s: aborting %d requests: %s", self.name, len(self._runs), e)
             task, self._subscriber_task = self._subscriber_task, None
             if task is not None:
                 task.cancel()
@@ -434,8 +513,11 @@ class VllmEngine:
     # --- requests ---------------------------------------------------------------------------------------------------
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
-        """Stream the request's new tokens; the first chunk carries the prompt and prefix-cache counts, the last a
-        ``finish_reason``. Closing the iterator early aborts the request in vLLM (its blocks are freed)."""
+        """Stream the request's new tokens, numbered from its position (``TokenChunk.position``; a continuation,
+        ``num_output_tokens`` > 0, starts there and resumes a seeded sampler: module docstring); the first chunk of
+        a new request carries the prompt and prefix-cache counts, the last a ``finish_reason``. Closing the iterator
+        early aborts the request in vLLM (its blocks are freed). A ``suspend`` makes it yield a ``SuspendedChunk``
+        once vLLM's last tokens are out, after which it continues (resumed) or is closed (moved elsewhere)."""
         return self._stream(request)
 
     async def _stream(
@@ -449,53 +531,120 @@ class VllmEngine:
         """``generate()``, optionally with ``max_tokens`` replaced and vLLM ``kv_transfer_params`` attached (a hand-off
         to keep, or one to pull: ``nixl``); the final output's ``kv_transfer_params`` are copied into ``handoff``."""
         llm, v = self._check_alive()
+        run = self._new_run(request, v, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params, handoff=handoff)
+        rid = request.request_id
+        progress = RequestProgress(num_prompt_tokens=len(request.token_ids))
+        self._requests[rid] = progress
+        self._runs[rid] = run
+        prompt = request.prompt_token_ids
+        try:
+            while True:
+                params = self._params(v, run)
+                stream = llm.generate(v.tokens_input([*prompt, *run.outputs]), params, run.vllm_id)
+                suspended = False
+                try:
+                    while True:
+                        try:
+                            out = await anext(stream)
+                        except StopAsyncIteration:
+                            return  # vLLM ends a stream only after its finished output; nothing more to say
+                        except v.ClientError as exc:  # prompt too long, admission control
+                            raise EngineRequestError(f"request {rid!r}: {exc}") from exc
+                        except v.EngineDeadError as exc:
+                            raise EngineDeadError(f"vLLM engine {self.name!r} died: {exc}") from exc
+                        except v.EngineGenerateError as exc:  # recoverable per vLLM: this request failed
+                            raise EngineRequestError(f"request {rid!r} failed in vLLM: {exc.__cause__!r}") from exc
+                        completion = out.outputs[0]
+                        reason = finish_reason(completion.finish_reason) if out.finished else None
+                        if run.handoff is not None and out.kv_transfer_params:
+                            run.handoff.update(out.kv_transfer_params)
+                        chunk = TokenChunk(token_ids=list(completion.token_ids), position=len(run.outputs))
+                        if not progress.started:
+                            progress.started = True
+                            if chunk.position == 0:
+                                chunk.num_prompt_tokens = len(prompt)
+                                chunk.num_cached_tokens = run.num_cached_tokens = int(out.num_cached_tokens or 0)
+                        run.outputs += chunk.token_ids
+                        progress.num_output_tokens += len(chunk.token_ids)
+                        if reason == FinishReason.ABORT and run.suspending:
+                            suspended = True  # aborted by suspend(): not the request's end
+                            if chunk.token_ids:
+                                yield chunk
+                            break
+                        chunk.finish_reason = reason
+                        yield chunk
+                        if out.finished:
+                            return
+                finally:
+                    # A no-op for a finished stream; otherwise vLLM's generator aborts the request on GeneratorExit.
+                    await stream.aclose()
+                if not suspended:
+                    return
+                run.suspending, run.suspended = False, True
+                yield SuspendedChunk(token_ids=[])
+                # Resumed here (or closed at the yield, once moved): go on as a continuation under a new vLLM id.
+                run.suspended = False
+                run.submissions += 1
+                run.vllm_id = f"{rid}#{run.submissions}"
+                progress.started = False
+        finally:
+            if self._requests.get(rid) is progress:
+                del self._requests[rid]
+            if self._runs.get(rid) is run:
+                del self._runs[rid]
+
+    def _new_run(
+        self,
+        request: GenerateRequest,
+        v: _Vllm,
+        *,
+        max_tokens: int | None = None,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+        handoff: dict[str, Any] | None = None,
+    ) -> _Run:
+        """Check ``request`` (raising ``EngineRequestError``) and make its run."""
         rid = request.request_id
         validate_prompt(request.token_ids, self.vocab_size)
         if rid in self._requests:
             raise DuplicateRequestError(rid)
-        kwargs = sampling_kwargs(request.sampling)
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
-        if kv_transfer_params is not None:
-            kwargs["extra_args"] = {"kv_transfer_params": dict(kv_transfer_params)}
+        n = request.num_output_tokens
+        run = _Run(
+            request,
+            list(request.token_ids[len(request.token_ids) - n :]) if n else [],
+            rid,
+            max_tokens=max_tokens,
+            kv_transfer_params=kv_transfer_params,
+            handoff=handoff,
+        )
+        if n >= request.sampling.max_tokens:
+            raise EngineRequestError(
+                f"request {rid!r}: a continuation of {n} output tokens has nothing left to produce under "
+                f"max_tokens = {request.sampling.max_tokens}"
+            )
+        self._params(v, run)
+        return run
+
+    def _params(self, v: _Vllm, run: _Run) -> Any:
+        """vLLM's ``SamplingParams`` for the rest of ``run``: ``max_tokens`` less the outputs it has, and for a
+        seeded request the sampler draws its earlier submissions made (hooks.py)."""
+        kwargs = sampling_kwargs(run.request.sampling)
+        extra: dict[str, Any] = {}
+        if run.submissions == 0:
+            if run.max_tokens is not None:
+                kwargs["max_tokens"] = run.max_tokens
+            if run.kv_transfer_params is not None:
+                extra["kv_transfer_params"] = dict(run.kv_transfer_params)
+        n = len(run.outputs)
+        if n:
+            kwargs["max_tokens"] -= n
+            if run.request.sampling.seed is not None:
+                extra[SAMPLER_DRAWS_KEY] = n
+        if extra:
+            kwargs["extra_args"] = extra
         try:
-            params = v.SamplingParams(**kwargs, output_kind=v.RequestOutputKind.DELTA, detokenize=False)
+            return v.SamplingParams(**kwargs, output_kind=v.RequestOutputKind.DELTA, detokenize=False)
         except (ValueError, TypeError, v.ClientError) as exc:
-            raise EngineRequestError(f"request {rid!r}: {exc}") from exc
-        progress = RequestProgress(num_prompt_tokens=len(request.token_ids))
-        self._requests[rid] = progress
-        stream = llm.generate(v.tokens_input(list(request.token_ids)), params, rid)
-        try:
-            while True:
-                try:
-                    out = await anext(stream)
-                except StopAsyncIteration:
-                    return  # vLLM ends a stream only after its finished output; nothing more to say
-                except v.ClientError as exc:  # prompt too long, admission control
-                    raise EngineRequestError(f"request {rid!r}: {exc}") from exc
-                except v.EngineDeadError as exc:
-                    raise EngineDeadError(f"vLLM engine {self.name!r} died: {exc}") from exc
-                except v.EngineGenerateError as exc:  # recoverable per vLLM: this request failed
-                    raise EngineRequestError(f"request {rid!r} failed in vLLM: {exc.__cause__!r}") from exc
-                completion = out.outputs[0]
-                chunk = TokenChunk(token_ids=list(completion.token_ids))
-                if not progress.started:
-                    progress.started = True
-                    chunk.num_prompt_tokens = progress.num_prompt_tokens
-                    chunk.num_cached_tokens = int(out.num_cached_tokens or 0)
-                progress.num_output_tokens += len(chunk.token_ids)
-                if out.finished:
-                    chunk.finish_reason = finish_reason(completion.finish_reason)
-                    if handoff is not None and out.kv_transfer_params:
-                        handoff.update(out.kv_transfer_params)
-                yield chunk
-                if out.finished:
-                    return
-        finally:
-            if self._requests.get(rid) is progress:
-                del self._requests[rid]
-            # A no-op for a finished stream; otherwise vLLM's generator aborts the request on GeneratorExit.
-            await stream.aclose()
+            raise EngineRequestError(f"request {run.request.request_id!r}: {exc}") from exc
 
     # --- disaggregation: a prompt's KV moves from a prefill engine to a decode engine (nixl.py) --------------------
 
@@ -530,9 +679,9 @@ class VllmEngine:
           this engine's one generation (greedy and seeded sampling alike). A pull that fails (the prefill engine
           died) is recomputed by vLLM: slower, still whole.
         * **recompute** (no connector, no hand-off, or one refused): the prefill worker's first token is streamed
-          at once, and this engine generates the rest from the prompt plus that token (``max_tokens - 1`` more), so
-          greedy output is what an aggregated worker gives; seeded sampling continues from a fresh generator state
-          and may differ from an unmoved run.
+          at once, and this engine generates the rest from the prompt plus that token (``max_tokens - 1`` more) as a
+          continuation, so greedy output is what an aggregated worker gives and a seeded sampler resumes after the
+          prefill worker's draw (hooks.py).
 
         ``prefill()`` returning None (or an error result): the request is generated here from the start."""
         result = await prefill()
@@ -554,7 +703,6 @@ class VllmEngine:
             logger.warning("request %s: KV hand-off refused (%s): recomputing the prompt", request.request_id, problem)
         self.handoffs.recomputed += 1
         first = result.token_ids[0]
-        sp = request.sampling
         finish = self._first_token_finish(request, first)
         yield TokenChunk(
             token_ids=[first],
@@ -564,15 +712,10 @@ class VllmEngine:
         )
         if finish is not None:
             return
-        rest = GenerateRequest(
-            request.request_id,
-            [*request.token_ids, first],
-            dataclasses.replace(sp, max_tokens=sp.max_tokens - 1),
-        )
+        # A continuation after the first token: positions from 1 on, a seeded sampler one draw on.
+        rest = GenerateRequest(request.request_id, [*request.token_ids, first], request.sampling, num_output_tokens=1)
         async with contextlib.aclosing(self.generate(rest)) as chunks:
             async for chunk in chunks:
-                chunk.num_prompt_tokens = 0
-                chunk.num_cached_tokens = 0
                 yield chunk
 
     def _first_token_finish(self, request: GenerateRequest, token: int) -> FinishReason | None:
@@ -602,8 +745,82 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; its ``generate()`` ends with an ``abort`` chunk. Unknown ids are ignored."""
-        if request_id in self._requests and self._llm is not None:
-            await self._llm.abort(request_id)
+        run = self._runs.get(request_id)
+        if run is not None and self._llm is not None:
+            run.suspending = False  # an abort wins over a suspension in progress
+            await self._llm.abort(run.vllm_id)
+
+    # --- migration (components/migration/engine.py), by recompute --------------------------------------------------
+
+    def request_table(self) -> RequestTable:
+        """Requests with output so far as running (in arrival order), the others as waiting."""
+        running: list[RequestView] = []
+        waiting: list[RequestView] = []
+        for rid, run in self._runs.items():
+            progress = self._requests.get(rid)
+            view = RequestView(rid, len(run.request.prompt_token_ids), len(run.outputs))
+            (running if progress is not None and progress.started else waiting).append(view)
+        return RequestTable(tuple(running), tuple(waiting), self._stats.num_total_blocks * self.block_size)
+
+    def kv_extent(self, request_id: str) -> KvExtent | None:
+        return None  # no KV leaves this engine (recompute)
+
+    def suspend(self, request_id: str) -> bool:
+        """Abort the request in vLLM; its stream then delivers vLLM's last tokens and a ``SuspendedChunk``. False
+        when it is not running here or is already being suspended."""
+        run, llm = self._runs.get(request_id), self._llm
+        if run is None or llm is None or run.suspending or run.suspended:
+            return False
+        run.suspending = True
+        task = asyncio.get_running_loop().create_task(llm.abort(run.vllm_id), name=f"vllm-suspend:{request_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return True
+
+    def suspended_state(self, request_id: str) -> MigratingRequest | None:
+        run = self._runs.get(request_id)
+        if run is None or not run.suspended:
+            return None
+        return MigratingRequest(
+            request_id=request_id,
+            prompt_token_ids=list(run.request.prompt_token_ids),
+            output_token_ids=list(run.outputs),
+            sampling=run.request.sampling,
+            num_computed_tokens=0,
+            num_cached_tokens=run.num_cached_tokens,
+        )
+
+    def resume(self, request_id: str) -> bool:
+        """The stream goes on here (it resubmits the request as a continuation when next read)."""
+        run = self._runs.get(request_id)
+        if run is None:
+            return False
+        run.suspending = False
+        return True
+
+    def transfer_time_s(self, num_blocks: int) -> float:
+        return 0.0  # nothing is transferred: recompute
+
+    def reserve_migration(self, migration_id: str, request_id: str, token_ids: list[int]) -> int | None:
+        raise EngineRequestError("this vLLM engine migrates by recompute: it cannot take KV blocks")
+
+    def extend_migration(self, migration_id: str, token_ids: list[int]) -> bool:
+        return False
+
+    def cancel_migration(self, migration_id: str) -> bool:
+        return False
+
+    def commit_migration(self, migration_id: str | None, request: MigratingRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Continue ``request`` here by recompute (prompt + outputs as a continuation; module docstring). Raises at
+        once (a dead engine, a bad or duplicate request) so that the commit can be refused."""
+        if migration_id is not None:
+            raise EngineRequestError("this vLLM engine migrates by recompute: no KV was reserved for it")
+        _, v = self._check_alive()
+        continuation = GenerateRequest(
+            request.request_id, request.all_token_ids, request.sampling, num_output_tokens=request.position
+        )
+        self._new_run(continuation, v)  # the checks generate() makes on first iteration, now
+        return self.generate(continuation)
 
     def _check_alive(self) -> tuple[Any, _Vllm]:
         if self._closed:

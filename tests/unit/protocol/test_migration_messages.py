@@ -1,0 +1,79 @@
+"""The migration wire contract round-trips, and the fields migration added to the generation messages."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
+from components.protocol.metadata import WorkerMetadata
+from components.protocol.migration import (
+    AbortReply,
+    AbortRequest,
+    MigrateInMessage,
+    MigrateInOp,
+    MigrateInReply,
+    MigrateRequest,
+    MigratingRequest,
+    MigrationMode,
+    MigrationReport,
+    WorkerStatus,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def wire(d: dict) -> dict:
+    return msgpack.unpackb(msgpack.packb(d), raw=False)
+
+
+def test_every_migration_message_round_trips_through_msgpack() -> None:
+    req = MigratingRequest(
+        "r1",
+        [1, 2, 3],
+        [7, 8],
+        SamplingParams(max_tokens=9, seed=5, temperature=0.7, stop_token_ids=[4]),
+        num_computed_tokens=4,
+        reply={"batch_subject": "_INBOX.x.b", "key": 3, "address": "127.0.0.1:5", "inbox": "_INBOX.x.3"},
+        next_seq=12,
+        arrival_s=1.5,
+        num_cached_tokens=2,
+    )
+    assert req.position == 2 and req.all_token_ids == [1, 2, 3, 7, 8]
+    msgs = [
+        MigrateRequest(0x1234, "backend", "NUM_REQ", 2, "LCR", "balance", ["a"], "recompute"),
+        MigrationReport("r1", "committed", mode="live", num_stages=2, downtime_s=0.01),
+        req,
+        MigrateInMessage(MigrateInOp.COMMIT, "m1", "r1", 5, "subj", 0, [], req),
+        MigrateInMessage(MigrateInOp.COPY, "m1", "r1", first_block=2, token_ids=list(range(32))),
+        MigrateInReply(False, "at capacity", 3),
+        AbortRequest("r1", "client", 1),
+        AbortReply(True, 77),
+        WorkerStatus(False, "engine died", 3),
+    ]
+    for m in msgs:
+        assert type(m).from_dict(wire(m.to_dict())) == m  # type: ignore[attr-defined]
+
+
+def test_generate_request_continuation_says_which_tokens_are_outputs() -> None:
+    r = GenerateRequest("r", [1, 2, 3, 9, 9], SamplingParams(max_tokens=4), num_output_tokens=2)
+    assert r.prompt_token_ids == [1, 2, 3]
+    back = GenerateRequest.from_dict(wire(r.to_dict()))
+    assert back == r
+    assert "num_output_tokens" not in GenerateRequest("r", [1]).to_dict()  # a new request's wire form is unchanged
+    with pytest.raises(ValueError, match="num_output_tokens"):
+        GenerateRequest.from_dict({"request_id": "r", "token_ids": [1, 2], "num_output_tokens": 2})
+
+
+def test_token_chunk_carries_its_position_and_defaults_to_zero_from_an_older_peer() -> None:
+    c = TokenChunk([5, 6], position=17)
+    assert TokenChunk.from_dict(wire(c.to_dict())).position == 17
+    assert TokenChunk.from_dict({"token_ids": [1], "finish_reason": None}).position == 0
+
+
+def test_worker_metadata_announces_its_migration_mode() -> None:
+    m = WorkerMetadata(model="m", migration_mode=MigrationMode.LIVE)
+    d = m.to_dict()
+    assert d["migration_mode"] == "live"
+    assert WorkerMetadata.from_dict(d).migration_mode == "live"
+    assert WorkerMetadata.from_dict({"model": "m"}).migration_mode == ""
