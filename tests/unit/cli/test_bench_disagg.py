@@ -95,6 +95,23 @@ def test_a_decode_batch_is_not_stalled_by_another_requests_long_prefill():
     assert dis.ttft_s[1] >= prefill_s(8000) + transfer_s(8000)
 
 
+def test_a_capped_decode_engine_prefills_a_fallen_back_long_prompt_in_small_chunks():
+    # No room in the queue (max_prefill_queue_size 0), so B's 8000-token prompt falls back to the decode engine that
+    # A decodes on. Uncapped, one step computes all of it and A waits ~170 ms; capped at 1000 tokens, no gap of A's
+    # is longer than a step with 1000 prefill tokens plus A's decode, and B is prefilled in 8 chunks.
+    w = workload((0.0, prompt(1, 100), 200), (0.3, prompt(2, 8000), 20))
+    capped = ENGINE.model_copy(update={"long_prefill_token_threshold": 1000})
+    uncapped = simulate_fleet(w, DisaggSpec(1, 1, ENGINE, max_prefill_queue_size=0))
+    res = simulate_fleet(w, DisaggSpec(1, 1, ENGINE, max_prefill_queue_size=0, decode_engine=capped))
+    assert uncapped.remote == res.remote == 0
+    assert max(uncapped.itl_s) >= prefill_s(8000)
+    one_chunk_step_s = prefill_s(1000) + 0.010  # + A's decode (5 ms base and its small context)
+    assert prefill_s(1000) < max(res.itl_s) < one_chunk_step_s
+    # B's first token waits for 8 capped steps instead of one: the cost of the cap, paid by the long prompt.
+    assert res.ttft_s[1] >= 8 * prefill_s(1000)
+    assert res.output_tokens == uncapped.output_tokens == 220
+
+
 def test_the_prefill_queue_is_fifo_one_item_per_engine_and_charges_the_transfer():
     n = 4000
     per_item = prefill_s(n) + transfer_s(n)  # a prefill engine holds an item through its prefill and its transfer
@@ -169,9 +186,19 @@ def test_the_target_needs_both_the_itl_speedup_and_equal_throughput():
         "points": {
             "aggregated": {"0.5": point(90.0, 1000.0), "0.7": point(90.0, 1000.0), "0.9": point(90.0, 1000.0)},
             "disaggregated": {"0.5": point(30.0, 990.0), "0.7": point(70.0, 1000.0), "0.9": point(30.0, 800.0)},
+            "disaggregated_full": {"0.5": point(45.0, 951.0), "0.7": point(59.0, 1000.0), "0.9": point(60.0, 949.0)},
+            "aggregated_capped": {"0.5": point(45.0, 900.0)},
         }
     }
     ratios, target = compare(entry, [0.5, 0.7, 0.9])
-    assert ratios["0.5"]["itl_p99_speedup"] == 3.0 and ratios["0.5"]["ttft_p99_disagg_over_agg"] == 1.0
-    assert [target[k]["met"] for k in ("0.5", "0.7", "0.9")] == [True, False, False]
-    assert target["0.9"]["equal_throughput"] is False
+    dis, full = target["disaggregated"], target["disaggregated_full"]
+    assert ratios["disaggregated"]["0.5"]["itl_p99_speedup"] == 3.0
+    assert ratios["disaggregated"]["0.5"]["ttft_p99_over_agg"] == 1.0
+    assert [dis[k]["met"] for k in ("0.5", "0.7", "0.9")] == [True, False, False]  # 3x; 1.29x; 800/1000 tput
+    assert dis["0.9"]["equal_throughput"] is False
+    # 90/45 = 2x at 951/1000 (within 5%); 90/59 = 1.525x; 2x at 949/1000 (not within 5%).
+    assert [full[k]["met"] for k in ("0.5", "0.7", "0.9")] == [True, True, False]
+    # The control gets ratios, at the loads it was replayed at, and no target.
+    control = {"itl_p99_speedup": 2.0, "itl_p50_speedup": 1.0, "ttft_p50_over_agg": 1.0, "ttft_p99_over_agg": 1.0}
+    assert ratios["aggregated_capped"] == {"0.5": {**control, "throughput_over_agg": 0.9}}
+    assert "aggregated_capped" not in target

@@ -202,6 +202,30 @@ def test_decodes_and_a_prefill_chunk_share_the_budget():
     assert snap.num_waiting_prefill_tokens == 69  # b's remaining prompt; a's pending token is a decode
 
 
+def test_long_prefill_token_threshold_caps_a_prefill_s_share_of_a_step_while_others_wait_on_it():
+    sched = make_scheduler(max_num_batched_tokens=128, long_prefill_token_threshold=24)
+    sched.add_request(make_request("a", 10, max_tokens=20), 0.0)
+    sched.step(0.0)  # a alone: prefilled whole, now decoding
+    sched.add_request(make_request("b", 100, offset=300, max_tokens=2), 1.0)
+    _, steps = run_until_idle(sched)
+    # With a decoding, b gets at most 24 tokens a step (the budget would allow 127): 100 = 24 + 24 + 24 + 24 + 4.
+    b_chunks = [s.num_scheduled_tokens["b"] for s in steps if "b" in s.num_scheduled_tokens]
+    assert b_chunks[:5] == [24, 24, 24, 24, 4]
+    assert all(s.num_scheduled_tokens.get("a", 1) == 1 for s in steps)  # a decodes in every step meanwhile
+
+
+def test_long_prefill_token_threshold_leaves_a_lone_request_the_whole_budget():
+    sched = make_scheduler(max_num_batched_tokens=128, long_prefill_token_threshold=24)
+    sched.add_request(make_request("a", 100, max_tokens=2), 0.0)
+    _, steps = run_until_idle(sched)
+    assert [s.num_scheduled_tokens["a"] for s in steps] == [100, 1]  # nobody to starve: not capped (vLLM's rule)
+
+
+def test_long_prefill_token_threshold_longer_than_the_context_is_refused():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        MockEngineConfig(max_model_len=256, num_gpu_blocks=64, long_prefill_token_threshold=257)
+
+
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     sched = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64)
     sched.add_request(make_request("a", 10, max_tokens=3), 0.0)

@@ -96,6 +96,13 @@ class MockEngineConfig(BaseModel):
         description="Split a prompt longer than the remaining token budget over several steps. Off: a prompt is "
         "admitted only when it fits the step whole (then max_num_batched_tokens must be >= max_model_len).",
     )
+    long_prefill_token_threshold: int = Field(
+        default=0,
+        ge=0,
+        description="vLLM's long_prefill_token_threshold: while other requests are running or waiting, a prefill "
+        "gets at most this many tokens per step, so one long prompt cannot fill a step that decoding sequences wait "
+        "on (a disaggregated decode worker's local prefills, for example). 0: no cap (vLLM's default).",
+    )
     max_model_len: int = Field(
         default=8192,
         ge=1,
@@ -211,6 +218,11 @@ class MockEngineConfig(BaseModel):
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if self.long_prefill_token_threshold > self.max_model_len:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) cannot be greater than "
                 f"max_model_len ({self.max_model_len})"
             )
         if self.eos_token_id is not None and self.eos_token_id >= self.vocab_size:

@@ -9,6 +9,9 @@ preempted mid-answer recomputes prompt and outputs in one go.
 
 One step:
 
+Prefill share: with ``long_prefill_token_threshold`` > 0 and more than one request running or waiting, a request is
+given at most that many tokens in one step (vLLM's rule, applied before the budget; a lone request is not capped).
+
 1. Running requests, oldest first, each get ``min(remaining, budget)`` tokens. When their blocks cannot be allocated,
    the newest running request is preempted by recompute: its blocks are freed (full ones stay in the prefix cache,
    so recomputing them is usually a cache hit), its computed tokens reset to 0, its sampled outputs kept, and it
@@ -551,12 +554,18 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Request, int, bool]] = []
         preempted: list[Request] = []
+        # vLLM's long_prefill_token_threshold: a prefill's share of one step, unless it is the only request (then
+        # nobody waits on the step and it may use the whole budget, as vLLM 0.32's scheduler does).
+        cap = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
 
         # 1. Running requests, oldest first.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            if 0 < cap < n:
+                n = cap
+            n = min(n, budget)
             is_decode = req.is_decoding
             got_blocks = True
             while not self._allocate_slots(req, n):
@@ -579,6 +588,8 @@ class Scheduler:
             req = self.waiting[0]
             hits = self._prefix_hits(req)
             n = req.num_tokens - len(hits) * self.block_size
+            if 0 < cap < n:
+                n = cap
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break
