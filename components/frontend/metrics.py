@@ -25,6 +25,13 @@ that read it: absent while no alive prefill worker could read it) and ``prefill_
 they all went silent). They are computed at scrape time from the reports (a collector, not gauges set on every
 report), so a silent worker stops counting without a timer, and a queue nobody reads is not shown as empty.
 
+Several processes (``kvmesh frontend --replicas N``, components/frontend/replicas.py): with prometheus_client's
+``PROMETHEUS_MULTIPROC_DIR`` set in the environment before it is imported, every process writes its counters,
+histograms and gauges to files there and ``render`` sums every process's (``kvmesh_frontend_inflight_requests`` over
+the live ones), so a scrape answered by any replica counts every replica's requests. The collectors computed at
+scrape time (worker info, prefill queues) come from the answering process, whose view of the workers is the
+same as the others'.
+
 Cardinality: one ``worker`` value per worker that ever served a request through this frontend, never one per request.
 A worker that leaves keeps its series until the frontend restarts: removing them when the frontend forgets it would
 lose the increments since the last scrape, and the frontend does not know when that was. A fleet that churns through
@@ -33,17 +40,19 @@ many instance ids over one frontend's life grows the exposition by three series 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from components.router.prefill_queue import PrefillQueues, PrefillQueueView
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Seconds. TTFT from a few ms (mock workers, cached prefixes) to minutes (a long queue); ITL from 1 ms to 1 s.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -214,7 +223,9 @@ class ModelMetrics:
 
 class FrontendMetrics:
     """``policy``: the router policy's readable name, the ``policy`` label of routing decisions. ``prefill_queues``
-    is what the prefill-queue gauges show (``components.frontend.prefill_queue`` fills it), read with ``clock``."""
+    is what the prefill-queue gauges show (``components.frontend.prefill_queue`` fills it), read with ``clock``.
+    ``multiprocess_dir`` (default: ``$PROMETHEUS_MULTIPROC_DIR``): render every process's metrics written there
+    (module docstring); it must be the directory prometheus_client was imported with."""
 
     def __init__(
         self,
@@ -222,8 +233,10 @@ class FrontendMetrics:
         prefill_queues: PrefillQueues | None = None,
         clock: Callable[[], float] = time.monotonic,
         worker_metadata: Callable[[], Mapping[str, Mapping[int, Mapping[str, Any]]]] | None = None,
+        multiprocess_dir: str | None = None,
     ) -> None:
         self.policy = policy
+        self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.prefill_queues = prefill_queues if prefill_queues is not None else PrefillQueues()
         self.registry = CollectorRegistry()
         r = self.registry
@@ -233,7 +246,13 @@ class FrontendMetrics:
             ["endpoint", "model", "status"],
             registry=r,
         )
-        self.inflight = Gauge("kvmesh_frontend_inflight_requests", "Requests being generated", ["model"], registry=r)
+        self.inflight = Gauge(
+            "kvmesh_frontend_inflight_requests",
+            "Requests being generated",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",  # several replicas: the sum over the live ones
+        )
         self.ttft = Histogram(
             "kvmesh_frontend_time_to_first_token_seconds",
             "From the request's arrival to its first output token",
@@ -302,9 +321,14 @@ class FrontendMetrics:
             ["model", "policy", "kind"],
             registry=r,
         )
-        r.register(PrefillQueueCollector(self.prefill_queues, clock))
+        # What /metrics renders: this registry, or with replicas every process's files plus this one's live views.
+        self._render_registry = r
+        if self.multiprocess_dir is not None:
+            self._render_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._render_registry, path=self.multiprocess_dir)
+        self._render_registry.register(PrefillQueueCollector(self.prefill_queues, clock))
         if worker_metadata is not None:
-            r.register(WorkerInfoCollector(worker_metadata))
+            self._render_registry.register(WorkerInfoCollector(worker_metadata))
         self._models: dict[str, ModelMetrics] = {}
 
     def model(self, name: str) -> ModelMetrics:
@@ -317,4 +341,4 @@ class FrontendMetrics:
         self.requests.labels(endpoint=endpoint, model=model, status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._render_registry)

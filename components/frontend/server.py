@@ -65,7 +65,8 @@ class Frontend:
         )
         await runner.setup()
         self._runner = runner
-        site = web.TCPSite(runner, self.config.host, self.config.port)
+        # reuse_port: other replicas of this frontend listen on the same port (components/frontend/replicas.py).
+        site = web.TCPSite(runner, self.config.host, self.config.port, reuse_port=self.config.reuse_port or None)
         await site.start()
         host, port = runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
