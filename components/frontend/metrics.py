@@ -29,8 +29,12 @@ Several processes (``kvmesh frontend --replicas N``, components/frontend/replica
 ``PROMETHEUS_MULTIPROC_DIR`` set in the environment before it is imported, every process writes its counters,
 histograms and gauges to files there and ``render`` sums every process's (``kvmesh_frontend_inflight_requests`` over
 the live ones), so a scrape answered by any replica counts every replica's requests. The collectors computed at
-scrape time (worker info, prefill queues) come from the answering process, whose view of the workers is the
-same as the others'.
+scrape time (worker info, prefill queues, the router's view) come from the answering process, whose view of the
+workers is the same as the others' (with router replica sync, so are its in-flight counts; every replica follows
+the KV events, so are its KV blocks).
+
+The router's own view, per worker, at scrape time: ``kvmesh_frontend_router_inflight_requests`` (requests in
+flight there as it counts them) and ``kvmesh_frontend_router_kv_blocks`` (blocks its KV index holds, KV policies).
 
 Cardinality: one ``worker`` value per worker that ever served a request through this frontend, never one per request.
 A worker that leaves keeps its series until the frontend restarts: removing them when the frontend forgets it would
@@ -138,6 +142,40 @@ class WorkerInfoCollector(Collector):
         return iter([worker_info_family({})])
 
 
+def router_view_families(view: Mapping[str, Mapping[int, tuple[int, int | None]]]) -> list[Metric]:
+    """The router's own view of each worker (``Router.load_view``): requests in flight and indexed KV blocks."""
+    inflight = GaugeMetricFamily(
+        "kvmesh_frontend_router_inflight_requests",
+        "Requests in flight on the worker as the router of the frontend process that answers counts them (its own "
+        "and, with router replica sync, those its replicas placed)",
+        labels=["model", "worker"],
+    )
+    blocks = GaugeMetricFamily(
+        "kvmesh_frontend_router_kv_blocks",
+        "KV blocks the router of the frontend process that answers indexes for the worker (KV-aware policies)",
+        labels=["model", "worker"],
+    )
+    for model, by_id in sorted(view.items()):
+        for iid, (n, kv) in sorted(by_id.items()):
+            inflight.add_metric([model, f"{iid:x}"], float(n))
+            if kv is not None:
+                blocks.add_metric([model, f"{iid:x}"], float(kv))
+    return [inflight, blocks]
+
+
+class RouterViewCollector(Collector):
+    """Renders ``source()`` (``Router.load_view``) at scrape time."""
+
+    def __init__(self, source: Callable[[], Mapping[str, Mapping[int, tuple[int, int | None]]]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(router_view_families(self.source()))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(router_view_families({}))
+
+
 class PrefillQueueCollector(Collector):
     """Renders ``queues`` at scrape time (``clock``: the monotonic clock its reports were applied with)."""
 
@@ -234,6 +272,7 @@ class FrontendMetrics:
         clock: Callable[[], float] = time.monotonic,
         worker_metadata: Callable[[], Mapping[str, Mapping[int, Mapping[str, Any]]]] | None = None,
         multiprocess_dir: str | None = None,
+        router_view: Callable[[], Mapping[str, Mapping[int, tuple[int, int | None]]]] | None = None,
     ) -> None:
         self.policy = policy
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
@@ -329,6 +368,8 @@ class FrontendMetrics:
         self._render_registry.register(PrefillQueueCollector(self.prefill_queues, clock))
         if worker_metadata is not None:
             self._render_registry.register(WorkerInfoCollector(worker_metadata))
+        if router_view is not None:
+            self._render_registry.register(RouterViewCollector(router_view))
         self._models: dict[str, ModelMetrics] = {}
 
     def model(self, name: str) -> ModelMetrics:

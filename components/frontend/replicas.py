@@ -15,9 +15,11 @@ is a small supervisor that runs N ordinary ``kvmesh frontend`` processes instead
   socket bound with SO_REUSEPORT and never listened on holds it until the replicas listen; the kernel sends no
   connection to a socket that does not listen).
 - **Routing state, shared as the standalone router's replicas share it**: the replicas run with
-  ``router_replica_sync`` (unless it is switched off explicitly), so each counts the requests in flight that the
-  others placed (components/router/feed.py); each follows the workers' KV events itself, so every replica's KV
-  index holds the same blocks and a repeated prefix goes to its holder whichever replica takes it.
+  ``router_replica_sync`` when the policy reads in-flight counts (every policy but round robin and random;
+  ``RoutingPolicy.uses_inflight``; an explicit ``--router-replica-sync``/``--no-router-replica-sync`` wins), so
+  each counts the requests in flight that the others placed (components/router/feed.py); each follows the workers'
+  KV events itself, so every replica's KV index holds the same blocks and a repeated prefix goes to its holder
+  whichever replica takes it.
 - **/metrics, whichever replica answers**: prometheus_client's multiprocess mode. The replicas get
   ``PROMETHEUS_MULTIPROC_DIR`` (a fresh directory, removed at the end); each writes its counters, histograms and
   gauges there, and a scrape of any replica sums all of them (``inflight`` as the sum over live replicas). A
@@ -51,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 from components.frontend.config import FrontendConfig
+from components.router import make_policy
 from components.runtime import eventloop
 from components.runtime.config import RuntimeConfig
 from components.runtime.flags import argv_for, given_values
@@ -93,7 +96,8 @@ def replica_argv(
     """The command line of one replica: this frontend's given settings, on ``port``, with ``--replicas 1
     --reuse-port`` and replica sync (unless switched off explicitly). The API key goes through the environment."""
     values = {k: getattr(cfg, k) for k in sorted(cfg.model_fields_set) if k != "api_key"}
-    values.setdefault("router_replica_sync", True)
+    # Shared in-flight counts for a policy that reads them; round robin and random read none, and would only pay.
+    values.setdefault("router_replica_sync", make_policy(cfg).uses_inflight)
     values |= {"port": port, "replicas": 1, "reuse_port": True}
     runtime = argv_for(given_values(RuntimeConfig, args))
     return [python, "-m", "components.cli.main", "--log-level", log_level, "frontend", *runtime, *argv_for(values)]

@@ -42,7 +42,11 @@ class Frontend:
         self.router = Router(config)
         # Load metrics, KV events (KV policies) and replica sync; membership comes from the registry below.
         self.feed = RouterFeed(runtime, self.router, config.namespace, config.components)
-        self.metrics = FrontendMetrics(policy=self.router.policy.name, worker_metadata=self.router.worker_metadata)
+        self.metrics = FrontendMetrics(
+            policy=self.router.policy.name,
+            worker_metadata=self.router.worker_metadata,
+            router_view=self.router.load_view,
+        )
         # Prefill workers' queue reports -> the prefill-queue gauges of /metrics (disaggregated serving).
         self.prefill_queue = PrefillQueueFeed(runtime, config.namespace, self.metrics.prefill_queues)
         self.registry = ModelRegistry(runtime, config.namespace, config.components, self.router, tokenizer_loader)

@@ -65,7 +65,7 @@ class Tokenizer:
         if backend is not None:
             try:
                 same = all(
-                    list(hf.encode(_ENCODE_PROBE, add_special_tokens=s)) == backend.encode(_ENCODE_PROBE, s).ids
+                    list(hf.encode(_ENCODE_PROBE, add_special_tokens=s)) == backend.encode(_ENCODE_PROBE, add_special_tokens=s).ids
                     for s in (True, False)
                 )
             except Exception as e:  # noqa: BLE001 - any failure of the probe just keeps transformers' path
@@ -84,7 +84,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._backend_encode is not None:
-            ids: list[int] = self._backend_encode(text, add_special_tokens).ids
+            ids: list[int] = self._backend_encode(text, add_special_tokens=add_special_tokens).ids
             return ids
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
