@@ -53,6 +53,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import shutil
@@ -289,6 +290,7 @@ class VllmEngine:
         self.num_export_failures = 0  # ... and those it could not make (the destination then recomputes)
         self._reservations: dict[str, str] = {}  # incoming kv_transfer migration id -> request id
         self._failures_attributed = 0  # NIXL failures already counted as a failed pull
+        self._export_ids = itertools.count(1)
         # Both are replaced by what vLLM settled on once start() returns (max_model_len may come from the model).
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or 0
@@ -851,20 +853,28 @@ class VllmEngine:
         pullable and return the hand-off naming it (vLLM's ``kv_transfer_params``), or None when it cannot (not
         kv_transfer, not suspended, vLLM refused or failed): the destination then computes the request again.
 
-        vLLM exports nothing of an aborted request, so the suspended request's tokens are submitted again here as
-        a request of their own with ``max_tokens=1`` and ``do_remote_decode`` (nixl.py): its prefix cache still holds
-        the aborted request's whole blocks, so vLLM computes at most the last partial block (one to 32 tokens), then
-        keeps the blocks for a pull and names them. The token it samples is discarded: the destination samples the
-        request's next token itself, with the request's own sampling state. Blocks nobody pulls are freed when
-        ``kv_transfer_lease_s`` runs out (also when the migration fails after this: the request resumed here finds
-        them in its prefix cache meanwhile)."""
+        vLLM exports nothing of an aborted request, so the suspended request's tokens are submitted again
+        (``export_tokens``): its prefix cache still holds the aborted request's whole blocks, so vLLM computes at
+        most the last partial block. Blocks nobody pulls are freed when ``kv_transfer_lease_s`` runs out (also when
+        the migration fails after this: the request resumed here finds them in its prefix cache meanwhile)."""
         run = self._runs.get(request_id)
-        llm, v = self._llm, self._vllm
         if self.migration_mode != MigrationMode.KV_TRANSFER or run is None or not run.suspended:
             return None
-        if llm is None or v is None or llm.errored:
+        self.num_exports += 1
+        handoff = await self.export_tokens([*run.request.prompt_token_ids, *run.outputs], run.vllm_id)
+        if handoff is None:
+            self.num_export_failures += 1
+        return handoff
+
+    async def export_tokens(self, token_ids: list[int], name: str) -> dict[str, Any] | None:
+        """Compute ``token_ids`` (from the prefix cache where it holds them) as a request of their own with
+        ``max_tokens=1`` and ``do_remote_decode`` (nixl.py), keep their KV for a pull, and return the hand-off that
+        names it (checked: ``check_handoff``); None without a connector or when vLLM refused, failed or named
+        other blocks. The token vLLM samples is discarded: the target samples the next token itself, with the
+        request's own sampling state. ``name``: a prefix of the vLLM request id (logs)."""
+        llm, v = self._llm, self._vllm
+        if self.kv_role is None or llm is None or v is None or llm.errored:
             return None
-        tokens = [*run.request.prompt_token_ids, *run.outputs]
         params = v.SamplingParams(
             max_tokens=1,
             temperature=0.0,
@@ -872,23 +882,21 @@ class VllmEngine:
             detokenize=False,
             extra_args={"kv_transfer_params": dict(SOURCE_PARAMS)},
         )
-        self.num_exports += 1
         handoff: dict[str, Any] | None = None
-        stream = llm.generate(v.tokens_input(tokens), params, f"{run.vllm_id}#kv{self.num_exports}")
+        stream = llm.generate(v.tokens_input(list(token_ids)), params, f"{name}#kv{next(self._export_ids)}")
         try:
             async for out in stream:
                 if out.finished:
                     handoff = dict(out.kv_transfer_params or {})
                     break
         except (v.ClientError, v.EngineDeadError, v.EngineGenerateError) as exc:
-            logger.warning("vLLM engine %s: request %s: KV export failed: %r", self.name, request_id, exc)
+            logger.warning("vLLM engine %s: KV export of %s failed: %r", self.name, name, exc)
             handoff = None
         finally:
             await stream.aclose()
-        problem = check_handoff(handoff, len(tokens), self.block_size)
+        problem = check_handoff(handoff, len(token_ids), self.block_size)
         if problem is not None:
-            self.num_export_failures += 1
-            logger.warning("vLLM engine %s: request %s: no KV hand-off (%s)", self.name, request_id, problem)
+            logger.warning("vLLM engine %s: no KV hand-off for %s (%s)", self.name, name, problem)
             return None
         return handoff
 
