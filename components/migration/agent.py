@@ -304,8 +304,8 @@ class MigrationAgent:
         req = MigrateRequest.from_dict(body)
         if req.dst_instance_id == self.instance_id:
             raise MigrationError(f"worker {self.instance_id:x} cannot migrate requests to itself")
-        mode = self.mode if not req.mode else MigrationMode(req.mode)
-        if mode != MigrationMode.RECOMPUTE and mode != self.mode:
+        mode = MigrationMode(req.mode) if req.mode else None  # None: the engine's own, per request (_mode_for)
+        if mode is not None and mode != MigrationMode.RECOMPUTE and mode != self.mode:
             raise MigrationError(f"this worker's engine migrates by {self.mode} (or recompute), not {mode}")
         if req.request_ids:
             ids = list(req.request_ids)
@@ -348,17 +348,19 @@ class MigrationAgent:
     async def migrate_one(
         self, request_id: str, dst: int, component: str, mode: MigrationMode | None = None
     ) -> MigrationReport:
-        """Move one request to worker ``dst`` (of ``component``); the report says how it went. Never raises for a
-        migration that failed: that is the report's ``state``."""
-        mode = mode or self.mode
+        """Move one request to worker ``dst`` (of ``component``) by ``mode`` (None: the engine's own, ``_mode_for``);
+        the report says how it went. Never raises for a migration that failed: that is the report's ``state``."""
         loop = asyncio.get_running_loop()
-        report = MigrationReport(request_id, str(S.ABORTED_BY_SOURCE), mode=str(mode), src_instance_id=self.instance_id)
-        report.dst_instance_id = dst
+        report = MigrationReport(request_id, str(S.ABORTED_BY_SOURCE), mode=str(mode or self.mode))
+        report.src_instance_id, report.dst_instance_id = self.instance_id, dst
         t0 = loop.time()
         t = self._tracked.get(request_id)
         if t is None:
             report.reason = "not running here"
             return report
+        if mode is None:
+            mode = self._mode_for(t)
+            report.mode = str(mode)
         if not await self._wait_for_slot(loop.time() + self.config.migration_call_timeout_s):
             report.reason = f"no migration slot within {self.config.migration_call_timeout_s:g} s"
             return report
@@ -404,6 +406,17 @@ class MigrationAgent:
             m.downtime_s * 1e3,
         )
         return report
+
+    def _mode_for(self, t: _Tracked) -> MigrationMode:
+        """The engine's mode, except that a kv_transfer migration of a request shorter than
+        ``migration_kv_transfer_min_tokens`` (prompt + outputs so far) goes by recompute: below some length the
+        destination computes the tokens again sooner than a KV hand-off takes (measured in docs/migration.md)."""
+        mode = self.mode
+        if mode == MigrationMode.KV_TRANSFER and self.config.migration_kv_transfer_min_tokens:
+            r = t.request
+            if len(r.token_ids) - r.num_output_tokens + t.position < self.config.migration_kv_transfer_min_tokens:
+                return MigrationMode.RECOMPUTE
+        return mode
 
     async def _wait_for_slot(self, deadline: float) -> bool:
         loop = asyncio.get_running_loop()

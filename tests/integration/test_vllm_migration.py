@@ -31,7 +31,7 @@ from components.cli.status import collect, render_table
 from components.frontend import Frontend, FrontendConfig
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_MIGRATE
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
-from components.protocol.migration import MigrateRequest, MigratingRequest, MigrationReport
+from components.protocol.migration import MigrateRequest, MigratingRequest, MigrationMode, MigrationReport
 from components.runtime import Runtime, RuntimeConfig
 from components.runtime.servers import EtcdServer, NatsServer
 from components.workers.config import EngineKind, WorkerConfig
@@ -308,6 +308,47 @@ async def test_a_hand_off_at_and_around_a_block_boundary_continues_exactly(pair:
         computed, hits, pulled = (x - y for x, y in zip(prompt_counters(b), before, strict=True))
         assert computed == 0 and hits + pulled == n, (k, computed, hits, pulled)
     assert a.dead_reason() is None and b.dead_reason() is None
+
+
+@requires_nixl
+async def test_a_kv_transfer_source_facing_a_recompute_destination_exports_nothing(pair: Pair):
+    """A destination whose engine cannot pull (here b announces recompute, as one started without NIXL would) answers
+    the reservation with its mode: the source suspends, exports nothing and commits for a recompute, which the
+    report and the counters say; the tokens are still the unmoved ones."""
+    a, b = pair.a.engine, pair.b.engine
+    assert isinstance(a, VllmEngine) and isinstance(b, VllmEngine)
+    req = gen_request("to-recompute", prompt_of(100, 3), 60)
+    expected = await unmoved(pair, req, on=pair.a)
+    exports = a.num_exports
+    b.migration_mode = MigrationMode.RECOMPUTE  # type: ignore[assignment]
+    try:
+        got, hops, _ = await move_mid_decode(pair, req, [(pair.a, pair.b)], every=20)
+    finally:
+        b.migration_mode = MigrationMode.KV_TRANSFER  # type: ignore[assignment]
+    assert [(h.report.state, h.report.mode) for h in hops] == [("committed", "recompute")]
+    assert got == expected and a.num_exports == exports
+    computed, hits, pulled = hops[0].counted or (-1, -1, -1)
+    assert pulled == 0 and computed + hits == hops[0].num_tokens
+
+
+@requires_nixl
+async def test_a_request_shorter_than_the_kv_transfer_minimum_moves_by_recompute(pair: Pair):
+    """``migration_kv_transfer_min_tokens``: a request with fewer tokens moves by recompute when the migrate call
+    leaves the mode to the worker; one that names kv_transfer still gets it."""
+    agent, a = pair.a.agent, pair.a.engine
+    assert agent is not None and isinstance(a, VllmEngine)
+    original = agent.config
+    agent.config = original.model_copy(update={"migration_kv_transfer_min_tokens": 1000})
+    try:
+        for mode, ran in (("", "recompute"), ("kv_transfer", "kv_transfer")):
+            req = gen_request(f"short-{mode or 'best'}", prompt_of(200, 11 + len(mode)), 50)
+            expected = await unmoved(pair, req, on=pair.a)
+            exports = a.num_exports
+            got, hops, _ = await move_mid_decode(pair, req, [(pair.a, pair.b)], every=10, mode=mode)
+            assert [(h.report.state, h.report.mode) for h in hops] == [("committed", ran)]
+            assert got == expected and a.num_exports == exports + (ran == "kv_transfer")
+    finally:
+        agent.config = original
 
 
 async def test_the_workers_counters_reach_the_frontends_metrics(pair: Pair):
