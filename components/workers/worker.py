@@ -12,9 +12,11 @@ fleet within a check interval instead of failing every request routed to it unti
 ``dead`` (``kvmesh worker`` exits 1 once all its workers are dead, for its supervisor to start a fresh one).
 
 Migration (components/migration/agent.py): a worker whose engine can move requests (``supports_migration``: the
-simulated engine live, vLLM by recompute) runs a ``MigrationAgent``: every request's stream goes through it, and it
-serves ``migrate``, ``migrate_in`` and ``abort`` on the worker's instance id; ``migration_mode`` in the metadata says
-how. When the engine dies, or on ``stop()``, the worker first says on the event plane that it takes no new requests
+simulated engine live, vLLM by kv_transfer or recompute) runs a ``MigrationAgent``: every request's stream goes
+through it, and it serves ``migrate``, ``migrate_in`` and ``abort`` on the worker's instance id; ``migration_mode``
+in the metadata says how, and its counters (by direction, outcome and the mode that ran) go out on
+``migration_counters`` whenever they change and every ``MIGRATION_COUNTERS_REPEAT_S`` (the frontend exports them).
+When the engine dies, or on ``stop()``, the worker first says on the event plane that it takes no new requests
 (``WorkerStatus`` on ``worker_status``, repeated every ``metrics_interval_ms`` while it is registered), so routers
 stop choosing it at once; its ``generate`` registration stays until its requests are gone (drained, or moved off by
 the rescheduler), then goes.

@@ -164,8 +164,8 @@ class VllmEngineConfig(BaseModel):
         "docs/migration.md). auto: kv_transfer when NIXL is installed and the engine starts with its connector "
         "(kv_both), else recompute (the log says why); kv_transfer: NIXL or the engine does not start; recompute: "
         "no connector for migration (an aggregated worker then loads none), the destination computes prompt + "
-        "outputs again. The connector costs ~1-2 s of start-up and nothing measurable per request "
-        "(docs/vllm-cpu.md).",
+        "outputs again. The connector cost nothing measurable in start-up, idle CPU or per request on the CPU test "
+        "machine (docs/migration.md).",
     )
     kv_transfer_lease_s: int = Field(
         default=10,

@@ -27,21 +27,31 @@ cannot run any of that; vLLM's processes then die by their lifeline (hooks.py: a
 its parent is gone), and the private directory holding vLLM's ipc sockets (``VLLM_RPC_BASE_PATH``, one per worker
 process, with the KV-event sockets inside) is removed by them, or at a normal exit by this process.
 
-Disaggregated serving (prefill and decode workers' engines only): ``start()`` decides ``remote_prefill_mode``
-(``nixl.choose_remote_prefill_mode``) and, for kv_transfer, builds the engine with kvmesh's NIXL connector (a
-``kv_producer`` for a prefill worker, a ``kv_consumer`` for a decode worker; one free handshake port each);
-``prefill_handoff`` keeps a prompt's KV for a pull and ``generate_remote`` pulls it, or recomputes (nixl.py).
+KV connector: ``start()`` decides ``remote_prefill_mode`` (``nixl.choose_remote_prefill_mode``, prefill and decode
+workers) and ``migration_mode`` (``nixl.choose_migration_mode``, aggregated and decode workers) and, where either is
+kv_transfer, builds the engine with kvmesh's NIXL connector in the role they need together (``nixl.connector_role``:
+``kv_producer`` for a prefill worker, ``kv_consumer`` for a decode worker that only pulls prompts, ``kv_both`` for an
+engine that migrates: a source and a target; one free handshake port each). If the engine does not start with it and
+no mode required it, it starts again without, and both modes say recompute.
 
-Migration (components/migration/engine.py), by **recompute**: no vLLM KV connector moves a running request's blocks
-here (``migration_mode``). ``suspend`` aborts the request in vLLM (its full blocks stay in the prefix cache); the
-stream delivers what vLLM produced before, then a ``SuspendedChunk``. ``commit_migration`` on another engine
-continues it as a *continuation* request: prompt plus the outputs so far, ``max_tokens`` less them, and for a seeded
-request ``extra_args[SAMPLER_DRAWS_KEY]`` = the number of outputs, which hooks.py turns into the sampler draws the
-earlier engine made, so greedy and seeded output are exactly the unmoved request's. ``resume`` continues it the same
-way on this engine (its prefix cache holds nearly all of it). A KV-transfer mode would implement
-``reserve_migration`` (register the request's blocks with a NIXL connector), the copy stages (the connector's pull)
-and ``commit_migration`` with ``kv_transfer_params`` (``do_remote_prefill``) in the continuation's
-``SamplingParams``; /work/shared/notes/vllm-kv-transfer.md measured that path (docs/migration.md).
+Disaggregated serving: ``prefill_handoff`` keeps a prompt's KV for a pull and ``generate_remote`` pulls it, or
+recomputes (nixl.py).
+
+Migration (components/migration/engine.py). ``suspend`` aborts the request in vLLM (its full blocks stay in the prefix
+cache); the stream delivers what vLLM produced before, then a ``SuspendedChunk``. ``commit_migration`` on another
+engine continues it as a *continuation* request: prompt plus the outputs so far, ``max_tokens`` less them, and for a
+seeded request ``extra_args[SAMPLER_DRAWS_KEY]`` = the number of outputs, which hooks.py turns into the sampler draws
+the earlier engine made, so greedy and seeded output are exactly the unmoved request's. ``resume`` continues it the
+same way on this engine (its prefix cache holds nearly all of it). Two modes:
+
+* **kv_transfer** (``migration_mode``, with the connector): vLLM exports nothing of an aborted request, so the
+  suspended request's tokens are submitted again here with ``max_tokens=1`` and ``do_remote_decode``
+  (``export_kv``/``export_tokens``: served from the prefix cache, at most the last partial block computed), and the
+  final output's ``kv_transfer_params`` name the kept blocks; the destination's ``reserve_migration`` checks room
+  beforehand, and its ``commit_migration`` submits the continuation with those params, so vLLM pulls the blocks it
+  lacks and computes only the last token (a hand-off it cannot use, ``nixl.check_handoff``, is recomputed; a pull
+  that fails too, by vLLM, and is counted in ``migrations_in.pull_failed``).
+* **recompute**: the continuation carries no KV; the destination computes prompt + outputs again.
 
 Imports vLLM lazily (in ``start()``), so importing this module costs nothing and the mock path never loads vLLM.
 """
@@ -260,8 +270,8 @@ class _Run:
 class VllmEngine:
     """A vLLM engine. ``start()`` it (~10 s), ``generate()`` on it, ``shutdown()`` it (~4 s)."""
 
-    # Until start() has decided (``nixl.choose_remote_prefill_mode``): what a decode engine without a connector does.
-    # A migrated request is computed again on its new engine (module docstring): no KV-transfer migration yet.
+    # Until start() has decided (``nixl.choose_remote_prefill_mode``, ``choose_migration_mode``): what an engine
+    # without a connector does.
     remote_prefill_mode = RemotePrefillMode.RECOMPUTE
     migration_mode = MigrationMode.RECOMPUTE
 
