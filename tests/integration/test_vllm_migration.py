@@ -87,6 +87,11 @@ async def pair(tmp_path_factory):
     workers: list[Worker] = []
     frontend: Frontend | None = None
     try:
+        client_rt = await Runtime.connect(rcfg)
+        runtimes.append(client_rt)
+        # The frontend first: it hears the counters each worker publishes as it starts.
+        frontend = Frontend(FrontendConfig(namespace=NS, port=0), client_rt)
+        await frontend.start()
         a_pids: list[int] = []
         for i in range(2):  # each worker on its own runtime, as two processes would be
             rt = await Runtime.connect(rcfg)
@@ -105,15 +110,11 @@ async def pair(tmp_path_factory):
             await worker.start()
             if i == 0:
                 a_pids = sorted(vllm_children() - before)
-        client_rt = await Runtime.connect(rcfg)
-        runtimes.append(client_rt)
         comp = client_rt.namespace(NS).component("backend")
         generate = await comp.endpoint(ENDPOINT_GENERATE).client()
         migrate = await comp.endpoint(ENDPOINT_MIGRATE).client()
         await generate.wait_for_instances(2, timeout_s=10)
         await migrate.wait_for_instances(2, timeout_s=10)
-        frontend = Frontend(FrontendConfig(namespace=NS, port=0), client_rt)
-        await frontend.start()
         registry = frontend.registry
         await wait_until(lambda: "tiny-llama" in registry.models and len(registry.models["tiny-llama"].instances) == 2)
         yield Pair(workers, client_rt, generate, migrate, frontend=frontend, runtime_config=rcfg, a_pids=a_pids)
@@ -209,8 +210,8 @@ async def test_workers_say_how_they_migrate_in_metadata_metrics_and_status(pair:
     body = pair.frontend.metrics.render().decode()
     info = re.findall(r"^kvmesh_frontend_worker_info\{(.*)\} 1\.0$", body, re.M)
     assert len(info) == 2 and all(f'migration_mode="{MODE}"' in i for i in info), info
-    # Every worker publishes its counters (nothing counted yet) at start, before this frontend listened, and again
-    # every MIGRATION_COUNTERS_REPEAT_S (10 s): the frontend knows both within that.
+    # Every worker publishes its counters (nothing counted yet) as it starts, and again every
+    # MIGRATION_COUNTERS_REPEAT_S (10 s): the frontend knows both.
     for w in (pair.a, pair.b):
         labels = {"model": "tiny-llama", "worker": f"{w.instance_id:x}"}
         await wait_until(
@@ -374,31 +375,33 @@ async def test_the_workers_counters_reach_the_frontends_metrics(pair: Pair):
 
 @requires_nixl
 async def test_a_pull_that_fails_after_the_hand_off_is_recomputed_and_the_stream_is_whole(pair: Pair):
-    """The source's vLLM processes are SIGKILLed just after the hand-off, when the destination takes the commit
-    (before its engine pulls): the pull fails, vLLM computes the request again (kv_load_failure_policy=recompute),
+    """The source's vLLM processes are SIGKILLed just after the hand-off (once the export has named the KV, before
+    the commit): the destination's pull fails, vLLM computes the request again (kv_load_failure_policy=recompute),
     and the client's tokens are still exactly the unmoved ones; the destination counts a failed pull and /metrics
     shows it. Last in the module: worker a's engine is dead afterwards."""
-    b = pair.b.engine
-    assert isinstance(b, VllmEngine)
+    a, b = pair.a.engine, pair.b.engine
+    assert isinstance(a, VllmEngine) and isinstance(b, VllmEngine)
     prompt = prompt_of(300, 77)
     req = gen_request("pull-fails", prompt, 80)
     expected = await unmoved(pair, req)  # on b: a is about to die
     failed_before = b.migrations_in.pull_failed
     victims = [psutil.Process(pid) for pid in pair.a_pids]
-    original = b.commit_migration
+    original = a.export_kv
 
-    def commit_after_killing_the_source(migration_id: str | None, request: MigratingRequest) -> Any:
-        assert request.kv_transfer_params, "the source exported nothing"
+    async def export_then_die(request_id: str) -> dict[str, Any] | None:
+        handoff = await original(request_id)
+        assert handoff, "the source exported nothing"
         for p in victims:
             p.kill()
-        psutil.wait_procs(victims, timeout=5)
-        return original(migration_id, request)
+        _, alive = await asyncio.to_thread(psutil.wait_procs, victims, 10)
+        assert not alive
+        return handoff
 
-    b.commit_migration = commit_after_killing_the_source  # type: ignore[method-assign]
+    a.export_kv = export_then_die  # type: ignore[method-assign]
     try:
         got, hops, _ = await move_mid_decode(pair, req, [(pair.a, pair.b)], every=20)
     finally:
-        del b.commit_migration
+        del a.export_kv
     assert [h.report.state for h in hops] == ["committed"]
     assert hops[0].report.mode == "kv_transfer"  # what was committed; the pull then failed
     assert got == expected
