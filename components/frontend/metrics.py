@@ -25,6 +25,19 @@ that read it: absent while no alive prefill worker could read it) and ``prefill_
 they all went silent). They are computed at scrape time from the reports (a collector, not gauges set on every
 report), so a silent worker stops counting without a timer, and a queue nobody reads is not shown as empty.
 
+Migrations as the workers count them (``components.frontend.migration_counters`` follows their
+``MigrationCountersReport``s on ``TOPIC_MIGRATION_COUNTERS``), rendered at scrape time with the worker's own
+cumulative values: ``kvmesh_worker_migrations_total{model,worker,direction,outcome,mode}`` (``direction`` out: the
+worker was the source, in: the destination; ``outcome`` committed, aborted_by_source, aborted_by_destination, or
+refused at the worker's cap; ``mode`` the one that ran for a committed migration, ``kv_transfer``, ``live`` or
+``recompute``: a kv_transfer worker whose migration had to recompute, because the destination could not pull or the
+source could not export, counts it as recompute), ``kvmesh_worker_migration_kv_pull_failures_total{model,worker}``
+(of the kv_transfer migrations a worker took, those whose pull failed and which its engine computed again),
+``kvmesh_worker_migration_aborts_forwarded_total`` and ``kvmesh_worker_migration_uncertain_commits_total``. They are
+``kvmesh_worker_*``, not ``kvmesh_frontend_*``: every frontend of a namespace relays the same numbers, which are the
+workers' and not what this frontend saw (that is ``kvmesh_frontend_migrations_total``). A worker silent for 5 minutes
+is dropped with its series.
+
 Cardinality: one ``worker`` value per worker that ever served a request through this frontend, never one per request.
 A worker that leaves keeps its series until the frontend restarts: removing them when the frontend forgets it would
 lose the increments since the last scrape, and the frontend does not know when that was. A fleet that churns through
@@ -38,9 +51,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from components.frontend.migration_counters import MigrationCounters, WorkerCounters
 from components.router.prefill_queue import PrefillQueues, PrefillQueueView
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
@@ -114,6 +128,60 @@ def worker_info_family(workers: Mapping[str, Mapping[int, Mapping[str, Any]]]) -
             ]
             family.add_metric(labels, 1.0)
     return family
+
+
+MIGRATION_LABELS = ("model", "worker", "direction", "outcome", "mode")
+# (name without _total, help, the MigrationCountersReport field) of the per-worker totals beside the outcomes.
+MIGRATION_TOTALS = (
+    (
+        "kvmesh_worker_migration_kv_pull_failures",
+        "kv_transfer migrations a worker took whose KV pull failed (its engine computed the request again)",
+        "kv_pull_failures",
+    ),
+    (
+        "kvmesh_worker_migration_aborts_forwarded",
+        "Aborts a worker forwarded to where a request had moved",
+        "aborts_forwarded",
+    ),
+    (
+        "kvmesh_worker_migration_uncertain_commits",
+        "Migration commits a worker got no answer to (the request ended there with a recoverable error)",
+        "uncertain_commits",
+    ),
+)
+
+
+def migration_families(workers: list[WorkerCounters]) -> list[Metric]:
+    """The workers' migration counters (module docstring), one sample per worker and row."""
+    outcomes = CounterMetricFamily(
+        "kvmesh_worker_migrations",
+        "Migrations of running requests as each worker counts them, by direction (out: source, in: destination), "
+        "outcome (committed, aborted_by_source, aborted_by_destination, refused) and the mode that ran (kv_transfer, "
+        "live, recompute)",
+        labels=list(MIGRATION_LABELS),
+    )
+    totals = [CounterMetricFamily(name, doc, labels=["model", "worker"]) for name, doc, _ in MIGRATION_TOTALS]
+    for w in workers:
+        r, worker = w.report, f"{w.instance_id:x}"
+        for o in r.outcomes:
+            outcomes.add_metric([r.model, worker, o.direction, o.outcome, o.mode], float(o.count))
+        for family, (_, _, field) in zip(totals, MIGRATION_TOTALS, strict=True):
+            family.add_metric([r.model, worker], float(getattr(r, field)))
+    return [outcomes, *totals]
+
+
+class MigrationCountersCollector(Collector):
+    """Renders ``counters`` at scrape time (``clock``: the monotonic clock its reports were applied with)."""
+
+    def __init__(self, counters: MigrationCounters, clock: Callable[[], float]) -> None:
+        self.counters = counters
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(migration_families(self.counters.workers(self.clock())))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(migration_families([]))
 
 
 class WorkerInfoCollector(Collector):
@@ -225,6 +293,8 @@ class FrontendMetrics:
     ) -> None:
         self.policy = policy
         self.prefill_queues = prefill_queues if prefill_queues is not None else PrefillQueues()
+        # The workers' migration counters (components.frontend.migration_counters fills it), read with ``clock``.
+        self.migration_counters = MigrationCounters()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -303,6 +373,7 @@ class FrontendMetrics:
             registry=r,
         )
         r.register(PrefillQueueCollector(self.prefill_queues, clock))
+        r.register(MigrationCountersCollector(self.migration_counters, clock))
         if worker_metadata is not None:
             r.register(WorkerInfoCollector(worker_metadata))
         self._models: dict[str, ModelMetrics] = {}
