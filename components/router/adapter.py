@@ -47,7 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from components.protocol.kv_hashing import HASH_SCHEME_VERSION, PromptHashes
+from components.protocol.kv_hashing import HASH_SCHEME_VERSION, HashMemo, PromptHashes
 from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
 from components.protocol.metadata import WorkerMetadata, stale_after
 from components.router.config import RouterConfig
@@ -239,6 +239,8 @@ class Router:
         # never match this router's prompt hashes, so they are not indexed.
         self._foreign_hashes: set[int] = set()
         self._step_time: dict[int, StepTime] = {}  # instance id -> its announced step-time model, parsed
+        # Block size -> the hashes of recently seen prompt chunks (``prepare``); one per block size a model uses.
+        self._hash_memos: dict[int, HashMemo] = {}
 
     # --- membership -------------------------------------------------------------------------------------------------
 
@@ -408,7 +410,14 @@ class Router:
             return request
         state = self._models.get(request.model)
         bs = state.block_size if state is not None else DEFAULT_BLOCK_SIZE
-        return _with_fields(request, _AT_BLOCK_SIZE, bs, _AT_BLOCK_HASHES, PromptHashes(request.token_ids, bs))
+        memo = self._hash_memos.get(bs)
+        if memo is None:
+            memo = self._hash_memos[bs] = HashMemo(bs, self.config.prompt_hash_cache_blocks)
+        return _with_fields(request, _AT_BLOCK_SIZE, bs, _AT_BLOCK_HASHES, PromptHashes(request.token_ids, bs, memo))
+
+    def hash_memo(self, block_size: int) -> HashMemo | None:
+        """The memo of prompt-chunk hashes for ``block_size`` (``prepare``); None before a prompt of that size."""
+        return self._hash_memos.get(block_size)
 
     def select(self, request: RouteRequest) -> RouteDecision:
         """Ask the policy; raise ``NoWorkersError`` when it places the request nowhere."""

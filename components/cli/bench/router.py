@@ -91,7 +91,7 @@ POLICIES = ("kv", "round_robin", "least_loaded")
 # A new conversation turn: one Mooncake block (512 tokens), appended to a cached conversation's prefix.
 NEW_TURN_TOKENS = 512
 METRICS_INTERVAL_S = 0.1  # the workers' default load-report interval (WorkerConfig.metrics_interval_ms)
-VOCAB = 256
+VOCAB = 128_256  # Llama 3's vocabulary: token ids are ints of up to 17 bits, each its own object
 
 
 def _stats_us(samples_ns: Sequence[int]) -> dict[str, float | None]:
@@ -108,23 +108,30 @@ def _r(x: float | None, nd: int = 1) -> float | None:
 
 @dataclasses.dataclass
 class Fleet:
-    """The workload of one fleet size: workers, what each caches (block hashes in storing order), the requests."""
+    """The workload of one fleet size: workers, what each caches (block hashes in storing order), the prompts."""
 
     worker_ids: list[int]
     held: dict[int, list[int]]  # every worker's blocks, oldest first
     runs: dict[int, list[tuple[list[int], int | None]]]  # the same as chained runs: (hashes, parent of the first)
-    requests: list[list[int]]
+    shared: list[int]  # the system prompt every request starts with
+    families: list[list[int]]  # the cached conversations (8k tokens each)
+    requests: list[list[int]]  # sample prompts for measure_overlaps (decisions draw fresh ones: next_prompt)
     indexed_blocks: int
 
 
+def _fresh(rng: random.Random, n: int) -> list[int]:
+    """``n`` new token ids, as a tokenizer would produce: ints of a 128k vocabulary, new objects."""
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
 def build_fleet(n_workers: int, args: argparse.Namespace, rng: random.Random) -> Fleet:
-    """Who holds what, and the requests to place (see the module docstring); hashes are the real chained hashes."""
+    """Who holds what, and sample prompts (see the module docstring); hashes are the real chained hashes."""
     bs = args.block_size
     n_tokens = args.prompt_tokens
     worker_ids = sorted(rng.sample(range(1, 2**63), n_workers))  # instance ids are random 63-bit ints in etcd
-    shared = [rng.randrange(VOCAB) for _ in range(args.shared_prefix_tokens)]
+    shared = _fresh(rng, args.shared_prefix_tokens)
     shared_hashes = block_hashes(shared, bs)
-    families = [shared + [rng.randrange(VOCAB) for _ in range(n_tokens - len(shared))] for _ in range(args.families)]
+    families = [shared + _fresh(rng, n_tokens - len(shared)) for _ in range(args.families)]
     family_hashes = [block_hashes(f, bs) for f in families]
     n_blocks = n_tokens // bs
     # Each worker's share; the first (indexed_blocks % n_workers) get one more, so the shares sum to indexed_blocks.
@@ -147,15 +154,25 @@ def build_fleet(n_workers: int, args: argparse.Namespace, rng: random.Random) ->
             for i in range(0, short, n_blocks):
                 runs[w].append(([rng.getrandbits(64) for _ in range(min(n_blocks, short - i))], None))
     held = {w: [h for run, _ in rs for h in run] for w, rs in runs.items()}
-    keep = n_tokens - NEW_TURN_TOKENS
-    requests = []
-    for _ in range(args.request_pool):
-        turn = [rng.randrange(VOCAB) for _ in range(n_tokens - keep)]
-        if families and rng.random() < args.hit_fraction:
-            requests.append(rng.choice(families)[:keep] + turn)
-        else:
-            requests.append(shared + [rng.randrange(VOCAB) for _ in range(n_tokens - len(shared))])
-    return Fleet(worker_ids, held, runs, requests, sum(len(h) for h in held.values()))
+    samples = [next_prompt(shared, families, args, rng) for _ in range(args.request_pool)]
+    return Fleet(worker_ids, held, runs, shared, families, samples, sum(len(h) for h in held.values()))
+
+
+def next_prompt(
+    shared: list[int], families: list[list[int]], args: argparse.Namespace, rng: random.Random
+) -> list[int]:
+    """One request's prompt, never sent before: a cached conversation's next turn (its history, then a new
+    ``NEW_TURN_TOKENS`` turn; ``--hit-fraction`` of them) or a new conversation (the system prompt, then new text)."""
+    n_tokens = args.prompt_tokens
+    if families and rng.random() < args.hit_fraction:
+        return rng.choice(families)[: n_tokens - NEW_TURN_TOKENS] + _fresh(rng, NEW_TURN_TOKENS)
+    return shared + _fresh(rng, n_tokens - len(shared))
+
+
+def previous_turn(family: list[int]) -> list[int]:
+    """The prompt of a cached conversation's previous turn: its history less the last turn, one new turn shorter
+    than the requests that continue it (``next_prompt``)."""
+    return family[: max(0, len(family) - 2 * NEW_TURN_TOKENS)]
 
 
 def _load_snapshot(now_s: float, rng: random.Random) -> LoadSnapshot:
@@ -174,10 +191,24 @@ def _load_snapshot(now_s: float, rng: random.Random) -> LoadSnapshot:
     )
 
 
-def new_router(policy: str, fleet: Fleet, seed: int, bs: int) -> Router:
-    router = Router(RouterConfig(router_policy=policy, router_seed=seed))
+def new_router(policy: str, fleet: Fleet, seed: int, bs: int, memo_blocks: int | None = None) -> Router:
+    config = RouterConfig(router_policy=policy, router_seed=seed)
+    if memo_blocks is not None:
+        config = config.model_copy(update={"prompt_hash_cache_blocks": memo_blocks})
+    router = Router(config)
     router.set_workers(MODEL, [(w, {"model": MODEL, "block_size": bs}) for w in fleet.worker_ids])
     return router
+
+
+def replay_previous_turns(router: Router, fleet: Fleet) -> None:
+    """Place nothing, but hash every cached conversation's previous turn as ``select`` would have when this router
+    placed it (its workers cache it because a router placed its earlier turns): what a router that has been running
+    holds in its memo of prompt-chunk hashes (``Router.prepare``). Untimed. A no-op for policies that hash nothing."""
+    now = time.monotonic()
+    for family in fleet.families:
+        prepared = router.prepare(RouteRequest(previous_turn(family), MODEL, now))
+        if prepared.block_hashes is not None:
+            list(prepared.block_hashes)
 
 
 def load_index(router: Router, fleet: Fleet, bs: int, chunk: int = 512) -> dict[int, int]:
@@ -216,7 +247,9 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
     overlap_blocks = 0
     prompt_blocks = 0
     n = args.warmup + args.decisions
-    pool = fleet.requests
+    prompt_rng = random.Random(args.seed + 2)
+    memo = router.hash_memo(args.block_size) if hasattr(router, "hash_memo") else None
+    memo_at_start = (memo.hits, memo.misses, memo.blocks_reused) if memo is not None else None
     gc.collect()
     for i in range(n):
         # Untimed: load reports that arrived since the last decision (the event loop interleaves them).
@@ -226,7 +259,10 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             t = time.monotonic()
             router.apply_load(workers[next_reporter], _load_snapshot(t, rng), t)
             next_reporter = (next_reporter + 1) % len(workers)
-        request = RouteRequest(pool[i % len(pool)], MODEL, time.monotonic())
+        if i == args.warmup and memo is not None:
+            memo_at_start = (memo.hits, memo.misses, memo.blocks_reused)
+        prompt = next_prompt(fleet.shared, fleet.families, args, prompt_rng)  # untimed: the tokenizer's work
+        request = RouteRequest(prompt, MODEL, time.monotonic())
         t0 = time.perf_counter_ns()
         prepared = router.prepare(request)
         t1 = time.perf_counter_ns()
@@ -248,7 +284,8 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             overlap_blocks += decision.overlap_blocks
             prompt_blocks += len(prepared.token_ids) // args.block_size
             if isinstance(prepared.block_hashes, PromptHashes):
-                # Untimed for the decision: the hashing select did, done again on a fresh lazy prompt.
+                # Untimed for the decision: the hashes select read, chained again without a memo (what they cost
+                # where no earlier prompt shared their chunks).
                 k = prepared.block_hashes.num_computed
                 again = PromptHashes(prepared.token_ids, prepared.block_size)
                 t3 = time.perf_counter_ns()
@@ -263,6 +300,17 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             out["hashing_us"] = _stats_us(hashing_ns)
             out["hashed_blocks"] = round(hashed_blocks / len(hashing_ns), 1)
         out["routed_cached_fraction"] = round(overlap_blocks / prompt_blocks, 3) if prompt_blocks else None
+        if memo is not None and memo_at_start is not None and total_ns:
+            hits, misses, reused = (
+                now_ - then
+                for now_, then in zip((memo.hits, memo.misses, memo.blocks_reused), memo_at_start, strict=True)
+            )
+            out["hash_memo"] = {
+                "max_blocks": memo.max_blocks,
+                "chunk_hits": hits,
+                "chunk_misses": misses,
+                "blocks_reused_per_decision": round(reused / len(total_ns), 1),
+            }
     return out
 
 
@@ -390,7 +438,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(args.seed)
         t0 = time.perf_counter()
         fleet = build_fleet(n_workers, args, rng)
-        kv = new_router("kv", fleet, args.seed, bs)
+        kv = new_router("kv", fleet, args.seed, bs, args.prompt_hash_cache_blocks)
         next_id = load_index(kv, fleet, bs)
         entry: dict[str, Any] = {
             "workers": n_workers,
@@ -403,9 +451,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if policy == "kv":
                 router = kv
             else:
-                router = new_router(policy, fleet, args.seed, bs)
+                router = new_router(policy, fleet, args.seed, bs, args.prompt_hash_cache_blocks)
                 if router.uses_kv:  # the same cache contents as kv's (without them no search, no hashing past block 32)
                     load_index(router, fleet, bs)
+            replay_previous_turns(router, fleet)
             entry["policies"][policy] = measure_decisions(router, fleet, args, random.Random(args.seed))
             del router
         entry["kv_overlaps_only_us"] = measure_overlaps(kv, fleet, bs)
@@ -434,6 +483,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "families": args.families,
         "replicas": args.replicas,
         "hit_fraction": args.hit_fraction,
+        "prompt_hash_cache_blocks": args.prompt_hash_cache_blocks,
         "results": results,
         "ingest": ingest,
         "targets": {
@@ -473,11 +523,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=4, help="workers caching a prefix of each conversation")
     p.add_argument("--shared-prefix-tokens", type=int, default=512, help="system prompt every worker caches")
     p.add_argument("--hit-fraction", type=float, default=0.8, help="requests continuing a cached conversation")
-    p.add_argument("--request-pool", type=int, default=256, help="distinct prompts, cycled through")
+    p.add_argument("--request-pool", type=int, default=256, help="sample prompts for kv_overlaps_only_us")
     p.add_argument("--in-flight-per-worker", type=int, default=4, help="requests in flight per worker (load counts)")
     p.add_argument("--arrival-rate", type=float, default=1000.0, help="requests/s that set load reports per decision")
     p.add_argument("--ingest-blocks", type=int, default=2_000_000, help="block events per ingest measurement; 0: skip")
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the routers")
+    p.add_argument(
+        "--prompt-hash-cache-blocks",
+        type=int,
+        default=None,
+        help="the routers' memo of prompt-chunk hashes (RouterConfig.prompt_hash_cache_blocks; default: its "
+        "default); 0: every prompt is hashed in full, as a router that never saw the conversations' earlier turns",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
