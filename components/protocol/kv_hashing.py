@@ -75,6 +75,11 @@ if array("I").itemsize != 4:  # pragma: no cover - every platform CPython suppor
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes. Raises ``ValueError`` for an id outside ``[0, 2**32)``."""
+    return _pack(token_ids).tobytes()
+
+
+def _pack(token_ids: Sequence[int]) -> array[int]:
+    """``pack_token_ids`` as an ``array('I')`` (its buffer is those bytes), without copying them out."""
     try:
         if type(token_ids) is list:
             packed = array("I")
@@ -85,7 +90,7 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must be in [0, {_U32_MAX}]: {exc}") from exc
     if sys.byteorder == "big":  # pragma: no cover - no big-endian CI machine; kept so hashes agree across hosts
         packed.byteswap()
-    return packed.tobytes()
+    return packed
 
 
 def num_full_blocks(num_tokens: int, block_size: int) -> int:
@@ -245,7 +250,7 @@ class PromptHashes(Sequence[int]):
         self._out: list[int] = []
         self._last = ROOT_SEED
         self._memo = memo if memo is not None and memo.block_size == block_size and memo.max_blocks else None
-        self._buf = b""
+        self._buf: array[int] = array("I")  # the packed tokens so far (with a memo: ``_packed``)
 
     def __len__(self) -> int:
         return self._n
@@ -262,47 +267,51 @@ class PromptHashes(Sequence[int]):
         bs = self._bs
         memo = self._memo
         if memo is None:
-            buf = pack_token_ids(self._tokens[done * bs : k * bs])
-            self._last = _chain(buf, bs * 4, self._last, self._out)
+            packed = pack_token_ids(self._tokens[done * bs : k * bs])
+            self._last = _chain(packed, bs * 4, self._last, self._out)
             return
         # Whole chunks from a multiple of ``chunk`` (``done`` always is one here), so that prompts sharing a prefix
         # cut it into the same chunks.
         k = min(self._n, -(-k // chunk) * chunk)
         stride = bs * 4
-        buf = self._packed(k * stride)
         size = chunk * stride
         out = self._out
         last = self._last
-        for off in range(done * stride, k * stride, size):
-            piece = buf[off : off + size]
-            key = _xxh3_128(piece, last)
-            hashes = memo.get(key)
-            if hashes is None:
-                start = len(out)
-                last = _chain(piece, stride, last, out)
-                memo.put(key, tuple(out[start:]))
-            else:
-                out += hashes
-                last = hashes[-1]
+        chunks = memo._chunks
+        with memoryview(self._packed(k * bs)).cast("B") as view:
+            for off in range(done * stride, k * stride, size):
+                piece = view[off : off + size]  # a view: no copy (xxh3 reads any buffer)
+                key = _xxh3_128(piece, last)
+                hashes = chunks.get(key)
+                if hashes is None:
+                    memo.misses += 1
+                    start = len(out)
+                    last = _chain(piece.tobytes(), stride, last, out)  # 64-byte bytes slices beat view slices
+                    memo.put(key, tuple(out[start:]))
+                else:
+                    chunks.move_to_end(key)
+                    memo.hits += 1
+                    memo.blocks_reused += len(hashes)
+                    out += hashes
+                    last = hashes[-1]
         self._last = last
 
-    def _packed(self, nbytes: int) -> bytes:
-        """The packed tokens, at least their first ``nbytes`` bytes (whole blocks). Packed in growing pieces: the first
-        ``PACK_BLOCKS`` blocks (or the whole prompt if shorter, without copying the list), then twice what is there.
-        Packing costs ~4.5 ns a token, in a C loop that reads every int object, and slicing the list first ~1.7 ns
-        more, so one piece for an 8k-token prompt beats eight chunk-sized ones (~37 vs ~53 us); doubling bounds what
-        a long prompt of which only a system prompt is cached packs in vain."""
+    def _packed(self, num_tokens: int) -> array[int]:
+        """The packed tokens, at least their first ``num_tokens``. Packed in growing pieces: the first ``PACK_BLOCKS``
+        blocks (or the whole prompt if shorter, without copying the list), then twice what is there. Packing costs
+        ~4.5 ns a token, in a C loop that reads every int object, and slicing the list first ~1.7 ns more, so one
+        piece for an 8k-token prompt beats eight chunk-sized ones (~37 vs ~53 us); doubling bounds what a long prompt
+        of which only a system prompt is cached packs in vain."""
         buf = self._buf
-        if len(buf) >= nbytes:
+        have = len(buf)
+        if have >= num_tokens:
             return buf
         tokens = self._tokens
-        bs4 = self._bs * 4
-        want = max(nbytes, 2 * len(buf), self.PACK_BLOCKS * bs4)
-        if want >= self._n * bs4:
-            more = tokens if not buf else tokens[len(buf) // 4 :]  # to the end, partial block included: harmless
+        want = max(num_tokens, 2 * have, self.PACK_BLOCKS * self._bs)
+        if not have and want >= len(tokens):
+            buf = self._buf = _pack(tokens)  # the whole prompt, partial last block included: harmless
         else:
-            more = tokens[len(buf) // 4 : want // 4]
-        buf = self._buf = buf + pack_token_ids(more) if buf else pack_token_ids(more)
+            buf.extend(_pack(tokens[have:want]))
         return buf
 
     @overload

@@ -168,8 +168,11 @@ class WorkerTable(Sequence[WorkerSnapshot]):
     time (``replace``: ~5 per decision at 256 workers, where a decision reads 256).
 
     - ``positions``: instance id -> position, a dict (read it, do not modify it);
-    - ``min_stale_after_s()``: the earliest ``metrics_stale_after_s``, so ``common.candidates`` sees in O(1) that no
-      worker is stale (recomputed only when the worker holding it reports again, ~1 decision in 100);
+    - ``none_stale(now_s)``: whether no worker's ``metrics_stale_after_s`` has passed, for ``common.candidates``, in
+      O(1) almost always: the table keeps a lower bound of the earliest ``metrics_stale_after_s`` (a report only
+      moves a worker's later, so the bound stays one) and finds the exact earliest only when ``now_s`` reaches the
+      bound: about once per publishing interval (100 ms), not per decision, as an exact minimum would need (the
+      worker holding it is the next to report, so it moves with nearly every report: ~4 us a decision at 256);
     - ``load_range()``: the fewest and most ``active_requests``, for the ``kv`` imbalance test (a count per value);
     - ``by_queued_wait()``: ``(queued_wait_ms, position)`` pairs, ascending, where ``queued_wait_ms`` is
       ``prefill_ms_per_token * queued_prefill_tokens`` (how long the worker's prefill queue takes), with
@@ -186,7 +189,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
     __slots__ = (
         "_loads",
         "_stale",
-        "_stale_min",
+        "_stale_lo",
         "_wait",
         "_wait_keys",
         "_wait_order",
@@ -201,7 +204,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         ws = self._workers = list(workers)
         self.positions = {w.instance_id: i for i, w in enumerate(ws)}  # instance id -> position (read only)
         self._stale = [w.metrics_stale_after_s for w in ws]
-        self._stale_min: float | None = None
+        self._stale_lo = min(self._stale, default=math.inf)  # at most the earliest of _stale
         self._loads: dict[int, int] = {}
         for w in ws:
             self._loads[w.active_requests] = self._loads.get(w.active_requests, 0) + 1
@@ -236,15 +239,9 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         old = self._workers[i]
         self._workers[i] = w
         s = w.metrics_stale_after_s
-        old_s = self._stale[i]
-        if s != old_s:
-            self._stale[i] = s
-            lo = self._stale_min
-            if lo is not None:
-                if s < lo:
-                    self._stale_min = s
-                elif old_s == lo:
-                    self._stale_min = None  # the earliest moved on: found again when next asked
+        self._stale[i] = s
+        if s < self._stale_lo:
+            self._stale_lo = s
         n, old_n = w.active_requests, old.active_requests
         if n != old_n:
             loads = self._loads
@@ -278,11 +275,16 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         return zip(self._wait_keys, self._wait_order, strict=True)
 
     def min_stale_after_s(self) -> float:
-        """The earliest instant a worker's metrics go stale (``inf`` with no workers)."""
-        lo = self._stale_min
-        if lo is None:
-            lo = self._stale_min = min(self._stale, default=math.inf)
+        """The earliest instant a worker's metrics go stale (``inf`` with no workers). O(n): ``none_stale`` is the
+        hot path's question."""
+        lo = self._stale_lo = min(self._stale, default=math.inf)
         return lo
+
+    def none_stale(self, now_s: float) -> bool:
+        """Whether every worker's metrics are still fresh at ``now_s`` (``metrics_stale_after_s > now_s``)."""
+        if self._stale_lo > now_s:
+            return True
+        return self.min_stale_after_s() > now_s
 
     def load_range(self) -> tuple[int, int]:
         """The fewest and the most requests in flight on a worker (0, 0 with no workers)."""
