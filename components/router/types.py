@@ -49,10 +49,24 @@ class RouteRequest:
     # in overlap_blocks, so a decision does not build and read one entry per worker. Read a worker's overlap with
     # ``overlap_of``.
     common_overlap_blocks: int = 0
+    # The same two for the workers' host-memory KV tiers (engines that announce one: events with medium host):
+    # leading blocks of the prompt each worker's host tier holds. Empty and 0 where no worker announces a tier.
+    host_overlap_blocks: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    common_host_overlap_blocks: int = 0
 
     def overlap_of(self, instance_id: int) -> int:
         """Leading blocks of the prompt this worker caches."""
         return self.overlap_blocks.get(instance_id, self.common_overlap_blocks)
+
+    def host_overlap_of(self, instance_id: int) -> int:
+        """Leading blocks of the prompt this worker's host-memory tier holds."""
+        return self.host_overlap_blocks.get(instance_id, self.common_host_overlap_blocks)
+
+    def host_extra_of(self, instance_id: int) -> int:
+        """Blocks past the ones this worker caches that its host-memory tier holds: it loads them, not computes."""
+        if not self.host_overlap_blocks and not self.common_host_overlap_blocks:
+            return 0
+        return max(0, self.host_overlap_of(instance_id) - self.overlap_of(instance_id))
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -66,7 +80,9 @@ class StepTime:
       * n**2``;
     * a step that decodes ``b`` sequences attending to ``k`` KV tokens: ``decode_base_ms + decode_ms_per_seq * b +
       decode_ms_per_kv_token * k``;
-    * a step carries at most ``max_num_batched_tokens`` tokens, one per decoding sequence and the rest prefill.
+    * a step carries at most ``max_num_batched_tokens`` tokens, one per decoding sequence and the rest prefill;
+    * loading a token's KV from the worker's host-memory tier takes ``host_load_ms_per_token`` (Llama-3-8B's 128 KiB
+      a token over PCIe Gen5 at ~50 GB/s: ~2.6 us, an eighth of computing it in a large prefill chunk).
     """
 
     prefill_base_ms: float = 16.5
@@ -76,6 +92,7 @@ class StepTime:
     decode_ms_per_seq: float = 0.02
     decode_ms_per_kv_token: float = 3e-5
     max_num_batched_tokens: int = 8192
+    host_load_ms_per_token: float = 2.62e-3
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> StepTime:
@@ -138,7 +155,8 @@ class WorkerSnapshot:
     - ``prefill_ms_per_token``: how fast it works through them, given the sequences decoding alongside
       (``StepTime.prefill_ms_per_prompt_token`` at ``active_requests`` sequences over ``active_prompt_tokens``);
     - ``decode_step_ms``: its decode step with one more sequence of the mean context: the inter-token latency a new
-      request would see there.
+      request would see there;
+    - ``host_load_ms_per_token``: how long loading a token's KV from its host-memory tier takes (its ``StepTime``).
     """
 
     instance_id: int
@@ -157,6 +175,7 @@ class WorkerSnapshot:
     queued_prefill_tokens: int = 0
     prefill_ms_per_token: float = _IDLE_PREFILL_MS_PER_TOKEN
     decode_step_ms: float = _IDLE_DECODE_STEP_MS
+    host_load_ms_per_token: float = DEFAULT_STEP_TIME.host_load_ms_per_token
 
     def has_fresh_metrics(self, now_s: float) -> bool:
         return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
@@ -332,7 +351,8 @@ def _format_reason(template: str, args: tuple[object, ...]) -> str:
 class RouteDecision:
     """Where to send a request, and why. ``instance_id`` None means "nowhere": the reason says what was missing.
 
-    ``overlap_blocks`` is how many leading prompt blocks the chosen worker caches (0 for non-KV policies): the router
+    ``overlap_blocks`` is how many leading prompt blocks the chosen worker caches (0 for non-KV policies), and
+    ``host_overlap_blocks`` how many more, past those, its host-memory tier holds (loaded, not computed): the router
     counts only the rest as prefill work on that worker. ``kind`` says in one word what decided it (``DecisionKind``).
 
     ``reason`` is free text for logs and errors, formatted only when read: the constructor's second argument
@@ -344,6 +364,7 @@ class RouteDecision:
     why: Reason = dataclasses.field(compare=False)
     overlap_blocks: int = 0
     kind: DecisionKind = DecisionKind.LOAD
+    host_overlap_blocks: int = 0
 
     @property
     def reason(self) -> str:
@@ -355,9 +376,10 @@ class RouteDecision:
         return text
 
     def __repr__(self) -> str:
+        host = f", host_overlap_blocks={self.host_overlap_blocks!r}" if self.host_overlap_blocks else ""
         return (
             f"RouteDecision(instance_id={self.instance_id!r}, reason={self.reason!r}, "
-            f"overlap_blocks={self.overlap_blocks!r}, kind={self.kind!r})"
+            f"overlap_blocks={self.overlap_blocks!r}, kind={self.kind!r}{host})"
         )
 
 

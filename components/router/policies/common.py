@@ -61,7 +61,7 @@ def pin(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Route
     w = find(workers, iid)
     if w is None:
         return None, ", pinned worker gone"
-    return RouteDecision(iid, "pinned", request.overlap_of(iid), DecisionKind.PINNED), ""
+    return RouteDecision(iid, "pinned", request.overlap_of(iid), DecisionKind.PINNED, request.host_extra_of(iid)), ""
 
 
 def candidates(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Sequence[WorkerSnapshot], str]:
