@@ -28,8 +28,9 @@ and the model's workers as a group, so a prefix every one of them caches comes b
 (``RouteRequest.common_overlap_blocks``) rather than one entry per worker. At 256 workers, 1M indexed blocks and
 8k-token prompts (``kvmesh bench router``'s workload, 2-core EPYC dev VM) a ``kv`` decision takes ~240 us at p50:
 ~105 us hashing (~380 blocks on average: a conversation hit is hashed one chunk past its deepest cached block), ~30 us
-rebuilding the ~5 snapshots a decision dirties and the ``WorkerTable`` summaries (~1.5 us each, a named tuple), ~20 us searching the index, ~20-35 us in the policy (~8 us warm: ``kv.lowest_ttft`` reads a
-handful of workers) and ~12 us copying the request.
+rebuilding the ~5 snapshots a decision dirties and the ``WorkerTable`` summaries (~1.5 us each, a named tuple),
+~20 us searching the index, ~20-35 us in the policy (~8 us warm: ``kv.lowest_ttft`` reads a handful of workers) and
+~12 us copying the request.
 
 Single-threaded: every method is called from the event loop, none awaits.
 """
