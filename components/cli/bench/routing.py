@@ -463,6 +463,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         all_met += [v["met"] for v in entry["targets"].values()]
         print(table(name, entry), file=sys.stderr, flush=True)
     report["targets_met"] = None if any(m is None for m in all_met) else all(all_met)
+    report["rules"] = {
+        "load": "fractions of round-robin's capacity, the highest rate at which its queues drain (searched)",
+        "working_set": f"the fewest blocks one LRU cache needs to serve {fleetsim.WORKING_SET_FRACTION:g} of what the "
+        "infinite one-worker cache serves; its regime is read against one worker's device cache, one worker's "
+        "device cache and host tier, and the fleet's memory",
+        "host_kv_blocks_per_worker": args.host_kv_blocks,
+        "synthetic_scales": list(args.synthetic_scales),
+        "synthetic_requests": f"--requests at scale 1, {LARGE_REQUESTS_FACTOR}x above",
+        "hit_rate": "prompt tokens not computed (device cache hits and host-tier loads) over all prompt tokens; "
+        "host_hit_rate: the host-tier loads",
+        "ttft_floor": "each request alone on an idle worker holding what the infinite cache would (a bound no "
+        "policy beats)",
+    }
     report["policies"] = list(args.policies)
     report["loads"] = list(args.loads)
     report["seed"] = args.seed
