@@ -47,7 +47,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -496,14 +496,20 @@ def synthetic_requests(requests: int, scale: float) -> int:
     return requests if scale <= 1 else requests * LARGE_REQUESTS_FACTOR
 
 
-def _floats(s: str) -> list[float]:
-    try:
-        out = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from e
-    if not out or any(x <= 0 for x in out):
-        raise argparse.ArgumentTypeError(f"loads must be > 0, got {s!r}")
-    return out
+def _positive_floats(what: str) -> Callable[[str], list[float]]:
+    def parse(s: str) -> list[float]:
+        try:
+            out = [float(x) for x in s.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from e
+        if not out or any(not x > 0 for x in out):
+            raise argparse.ArgumentTypeError(f"{what} must be > 0, got {s!r}")
+        return out
+
+    return parse
+
+
+_floats = _positive_floats("loads")
 
 
 def _policies(s: str) -> list[str]:
@@ -552,7 +558,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--synthetic-scales",
-        type=_floats,
+        type=_positive_floats("scales"),
         default=None,
         help="sizes of each synthetic shape's shared working set, in multiples of the base shape's (default: 1 and "
         "--workers, i.e. the base and one as wide as the fleet)",
