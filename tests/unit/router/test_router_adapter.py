@@ -196,6 +196,20 @@ def test_host_tier_events_feed_a_second_index_and_a_host_hit_is_counted_as_loade
     assert 1 not in r.host_index.overlaps(H)
 
 
+def test_a_router_hashes_a_prefix_it_has_seen_from_its_memo_and_not_with_the_memo_off():
+    history = list(range(1, 16 * 130 + 1))  # 130 blocks: chunks 0 and 1 whole, chunk 2 of 2 blocks
+    turn = history + list(range(5000, 5000 + 16 * 70))  # the next turn: 200 blocks
+    for blocks, expect_hits in ((262_144, 2), (0, 0)):
+        r = kv_router(prompt_hash_cache_blocks=blocks)
+        r.set_workers("m", [(1, meta()), (2, meta())])
+        r.apply_kv_events(1, [stored(0, block_hashes(history, BS))])
+        r.select(r.prepare(RouteRequest(history, "m", 0.0)))
+        d = r.select(r.prepare(RouteRequest(turn, "m", 1.0)))
+        assert (d.instance_id, d.overlap_blocks) == (1, 130)  # the same decision either way
+        memo = r.hash_memo(BS)
+        assert memo is not None and memo.hits == expect_hits  # the turn's first two chunks, from the history's
+
+
 def test_a_request_that_fails_before_its_first_token_frees_its_prefill_too():
     r = Router("least_loaded")
     r.set_workers("m", [(1, meta())])
