@@ -171,8 +171,8 @@ def next_prompt(
 
 
 def previous_turn(family: list[int]) -> list[int]:
-    """The prompt of a cached conversation's previous turn: its history less the last turn, one new turn shorter
-    than the requests that continue it (``next_prompt``)."""
+    """The prompt of a cached conversation's previous turn: the history that the requests continuing it carry
+    (``next_prompt``) less its last ``NEW_TURN_TOKENS`` (the previous answer and message)."""
     return family[: max(0, len(family) - 2 * NEW_TURN_TOKENS)]
 
 

@@ -1,4 +1,4 @@
-"""``kvmesh bench router``'s workload: what its decisions are timed on must not flatter the router's prompt-hash memo."""
+"""``kvmesh bench router``'s workload: what its decisions are timed on must not flatter the router's prompt memo."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ def test_every_prompt_is_new_and_a_conversations_turn_extends_its_previous_turn(
     assert 0.6 < len(hits) / len(prompts) < 0.95  # --hit-fraction 0.8 of them continue a cached conversation
     for p in hits:
         family = next(f for f in fleet.families if f[cut] == p[cut])
-        # The turn shares the conversation's history, and the previous turn (what the router saw) is a prefix of it.
-        assert p[: len(p) - bench.NEW_TURN_TOKENS] == family[: len(p) - bench.NEW_TURN_TOKENS]
+        # The turn carries the conversation's history; the previous turn (what the router saw) is a prefix of it.
+        history = len(p) - bench.NEW_TURN_TOKENS
+        assert p[:history] == family[:history] and p[history:] != family[history : len(p)]
         prev = bench.previous_turn(family)
-        assert p[: len(prev)] == prev and len(prev) == len(p) - bench.NEW_TURN_TOKENS
+        assert p[: len(prev)] == prev and len(prev) == history - bench.NEW_TURN_TOKENS
 
 
 def test_the_previous_turns_warm_the_memo_and_a_decision_reuses_them_but_hashes_its_new_turn():
