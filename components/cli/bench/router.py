@@ -5,22 +5,32 @@ frontend asks it, so the measured code is the production code path and nothing e
 
 **Decision cost.** For each fleet size (8, 64, 256, 1,024 workers by default) and policy, ``--decisions`` requests of
 ``--prompt-tokens`` (8,192) token ids are placed, one ``perf_counter_ns`` pair around each decision exactly as
-``FrontendService`` makes it: ``Router.prepare`` (wraps the prompt in a lazy ``PromptHashes``; KV policies only)
-then ``Router.select`` (rebuilds the snapshots of workers that changed, searches the KV index once, hashing the
-prompt as far as the search reads it, runs the pure policy). ``kv`` is the policy under test; ``round_robin`` and
-``least_loaded`` are measured in the same run as the floor (no hashing, no index). Every KV-aware policy listed
-(``kv``, ``kv+autellix``, ``kv_dynamo``) gets its own router with the same index loaded.
-Bookkeeping the frontend does after the decision (``on_routed``, ``on_first_token``, ``on_finished``) runs between
-timed regions, so the next decision pays for the snapshots it dirtied, as in production.
+``FrontendService`` makes it: ``Router.prepare`` (wraps the prompt in a lazy ``PromptHashes`` backed by the router's
+memo of prompt-chunk hashes; KV policies only) then ``Router.select`` (rebuilds the snapshots of workers that changed,
+searches the KV index once, hashing the prompt as far as the search reads it, runs the pure policy). ``kv`` is the
+policy under test; ``round_robin`` and ``least_loaded`` are measured in the same run as the floor (no hashing, no
+index). Every KV-aware policy listed (``kv``, ``kv+autellix``, ``kv_dynamo``) gets its own router with the same index
+loaded. Bookkeeping the frontend does after the decision (``on_routed``, ``on_first_token``, ``on_finished``) runs
+between timed regions, so the next decision pays for the snapshots it dirtied, as in production; so does freeing the
+request (untimed: the next decision would otherwise pay for freeing the previous prompt's 8k ints).
+
+Every decision's prompt is new (``next_prompt``, built untimed, as a tokenizer would: fresh ints of a 128k
+vocabulary), never a repeat: a cached conversation's next turn (its history, then a new 512-token turn) or a new
+conversation. Before timing, each router hashes every cached conversation's previous turn (``replay_previous_turns``):
+the workers cache those conversations because a router placed their earlier turns, and a router that has been running
+remembers those turns' chunk hashes (``RouterConfig.prompt_hash_cache_blocks``), so a turn chains only its new chunk.
+That is a single router (or frontends with session affinity); a frontend that never saw a conversation's earlier turns
+hashes it in full: ``--prompt-hash-cache-blocks 0`` measures that case.
 
 What ``decision_us`` includes, for KV policies: hashing the prompt's blocks. The frontend hashes nothing itself
 (``prepare`` only wraps the token ids; the first hash is computed inside ``select``), so in production this is work
 on the request's path that the routing decision causes, and it stays in the figure. Reported beside it:
-``prepare_us`` and ``select_us`` (the two timed calls; they sum to ``decision_us``), ``hashed_blocks`` (how many
-blocks ``select`` hashed, on average: up to a 64-block chunk past the deepest cached block for a conversation hit,
-64 for a new conversation) and ``hashing_us`` (hashing that many blocks of the same prompt again, at once, timed
-apart after the decision: about the share of ``select_us`` that is hashing, less ~2 us per 64-block chunk that
-``select`` hashed separately; the rest is the snapshots, the index search and the policy).
+``decision_cpu_us`` (the thread's CPU time over the same calls: without the time another process held the core, so on
+a shared machine its tail is the code's own), ``prepare_us`` and ``select_us`` (the two timed calls; they sum to
+``decision_us``), ``hashed_blocks`` (how many block hashes ``select`` read, on average: up to a 64-block chunk past
+the deepest cached block for a conversation hit, 64 for a new conversation), ``hash_memo`` (chunks found in the memo
+and hashed anew, blocks reused per decision) and ``hashing_us`` (chaining that many blocks of the same prompt again
+without a memo, timed apart after the decision: what hashing would cost a router that never saw the prefix).
 
 The KV index holds ``--indexed-blocks`` (1,000,000) (worker, block) entries before any decision, loaded through
 ``Router.apply_kv_events`` as ``BlockStored`` batches. Its contents follow what the Mooncake conversation trace shows
