@@ -25,12 +25,14 @@ reports; what a snapshot derives from the report and from the step-time model is
 change), searches the KV index once (KV policies only) with the prompt's
 lazily computed hashes (``prepare`` wraps them in a ``PromptHashes``: only the blocks the search reads are hashed)
 and the model's workers as a group, so a prefix every one of them caches comes back as one number
-(``RouteRequest.common_overlap_blocks``) rather than one entry per worker. At 256 workers, 1M indexed blocks and
-8k-token prompts (``kvmesh bench router``'s workload, 2-core EPYC dev VM) a ``kv`` decision takes ~240 us at p50:
-~105 us hashing (~380 blocks on average: a conversation hit is hashed one chunk past its deepest cached block), ~30 us
-rebuilding the ~5 snapshots a decision dirties and the ``WorkerTable`` summaries (~1.5 us each, a named tuple),
-~20 us searching the index, ~20-35 us in the policy (~8 us warm: ``kv.lowest_ttft`` reads a handful of workers) and
-~12 us copying the request.
+(``RouteRequest.common_overlap_blocks``) rather than one entry per worker. ``prepare`` backs the hashes with the
+router's memo of prompt-chunk hashes (``HashMemo``, ``RouterConfig.prompt_hash_cache_blocks``), so a prefix it has
+hashed before (a conversation's history) is not chained again. At 256 workers, 1M indexed blocks and 8k-token prompts
+(``kvmesh bench router``'s workload, 2-core EPYC dev VM under a load of ~5.5) a ``kv`` decision takes ~172 us at p50
+(thread CPU): ~69 us hashing (packing the 8k token ids, ~37 us of it on a quiet core; the memo's chunks; one chained),
+~38 us searching the index, ~20 us rebuilding the ~5 snapshots a decision dirties (named tuples) and the
+``WorkerTable`` summaries, ~27 us in the policy (``kv.lowest_ttft`` reads a handful of workers) and ~9 us preparing
+and copying the request.
 
 Single-threaded: every method is called from the event loop, none awaits.
 """

@@ -56,18 +56,16 @@ per-event worst case). Each is measured on ``KvEvent`` objects (the index alone)
 (``KvEvent.from_dict`` + apply: the feed's work after msgpack). "Block events" are blocks stored plus blocks removed.
 
 Targets (issue 6): p99 <= 200 us per ``kv`` decision at 256 workers and 1M blocks; >= 300k block events/s on one core.
-Measured on the 2-core EPYC dev VM (shared with other work: the same run varies by up to 1.5x): at 256 workers a
-``kv`` decision took ~160-180 us at p50 and ~170-200 us at p99 while that machine was quiet, before the TTFT cost.
-With the TTFT cost, 12 interleaved ABBA runs (``--workers 256 --policies kv,kv+autellix,round_robin --ingest-blocks 0``,
-medians of 6 each) gave a ``kv`` p50 of ~320 us before and ~257 us after reasons were formatted only when read, ``kv``
-stopped computing all 256 costs (``kv.lowest_ttft``) and prompts were hashed only a chunk past their deepest cached
-block; p99 stayed ~410 us in both (single runs' p99 ranged 306-609 us): the 200 us p99 target is not met.
-``kv+autellix`` as ``kv``; ``round_robin`` ~27 us. Of the ~250 us, timed in parts: ~105 us hashing the prompt (~380
-blocks on average: 448-512 for a conversation hit, 64 for a new conversation; ~40% packing the token ids, ~60% chaining
-xxh3), ~30 us rebuilding the ~5 snapshots a decision dirties, ~20 us searching the KV index (gallop and bisect over
-prefix-closed workers, see ``components.router.kv_index``), ~20-35 us in the policy and ~12 us copying the request twice
-(``prepare``, then with its overlaps). Ingest: ~0.7M single-block events/s (decode blocks naming their parent), ~2M
-blocks/s in prefill-sized events (quiet machine).
+Measured on the 2-core EPYC dev VM in alternating ABBA rounds against commit 42257b7 (timed by this benchmark, 8 runs
+each, medians; docs/router.md has the table), with other work holding the load average at 4-7: a ``kv`` decision took
+253 -> 182 us at p50 and 498 -> 329 us of thread CPU time at p99 (wall-clock p99 was the scheduler's, 4-8 ms, for every
+policy); with the memo off (a router that never saw the conversations) 228 -> 207 us and 360 -> 312 us. The p99
+target is not shown met. Of a decision's ~172 us (thread CPU, p50, same load): ~69 us hashing 480 blocks (packing the
+8k token ids, ~37 us of it on a quiet core: every token up to the deepest cached block must be read; ~7 chunks from
+the memo, one chained), ~38 us searching the index (gallop and bisect over prefix-closed workers,
+``components.router.kv_index``), ~20 us rebuilding the snapshots of the workers that changed, ~27 us in the policy,
+~9 us preparing and copying the request. Ingest (an earlier, quiet
+measurement): ~0.7M single-block events/s (decode blocks naming their parent), ~2M blocks/s in prefill-sized events.
 The last line printed is one JSON object; ``--workers 8,64 --indexed-blocks 20000 --decisions 200`` runs in seconds.
 """
 
