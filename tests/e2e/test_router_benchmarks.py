@@ -107,6 +107,9 @@ def test_bench_routing_sweeps_policies_at_fractions_of_measured_capacity(tmp_pat
             assert low["requests"] == high["requests"] == 60  # every request completed
             assert high["rate_rps"] == pytest.approx(1.5 * low["rate_rps"], rel=1e-3)
             assert 0 < low["ttft_ms"]["p50"] <= low["ttft_ms"]["p99"]
+            assert 0 < low["itl_ms"]["p50"] <= low["itl_ms"]["p99"] and low["output_tokens_per_s"] > 0
+            balance = low["balance"]
+            assert balance["in_flight_max_over_mean"] >= 1 and balance["computed_tokens_max_over_mean"] >= 1
             assert 0 <= low["host_hit_rate"] <= low["hit_rate"] <= entry["oracle_reuse"] + 1e-9
             assert sum(low["decision_kinds"].values()) == 60
         assert entry["points"]["round_robin"]["0.8"]["decision_kinds"] == {"rotation": 60}
