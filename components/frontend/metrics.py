@@ -214,13 +214,14 @@ class PrefillQueueCollector(Collector):
 class WorkerMetrics:
     """One worker's children of the per-worker counters, for one model."""
 
-    __slots__ = ("cached_tokens", "prompt_tokens", "requests")
+    __slots__ = ("cached_tokens", "host_cached_tokens", "prompt_tokens", "requests")
 
     def __init__(self, m: FrontendMetrics, model: str, instance_id: int) -> None:
         worker = f"{instance_id:x}"
         self.requests = m.worker_requests.labels(model=model, worker=worker)
         self.prompt_tokens = m.worker_prompt_tokens.labels(model=model, worker=worker)
         self.cached_tokens = m.worker_cached_tokens.labels(model=model, worker=worker)
+        self.host_cached_tokens = m.worker_host_cached_tokens.labels(model=model, worker=worker)
 
 
 class ModelMetrics:
@@ -268,9 +269,11 @@ class ModelMetrics:
             )
         child.inc()
 
-    def count_placement(self, instance_id: int, prompt_tokens: int, cached_tokens: int) -> None:
+    def count_placement(
+        self, instance_id: int, prompt_tokens: int, cached_tokens: int, host_cached_tokens: int = 0
+    ) -> None:
         """A request's first output came from ``instance_id``, which served ``cached_tokens`` of its
-        ``prompt_tokens`` from its prefix cache."""
+        ``prompt_tokens`` from its prefix cache, ``host_cached_tokens`` of them loaded from its host-memory tier."""
         wm = self._workers.get(instance_id)
         if wm is None:
             wm = self._workers[instance_id] = WorkerMetrics(self._m, self.model, instance_id)
@@ -278,6 +281,8 @@ class ModelMetrics:
         wm.prompt_tokens.inc(prompt_tokens)
         if cached_tokens:
             wm.cached_tokens.inc(cached_tokens)
+        if host_cached_tokens:
+            wm.host_cached_tokens.inc(host_cached_tokens)
 
 
 class FrontendMetrics:
@@ -362,6 +367,12 @@ class FrontendMetrics:
         self.worker_cached_tokens = Counter(
             "kvmesh_frontend_worker_cached_tokens",
             "Of those prompt tokens, how many the worker's engine served from its prefix cache",
+            ["model", "worker"],
+            registry=r,
+        )
+        self.worker_host_cached_tokens = Counter(
+            "kvmesh_frontend_worker_host_cached_tokens",
+            "Of those cached tokens, how many the worker's engine loaded from its host-memory KV tier",
             ["model", "worker"],
             registry=r,
         )
