@@ -53,6 +53,7 @@ BENCHMARKS = (
     Command("routing", "components.cli.bench.routing", "routing quality per policy at fractions of measured capacity"),
     Command("routing-live", "components.cli.bench.routing_live", "one trace slice per policy on a live deployment"),
     Command("disagg", "components.cli.bench.disagg", "aggregated vs disaggregated prefill/decode, simulated fleets"),
+    Command("planner", "components.cli.bench.planner", "planner vs fixed fleets under a sinusoidal load, simulated"),
 )
 
 
