@@ -198,6 +198,7 @@ class RequestTimes:
     arrival_s: float
     ttft_s: float
     mean_itl_s: float | None  # None: one output token, no gap
+    worker_id: int = 0  # the worker that served it
 
 
 def attainment(requests: Sequence[RequestTimes], slo: Slo) -> dict[str, float | None]:
@@ -522,7 +523,7 @@ def simulate(
                     del tracks[rid]
                     gap_n = t.output_tokens - 1
                     mean_itl = (t.last_s - t.first_s) / gap_n if gap_n > 0 else None
-                    done.append(RequestTimes(t.arrival_s, t.first_s - t.arrival_s, mean_itl))
+                    done.append(RequestTimes(t.arrival_s, t.first_s - t.arrival_s, mean_itl, wid))
                     output_tokens += t.output_tokens
                     remaining -= 1
                     last_finish = now

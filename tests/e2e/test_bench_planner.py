@@ -1,0 +1,88 @@
+"""``kvmesh bench planner`` runs end to end on a tiny, time-compressed slice and prints one JSON object with its fields
+as the last line. Behaviour only (every fleet served the same requests, the accounting adds up, the PNG is drawn),
+never speed: whether the goal is met means nothing on so short a run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+TRACES = ROOT.parent / "shared" / "traces"
+AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
+SHAREGPT = TRACES / "sharegpt_v3_filtered_500.json"
+FLEETS = {"planner", "planner_dynamo_setting", "fixed_peak", "fixed_mean"}
+
+
+def bench(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "components.cli.main", "bench", "planner", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("trace", [AZURE, SHAREGPT], ids=["azure", "sharegpt"])
+def test_bench_planner_compares_the_planner_with_fixed_fleets(tmp_path, trace):
+    if not trace.is_file():
+        pytest.skip(f"needs {trace.name} in ../shared/traces")
+    png = tmp_path / "planner.png"
+    # 20x compressed: 7.5 s periods over 30 s, planner adjusting every 1.5 s (10 s for Dynamo's setting: 0.5 s).
+    proc = bench("--trace", str(trace), "--peak-workers", "3", "--time-compression", "20", "--capacity-requests",
+                 "120", "--jobs", "2", "--png", str(png))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["bench"] == "planner" and r["workload"]["name"] == trace.stem
+    assert r["capacity"]["peak_workers"] == 3 and r["capacity"]["capacity_rps"] > 0
+    load = r["load"]
+    assert (load["period_s"], load["duration_s"], load["low"], load["high"]) == (7.5, 30.0, 0.25, 1.0)
+    assert load["time_compression"] == 20 and load["startup_s"] == 1.5 and load["warmup_s"] == 3.0
+    assert load["peak_rps"] == pytest.approx(4 * load["trough_rps"], rel=1e-3) and load["requests"] > 0
+    slo = r["slo"]
+    assert slo["ttft_ms"] > 0 and slo["itl_ms"] > 0 and slo["quantile"] == 0.99 and slo["reference_requests"] > 0
+    assert 0 <= slo["reference_kv_usage_mean"] <= slo["reference_kv_usage_max"] <= 1
+    assert set(r["fleets"]) == FLEETS
+    for name, f in r["fleets"].items():
+        assert f["requests"] == load["requests"], name  # the same measured requests, every one finished
+        assert 0 < f["ttft_ms"]["p50"] <= f["ttft_ms"]["p99"]
+        assert 0 < f["itl_ms"]["p50"] <= f["itl_ms"]["p99"]
+        att = f["slo_attainment_pct"]
+        assert 0 <= att["both"] <= min(att["ttft"], att["itl"]) <= 100
+        assert f["worker_seconds"] == pytest.approx(f["mean_workers"] * 30.0, rel=1e-3)
+        assert f["adjustments"] > 0
+    peak, mean = r["fleets"]["fixed_peak"], r["fleets"]["fixed_mean"]
+    assert peak["worker_seconds"] == pytest.approx(3 * 30.0) and peak["workers"] == 3
+    assert mean["workers"] == 2 and mean["worker_seconds"] == pytest.approx(2 * 30.0)  # round(0.625 * 3) = 2
+    for fixed in (peak, mean):
+        assert fixed["scaling_actions"]["up"] == fixed["scaling_actions"]["down"] == 0  # no-operation
+    for name in ("planner", "planner_dynamo_setting"):
+        f = r["fleets"][name]
+        assert f["start_workers"] == 1  # ceil(0.25 * 3)
+        assert f["planner_config"]["max_gpu_budget"] == 3 and f["planner_config"]["no_operation"] is False
+        acts = f["scaling_actions"]
+        assert len(acts["actions"]) == acts["up"] + acts["down"]
+        for a in acts["actions"]:
+            assert abs(a["to"] - a["from"]) == 1 and a["reason"]
+        g = r["goal"][name]
+        assert isinstance(g["met"], bool) and g["met"] == r["goal_met"][name]
+    assert r["fleets"]["planner"]["planner_config"]["adjustment_interval"] == 1.5
+    assert r["fleets"]["planner_dynamo_setting"]["planner_config"]["adjustment_interval"] == 0.5
+    assert r["png"] == str(png) and png.stat().st_size > 10_000
+    assert "SLO per request" in proc.stderr and "goal planner:" in proc.stderr
+
+
+def test_bench_planner_refuses_bad_settings_before_running(tmp_path):
+    proc = bench("--low", "0.9", "--high", "0.5", "--trace", str(AZURE), timeout=60)
+    assert proc.returncode == 2 and "--low (0.9) must not exceed --high (0.5)" in proc.stderr
+    proc = bench("--adjustment-interval", "0.5", "--trace", str(AZURE), timeout=60)
+    assert proc.returncode == 2 and "--adjustment-interval" not in proc.stdout
+    assert "metric_pulling_interval (1.0 s) must not exceed adjustment_interval (0.5 s)" in proc.stderr
+    proc = bench("--trace", str(tmp_path / "missing.csv"), timeout=60)
+    assert proc.returncode == 2 and "no trace file" in proc.stderr
