@@ -74,6 +74,11 @@ def test_bench_planner_compares_the_planner_with_fixed_fleets(tmp_path, trace):
         assert isinstance(g["met"], bool) and g["met"] == r["goal_met"][name]
     assert r["fleets"]["planner"]["planner_config"]["adjustment_interval"] == 1.5
     assert r["fleets"]["planner_dynamo_setting"]["planner_config"]["adjustment_interval"] == 0.5
+    # The swing asks for 0.75 * 3 workers in 3.75 s; one scale-up takes an interval plus the 1.5 s start-up:
+    # floor(3.75 / 3.0) = 1 with 1.5 s intervals, floor(3.75 / 2.0) = 1 with 0.5 s ones.
+    assert load["swing_workers"] == 2.25
+    assert r["fleets"]["planner"]["most_scale_ups_per_half_period"] == 1
+    assert r["fleets"]["planner_dynamo_setting"]["most_scale_ups_per_half_period"] == 1
     assert r["png"] == str(png) and png.stat().st_size > 10_000
     assert "SLO per request" in proc.stderr and "goal planner:" in proc.stderr
 
@@ -84,5 +89,7 @@ def test_bench_planner_refuses_bad_settings_before_running(tmp_path):
     proc = bench("--adjustment-interval", "0.5", "--trace", str(AZURE), timeout=60)
     assert proc.returncode == 2 and "--adjustment-interval" not in proc.stdout
     assert "metric_pulling_interval (1.0 s) must not exceed adjustment_interval (0.5 s)" in proc.stderr
+    proc = bench("--policy", "fastest", "--trace", str(AZURE), timeout=60)
+    assert proc.returncode == 2 and "unknown policy 'fastest'" in proc.stderr
     proc = bench("--trace", str(tmp_path / "missing.csv"), timeout=60)
     assert proc.returncode == 2 and "no trace file" in proc.stderr

@@ -89,6 +89,7 @@ from components.cli.bench.scaling import (
 )
 from components.cli.bench.workloads import from_trace
 from components.planner.config import PlannerConfig
+from components.router.names import POLICY_NAMES
 from components.runtime.flags import add_model_arguments, given_values
 from components.workers.simulated import MockEngineConfig
 
@@ -133,8 +134,9 @@ def _source(plan: Plan) -> RequestSource:
 
 
 def schedule(plan: Plan, sinusoid: Sinusoid) -> list[float]:
-    """A warm-up at the trough rate, then ``sinusoid``, as one arrival list on the simulation's clock (t = 0 is the
-    warm-up's start; the measured load starts at ``plan.warmup_s``)."""
+    """A warm-up at the rate ``sinusoid`` starts at (its trough; the reference replay's constant rate), then
+    ``sinusoid``, as one arrival list on the simulation's clock (t = 0 is the warm-up's start; the measured load starts
+    at ``plan.warmup_s``)."""
     warm = Sinusoid(sinusoid.period_s, plan.warmup_s, sinusoid.low, sinusoid.low)
     head = arrival_times(warm, plan.peak_rps, plan.seed + 1) if plan.warmup_s > 0 else []
     return head + [plan.warmup_s + t for t in arrival_times(sinusoid, plan.peak_rps, plan.seed)]
@@ -399,12 +401,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     mean_workers = max(1, math.floor(sinusoid.mean * args.peak_workers + 0.5))
     start_workers = max(1, math.ceil(sinusoid.low * args.peak_workers - 1e-9))
-    fixed = PlannerConfig(no_operation=True, max_gpu_budget=args.peak_workers).model_copy(
-        update={
-            "adjustment_interval": PlannerConfig().adjustment_interval / k,
-            "metric_pulling_interval": PlannerConfig().metric_pulling_interval / k,
-        }
-    )
+    # The fixed fleets' planner reports what the first planner fleet's configuration would have done there.
+    fixed = configs["planner"].model_copy(update={"no_operation": True})
     tasks: list[tuple[Any, ...]] = [
         (run_fleet, plan, "reference", args.peak_workers, fixed, True),
         *((run_fleet, plan, name, start_workers, cfg) for name, cfg in configs.items()),
@@ -432,6 +430,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, cfg in configs.items():
         fleets[name]["planner_config"] = cfg.model_dump()
         fleets[name]["start_workers"] = start_workers
+        # One worker per change, and after a scale-up the policy waits out the start-up and then a whole interval.
+        fleets[name]["most_scale_ups_per_half_period"] = math.floor(
+            sinusoid.period_s / 2 / (cfg.adjustment_interval + plan.startup_s) + 1e-9
+        )
     fleets["fixed_peak"]["workers"] = args.peak_workers
     fleets["fixed_mean"]["workers"] = mean_workers
     lengths = [source.lengths(i) for i in range(len(source.rows))]
@@ -465,6 +467,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "time_compression": k,
             "startup_s": plan.startup_s,
             "policy": args.policy,
+            # Workers the load's swing from trough to peak asks for, in half a period, if capacity is linear in them.
+            "swing_workers": round((sinusoid.high - sinusoid.low) * args.peak_workers, 2),
         },
         "slo": {
             "ttft_ms": round(1000 * slo.ttft_s, 1),
@@ -594,6 +598,8 @@ def main(args: argparse.Namespace) -> int:
         problems.append("--warmup-s and --startup-s must be >= 0")
     if args.reference_s is not None and args.reference_s <= 0:
         problems.append("--reference-s must be > 0")
+    if args.policy not in POLICY_NAMES:
+        problems.append(f"--policy: unknown policy {args.policy!r}; known: {sorted(POLICY_NAMES)}")
     try:
         planner_configs(args)
     except ValidationError as e:
