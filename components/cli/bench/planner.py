@@ -15,9 +15,10 @@ Fleets, each replaying the same request stream (same arrivals, prompts and route
 (``scaling.simulate``: the real router and the real planner policy over ``VirtualEngine``s; its docstring says what is
 modelled and what is left out):
 
-* ``planner``: starts at the size the trough needs (ceil(0.25 x peak workers)) and is resized by the planner with
-  ``PlannerConfig`` from the flags: Dynamo's load-planner defaults unless given (adjustment every 30 s, pulls every
-  1 s, decode KV thresholds 0.9 / 0.5), ``--max-gpu-budget`` the peak fleet's size unless given;
+* ``planner``: starts at the size the trough needs (ceil(0.25 x peak workers), ``--start-workers``; Dynamo's
+  started at its smallest fleet) and is resized by the planner with ``PlannerConfig`` from the flags: Dynamo's
+  load-planner defaults unless given (adjustment every 30 s, pulls every 1 s, decode KV thresholds 0.9 / 0.5),
+  ``--max-gpu-budget`` the peak fleet's size unless given;
 * ``planner_dynamo_setting`` (unless ``--no-dynamo-setting``): the same with the settings Dynamo's own benchmark ran
   its planner with (adjustment every 10 s, decode KV thresholds 0.6 / 0.3, prefill queue 10 / 0.2): a documented
   alternative, not one tuned here;
@@ -400,7 +401,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peak_rps=capacity,
     )
     mean_workers = max(1, math.floor(sinusoid.mean * args.peak_workers + 0.5))
-    start_workers = max(1, math.ceil(sinusoid.low * args.peak_workers - 1e-9))
+    start_workers = args.start_workers or max(1, math.ceil(sinusoid.low * args.peak_workers - 1e-9))
     # The fixed fleets' planner reports what the first planner fleet's configuration would have done there.
     fixed = configs["planner"].model_copy(update={"no_operation": True})
     tasks: list[tuple[Any, ...]] = [
@@ -522,6 +523,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"../shared/traces/{DEFAULT_TRACE})",
     )
     p.add_argument("--peak-workers", type=int, default=8, help="simulated workers of the peak fleet (default 8)")
+    p.add_argument(
+        "--start-workers",
+        type=int,
+        default=None,
+        help="workers the planner fleets start with (default: what the trough needs, ceil(low x peak workers))",
+    )
     p.add_argument("--period-s", type=_positive, default=150.0, help="the load's period, in seconds (default 150)")
     p.add_argument("--duration-s", type=_positive, default=600.0, help="measured load, in seconds (default 600)")
     p.add_argument("--low", type=_fraction, default=0.25, help="trough load, x peak capacity (default 0.25)")
@@ -590,6 +597,8 @@ def main(args: argparse.Namespace) -> int:
     problems = []
     if args.peak_workers < 1 or args.jobs < 1:
         problems.append("--peak-workers and --jobs must be >= 1")
+    if args.start_workers is not None and not 1 <= args.start_workers <= args.peak_workers:
+        problems.append(f"--start-workers must be between 1 and --peak-workers ({args.peak_workers})")
     if args.capacity_requests < 2:
         problems.append("--capacity-requests must be >= 2")
     if args.low > args.high:
