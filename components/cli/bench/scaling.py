@@ -30,14 +30,12 @@ attainment (``Slo``, ``attainment``), and a fixed-resolution histogram for the i
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import heapq
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from components.cli.bench.fleetsim import MODEL, account_chunk
 from components.cli.bench.loadgen.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
@@ -450,7 +448,7 @@ def simulate(
         busy[span.worker_id] = False
     routing_changed(0.0)
 
-    tracks: dict[str, Any] = {}
+    tracks: dict[str, _Track] = {}
     ttft_sink: list[float] = []
     e2e_sink: list[float] = []
     gaps = GapHistogram()
@@ -611,10 +609,3 @@ class _Track:
     last_s: float = -1.0
     cached_tokens: int = 0
     output_tokens: int = 0
-
-
-def held_at(spans: Sequence[tuple[float, float | None]], times: Sequence[float]) -> list[int]:
-    """Workers held at each of ``times`` (sorted): for plotting from the spans alone."""
-    starts = sorted(s for s, _ in spans)
-    stops = sorted(e for _, e in spans if e is not None)
-    return [bisect.bisect_right(starts, t) - bisect.bisect_right(stops, t) for t in times]
