@@ -454,8 +454,8 @@ def simulate(
     gaps = GapHistogram()
     done: list[RequestTimes] = []
     output_tokens = 0
-    for k, t in enumerate(arrivals):
-        push(t, _ARRIVAL, k)
+    for k, arrival_s in enumerate(arrivals):
+        push(arrival_s, _ARRIVAL, k)
     push(0.0, _REPORT, 0)
     push(planner_from_s, _PULL, 0)
     remaining = len(arrivals)
@@ -514,15 +514,15 @@ def simulate(
             out = pending_out.pop(wid)
             busy[wid] = False
             for rid, chunk in out.chunks.items():
-                t = tracks[rid]
+                track = tracks[rid]
                 # Gaps of warm-up requests are not measured (nor is anything else of them: the caller filters).
-                sink = gaps if t.arrival_s >= planner_from_s else _DISCARD
-                if account_chunk(t, rid, chunk, now, router, ttft_sink, sink, e2e_sink):
+                sink = gaps if track.arrival_s >= planner_from_s else _DISCARD
+                if account_chunk(track, rid, chunk, now, router, ttft_sink, sink, e2e_sink):
                     del tracks[rid]
-                    gap_n = t.output_tokens - 1
-                    mean_itl = (t.last_s - t.first_s) / gap_n if gap_n > 0 else None
-                    done.append(RequestTimes(t.arrival_s, t.first_s - t.arrival_s, mean_itl, wid))
-                    output_tokens += t.output_tokens
+                    gap_n = track.output_tokens - 1
+                    mean_itl = (track.last_s - track.first_s) / gap_n if gap_n > 0 else None
+                    done.append(RequestTimes(track.arrival_s, track.first_s - track.arrival_s, mean_itl, wid))
+                    output_tokens += track.output_tokens
                     remaining -= 1
                     last_finish = now
             events = engines[wid].take_kv_events()
