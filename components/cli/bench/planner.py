@@ -65,6 +65,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -73,7 +74,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from components.cli.bench import fleetsim
-from components.cli.bench.fleetsim import FleetSpec
+from components.cli.bench.clairvoyant import Oracle
+from components.cli.bench.fleetsim import FleetSpec, SimRequest, Workload
+from components.cli.bench.loadgen.traces import TraceRow
 from components.cli.bench.routing import TRACE_DIR
 from components.cli.bench.scaling import (
     RequestSource,
@@ -106,6 +109,8 @@ DYNAMO_SETTING: dict[str, float] = {
     "prefill_queue_scale_up_threshold": 10.0,
     "prefill_queue_scale_down_threshold": 0.2,
 }
+# Start-up delays (s, before time compression) at which the clairvoyant schedule's saving is also reported.
+STARTUP_SWEEP_S = (0.0, 10.0, 20.0, 30.0)
 GOAL_ATTAINMENT_POINTS = 2.0  # at most this many percentage points below the fixed peak fleet
 GOAL_WORKER_SECONDS_SAVING = 0.25  # at least this fraction fewer worker-seconds than the fixed peak fleet
 PLANNER_FLEETS = ("planner", "planner_dynamo_setting")
@@ -116,6 +121,7 @@ class Plan:
     """Everything a run needs, decided in the parent and shared with the worker processes (picklable)."""
 
     trace: str
+    lengths: tuple[int, int] | None  # --lengths: every request this many prompt and output tokens (no trace)
     vocab_size: int
     output_tokens: int
     seed: int
@@ -128,9 +134,38 @@ class Plan:
     peak_rps: float
 
 
+# Rows of a --lengths workload before it cycles (each pass gets fresh prompts: RequestSource).
+FIXED_LENGTH_ROWS = 1000
+
+
+def request_source(
+    trace: str, lengths: tuple[int, int] | None, *, vocab_size: int, seed: int, output_tokens: int
+) -> RequestSource:
+    """The request stream: the trace's rows, or with ``lengths`` (prompt, output) rows of exactly those lengths and
+    prompts that share nothing (the shape of Dynamo's sin_synth at ``--isl1/--osl1``; its prompts draw 512-token blocks
+    at random from 10,000, which makes shared prefixes rare)."""
+    if lengths is None:
+        return RequestSource.from_trace(trace, vocab_size=vocab_size, seed=seed, output_tokens=output_tokens)
+    isl, osl = lengths
+    rows = [TraceRow(index=i, input_length=isl, output_length=osl) for i in range(FIXED_LENGTH_ROWS)]
+    return RequestSource(rows, f"fixed_{isl}_{osl}", vocab_size=vocab_size, seed=seed, output_tokens=output_tokens)
+
+
+def capacity_workload(source: RequestSource, n: int, seed: int) -> Workload:
+    """A --lengths stream's first ``n`` requests as the capacity search's workload, Poisson arrivals at a nominal
+    1 request/s (the search rescales the rate; a trace is read by ``workloads.from_trace`` with its own arrivals)."""
+    rng = random.Random(f"{seed}:arrivals:{source.name}")
+    out, t = [], 0.0
+    for k in range(n):
+        prompt, max_tokens = source.request(k)
+        out.append(SimRequest(t, tuple(prompt), max_tokens))
+        t += rng.expovariate(1.0)
+    return Workload(source.name, tuple(out))
+
+
 def _source(plan: Plan) -> RequestSource:
-    return RequestSource.from_trace(
-        plan.trace, vocab_size=plan.vocab_size, seed=plan.seed, output_tokens=plan.output_tokens
+    return request_source(
+        plan.trace, plan.lengths, vocab_size=plan.vocab_size, seed=plan.seed, output_tokens=plan.output_tokens
     )
 
 
@@ -143,17 +178,27 @@ def schedule(plan: Plan, sinusoid: Sinusoid) -> list[float]:
     return head + [plan.warmup_s + t for t in arrival_times(sinusoid, plan.peak_rps, plan.seed)]
 
 
-def run_fleet(plan: Plan, name: str, workers: int, config: PlannerConfig, constant: bool = False) -> dict[str, Any]:
-    """One fleet's replay; ``constant``: the reference replay at the sinusoid's peak for ``reference_s``."""
+def run_fleet(
+    plan: Plan,
+    name: str,
+    workers: int,
+    config: PlannerConfig,
+    constant: float | None = None,
+    oracle: Oracle | None = None,
+) -> dict[str, Any]:
+    """One fleet's replay; ``constant``: a replay at that constant fraction of the peak fleet's capacity for
+    ``reference_s`` (the SLO's reference at the sinusoid's peak, and the SLO checks); ``oracle``: the clairvoyant
+    schedule resizes the fleet instead of the planner."""
     sin = plan.sinusoid
-    if constant:
-        sin = Sinusoid(sin.period_s, plan.reference_s, sin.high, sin.high)
+    if constant is not None:
+        sin = Sinusoid(sin.period_s, plan.reference_s, constant, constant)
     arrivals = schedule(plan, sin)
     t0 = time.process_time()
+    spec = ScalingSpec(plan.engine, workers, config, startup_s=plan.startup_s, policy=plan.policy, controller=oracle)
     res = simulate(
         _source(plan),
         arrivals,
-        ScalingSpec(plan.engine, workers, config, startup_s=plan.startup_s, policy=plan.policy),
+        spec,
         planner_from_s=plan.warmup_s,
         planner_until_s=plan.warmup_s + sin.duration_s,
         seed=plan.seed,
@@ -224,10 +269,10 @@ def summarize(res: ScalingResult, start_s: float, duration_s: float, slo: Slo | 
 
 
 def judge(fleets: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The goal for each planner fleet against the fixed peak fleet."""
+    """The goal for each planner fleet and each clairvoyant fleet (``oracle_*``) against the fixed peak fleet."""
     peak = fleets["fixed_peak"]
     out: dict[str, Any] = {}
-    for name in PLANNER_FLEETS:
+    for name in [*PLANNER_FLEETS, *(n for n in fleets if n.startswith("oracle_"))]:
         f = fleets.get(name)
         if f is None:
             continue
@@ -279,12 +324,39 @@ def table(report: dict[str, Any]) -> str:
             f"goal {name}: {g['attainment_points_below_fixed_peak']:+.2f} points below fixed_peak, "
             f"{100 * g['worker_seconds_saving_vs_fixed_peak']:.1f}% fewer worker-seconds ({g['target']}): {g['met']}"
         )
+    fair = report["fairness"]
+    for c in fair["slo_at_full_load_per_worker"]:
+        att = c["slo_attainment_pct"]
+        both = att if c["reference"] else att["both"]
+        lines.append(
+            f"SLO check: {c['workers']} workers at a constant {100 * c['load']:g}% of the peak fleet's capacity "
+            f"(as loaded per worker as the reference{', the reference itself' if c['reference'] else ''}): "
+            f"{_f(both, 2)}% meet the SLO"
+        )
+    lines.append(
+        f"fixed_mean: {fair['fixed_mean_requests_within_capacity_pct']:.1f}% of the requests arrive while the load is "
+        "within its capacity"
+    )
+    for key, v in report["verdict"].items():
+        lines.append(f"verdict {key}: {v}")
     return "\n".join(lines)
+
+
+def oracle_groups(report: dict[str, Any]) -> dict[str, list[str]]:
+    """Clairvoyant fleets by rules and uncompressed interval ('step_i30': [names, in the order run])."""
+    groups: dict[str, list[str]] = {}
+    for name, f in report["fleets"].items():
+        if "oracle" in f:
+            o = f["oracle"]
+            groups.setdefault(f"{o['rules']}_i{o['interval_s_uncompressed']:g}", []).append(name)
+    return groups
 
 
 def plot(report: dict[str, Any], series: dict[str, ScalingResult], plan: Plan, path: str) -> str | None:
     """Offered load and KV use (left axis, fractions) and workers in routing / holding a GPU (right axis) over the
-    measured time, one panel per fleet; None when matplotlib is missing."""
+    measured time, one panel per fleet; a planner's panel also draws the pool of the clairvoyant fleet with its
+    interval at the first ``--oracle-utilisation``, and each group of clairvoyant fleets (rules, interval) gets one
+    panel with all their pools. None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -292,33 +364,75 @@ def plot(report: dict[str, Any], series: dict[str, ScalingResult], plan: Plan, p
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    names = list(series)
     sin = plan.sinusoid
+    k = report["load"]["time_compression"]
     peak_workers = report["capacity"]["peak_workers"]
-    fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.6 * len(names)), sharex=True, squeeze=False)
+    groups = oracle_groups(report)
+    fleets = [n for n in series if n not in {m for g in groups.values() for m in g}]
+    n_panels = len(fleets) + len(groups)
+    fig, axes = plt.subplots(n_panels, 1, figsize=(10, 2.6 * n_panels), sharex=True, squeeze=False)
     twins = []
-    for ax, name in zip(axes[:, 0], names, strict=True):
-        res = series[name]
-        ts = [s.t - plan.warmup_s for s in res.samples]
-        load = [sin.fraction(t) for t in ts]
-        kv = [math.nan if s.kv_usage is None else s.kv_usage for s in res.samples]
-        ax.plot(ts, load, color="tab:gray", linewidth=1.5, label="offered load (x peak fleet capacity)")
-        ax.plot(ts, kv, color="tab:red", linewidth=0.8, label="KV use (planner's mean)")
+
+    def times(res: ScalingResult) -> list[float]:
+        return [s.t - plan.warmup_s for s in res.samples]
+
+    def load_axes(ax: Any, res: ScalingResult) -> Any:
+        ts = times(res)
+        ax.plot(ts, [sin.fraction(t) for t in ts], color="tab:gray", linewidth=1.5, label="offered load (x peak fleet)")
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("fraction")
+        ax.grid(True, alpha=0.3)
         ax2 = ax.twinx()
         twins.append(ax2)
-        ax2.step(ts, [s.registered for s in res.samples], where="post", color="tab:blue", label="workers routed to")
-        ax2.step(ts, [s.held for s in res.samples], where="post", color="tab:blue", linestyle=":", label="workers held")
         ax2.set_ylim(0, peak_workers + 1)
         ax2.set_ylabel("workers")
+        return ax2
+
+    for ax, name in zip(axes[: len(fleets), 0], fleets, strict=True):
+        res = series[name]
+        ts = times(res)
+        ax2 = load_axes(ax, res)
+        kv = [math.nan if s.kv_usage is None else s.kv_usage for s in res.samples]
+        ax.plot(ts, kv, color="tab:red", linewidth=0.8, label="KV use (planner's mean)")
+        ax2.step(ts, [s.registered for s in res.samples], where="post", color="tab:blue", label="workers routed to")
+        ax2.step(ts, [s.held for s in res.samples], where="post", color="tab:blue", linestyle=":", label="workers held")
         f = report["fleets"][name]
-        ax.set_title(
+        title = (
             f"{name}: SLO attainment {f['slo_attainment_pct']['both']:.1f}%, {f['worker_seconds']:.0f} worker-s, "
-            f"TTFT p99 {f['ttft_ms']['p99']:.0f} ms",
-            fontsize=9,
+            f"TTFT p99 {f['ttft_ms']['p99']:.0f} ms"
         )
-        ax.grid(True, alpha=0.3)
+        cfg = f.get("planner_config")
+        twin = groups.get(f"step_i{cfg['adjustment_interval'] * k:g}") if cfg else None
+        if twin:
+            o, of = series[twin[0]], report["fleets"][twin[0]]
+            ax2.step(
+                times(o),
+                [s.registered for s in o.samples],
+                where="post",
+                color="tab:green",
+                linestyle="--",
+                label="clairvoyant fleet, same interval: workers routed to",
+            )
+            title += (
+                f"; clairvoyant (u={of['oracle']['utilisation']:g}): {of['slo_attainment_pct']['both']:.1f}%, "
+                f"{of['worker_seconds']:.0f} worker-s"
+            )
+        ax.set_title(title, fontsize=9)
+    shades = ["tab:green", "tab:olive", "tab:cyan", "tab:purple", "tab:brown"]
+    for ax, (key, names) in zip(axes[len(fleets) :, 0], groups.items(), strict=True):
+        ax2 = load_axes(ax, series[names[0]])
+        parts = []
+        for i, name in enumerate(names):
+            res, f = series[name], report["fleets"][name]
+            u = f["oracle"]["utilisation"]
+            ax2.step(times(res), [s.registered for s in res.samples], where="post", color=shades[i % len(shades)],
+                     label=f"u={u:g}: workers routed to")  # fmt: skip
+            ax2.step(times(res), [s.held for s in res.samples], where="post", color=shades[i % len(shades)],
+                     linestyle=":", linewidth=0.8)  # fmt: skip
+            parts.append(f"u={u:g} {f['slo_attainment_pct']['both']:.1f}% / {f['worker_seconds']:.0f} w-s")
+        rules, interval = key.split("_i")
+        ax.set_title(f"clairvoyant, {rules} rules, {interval} s interval: " + ", ".join(parts), fontsize=9)
+        ax2.legend(fontsize=7, loc="upper right")
     h1, l1 = axes[0, 0].get_legend_handles_labels()
     h2, l2 = twins[0].get_legend_handles_labels()
     axes[0, 0].legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right")
@@ -360,11 +474,83 @@ def planner_configs(args: argparse.Namespace) -> dict[str, PlannerConfig]:
     return out
 
 
+def oracles(args: argparse.Namespace, plan: Plan, budget_workers: int) -> dict[str, Oracle]:
+    """The clairvoyant fleets, by name: each ``--oracle-utilisation`` at each ``--oracle-intervals`` (divided by the
+    time compression, as the planner's), with the step rules, and with the loop rules too under
+    ``--oracle-loop-rules``. Names carry the uncompressed interval."""
+    out: dict[str, Oracle] = {}
+    for loop in (False, True) if args.oracle_loop_rules else (False,):
+        for interval in args.oracle_intervals:
+            for u in args.oracle_utilisation:
+                name = f"oracle_{'loop' if loop else 'step'}_i{interval:g}_u{u:g}"
+                out[name] = Oracle(
+                    sinusoid=plan.sinusoid,
+                    load_start_s=plan.warmup_s,
+                    peak_workers=args.peak_workers,
+                    utilisation=u,
+                    interval_s=interval / args.time_compression,
+                    startup_s=plan.startup_s,
+                    max_workers=budget_workers,
+                    loop_rules=loop,
+                    grid_s=0.1 / args.time_compression,
+                )
+    return out
+
+
+def need_worker_seconds(oracle: Oracle, step_s: float = 0.01) -> float:
+    """The integral of the oracle's need over the measured load: the worker-seconds of a fleet that is always exactly
+    the size the load needs at its utilisation (no step limit, no start-up, no drain): what no schedule can beat."""
+    n = math.ceil(oracle.sinusoid.duration_s / step_s)
+    dt = oracle.sinusoid.duration_s / n
+    return sum(oracle.need(oracle.load_start_s + (i + 0.5) * dt) for i in range(n)) * dt
+
+
+def share_within(sinusoid: Sinusoid, fraction: float, step_s: float = 0.01) -> float:
+    """The expected share of the load's requests that arrive while its rate is at most ``fraction`` of the peak fleet's
+    capacity (a fixed fleet of that share of the peak fleet's workers is then not overloaded)."""
+    n = math.ceil(sinusoid.duration_s / step_s)
+    dt = sinusoid.duration_s / n
+    rates = [sinusoid.fraction((i + 0.5) * dt) for i in range(n)]
+    return sum(r for r in rates if r <= fraction + 1e-12) / sum(rates)
+
+
+def verdicts(report: dict[str, Any]) -> dict[str, str]:
+    """Per oracle interval and rule set: whether any clairvoyant schedule met the goal, in words."""
+    out: dict[str, str] = {}
+    for key, names in oracle_groups(report).items():
+        met = [n for n in names if report["goal"][n]["met"]]
+        rules, interval = key.split("_i")
+        what = "one worker per interval" if rules == "step" else "the planner loop's rules (pause, grace)"
+        if met:
+            best = max(met, key=lambda n: report["goal"][n]["worker_seconds_saving_vs_fixed_peak"])
+            g = report["goal"][best]
+            out[key] = (
+                f"feasible at {interval} s intervals under {what}: {best} comes within "
+                f"{g['attainment_points_below_fixed_peak']:.2f} points with "
+                f"{100 * g['worker_seconds_saving_vs_fixed_peak']:.1f}% fewer worker-seconds; a planner's shortfall "
+                "here is its signal's and its reactive design's"
+            )
+        else:
+            parts = [
+                f"u={report['fleets'][n]['oracle']['utilisation']:g}: "
+                f"{report['goal'][n]['attainment_points_below_fixed_peak']:.2f} points below, "
+                f"{100 * report['goal'][n]['worker_seconds_saving_vs_fixed_peak']:.1f}% fewer"
+                for n in names
+            ]
+            out[key] = (
+                f"infeasible at {interval} s intervals under {what}: no clairvoyant schedule met it ("
+                + "; ".join(parts)
+                + ")"
+            )
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     k = args.time_compression
-    source = RequestSource.from_trace(
-        args.trace, vocab_size=args.vocab_size, seed=args.seed, output_tokens=args.output_tokens
+    lengths = tuple(args.lengths) if args.lengths else None
+    source = request_source(
+        args.trace, lengths, vocab_size=args.vocab_size, seed=args.seed, output_tokens=args.output_tokens
     )
     longest = source.longest()
     max_len = max(MockEngineConfig().max_model_len, -(-longest // 1024) * 1024)
@@ -374,11 +560,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
     )
     configs = planner_configs(args)
-    capacity_workload = from_trace(
-        args.trace, args.capacity_requests, vocab_size=args.vocab_size, seed=args.seed, output_tokens=args.output_tokens
-    )
+    if lengths is None:
+        cap_workload = from_trace(
+            args.trace,
+            args.capacity_requests,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+            output_tokens=args.output_tokens,
+        )
+    else:
+        cap_workload = capacity_workload(source, args.capacity_requests, args.seed)
     t0 = time.process_time()
-    capacity, probes = fleetsim.find_capacity(capacity_workload, FleetSpec(args.peak_workers, engine), args.seed)
+    capacity, probes = fleetsim.find_capacity(cap_workload, FleetSpec(args.peak_workers, engine), args.seed)
     capacity_cpu = time.process_time() - t0
     print(
         f"bench planner: {source.name}: {args.peak_workers} workers drain up to {capacity:.3f} req/s "
@@ -389,6 +582,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sinusoid = Sinusoid(args.period_s, args.duration_s, args.low, args.high).scaled(k)
     plan = Plan(
         trace=str(args.trace),
+        lengths=lengths,
         vocab_size=args.vocab_size,
         output_tokens=args.output_tokens,
         seed=args.seed,
@@ -404,17 +598,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start_workers = args.start_workers or max(1, math.ceil(sinusoid.low * args.peak_workers - 1e-9))
     # The fixed fleets' planner reports what the first planner fleet's configuration would have done there.
     fixed = configs["planner"].model_copy(update={"no_operation": True})
+    budget_workers = max(1, fixed.max_gpu_budget // fixed.decode_engine_num_gpu)
+    clairvoyant = oracles(args, plan, budget_workers)
+    oracle_start = {name: o.start_workers(plan.warmup_s) for name, o in clairvoyant.items()}
+    # The SLO checks: smaller fixed fleets at the same load per worker as the SLO's reference (the peak fleet at the
+    # sinusoid's peak): does a smaller fleet, as loaded per worker, meet the bound the peak fleet set?
+    check_sizes = sorted({start_workers, mean_workers} - {args.peak_workers})
     tasks: list[tuple[Any, ...]] = [
-        (run_fleet, plan, "reference", args.peak_workers, fixed, True),
+        (run_fleet, plan, "reference", args.peak_workers, fixed, sinusoid.high),
         *((run_fleet, plan, name, start_workers, cfg) for name, cfg in configs.items()),
         (run_fleet, plan, "fixed_peak", args.peak_workers, fixed),
         (run_fleet, plan, "fixed_mean", mean_workers, fixed),
+        *((run_fleet, plan, name, oracle_start[name], fixed, None, o) for name, o in clairvoyant.items()),
+        *((run_fleet, plan, f"slo_check_{n}", n, fixed, sinusoid.high * n / args.peak_workers) for n in check_sizes),
     ]
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(min(args.jobs, len(tasks))) as pool:
         outs = pool.map(_call, tasks, chunksize=1)
     by_name = {o["name"]: o for o in outs}
     ref = by_name.pop("reference")
+    checks = {n: by_name.pop(f"slo_check_{n}") for n in check_sizes}
     ref_res: ScalingResult = ref["result"]
     ref_reqs = measured(ref_res, plan.warmup_s, plan.warmup_s + plan.reference_s)
     q = args.slo_quantile
@@ -437,14 +640,67 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     fleets["fixed_peak"]["workers"] = args.peak_workers
     fleets["fixed_mean"]["workers"] = mean_workers
-    lengths = [source.lengths(i) for i in range(len(source.rows))]
-    prompts = sorted(p for p, _ in lengths)
-    outs_len = sorted(o for _, o in lengths)
+    peak_ws = args.peak_workers * sinusoid.duration_s
+
+    def schedule_ws(o: Oracle) -> float:
+        return o.plan(plan.warmup_s, plan.warmup_s + sinusoid.duration_s).worker_seconds(
+            plan.warmup_s, plan.warmup_s + sinusoid.duration_s
+        )
+
+    for name, o in clairvoyant.items():
+        ideal = need_worker_seconds(o)
+        fleets[name]["oracle"] = {
+            "rules": "loop" if o.loop_rules else "step",
+            "utilisation": o.utilisation,
+            "interval_s": o.interval_s,
+            "interval_s_uncompressed": round(o.interval_s * k, 6),
+            "start_workers": oracle_start[name],
+            "max_workers": o.max_workers,
+            "per_worker_rps": round(capacity / args.peak_workers, 4),
+            "need_worker_seconds": round(ideal, 1),
+            "need_worker_seconds_saving_vs_fixed_peak": round(1 - ideal / peak_ws, 4),
+            # The schedule alone (Oracle.plan: removed workers drain at once), at this start-up and at others: what
+            # the rules leave of the saving whatever the latency, the same on any trace.
+            "schedule_saving_vs_fixed_peak": {
+                f"{s_up:g}": round(1 - schedule_ws(dataclasses.replace(o, startup_s=s_up / k)) / peak_ws, 4)
+                for s_up in sorted({*STARTUP_SWEEP_S, args.startup_s})
+            },
+        }
+    slo_checks = [
+        {
+            "workers": args.peak_workers,
+            "load": sinusoid.high,
+            "reference": True,
+            "slo_attainment_pct": round(100 * (attainment(ref_reqs, slo)["both"] or 0.0), 2),
+            "requests": len(ref_reqs),
+        }
+    ]
+    for n, o in checks.items():
+        reqs = measured(o["result"], plan.warmup_s, plan.warmup_s + plan.reference_s)
+        att = attainment(reqs, slo)
+        slo_checks.append(
+            {
+                "workers": n,
+                "load": round(sinusoid.high * n / args.peak_workers, 4),
+                "reference": False,
+                "slo_attainment_pct": {key: None if v is None else round(100 * v, 2) for key, v in att.items()},
+                "requests": len(reqs),
+                "ttft_ms": {
+                    "p50": _ms(percentile([r.ttft_s for r in reqs], 0.5)),
+                    "p99": _ms(percentile([r.ttft_s for r in reqs], 0.99)),
+                },
+                "cpu_s": o["cpu_s"],
+            }
+        )
+    src_lengths = [source.lengths(i) for i in range(len(source.rows))]
+    prompts = sorted(p for p, _ in src_lengths)
+    outs_len = sorted(o for _, o in src_lengths)
     report: dict[str, Any] = {
         "bench": "planner",
         "workload": {
             "name": source.name,
-            "trace": str(args.trace),
+            "trace": None if lengths else str(args.trace),
+            "lengths": list(lengths) if lengths else None,
             "rows": len(source.rows),
             "prompt_tokens": {"p50": prompts[len(prompts) // 2], "mean": round(sum(prompts) / len(prompts))},
             "output_tokens": {"p50": outs_len[len(outs_len) // 2], "mean": round(sum(outs_len) / len(outs_len))},
@@ -483,10 +739,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "reference_kv_usage_max": round(max(ref_kv), 4) if ref_kv else None,
             "reference_cpu_s": ref["cpu_s"],
         },
+        "fairness": {
+            # Smaller fixed fleets, as loaded per worker as the SLO's reference: whether the bound is one a fleet of
+            # that size can meet at all when it runs at the measured per-worker capacity.
+            "slo_at_full_load_per_worker": slo_checks,
+            # The fixed mean fleet is over capacity while the load is above its share of the peak fleet's.
+            "fixed_mean_requests_within_capacity_pct": round(
+                100 * share_within(sinusoid, mean_workers / args.peak_workers), 2
+            ),
+        },
         "fleets": fleets,
     }
     report["goal"] = judge(fleets)
     report["goal_met"] = {name: g["met"] for name, g in report["goal"].items()}
+    report["verdict"] = verdicts(report)
     report["seed"] = args.seed
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(table(report), file=sys.stderr, flush=True)
@@ -513,6 +779,24 @@ def _fraction(s: str) -> float:
     if x > 1:
         raise argparse.ArgumentTypeError(f"a fraction in (0, 1], got {s!r}")
     return x
+
+
+def _fractions(s: str) -> tuple[float, ...]:
+    return tuple(_fraction(x.strip()) for x in s.split(",") if x.strip())
+
+
+def _positives(s: str) -> tuple[float, ...]:
+    return tuple(_positive(x.strip()) for x in s.split(",") if x.strip())
+
+
+def _lengths(s: str) -> tuple[int, int]:
+    try:
+        isl, osl = (int(x) for x in s.split(":"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected PROMPT:OUTPUT token counts such as 3000:150, got {s!r}") from e
+    if isl < 1 or osl < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1, got {s!r}")
+    return isl, osl
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -569,6 +853,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="length of the constant-peak replay that sets the SLO, in seconds (default: one period)",
     )
     p.add_argument(
+        "--lengths",
+        type=_lengths,
+        default=None,
+        metavar="PROMPT:OUTPUT",
+        help="instead of a trace, every request this many prompt and output tokens, prompts sharing nothing (Dynamo's "
+        "planner benchmark: 3000:150)",
+    )
+    p.add_argument(
+        "--oracle-utilisation",
+        type=_fractions,
+        default=(1.0, 0.9, 0.8),
+        help="target load per worker of the clairvoyant fleets, as fractions of the peak fleet's measured capacity "
+        "per worker, comma-separated ('' for no clairvoyant fleet; default 1.0,0.9,0.8)",
+    )
+    p.add_argument(
+        "--oracle-intervals",
+        type=_positives,
+        default=(30.0, 10.0),
+        help="decision intervals of the clairvoyant fleets, in seconds before time compression, comma-separated "
+        "(default 30,10: the planner's default and Dynamo's benchmark setting)",
+    )
+    p.add_argument(
+        "--oracle-loop-rules",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also run each clairvoyant fleet under the planner loop's rules: no decision while a change is in "
+        "progress and none removing a worker for 3 decisions after an addition",
+    )
+    p.add_argument(
         "--dynamo-setting",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -590,8 +903,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.lengths and args.trace:
+        print("kvmesh bench planner: give --trace or --lengths, not both", file=sys.stderr)
+        return 2
     args.trace = args.trace or str(TRACE_DIR / DEFAULT_TRACE)
-    if not Path(args.trace).is_file():
+    if not args.lengths and not Path(args.trace).is_file():
         print(f"kvmesh bench planner: no trace file at {args.trace}", file=sys.stderr)
         return 2
     problems = []

@@ -36,6 +36,7 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from components.cli.bench.fleetsim import MODEL, account_chunk
 from components.cli.bench.loadgen.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
@@ -46,7 +47,15 @@ from components.planner.loop import (
     fleet_from_instances,
     request_totals,
 )
-from components.planner.policy import Adjustment, Direction, PlannerState, Pool, decide, pull_figures
+from components.planner.policy import (
+    NEW_DECODE_WORKER_GRACE_PERIOD,
+    Adjustment,
+    Direction,
+    PlannerState,
+    Pool,
+    decide,
+    pull_figures,
+)
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.protocol.messages import GenerateRequest, LoadSnapshot, SamplingParams
 from components.protocol.metadata import WorkerMetadata, WorkerRole
@@ -345,11 +354,30 @@ class ModelledConnector:
 # --- the simulation ---------------------------------------------------------------------------------------------------
 
 
+class Controller(Protocol):
+    """A schedule that resizes the pool in the planner's place (``clairvoyant.Oracle``), under the planner's rules:
+    ``decide`` is called every ``interval_s`` and returns the pool size to set (one more, one fewer or the same) and
+    why. With ``loop_rules`` the simulation also applies the planner loop's: no decision while a change is in
+    progress, the next a whole interval after the first pull that finds the pool settled, and none that removes a
+    worker (``may_remove`` False) in the ``NEW_DECODE_WORKER_GRACE_PERIOD`` decisions after an addition."""
+
+    @property
+    def interval_s(self) -> float: ...
+
+    @property
+    def loop_rules(self) -> bool: ...
+
+    def decide(
+        self, now: float, active: int, starting_ready_s: Sequence[float], may_remove: bool
+    ) -> tuple[int, str]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ScalingSpec:
     """One fleet's run: its engines, how many workers it starts with, and the planner that watches it
     (``planner.no_operation``: a fixed fleet, the planner only reporting what it would do, as Dynamo's benchmark ran
-    its fixed baseline)."""
+    its fixed baseline). With a ``controller``, that resizes the pool instead of the planner's policy, from
+    ``planner_from_s``; the pulls still sample the fleet (KV use, pool sizes) at the planner's pulling interval."""
 
     engine: MockEngineConfig
     initial_workers: int
@@ -357,6 +385,7 @@ class ScalingSpec:
     startup_s: float = 30.0
     policy: str = "kv"
     metrics_interval_s: float = 0.1  # workers publish their LoadSnapshot this often (WorkerConfig.metrics_interval_ms)
+    controller: Controller | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -495,17 +524,56 @@ def simulate(
             if d.pool != Pool.DECODE:
                 continue
             pending[d.pool] = PendingChange(before=d.current, target=d.target)
-            added, leaving = connector.set_pool_size(d.target, now, lambda wid: engines[wid].has_work or busy[wid])
-            for span in added:
-                engines[span.worker_id] = VirtualEngine(spec.engine)
-                busy[span.worker_id] = False
-                push(span.ready_s, _READY, span.worker_id)
-            if leaving:
-                for span in leaving:
-                    loads.pop(span.worker_id, None)
-                routing_changed(now)
+            resize(d.target, now)
             open_action = Action(now, None, str(d.direction), d.current, d.target, d.reason)
             settle(now)
+
+    def resize(target: int, now: float) -> list[WorkerSpan]:
+        """The connector's call, and what the fleet does about it: the spans added or asked to leave."""
+        added, leaving = connector.set_pool_size(target, now, lambda wid: engines[wid].has_work or busy[wid])
+        for span in added:
+            engines[span.worker_id] = VirtualEngine(spec.engine)
+            busy[span.worker_id] = False
+            push(span.ready_s, _READY, span.worker_id)
+        if leaving:
+            for span in leaving:
+                loads.pop(span.worker_id, None)
+            routing_changed(now)
+        return added + leaving
+
+    # The controller's cadence (Controller): the next decision's time; None while the loop rules wait for a settled
+    # pool. Its changes run side by side (step rules), so each is recorded with its own span.
+    control = spec.controller
+    next_decision_s: float | None = planner_from_s
+    grace = 0
+    controlled: list[tuple[Action, WorkerSpan]] = []
+
+    def control_step(now: float) -> None:
+        nonlocal next_decision_s, grace, adjustments
+        assert control is not None
+        if control.loop_rules:
+            if not connector.change_done(now):
+                next_decision_s = None
+                return
+            if next_decision_s is None:
+                next_decision_s = now + control.interval_s
+        if next_decision_s is None or now < next_decision_s - 1e-9:
+            return
+        next_decision_s = (now if control.loop_rules else next_decision_s) + control.interval_s
+        adjustments += 1
+        active = connector.active()
+        starting = [w.ready_s for w in active if w.ready_s > now]
+        target, reason = control.decide(now, len(active), starting, may_remove=grace == 0)
+        grace = max(0, grace - 1)
+        if target == len(active):
+            return
+        if abs(target - len(active)) != 1:
+            raise ValueError(f"a controller changes the pool by one worker at a time, asked {len(active)} -> {target}")
+        direction = Direction.UP if target > len(active) else Direction.DOWN
+        if direction == Direction.UP and control.loop_rules:
+            grace = NEW_DECODE_WORKER_GRACE_PERIOD
+        (span,) = resize(target, now)
+        controlled.append((Action(now, None, str(direction), len(active), target, reason), span))
 
     while heap:
         now, kind, _, payload = heapq.heappop(heap)
@@ -572,17 +640,26 @@ def simulate(
             figures = pull_figures(obs, cfg)
             running, waiting = request_totals(loads, fleet, now, cfg)
             samples.append(Sample(now, figures.kv_usage, len(fleet.decode), connector.held(now), running, waiting))
-            adj, state = decide(state, obs, cfg)
-            if adj is not None:
-                adjustments += 1
-                apply(adj, now)
+            if control is not None:
+                if now >= planner_from_s:
+                    control_step(now)
+            else:
+                adj, state = decide(state, obs, cfg)
+                if adj is not None:
+                    adjustments += 1
+                    apply(adj, now)
             if now + cfg.metric_pulling_interval < planner_until_s:
                 push(now + cfg.metric_pulling_interval, _PULL, 0)
     return ScalingResult(
         requests=done,
         gaps=gaps,
         samples=samples,
-        actions=actions + ([open_action] if open_action is not None else []),
+        actions=actions
+        + ([open_action] if open_action is not None else [])
+        + [
+            dataclasses.replace(a, done_s=span.exited_s if a.direction == "down" else span.ready_s)
+            for a, span in controlled
+        ],
         would=would,
         spans=connector.spans(),
         adjustments=adjustments,
