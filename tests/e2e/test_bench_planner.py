@@ -5,6 +5,7 @@ never speed: whether the goal is met means nothing on so short a run."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ TRACES = ROOT.parent / "shared" / "traces"
 AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
 SHAREGPT = TRACES / "sharegpt_v3_filtered_500.json"
 FLEETS = {"planner", "planner_dynamo_setting", "fixed_peak", "fixed_mean"}
+ORACLES = {f"oracle_step_i{i}_u{u}" for i in (30, 10) for u in ("1", "0.9", "0.8")}
 
 
 def bench(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -48,7 +50,7 @@ def test_bench_planner_compares_the_planner_with_fixed_fleets(tmp_path, trace):
     slo = r["slo"]
     assert slo["ttft_ms"] > 0 and slo["itl_ms"] > 0 and slo["quantile"] == 0.99 and slo["reference_requests"] > 0
     assert 0 <= slo["reference_kv_usage_mean"] <= slo["reference_kv_usage_max"] <= 1
-    assert set(r["fleets"]) == FLEETS
+    assert set(r["fleets"]) == FLEETS | ORACLES
     for name, f in r["fleets"].items():
         assert f["requests"] == load["requests"], name  # the same measured requests, every one finished
         assert 0 < f["ttft_ms"]["p50"] <= f["ttft_ms"]["p99"]
@@ -79,8 +81,48 @@ def test_bench_planner_compares_the_planner_with_fixed_fleets(tmp_path, trace):
     assert load["swing_workers"] == 2.25
     assert r["fleets"]["planner"]["most_scale_ups_per_half_period"] == 1
     assert r["fleets"]["planner_dynamo_setting"]["most_scale_ups_per_half_period"] == 1
+    # The clairvoyant fleets: each utilisation at each interval, under the step rules, judged like the planners.
+    for name in ORACLES:
+        f, o = r["fleets"][name], r["fleets"][name]["oracle"]
+        assert o["rules"] == "step" and name == f"oracle_step_i{o['interval_s_uncompressed']:g}_u{o['utilisation']:g}"
+        assert o["interval_s"] == pytest.approx(o["interval_s_uncompressed"] / 20)
+        assert 1 <= o["start_workers"] <= o["max_workers"] == 3
+        assert o["per_worker_rps"] == pytest.approx(r["capacity"]["capacity_rps"] / 3, rel=1e-3)
+        # Always at least the need: it holds no fewer worker-seconds than the need's integral.
+        assert f["worker_seconds"] >= o["need_worker_seconds"] * 0.999
+        assert set(o["schedule_saving_vs_fixed_peak"]) == {"0", "10", "20", "30"}
+        for a in f["scaling_actions"]["actions"]:
+            assert abs(a["to"] - a["from"]) == 1 and a["reason"].startswith(("add", "remove"))
+        assert r["goal"][name]["met"] == r["goal_met"][name]
+    assert set(r["verdict"]) == {"step_i30", "step_i10"}
+    assert all(v.startswith(("feasible", "infeasible")) for v in r["verdict"].values())
+    # Fairness: smaller fleets at the reference's load per worker (start 1 and mean 2 of 3), and the share of the
+    # requests that arrive while the load is within the mean fleet's 2 of 3 workers: cos(2 pi t / P) >= c with
+    # c = (0.625 - 2/3) / 0.375, a = acos(c): (0.625 a - 0.375 sin a) / (0.625 pi) = 34.6%.
+    fair = r["fairness"]
+    checks = fair["slo_at_full_load_per_worker"]
+    assert [(c["workers"], c["reference"]) for c in checks] == [(3, True), (1, False), (2, False)]
+    assert checks[1]["load"] == pytest.approx(1 / 3, abs=1e-4) and checks[2]["requests"] > 0
+    a = math.acos((0.625 - 2 / 3) / 0.375)
+    share = (0.625 * a - 0.375 * math.sin(a)) / (0.625 * math.pi)
+    assert fair["fixed_mean_requests_within_capacity_pct"] == pytest.approx(100 * share, abs=0.2)
     assert r["png"] == str(png) and png.stat().st_size > 10_000
-    assert "SLO per request" in proc.stderr and "goal planner:" in proc.stderr
+    assert "SLO per request" in proc.stderr and "goal planner:" in proc.stderr and "verdict step_i10" in proc.stderr
+
+
+def test_bench_planner_runs_fixed_length_requests(tmp_path):
+    # Dynamo's benchmark shape (every prompt and output the same length), tiny: 2 workers, one clairvoyant fleet.
+    proc = bench("--lengths", "500:50", "--peak-workers", "2", "--time-compression", "20", "--capacity-requests", "60",
+                 "--oracle-utilisation", "1.0", "--oracle-intervals", "10", "--no-dynamo-setting", "--jobs", "2",
+                 "--png", "")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    w = r["workload"]
+    assert (w["name"], w["lengths"], w["trace"]) == ("fixed_500_50", [500, 50], None)
+    assert w["prompt_tokens"] == {"p50": 500, "mean": 500} and w["output_tokens"] == {"p50": 50, "mean": 50}
+    assert set(r["fleets"]) == {"planner", "fixed_peak", "fixed_mean", "oracle_step_i10_u1"}
+    assert all(f["requests"] == r["load"]["requests"] > 0 for f in r["fleets"].values())
+    assert "png" not in r
 
 
 def test_bench_planner_refuses_bad_settings_before_running(tmp_path):
@@ -93,3 +135,9 @@ def test_bench_planner_refuses_bad_settings_before_running(tmp_path):
     assert proc.returncode == 2 and "unknown policy 'fastest'" in proc.stderr
     proc = bench("--trace", str(tmp_path / "missing.csv"), timeout=60)
     assert proc.returncode == 2 and "no trace file" in proc.stderr
+    proc = bench("--trace", str(AZURE), "--lengths", "3000:150", timeout=60)
+    assert proc.returncode == 2 and "give --trace or --lengths, not both" in proc.stderr
+    proc = bench("--lengths", "3000", timeout=60)
+    assert proc.returncode == 2 and "expected PROMPT:OUTPUT" in proc.stderr
+    proc = bench("--oracle-utilisation", "1.0,1.5", "--trace", str(AZURE), timeout=60)
+    assert proc.returncode == 2 and "a fraction in (0, 1]" in proc.stderr
