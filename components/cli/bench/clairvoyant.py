@@ -143,6 +143,55 @@ class Oracle:
         spans.extend((h, None) for h in held)
         return Plan(start, tuple(decisions), tuple(spans))
 
+    def least_worker_seconds(self, t0: float, t1: float) -> float:
+        """A lower bound on the worker-seconds within [t0, t1] of *any* schedule under these rules that routes at least
+        ``need(t)`` workers at every t in [t0, t1] (not only this greedy one's), so ``1 - bound / peak`` bounds the
+        saving from above.
+
+        The routed count r changes only when a worker registers (additions are at least ``add_every_s`` apart, so at
+        most ``floor(d / add_every_s) + 1`` registrations fall in any d seconds) or is removed (at most
+        ``floor(d / interval_s) + 1``). So for s after t, r(t) >= need(s) - floor((s - t) / add_every_s) - 1, and
+        for s before t, r(t) >= need(s) - floor((t - s) / interval_s) - 1: the envelope E(t) over s in [t0, t1].
+        A worker routed at t + startup_s was asked for by t and has not left, so it holds a GPU at t: the workers
+        held at t are at least max(E(t), E(t + startup_s)). The bound is that integral, on the ``grid_s`` grid.
+        """
+        n = max(1, math.ceil((t1 - t0) / self.grid_s))
+        dt = (t1 - t0) / n
+        need = [self.need(t0 + (i + 0.5) * dt) for i in range(n)]
+        top = max(need)
+        lag = round(self.startup_s / dt)
+        m = n + lag  # grid points up to t1 + startup_s; after t1 the need is the floor
+        # last[v][i]: the latest point before i with need >= v (or None); first[v][i]: the earliest after i.
+        last: dict[int, list[int | None]] = {}
+        first: dict[int, list[int | None]] = {}
+        for v in range(2, top + 1):
+            lv: list[int | None] = [None] * m
+            seen: int | None = None
+            for i in range(m):
+                lv[i] = seen
+                if i < n and need[i] >= v:
+                    seen = i
+            fv: list[int | None] = [None] * m
+            seen = None
+            for i in range(m - 1, -1, -1):
+                fv[i] = seen
+                if i < n and need[i] >= v:
+                    seen = i
+            last[v], first[v] = lv, fv
+
+        def envelope(i: int) -> int:
+            best = need[i] if i < n else 1
+            for v in range(best + 1, top + 1):
+                j, k = last[v][i], first[v][i]
+                if j is not None:
+                    best = max(best, v - math.floor((i - j) * dt / self.interval_s + _EPS) - 1)
+                if k is not None:
+                    best = max(best, v - math.floor((k - i) * dt / self.add_every_s + _EPS) - 1)
+            return best
+
+        env = [envelope(i) for i in range(m)]
+        return sum(max(env[i], env[i + lag]) for i in range(n)) * dt
+
     def decide(self, now: float, active: int, starting_ready_s: Sequence[float], may_remove: bool) -> tuple[int, str]:
         """The pool size to set at the decision at ``now``, and why: ``active`` workers counted by the connector
         (starting ones included), ``starting_ready_s`` when the starting ones register, ``may_remove`` False in the
