@@ -26,6 +26,27 @@ modelled and what is left out):
   half up: 5 of 8), not of the planner's fleet, so the baseline does not depend on the planner under test. Both run
   the planner with ``--no-operation`` (as Dynamo ran its fixed baseline), which reports what it would have done.
 
+* ``oracle_step_i<I>_u<u>``: the clairvoyant fleets (``clairvoyant.Oracle``): each ``--oracle-utilisation`` u
+  (1.0, 0.9, 0.8) at each ``--oracle-intervals`` I (30 and 10 s), resized not by the planner but by a schedule that
+  knows the load and the peak fleet's measured capacity per worker and sets the pool ahead of time, under the
+  planner's rules (one worker per interval, the start-up, the budget, the one-worker floor, draining): what a
+  planner with a perfect signal could do. ``--oracle-loop-rules`` adds ``oracle_loop_*``, which also obey the
+  planner loop's pause while a change is in progress and its grace period after an addition.
+
+Beside the simulations, ``schedule_bound`` gives, per rule set, interval, utilisation and start-up (0, 10, 20, 30 s
+and ``--startup-s``), the greedy clairvoyant schedule's worker-seconds and a lower bound for any schedule under the
+rules that always routes the load's need (``Oracle.least_worker_seconds``); they depend on the load's shape, not on
+the trace. ``verdict`` says per rule set and interval whether the goal is within reach: not if the bound leaves less
+than 25% to save, whatever the latency; else whether a simulated clairvoyant fleet met it.
+
+Fairness figures (``fairness``): the SLO checks, fixed fleets of the planner's start size and of the mean size at the
+same load per worker as the SLO's reference (whether a smaller fleet, as loaded per worker as the peak fleet at its
+peak, meets the bound the peak fleet set); and the share of the requests that arrive while the load is within the
+fixed mean fleet's capacity.
+
+``--lengths PROMPT:OUTPUT`` replaces the trace with requests of fixed lengths and prompts that share nothing: the shape
+of Dynamo's benchmark (3000:150).
+
 Every fleet first serves ``--warmup-s`` (60 s) of load at the trough rate, unwatched and unmeasured, so that the
 planner's first interval sees warm engines rather than a cold start (an empty KV cache reads as "scale down").
 

@@ -18,6 +18,10 @@ planner's pool) ``startup_s`` later; a removed worker is the pool's most recentl
 routing and the pool at the decision, finishes every request it holds, and exits when it has none left, which is
 when its worker-seconds stop and the change is done.
 
+A ``Controller`` (``ScalingSpec.controller``: the clairvoyant fleet, ``clairvoyant.Oracle``) can resize the pool
+in the policy's place through the same connector, with the planner's cadence and optionally its loop's pause and
+grace period.
+
 What is left out: the network and the frontend (load reports and KV events arrive when sent), the time circus and
 etcd take (a few ms to a few hundred ms against seconds of start-up), a worker that fails to start, and the
 planner's own CPU time. Time is virtual, so a run's cost is the work it simulates, not its duration, and one
