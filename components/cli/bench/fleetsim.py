@@ -104,6 +104,12 @@ class _Track:
     output_tokens: int = 0
 
 
+class Sink(Protocol):
+    """Where ``account_chunk`` appends latencies: a list, or anything with ``append`` (bench planner's histogram)."""
+
+    def append(self, x: float, /) -> None: ...
+
+
 class Timed(Protocol):
     """What ``account_chunk`` reads and writes of one request's record (fleetsim's and bench disagg's)."""
 
@@ -121,9 +127,9 @@ def account_chunk(
     chunk: TokenChunk,
     now: float,
     router: Router,
-    ttft: list[float],
-    itl: list[float],
-    e2e: list[float],
+    ttft: Sink,
+    itl: Sink,
+    e2e: Sink,
 ) -> bool:
     """Record a chunk of request ``rid`` that reached its client at ``now``: its first token (TTFT, the router told),
     else an inter-token gap; its tokens; its end (E2E, the router told). True when the request finished."""
