@@ -689,4 +689,5 @@ class _Track:
     first_s: float = -1.0
     last_s: float = -1.0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
     output_tokens: int = 0
