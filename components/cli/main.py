@@ -57,6 +57,7 @@ BENCHMARKS = (
         "kv-transfer", "components.cli.bench.kv_transfer", "a vLLM decode engine's first token: KV pull vs recompute"
     ),
     Command("migration", "components.cli.bench.migration", "migration downtime (live vs recompute) and failover"),
+    Command("planner", "components.cli.bench.planner", "planner vs fixed fleets under a sinusoidal load, simulated"),
 )
 
 

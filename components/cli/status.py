@@ -10,6 +10,9 @@ the processes the state files record), so a line of ``kvmesh status`` leads to `
 
 Role is a worker's ``WorkerMetadata.role`` (aggregated, prefill, decode), as ``decode:recompute`` (or
 ``prefill:recompute``) when its engine cannot move KV and the decode worker recomputes remotely prefilled prompts.
+Migration is its ``WorkerMetadata.migration_mode``: how it moves a running request to another worker (``kv_transfer``:
+vLLM pulls the KV with NIXL; ``live``: the simulated engine copies it while decoding; ``recompute``: the destination
+computes it again), ``-`` where it cannot (a prefill worker, a frontend); ``migration_mode`` in ``--json``.
 
 Load is each worker's latest ``load_metrics`` event heard within ``--load-wait-s`` (workers publish every 100 ms by
 default, so 1 s hears every live one); ``-`` when none arrived. Age counts from the ``started_at`` a worker puts in
@@ -238,6 +241,8 @@ def rows_of(
                 # Workers only: a frontend or router registers no role (WorkerMetadata would read it as aggregated).
                 "role": str(meta.role) if "role" in info.metadata else None,
                 "remote_prefill_mode": meta.remote_prefill_mode or None,
+                # How it moves a running request (kv_transfer, live, recompute); None where it cannot.
+                "migration_mode": meta.migration_mode or None,
                 "metadata": dict(info.metadata),
                 "pid": meta.pid or None,
                 "watcher": None,
@@ -365,8 +370,21 @@ def attach_watchers(rows: list[dict[str, Any]], states: Sequence[ServeState]) ->
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
-    # ROLE after PID: scripts (and tests/e2e) read the first six columns by position.
-    header = ("NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ROLE", "ENDPOINTS", "LOAD", "AGE")
+    # ROLE after PID: scripts (and tests/e2e) read the first seven columns by position. MIGRATION: how the worker
+    # moves a running request (kv_transfer, live, recompute; - where it cannot).
+    header = (
+        "NAMESPACE",
+        "COMPONENT",
+        "INSTANCE",
+        "MODEL",
+        "WATCHER",
+        "PID",
+        "ROLE",
+        "MIGRATION",
+        "ENDPOINTS",
+        "LOAD",
+        "AGE",
+    )
     table = [header] + [
         (
             r["namespace"],
@@ -376,6 +394,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
             str(r.get("watcher") or "-"),
             str(r.get("pid") or "-"),
             format_role(r.get("role"), r.get("remote_prefill_mode")),
+            str(r.get("migration_mode") or "-"),
             ",".join(sorted(r["endpoints"])),
             format_load(r["load"]),
             format_age(r["age_s"]),

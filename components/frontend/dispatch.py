@@ -274,7 +274,12 @@ class Dispatch:
                     self.router.on_finished(route_id)
             if first is not None and stream is not None:
                 self.router.on_first_token(route_id)
-                self.metrics.count_placement(iid, len(route.token_ids), first.get("num_cached_tokens", 0))
+                self.metrics.count_placement(
+                    iid,
+                    len(route.token_ids),
+                    first.get("num_cached_tokens", 0),
+                    first.get("num_host_cached_tokens", 0),
+                )
                 self.stream, self.route_id, self.instance_id, self._open = stream, route_id, iid, True
                 return first
             excluded.add(iid)

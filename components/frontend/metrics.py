@@ -36,6 +36,19 @@ the KV events, so are its KV blocks).
 The router's own view, per worker, at scrape time: ``kvmesh_frontend_router_inflight_requests`` (requests in
 flight there as it counts them) and ``kvmesh_frontend_router_kv_blocks`` (blocks its KV index holds, KV policies).
 
+Migrations as the workers count them (``components.frontend.migration_counters`` follows their
+``MigrationCountersReport``s on ``TOPIC_MIGRATION_COUNTERS``), rendered at scrape time with the worker's own
+cumulative values: ``kvmesh_worker_migrations_total{model,worker,direction,outcome,mode}`` (``direction`` out: the
+worker was the source, in: the destination; ``outcome`` committed, aborted_by_source, aborted_by_destination, or
+refused at the worker's cap; ``mode`` the one that ran for a committed migration, ``kv_transfer``, ``live`` or
+``recompute``: a kv_transfer worker whose migration had to recompute, because the destination could not pull or the
+source could not export, counts it as recompute), ``kvmesh_worker_migration_kv_pull_failures_total{model,worker}``
+(of the kv_transfer migrations a worker took, those whose pull failed and which its engine computed again),
+``kvmesh_worker_migration_aborts_forwarded_total`` and ``kvmesh_worker_migration_uncertain_commits_total``. They are
+``kvmesh_worker_*``, not ``kvmesh_frontend_*``: every frontend of a namespace relays the same numbers, which are the
+workers' and not what this frontend saw (that is ``kvmesh_frontend_migrations_total``). A worker silent for 5 minutes
+is dropped with its series.
+
 Cardinality: one ``worker`` value per worker that ever served a request through this frontend, never one per request.
 A worker that leaves keeps its series until the frontend restarts: removing them when the frontend forgets it would
 lose the increments since the last scrape, and the frontend does not know when that was. A fleet that churns through
@@ -50,9 +63,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, generate_latest, multiprocess
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from components.frontend.migration_counters import MigrationCounters, WorkerCounters
 from components.router.prefill_queue import PrefillQueues, PrefillQueueView
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
@@ -129,6 +143,60 @@ def worker_info_family(workers: Mapping[str, Mapping[int, Mapping[str, Any]]]) -
     return family
 
 
+MIGRATION_LABELS = ("model", "worker", "direction", "outcome", "mode")
+# (name without _total, help, the MigrationCountersReport field) of the per-worker totals beside the outcomes.
+MIGRATION_TOTALS = (
+    (
+        "kvmesh_worker_migration_kv_pull_failures",
+        "kv_transfer migrations a worker took whose KV pull failed (its engine computed the request again)",
+        "kv_pull_failures",
+    ),
+    (
+        "kvmesh_worker_migration_aborts_forwarded",
+        "Aborts a worker forwarded to where a request had moved",
+        "aborts_forwarded",
+    ),
+    (
+        "kvmesh_worker_migration_uncertain_commits",
+        "Migration commits a worker got no answer to (the request ended there with a recoverable error)",
+        "uncertain_commits",
+    ),
+)
+
+
+def migration_families(workers: list[WorkerCounters]) -> list[Metric]:
+    """The workers' migration counters (module docstring), one sample per worker and row."""
+    outcomes = CounterMetricFamily(
+        "kvmesh_worker_migrations",
+        "Migrations of running requests as each worker counts them, by direction (out: source, in: destination), "
+        "outcome (committed, aborted_by_source, aborted_by_destination, refused) and the mode that ran (kv_transfer, "
+        "live, recompute)",
+        labels=list(MIGRATION_LABELS),
+    )
+    totals = [CounterMetricFamily(name, doc, labels=["model", "worker"]) for name, doc, _ in MIGRATION_TOTALS]
+    for w in workers:
+        r, worker = w.report, f"{w.instance_id:x}"
+        for o in r.outcomes:
+            outcomes.add_metric([r.model, worker, o.direction, o.outcome, o.mode], float(o.count))
+        for family, (_, _, field) in zip(totals, MIGRATION_TOTALS, strict=True):
+            family.add_metric([r.model, worker], float(getattr(r, field)))
+    return [outcomes, *totals]
+
+
+class MigrationCountersCollector(Collector):
+    """Renders ``counters`` at scrape time (``clock``: the monotonic clock its reports were applied with)."""
+
+    def __init__(self, counters: MigrationCounters, clock: Callable[[], float]) -> None:
+        self.counters = counters
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(migration_families(self.counters.workers(self.clock())))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(migration_families([]))
+
+
 class WorkerInfoCollector(Collector):
     """Renders ``source()`` (each model's workers and their metadata) at scrape time."""
 
@@ -193,13 +261,14 @@ class PrefillQueueCollector(Collector):
 class WorkerMetrics:
     """One worker's children of the per-worker counters, for one model."""
 
-    __slots__ = ("cached_tokens", "prompt_tokens", "requests")
+    __slots__ = ("cached_tokens", "host_cached_tokens", "prompt_tokens", "requests")
 
     def __init__(self, m: FrontendMetrics, model: str, instance_id: int) -> None:
         worker = f"{instance_id:x}"
         self.requests = m.worker_requests.labels(model=model, worker=worker)
         self.prompt_tokens = m.worker_prompt_tokens.labels(model=model, worker=worker)
         self.cached_tokens = m.worker_cached_tokens.labels(model=model, worker=worker)
+        self.host_cached_tokens = m.worker_host_cached_tokens.labels(model=model, worker=worker)
 
 
 class ModelMetrics:
@@ -247,9 +316,11 @@ class ModelMetrics:
             )
         child.inc()
 
-    def count_placement(self, instance_id: int, prompt_tokens: int, cached_tokens: int) -> None:
+    def count_placement(
+        self, instance_id: int, prompt_tokens: int, cached_tokens: int, host_cached_tokens: int = 0
+    ) -> None:
         """A request's first output came from ``instance_id``, which served ``cached_tokens`` of its
-        ``prompt_tokens`` from its prefix cache."""
+        ``prompt_tokens`` from its prefix cache, ``host_cached_tokens`` of them loaded from its host-memory tier."""
         wm = self._workers.get(instance_id)
         if wm is None:
             wm = self._workers[instance_id] = WorkerMetrics(self._m, self.model, instance_id)
@@ -257,6 +328,8 @@ class ModelMetrics:
         wm.prompt_tokens.inc(prompt_tokens)
         if cached_tokens:
             wm.cached_tokens.inc(cached_tokens)
+        if host_cached_tokens:
+            wm.host_cached_tokens.inc(host_cached_tokens)
 
 
 class FrontendMetrics:
@@ -277,6 +350,8 @@ class FrontendMetrics:
         self.policy = policy
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.prefill_queues = prefill_queues if prefill_queues is not None else PrefillQueues()
+        # The workers' migration counters (components.frontend.migration_counters fills it), read with ``clock``.
+        self.migration_counters = MigrationCounters()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -353,6 +428,12 @@ class FrontendMetrics:
             ["model", "worker"],
             registry=r,
         )
+        self.worker_host_cached_tokens = Counter(
+            "kvmesh_frontend_worker_host_cached_tokens",
+            "Of those cached tokens, how many the worker's engine loaded from its host-memory KV tier",
+            ["model", "worker"],
+            registry=r,
+        )
         self.routing_decisions = Counter(
             "kvmesh_frontend_routing_decisions",
             "Routing decisions (retries included), by what decided them: pinned, cache_hit, load, imbalance, "
@@ -366,6 +447,7 @@ class FrontendMetrics:
             self._render_registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(self._render_registry, path=self.multiprocess_dir)
         self._render_registry.register(PrefillQueueCollector(self.prefill_queues, clock))
+        self._render_registry.register(MigrationCountersCollector(self.migration_counters, clock))
         if worker_metadata is not None:
             self._render_registry.register(WorkerInfoCollector(worker_metadata))
         if router_view is not None:

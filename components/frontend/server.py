@@ -19,6 +19,7 @@ from aiohttp import web
 from components.frontend.app import FrontendApp
 from components.frontend.config import FrontendConfig
 from components.frontend.metrics import FrontendMetrics
+from components.frontend.migration_counters import MigrationCountersFeed
 from components.frontend.models import ModelRegistry
 from components.frontend.prefill_queue import PrefillQueueFeed
 from components.frontend.service import FrontendService
@@ -49,6 +50,8 @@ class Frontend:
         )
         # Prefill workers' queue reports -> the prefill-queue gauges of /metrics (disaggregated serving).
         self.prefill_queue = PrefillQueueFeed(runtime, config.namespace, self.metrics.prefill_queues)
+        # Workers' migration counters -> kvmesh_worker_migrations_total and friends.
+        self.migration_counters = MigrationCountersFeed(runtime, config.namespace, self.metrics.migration_counters)
         self.registry = ModelRegistry(runtime, config.namespace, config.components, self.router, tokenizer_loader)
         self.service = FrontendService(config, self.registry, self.router, self.metrics)
         self.app = FrontendApp(config, self.service, self.registry, self.metrics)
@@ -59,6 +62,7 @@ class Frontend:
         """Follow the workers, then listen; returns the base URL (``http://host:port``, the real port if 0)."""
         await self.feed.start()  # first: workers the registry announces get their KV state fetched as they appear
         await self.prefill_queue.start()
+        await self.migration_counters.start()
         await self.registry.start()
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request upstream.
         runner = web.AppRunner(
@@ -92,5 +96,8 @@ class Frontend:
                 try:
                     await self.feed.stop()
                 finally:
-                    await self.prefill_queue.stop()
-                    logger.info("frontend stopped in %.1f s", time.monotonic() - t0)
+                    try:
+                        await self.prefill_queue.stop()
+                    finally:
+                        await self.migration_counters.stop()
+                        logger.info("frontend stopped in %.1f s", time.monotonic() - t0)

@@ -65,7 +65,8 @@ class Tokenizer:
         if backend is not None:
             try:
                 same = all(
-                    list(hf.encode(_ENCODE_PROBE, add_special_tokens=s)) == backend.encode(_ENCODE_PROBE, add_special_tokens=s).ids
+                    list(hf.encode(_ENCODE_PROBE, add_special_tokens=s))
+                    == backend.encode(_ENCODE_PROBE, add_special_tokens=s).ids
                     for s in (True, False)
                 )
             except Exception as e:  # noqa: BLE001 - any failure of the probe just keeps transformers' path

@@ -70,7 +70,9 @@ from components.protocol.migration import (
     MigrateInOp,
     MigrateInReply,
     MigrateRequest,
+    MigrationCountersReport,
     MigrationMode,
+    MigrationOutcomeCount,
     MigrationReport,
 )
 from components.runtime import (
@@ -157,7 +159,6 @@ class MigrationAgent:
         self.config = config
         self.engine = engine
         self.instance_id = instance_id
-        self.mode = MigrationMode(str(engine.migration_mode))
         self.table = MigrationTable(config.max_migration_concurrency)
         self.generate_endpoint: ServedEndpoint | None = None  # set by the worker once it serves generate
         self.accepting = True  # False once the worker drains or its engine died: no migrate_in is taken
@@ -165,6 +166,7 @@ class MigrationAgent:
         self._forward: collections.OrderedDict[str, tuple[int, str]] = collections.OrderedDict()
         self._committed_in: collections.OrderedDict[str, str] = collections.OrderedDict()  # migration id -> request
         self._sources: dict[str, str] = {}  # incoming migration id -> its source's migrate_in subject
+        self._reserved_in: set[str] = set()  # incoming migrations the engine reserved room for (pre_alloc)
         self._served: list[ServedEndpoint] = []
         self._clients: dict[tuple[str, str], Client] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -212,7 +214,7 @@ class MigrationAgent:
             t.cancel()
         for m in self.table.active:
             if m.direction == Direction.IN:
-                self.engine.cancel_migration(m.migration_id)
+                self._release_in(m.migration_id)
                 self._end(m, S.ABORTED_BY_DESTINATION, "the destination stopped")
         for client in self._clients.values():
             with contextlib.suppress(Exception):
@@ -225,6 +227,23 @@ class MigrationAgent:
         out["aborts_forwarded"] = self.num_aborts_forwarded
         out["uncertain_commits"] = self.num_uncertain_commits
         return out
+
+    def counters_report(self, model: str, kv_pull_failures: int = 0) -> MigrationCountersReport:
+        """The counters as the worker publishes them (``TOPIC_MIGRATION_COUNTERS``): by direction, outcome and the
+        mode that ran; ``kv_pull_failures`` is the engine's (kv_transfer migrations taken whose pull failed)."""
+        return MigrationCountersReport(
+            model=model,
+            mode=str(self.mode),
+            outcomes=[MigrationOutcomeCount(*row) for row in self.table.outcome_counts()],
+            kv_pull_failures=kv_pull_failures,
+            aborts_forwarded=self.num_aborts_forwarded,
+            uncertain_commits=self.num_uncertain_commits,
+        )
+
+    @property
+    def mode(self) -> MigrationMode:
+        """How this worker's engine moves requests; read from the engine each time (vLLM decides at start)."""
+        return MigrationMode(str(self.engine.migration_mode))
 
     @property
     def num_tracked(self) -> int:
@@ -285,9 +304,9 @@ class MigrationAgent:
         req = MigrateRequest.from_dict(body)
         if req.dst_instance_id == self.instance_id:
             raise MigrationError(f"worker {self.instance_id:x} cannot migrate requests to itself")
-        mode = self.mode if not req.mode else MigrationMode(req.mode)
-        if mode == MigrationMode.LIVE and self.mode != MigrationMode.LIVE:
-            raise MigrationError(f"this worker's engine migrates by {self.mode} only, not live")
+        mode = MigrationMode(req.mode) if req.mode else None  # None: the engine's own, per request (_mode_for)
+        if mode is not None and mode != MigrationMode.RECOMPUTE and mode != self.mode:
+            raise MigrationError(f"this worker's engine migrates by {self.mode} (or recompute), not {mode}")
         if req.request_ids:
             ids = list(req.request_ids)
             reason = f"{len(ids)} requests named"
@@ -329,17 +348,19 @@ class MigrationAgent:
     async def migrate_one(
         self, request_id: str, dst: int, component: str, mode: MigrationMode | None = None
     ) -> MigrationReport:
-        """Move one request to worker ``dst`` (of ``component``); the report says how it went. Never raises for a
-        migration that failed: that is the report's ``state``."""
-        mode = mode or self.mode
+        """Move one request to worker ``dst`` (of ``component``) by ``mode`` (None: the engine's own, ``_mode_for``);
+        the report says how it went. Never raises for a migration that failed: that is the report's ``state``."""
         loop = asyncio.get_running_loop()
-        report = MigrationReport(request_id, str(S.ABORTED_BY_SOURCE), mode=str(mode), src_instance_id=self.instance_id)
-        report.dst_instance_id = dst
+        report = MigrationReport(request_id, str(S.ABORTED_BY_SOURCE), mode=str(mode or self.mode))
+        report.src_instance_id, report.dst_instance_id = self.instance_id, dst
         t0 = loop.time()
         t = self._tracked.get(request_id)
         if t is None:
             report.reason = "not running here"
             return report
+        if mode is None:
+            mode = self._mode_for(t)
+            report.mode = str(mode)
         if not await self._wait_for_slot(loop.time() + self.config.migration_call_timeout_s):
             report.reason = f"no migration slot within {self.config.migration_call_timeout_s:g} s"
             return report
@@ -348,6 +369,7 @@ class MigrationAgent:
         if m is None:
             report.reason = "already migrating"
             return report
+        m.mode = str(mode)
         try:
             await self._run_out(m, t, component, mode)
         except asyncio.CancelledError:
@@ -361,6 +383,7 @@ class MigrationAgent:
         finally:
             self._slot_freed.set()
         report.state = str(m.state)
+        report.mode = m.mode
         report.reason = m.reason
         report.num_stages = m.num_stages
         report.num_blocks_copied = m.num_blocks
@@ -376,13 +399,24 @@ class MigrationAgent:
             self.instance_id,
             dst,
             m.state,
-            m.reason or mode,
+            m.reason or m.mode,
             m.num_stages,
             m.num_blocks,
             m.num_cached_blocks,
             m.downtime_s * 1e3,
         )
         return report
+
+    def _mode_for(self, t: _Tracked) -> MigrationMode:
+        """The engine's mode, except that a kv_transfer migration of a request shorter than
+        ``migration_kv_transfer_min_tokens`` (prompt + outputs so far) goes by recompute: below some length the
+        destination computes the tokens again sooner than a KV hand-off takes (measured in docs/migration.md)."""
+        mode = self.mode
+        if mode == MigrationMode.KV_TRANSFER and self.config.migration_kv_transfer_min_tokens:
+            r = t.request
+            if len(r.token_ids) - r.num_output_tokens + t.position < self.config.migration_kv_transfer_min_tokens:
+                return MigrationMode.RECOMPUTE
+        return mode
 
     async def _wait_for_slot(self, deadline: float) -> bool:
         loop = asyncio.get_running_loop()
@@ -403,8 +437,16 @@ class MigrationAgent:
         rid = m.request_id
         bs = engine.block_size
         live = mode == MigrationMode.LIVE
+        kv = mode == MigrationMode.KV_TRANSFER
         sent = 0  # whole blocks the destination holds (shared from its cache, or sent)
         reserved = False
+        if kv:
+            # Room on the destination before the request is suspended (a refusal costs the client no pause); the
+            # KV itself moves after the suspension (export, then the destination's engine pulls at the commit).
+            kv = await self._reserve_for_pull(m, t, component)
+            if m.state.is_terminal:
+                return None
+            reserved = True
         if live:
             final = False
             for stage in range(1, cfg.migration_max_stages + 1):
@@ -491,6 +533,8 @@ class MigrationAgent:
                 told = reserved or isinstance(e, _NoAnswer)
                 return await self._settle_failure(m, t, component, S.ABORTED_BY_DESTINATION, str(e), told)
             m.num_blocks += to_copy
+        elif kv:
+            await self._export(m, state)
         else:
             state.num_computed_tokens = 0
         state.reply = route
@@ -505,7 +549,7 @@ class MigrationAgent:
             MigrateInOp.COMMIT, m.migration_id, rid, self.instance_id, self._subject, request=state
         )
         try:
-            await self._call(component, m.peer_instance_id, commit)
+            reply = await self._call(component, m.peer_instance_id, commit)
         except _Refused as e:
             engine.resume(rid)
             self._decide(t, None)
@@ -524,6 +568,8 @@ class MigrationAgent:
             .endpoint(ENDPOINT_GENERATE)
             .subject_of(m.peer_instance_id)
         )
+        if reply.mode:  # how the destination took it (recompute where it could not use the KV hand-off)
+            m.mode = reply.mode
         self._remember_forward(rid, m.peer_instance_id, component)
         if t.closed or t.abort_reason is not None:
             # Its client left (or someone aborted it) while the commit was on its way: end it where it is now.
@@ -533,6 +579,53 @@ class MigrationAgent:
             self._decide(t, (dst_subject, m.peer_instance_id))
         self._end(m, S.COMMITTED, "")
         return None
+
+    async def _reserve_for_pull(self, m: Migration, t: _Tracked, component: str) -> bool:
+        """kv_transfer: ``pre_alloc`` on the destination for the request's blocks as they are now. True: it will
+        pull; False: it can only recompute (its answer's mode), and the migration goes on by recompute. A refusal
+        or silence ends the migration here (``m`` terminal), before any suspension."""
+        extent = self.engine.kv_extent(m.request_id)
+        if extent is None or t.closed or t.abort_reason is not None:
+            await self._settle_failure(m, t, component, S.ABORTED_BY_SOURCE, "the request ended", False)
+            return False
+        msg = MigrateInMessage(
+            MigrateInOp.PRE_ALLOC,
+            m.migration_id,
+            m.request_id,
+            self.instance_id,
+            self._subject,
+            token_ids=extent.token_ids,
+        )
+        try:
+            reply = await self._call(component, m.peer_instance_id, msg)
+        except (_Refused, _NoAnswer) as e:
+            await self._settle_failure(m, t, component, S.ABORTED_BY_DESTINATION, str(e), isinstance(e, _NoAnswer))
+            return False
+        m.num_cached_blocks = reply.num_cached_blocks
+        if reply.mode and reply.mode != MigrationMode.KV_TRANSFER:
+            m.mode = str(MigrationMode.RECOMPUTE)
+            return False
+        return True
+
+    async def _export(self, m: Migration, state: Any) -> None:
+        """kv_transfer, suspended: the engine makes the request's KV pullable and names it in the commit's request
+        (``kv_transfer_params``). Without a hand-off (the engine failed, or took longer than the call timeout) the
+        commit goes without one and the destination computes the request again (counted as recompute)."""
+        try:
+            params = await asyncio.wait_for(self.engine.export_kv(m.request_id), self.config.migration_call_timeout_s)
+        except TimeoutError:
+            params = None
+        if not params:
+            logger.warning(
+                "migration %s of %s: no KV hand-off; the destination recomputes", m.migration_id, m.request_id
+            )
+            m.mode = str(MigrationMode.RECOMPUTE)
+            state.num_computed_tokens = 0
+            return
+        state.kv_transfer_params = params
+        n = len(state.all_token_ids)
+        state.num_computed_tokens = n
+        m.num_blocks = max(0, -(-n // self.engine.block_size) - m.num_cached_blocks)  # what the destination pulls
 
     async def _send_blocks(self, m: Migration, component: str, tokens: list[int], reserved: bool) -> int:
         """Ask the destination to reserve blocks for ``tokens`` (whole blocks); returns how many must be copied
@@ -648,7 +741,7 @@ class MigrationAgent:
         if msg.op == MigrateInOp.ABORT:
             m = self.table.get(mid)
             if m is not None and m.direction == Direction.IN:
-                self.engine.cancel_migration(mid)
+                self._release_in(mid)
                 self._end(m, S.ABORTED_BY_SOURCE, "the source aborted")
             elif mid in self._committed_in:  # a commit whose answer the source never got: end what runs here
                 rid = self._committed_in.pop(mid)
@@ -664,6 +757,10 @@ class MigrationAgent:
             if m is None:
                 return MigrateInReply(False, f"at capacity ({self.table.max_concurrent} migrations) or migrating")
             self._sources[mid] = msg.src_subject
+            m.mode = str(self.mode)
+            if self.mode == MigrationMode.RECOMPUTE:
+                # An engine that takes no KV: a slot only; the source learns from the mode to send none.
+                return MigrateInReply(True, mode=str(self.mode))
             try:
                 cached = self.engine.reserve_migration(mid, msg.request_id, msg.token_ids)
             except Exception as e:  # noqa: BLE001 - the engine refused (dead, duplicate): the source is told why
@@ -673,16 +770,18 @@ class MigrationAgent:
                 n = len(msg.token_ids) // self.engine.block_size
                 self._end(m, S.ABORTED_BY_DESTINATION, f"no room for {n} blocks")
                 return MigrateInReply(False, f"no room for {n} blocks")
-            self.table.advance(mid, S.PRE_COPYING, now)
+            self._reserved_in.add(mid)
+            if self.mode == MigrationMode.LIVE:
+                self.table.advance(mid, S.PRE_COPYING, now)
             m.num_cached_blocks = cached
-            return MigrateInReply(True, num_cached_blocks=cached)
+            return MigrateInReply(True, num_cached_blocks=cached, mode=str(self.mode))
         if msg.op == MigrateInOp.COPY:
             m = self.table.get(mid)
             if m is None:
                 return MigrateInReply(False, f"migration {mid} is not pending here (its reservation expired?)")
             self.table.touch(mid, now)
             if not self.engine.extend_migration(mid, msg.token_ids):
-                self.engine.cancel_migration(mid)
+                self._release_in(mid)
                 self._end(m, S.ABORTED_BY_DESTINATION, "no room for more blocks")
                 return MigrateInReply(False, "no room for more blocks")
             m.num_stages += 1
@@ -695,29 +794,35 @@ class MigrationAgent:
         if req is None:
             return MigrateInReply(False, "a commit without its request")
         mid = msg.migration_id
-        # Live when blocks were reserved for it (pre_alloc); otherwise by recompute, which needs no KV at all.
+        # With the room reserved for it (pre_alloc: live, kv_transfer); otherwise by recompute, which needs no KV.
         m = self.table.get(mid)
-        live = m is not None
         if m is None:
             if req.num_computed_tokens:
                 return MigrateInReply(False, f"migration {mid} has no blocks reserved here (expired?)")
             m = self.table.begin(mid, req.request_id, Direction.IN, msg.src_instance_id, now)
             if m is None:
                 return MigrateInReply(False, f"at capacity ({self.table.max_concurrent} migrations) or migrating")
+        reserved = mid in self._reserved_in
         self.table.advance(mid, S.FINAL_STAGE, now)
         served = self.generate_endpoint
         if not self.accepting or served is None:
-            if live:
-                self.engine.cancel_migration(mid)
+            self._release_in(mid)
             self._end(m, S.ABORTED_BY_DESTINATION, "this worker takes no new requests")
             return MigrateInReply(False, "this worker takes no new requests (draining or its engine died)")
         try:
-            chunks = self.engine.commit_migration(mid if live else None, req)
+            chunks = self.engine.commit_migration(mid if reserved else None, req)
         except Exception as e:  # noqa: BLE001 - refused by the engine (no room, mismatch, dead): the source resumes
-            if live:
-                self.engine.cancel_migration(mid)
+            self._release_in(mid)
             self._end(m, S.ABORTED_BY_DESTINATION, str(e))
             return MigrateInReply(False, str(e))
+        self._reserved_in.discard(mid)  # the engine took what was reserved
+        # The mode that ran: the engine clears a KV hand-off it could not use (it recomputes then).
+        if req.kv_transfer_params:
+            m.mode = str(MigrationMode.KV_TRANSFER)
+        elif reserved and self.mode == MigrationMode.LIVE:
+            m.mode = str(MigrationMode.LIVE)
+        else:
+            m.mode = str(MigrationMode.RECOMPUTE)
         request = GenerateRequest(req.request_id, req.all_token_ids, req.sampling, num_output_tokens=req.position)
 
         def handler(body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
@@ -735,7 +840,7 @@ class MigrationAgent:
         self._forward.pop(req.request_id, None)  # it runs here again
         self._sources.pop(mid, None)
         self._end(m, S.COMMITTED, "")
-        return MigrateInReply(True)
+        return MigrateInReply(True, mode=m.mode)
 
     async def _watch_incoming(self) -> None:
         """Free reservations whose source went silent or away (module docstring)."""
@@ -763,9 +868,15 @@ class MigrationAgent:
         logger.warning(
             "worker %x: incoming migration %s of %s dropped: %s", self.instance_id, m.migration_id, m.request_id, why
         )
-        self.engine.cancel_migration(m.migration_id)
+        self._release_in(m.migration_id)
         self._sources.pop(m.migration_id, None)
         self._end(m, S.ABORTED_BY_SOURCE, why)
+
+    def _release_in(self, migration_id: str) -> None:
+        """Free what the engine reserved for an incoming migration (nothing for a slot-only one)."""
+        if migration_id in self._reserved_in:
+            self._reserved_in.discard(migration_id)
+            self.engine.cancel_migration(migration_id)
 
     # --- abort ------------------------------------------------------------------------------------------------------
 

@@ -41,6 +41,16 @@ class MigrationConfig(BaseModel):
         "to the commit itself ends the request there with a recoverable error (the destination may have taken it: "
         "the frontend re-issues it from its position rather than risk two workers answering one stream).",
     )
+    migration_kv_transfer_min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Workers that migrate by kv_transfer (vLLM with NIXL) move a request with fewer tokens than this "
+        "(prompt + outputs) by recompute instead, unless the migrate call names a mode: a KV hand-off has a fixed "
+        "cost (an export on the source, a pull and its scheduling on the destination), which recomputing a short "
+        "request undercuts. 0: always kv_transfer. On the 2-core CPU test machine with the tiny model the two broke "
+        "even between 256 and 1,536 tokens (docs/migration.md); a GPU's break-even lies elsewhere: measure it with "
+        "kvmesh bench migration --vllm.",
+    )
     pending_migrate_in_timeout_s: float = Field(
         default=10.0,
         gt=0,

@@ -1,11 +1,12 @@
 """What the migration agent needs of an engine: the contract the simulated engine (live) and the vLLM adapter
-(recompute) implement, and the marker an engine's stream yields when a request is suspended.
+(kv_transfer or recompute) implement, and the marker an engine's stream yields when a request is suspended.
 
 The **source** side:
 
 - ``request_table()``: the requests selection reads (``types.RequestTable``);
 - ``kv_extent(request_id)``: the whole blocks of KV the request has now (count, and the tokens they hold), read
-  stage after stage by a live pre-copy; None when the engine does not know the request;
+  stage after stage by a live pre-copy, once (to reserve room on the destination) by kv_transfer; None when the
+  engine does not know the request (or moves no KV);
 - ``suspend(request_id)``: stop scheduling the request at the next step boundary. Its ``generate`` stream first
   delivers every token produced before, then yields one ``SuspendedChunk``, then waits; False when the request is
   unknown or already finished. ``suspended_state(request_id)``: the request as a ``MigratingRequest`` (prompt,
@@ -13,17 +14,24 @@ The **source** side:
   stream goes on). Closing a suspended request's stream frees it (after a commit: the source's copy is released).
 - ``transfer_time_s(num_blocks)``: how long sending that many blocks takes (the simulated engine's model; an engine
   whose transfers take real time answers 0).
+- ``export_kv(request_id)`` (kv_transfer): once suspended, make the request's whole KV (prompt + outputs) pullable
+  by another engine and return the hand-off that names it (the engine's own terms, carried opaque in
+  ``MigratingRequest.kv_transfer_params``); None when it cannot (the destination then computes it again). Engines
+  of other modes return None.
 
-The **destination** side, live: ``reserve_migration`` (blocks for the KV to come, sharing what its prefix cache
-holds: returns how many leading blocks it already has, or None without room), ``extend_migration`` (more blocks, a
-later pre-copy stage), ``cancel_migration`` (free them); and for both modes ``commit_migration`` (the request joins
-the engine: with the KV reserved for ``migration_id`` when given, else by recompute; returns its output stream,
-chunks numbered from the request's position).
+The **destination** side, live and kv_transfer: ``reserve_migration`` (room for the KV to come, sharing what its
+prefix cache holds: returns how many leading blocks it already has, or None without room; an engine that cannot
+set blocks aside ahead of a request, as vLLM, checks its free blocks and remembers the migration),
+``extend_migration`` (more blocks, a later pre-copy stage), ``cancel_migration`` (free them); and for every mode
+``commit_migration`` (the request joins the engine: with the KV reserved for ``migration_id`` when given, else by
+recompute; with ``request.kv_transfer_params`` its engine pulls the KV they name, and an engine that cannot use them
+clears them from ``request`` and computes the request again; returns its output stream, chunks numbered from the
+request's position).
 
-A KV-transfer mode for an engine that can export blocks (vLLM with a KV connector) implements the same calls:
-``reserve_migration`` would register the request with the connector (its remote blocks named), each stage's copy
-the connector's transfer, ``commit_migration`` the request's admission with ``do_remote_prefill`` params
-(components/workers/engines/vllm/engine.py says where).
+The three modes (``protocol.migration.MigrationMode``) use the calls so: **live** reserves, pre-copies stage after
+stage while the request decodes, suspends, copies the rest and commits; **kv_transfer** (vLLM with its NIXL
+connector: it cannot export a running request's KV) reserves, suspends, exports and commits, and the destination's
+engine pulls; **recompute** suspends and commits.
 
 Imports: the protocol package and this package's ``types``.
 """
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from components.migration.types import RequestTable
 from components.protocol.messages import TokenChunk
@@ -73,6 +81,8 @@ class MigratableEngine(Protocol):
     def resume(self, request_id: str) -> bool: ...
 
     def transfer_time_s(self, num_blocks: int) -> float: ...
+
+    async def export_kv(self, request_id: str) -> dict[str, Any] | None: ...
 
     def reserve_migration(self, migration_id: str, request_id: str, token_ids: list[int]) -> int | None: ...
 

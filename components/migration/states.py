@@ -81,6 +81,9 @@ class Migration:
     suspended_s: float | None = None  # when the final stage suspended the request (out)
     ended_s: float | None = None
     reason: str = ""
+    # How it moves (a ``protocol.migration.MigrationMode`` value): the one tried, then the one that ran; counted with
+    # its outcome (``MigrationTable.by_mode``).
+    mode: str = ""
 
     @property
     def downtime_s(self) -> float:
@@ -100,8 +103,9 @@ class MigrationTable:
         self.max_concurrent = max_concurrent
         self._active: dict[str, Migration] = {}
         self._by_request: dict[str, str] = {}
-        # (direction, terminal state) -> count; plus refusals at the cap, by direction.
+        # (direction, terminal state) -> count; the same by mode too; plus refusals at the cap, by direction.
         self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.by_mode: Counter[tuple[str, str, str]] = Counter()
         self.refused: Counter[str] = Counter()
 
     @property
@@ -156,6 +160,7 @@ class MigrationTable:
             if self._by_request.get(m.request_id) == migration_id:
                 del self._by_request[m.request_id]
             self.outcomes[(str(m.direction), str(state))] += 1
+            self.by_mode[(str(m.direction), str(state), m.mode)] += 1
         return m
 
     def touch(self, migration_id: str, now_s: float) -> None:
@@ -173,3 +178,10 @@ class MigrationTable:
         out = {f"{d}_{s}": n for (d, s), n in self.outcomes.items()}
         out.update({f"{d}_refused": n for d, n in self.refused.items()})
         return out
+
+    def outcome_counts(self) -> list[tuple[str, str, str, int]]:
+        """(direction, outcome, mode, count) rows, sorted: every terminal outcome by mode, and refusals at the cap
+        (outcome ``refused``, mode "")."""
+        rows = [(d, s, mode, n) for (d, s, mode), n in self.by_mode.items()]
+        rows += [(d, "refused", "", n) for d, n in self.refused.items()]
+        return sorted(rows)

@@ -18,3 +18,5 @@ ENDPOINT_MIGRATE_IN = "migrate_in"  # body: MigrateInMessage.to_dict(); stream: 
 ENDPOINT_ABORT = "abort"  # body: AbortRequest.to_dict(); stream: one AbortReply.to_dict()
 # payload: WorkerStatus.to_dict(); source id: the worker's instance id (it stopped taking new requests)
 TOPIC_WORKER_STATUS = "worker_status"
+# payload: MigrationCountersReport.to_dict(); source id: the worker's instance id (its migration counters, cumulative)
+TOPIC_MIGRATION_COUNTERS = "migration_counters"

@@ -99,6 +99,8 @@ class TokenChunk:
     num_prompt_tokens: int = 0  # set on the first chunk
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, set on the first chunk
     position: int = 0
+    # of which were loaded from the engine's host-memory tier (KV_MEDIUM_HOST) rather than found on the device
+    num_host_cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +109,7 @@ class TokenChunk:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
             "position": self.position,
+            "num_host_cached_tokens": self.num_host_cached_tokens,
         }
 
     @classmethod
@@ -118,6 +121,7 @@ class TokenChunk:
             num_prompt_tokens=d.get("num_prompt_tokens", 0),
             num_cached_tokens=d.get("num_cached_tokens", 0),
             position=d.get("position", 0),
+            num_host_cached_tokens=d.get("num_host_cached_tokens", 0),
         )
 
 
@@ -144,6 +148,13 @@ class LoadSnapshot:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
+# Where a KV event's blocks live, with vLLM's names for its tiers (``vllm.distributed.kv_events``' ``medium``):
+# the device's prefix cache, or a host-memory tier the engine offloads blocks to and loads them back from (vLLM's
+# offloading connector, LMCache, Dynamo's KVBM, the Mooncake store). An event without a medium is the device's.
+KV_MEDIUM_DEVICE = "GPU"
+KV_MEDIUM_HOST = "CPU"
+
+
 class KvEventKind(enum.StrEnum):
     BLOCK_STORED = "stored"
     BLOCK_REMOVED = "removed"
@@ -157,6 +168,9 @@ class KvEvent:
     ``event_id`` increases by one per event and per engine, so a subscriber can detect a gap. ``BLOCK_STORED`` carries
     the chained hashes of consecutive full blocks (see ``components.protocol.kv_hashing``), the hash of the block before
     the first one (``parent_hash``, None at the start of a sequence) and the number of tokens per block.
+
+    ``medium`` says which of the engine's caches changed: None or ``KV_MEDIUM_DEVICE`` its device prefix cache,
+    ``KV_MEDIUM_HOST`` its host-memory tier. One engine's events of both media share one sequence of ids.
     """
 
     event_id: int
@@ -164,15 +178,23 @@ class KvEvent:
     block_hashes: list[int] = dataclasses.field(default_factory=list)
     parent_hash: int | None = None
     num_tokens_per_block: int = 0
+    medium: str | None = None
+
+    @property
+    def is_host(self) -> bool:
+        return self.medium == KV_MEDIUM_HOST
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "event_id": self.event_id,
             "kind": str(self.kind),
             "block_hashes": self.block_hashes,
             "parent_hash": self.parent_hash,
             "num_tokens_per_block": self.num_tokens_per_block,
         }
+        if self.medium is not None:
+            d["medium"] = self.medium
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvEvent:
@@ -182,6 +204,7 @@ class KvEvent:
             block_hashes=list(d.get("block_hashes") or []),
             parent_hash=d.get("parent_hash"),
             num_tokens_per_block=d.get("num_tokens_per_block", 0),
+            medium=d.get("medium"),
         )
 
 
@@ -190,19 +213,26 @@ class KvStateSnapshot:
     """Every block an engine's prefix cache holds right now, and the id of the last event already reflected in it.
 
     A router that saw a gap in event ids replaces its view of this worker with this snapshot, then applies events with
-    ``event_id > last_event_id``.
+    ``event_id > last_event_id``. ``block_hashes`` are the device's blocks, ``host_block_hashes`` its host-memory
+    tier's (empty without one).
     """
 
     last_event_id: int
     block_size: int
     block_hashes: list[int]
+    host_block_hashes: list[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvStateSnapshot:
-        return cls(last_event_id=d["last_event_id"], block_size=d["block_size"], block_hashes=list(d["block_hashes"]))
+        return cls(
+            last_event_id=d["last_event_id"],
+            block_size=d["block_size"],
+            block_hashes=list(d["block_hashes"]),
+            host_block_hashes=list(d.get("host_block_hashes") or []),
+        )
 
 
 @dataclasses.dataclass(slots=True)

@@ -19,6 +19,9 @@ Endpoints (``endpoints.py``) served by every worker that can move requests, on t
 Event-plane topic ``worker_status`` (``WorkerStatus``): a worker whose engine died, or that drains, says it takes
 no new requests; routers and the rescheduler stop choosing it at once, long before its registration goes.
 
+Event-plane topic ``migration_counters`` (``MigrationCountersReport``): a worker's migration counters by direction,
+outcome and mode, for frontends to export (``kvmesh_worker_migrations_total``).
+
 Every type round-trips through ``to_dict``/``from_dict`` (msgpack-friendly). Imports: the standard library and this
 package's ``messages``.
 """
@@ -36,6 +39,10 @@ class MigrationMode(enum.StrEnum):
     """How a worker's engine moves a running request (``WorkerMetadata.migration_mode``)."""
 
     LIVE = "live"  # the KV blocks are copied while the request keeps decoding; a short final stage suspends it
+    # Stop-and-copy through the engine's KV connector (vLLM's NIXL): the request is suspended, the source makes its
+    # whole KV pullable, the destination's engine pulls it and computes only the last token. Named as
+    # ``RemotePrefillMode.KV_TRANSFER``, the same mechanism for a remotely prefilled prompt.
+    KV_TRANSFER = "kv_transfer"
     RECOMPUTE = "recompute"  # no KV is copied: the destination computes prompt + outputs again (prefix cache hits)
 
 
@@ -112,7 +119,11 @@ class MigratingRequest:
     - ``sampling``: the client's parameters, stop conditions included; the sampler's state is the seed plus the
       number of tokens already drawn (``len(output_token_ids)``), which engines with a seeded sampler replay;
     - ``num_computed_tokens``: leading tokens whose KV the source copied into the blocks reserved by ``pre_alloc``
-      and ``copy`` (0: the destination recomputes everything, prefix cache permitting);
+      and ``copy``, or (kv_transfer) made pullable (0: the destination recomputes everything, prefix cache
+      permitting);
+    - ``kv_transfer_params``: kv_transfer only: the source engine's hand-off naming the KV of every token
+      (``all_token_ids``) for the destination's engine to pull (vLLM's ``kv_transfer_params``; opaque here). None:
+      no KV to pull;
     - ``reply``: the client's response address, as the runtime wrote it (opaque here), and ``next_seq``, the
       frame number the destination's first frame takes on it, so the client's one stream continues;
     - ``arrival_s``: the request's arrival on its first worker (wall clock), kept so that first-come orders still
@@ -127,6 +138,7 @@ class MigratingRequest:
     next_seq: int = 0
     arrival_s: float = 0.0
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def position(self) -> int:
@@ -147,6 +159,7 @@ class MigratingRequest:
             "next_seq": self.next_seq,
             "arrival_s": self.arrival_s,
             "num_cached_tokens": self.num_cached_tokens,
+            "kv_transfer_params": self.kv_transfer_params,
         }
 
     @classmethod
@@ -161,6 +174,7 @@ class MigratingRequest:
             next_seq=int(d.get("next_seq", 0)),
             arrival_s=float(d.get("arrival_s", 0.0)),
             num_cached_tokens=int(d.get("num_cached_tokens", 0)),
+            kv_transfer_params=None if d.get("kv_transfer_params") is None else dict(d["kv_transfer_params"]),
         )
 
 
@@ -211,11 +225,15 @@ class MigrateInMessage:
 @dataclasses.dataclass(slots=True)
 class MigrateInReply:
     """The destination's answer to one ``MigrateInMessage``: ``ok``, or why not (``reason``). ``num_cached_blocks``
-    (``pre_alloc``): leading blocks its own prefix cache already holds, which the source need not send."""
+    (``pre_alloc``): leading blocks its own prefix cache already holds, which the source need not send. ``mode``
+    (``pre_alloc`` and ``commit``; "" from an older peer): how the destination takes the request, a
+    ``MigrationMode`` value: its engine's mode on ``pre_alloc`` (a kv_transfer source facing a recompute destination
+    exports nothing), and on ``commit`` the one that ran (``recompute`` where it could not use the hand-off)."""
 
     ok: bool
     reason: str = ""
     num_cached_blocks: int = 0
+    mode: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -273,3 +291,58 @@ class WorkerStatus:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WorkerStatus:
         return cls(bool(d["schedulable"]), str(d.get("reason", "")), int(d.get("num_requests", 0)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MigrationOutcomeCount:
+    """How many migrations of one kind ended one way on a worker: ``direction`` (``out``: it was the source, ``in``:
+    the destination), ``outcome`` (a terminal ``MigrationState`` value, or ``refused``: turned away at the cap
+    before it began), ``mode`` (the ``MigrationMode`` value that ran for a committed one, the one tried for an
+    abort; "" for ``refused``)."""
+
+    direction: str
+    outcome: str
+    mode: str
+    count: int
+
+
+@dataclasses.dataclass(slots=True)
+class MigrationCountersReport:
+    """Published on ``migration_counters`` (source id: the worker's instance id) by a worker that runs a migration
+    agent: its counters since it started, cumulative (a frontend exports them as Prometheus counters, so a restarted
+    worker, a new instance id, starts new series). ``mode``: the worker's own ``migration_mode``.
+
+    ``kv_pull_failures``: kv_transfer migrations this worker took (committed, counted in ``in``/``committed``/
+    ``kv_transfer``) whose pull failed, so that its engine computed the request again instead (vLLM's
+    ``kv_load_failure_policy=recompute``); ``aborts_forwarded``: aborts sent on to where a request went;
+    ``uncertain_commits``: commits that got no answer (the request ended here with a recoverable error)."""
+
+    model: str
+    mode: str
+    outcomes: list[MigrationOutcomeCount] = dataclasses.field(default_factory=list)
+    kv_pull_failures: int = 0
+    aborts_forwarded: int = 0
+    uncertain_commits: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "mode": self.mode,
+            "outcomes": [[o.direction, o.outcome, o.mode, o.count] for o in self.outcomes],
+            "kv_pull_failures": self.kv_pull_failures,
+            "aborts_forwarded": self.aborts_forwarded,
+            "uncertain_commits": self.uncertain_commits,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MigrationCountersReport:
+        """Raises ``KeyError``/``TypeError``/``ValueError`` for a payload that is not one."""
+        outcomes = [MigrationOutcomeCount(str(a), str(b), str(c), int(n)) for a, b, c, n in d.get("outcomes") or []]
+        return cls(
+            model=str(d["model"]),
+            mode=str(d.get("mode", "")),
+            outcomes=outcomes,
+            kv_pull_failures=int(d.get("kv_pull_failures", 0)),
+            aborts_forwarded=int(d.get("aborts_forwarded", 0)),
+            uncertain_commits=int(d.get("uncertain_commits", 0)),
+        )

@@ -31,12 +31,14 @@ reports; what a snapshot derives from the report and from the step-time model is
 change), searches the KV index once (KV policies only) with the prompt's
 lazily computed hashes (``prepare`` wraps them in a ``PromptHashes``: only the blocks the search reads are hashed)
 and the model's workers as a group, so a prefix every one of them caches comes back as one number
-(``RouteRequest.common_overlap_blocks``) rather than one entry per worker. At 256 workers, 1M indexed blocks and
-8k-token prompts (``kvmesh bench router``'s workload, 2-core EPYC dev VM) a ``kv`` decision takes ~240 us at p50:
-~105 us hashing (~380 blocks on average: a conversation hit is hashed one chunk past its deepest cached block), ~30 us
-rebuilding the ~5 snapshots a decision dirties and the ``WorkerTable`` summaries (a frozen 16-field snapshot costs
-~2.5 us to construct), ~20 us searching the index, ~20-35 us in the policy (~8 us warm: ``kv.lowest_ttft`` reads a
-handful of workers) and ~12 us copying the request.
+(``RouteRequest.common_overlap_blocks``) rather than one entry per worker. ``prepare`` backs the hashes with the
+router's memo of prompt-chunk hashes (``HashMemo``, ``RouterConfig.prompt_hash_cache_blocks``), so a prefix it has
+hashed before (a conversation's history) is not chained again. At 256 workers, 1M indexed blocks and 8k-token prompts
+(``kvmesh bench router``'s workload, 2-core EPYC dev VM under a load of ~5.5) a ``kv`` decision takes ~172 us at p50
+(thread CPU): ~69 us hashing (packing the 8k token ids, ~37 us of it on a quiet core; the memo's chunks; one chained),
+~38 us searching the index, ~20 us rebuilding the ~5 snapshots a decision dirties (named tuples) and the
+``WorkerTable`` summaries, ~27 us in the policy (``kv.lowest_ttft`` reads a handful of workers) and ~9 us preparing
+and copying the request.
 
 Single-threaded: every method is called from the event loop, none awaits.
 """
@@ -53,7 +55,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from components.protocol.kv_hashing import HASH_SCHEME_VERSION, PromptHashes
+from components.protocol.kv_hashing import HASH_SCHEME_VERSION, HashMemo, PromptHashes
 from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
 from components.protocol.metadata import WorkerMetadata, stale_after
 from components.router.config import RouterConfig
@@ -101,6 +103,8 @@ _AT_BLOCK_SIZE = _REQUEST_FIELDS.index("block_size")
 _AT_BLOCK_HASHES = _REQUEST_FIELDS.index("block_hashes")
 _AT_OVERLAP_BLOCKS = _REQUEST_FIELDS.index("overlap_blocks")
 _AT_COMMON_OVERLAP = _REQUEST_FIELDS.index("common_overlap_blocks")
+_AT_HOST_OVERLAP_BLOCKS = _REQUEST_FIELDS.index("host_overlap_blocks")
+_AT_COMMON_HOST_OVERLAP = _REQUEST_FIELDS.index("common_host_overlap_blocks")
 
 
 def _with_fields(request: RouteRequest, i: int, a: Any, j: int, b: Any) -> RouteRequest:
@@ -108,6 +112,18 @@ def _with_fields(request: RouteRequest, i: int, a: Any, j: int, b: Any) -> Route
     values = list(_request_values(request))
     values[i] = a
     values[j] = b
+    return RouteRequest(*values)
+
+
+def _with_overlaps(
+    request: RouteRequest, overlaps: dict[int, int], floor: int, host: dict[int, int], host_floor: int
+) -> RouteRequest:
+    """``request`` with its device and host-tier overlaps."""
+    values = list(_request_values(request))
+    values[_AT_OVERLAP_BLOCKS] = overlaps
+    values[_AT_COMMON_OVERLAP] = floor
+    values[_AT_HOST_OVERLAP_BLOCKS] = host
+    values[_AT_COMMON_HOST_OVERLAP] = host_floor
     return RouteRequest(*values)
 
 
@@ -188,9 +204,12 @@ class _ModelState:
     policy_state: Any
     workers: WorkerTable = dataclasses.field(default_factory=lambda: WorkerTable(()))
     position: dict[int, int] = dataclasses.field(default_factory=dict)
-    # The KV index bits of the model's workers (0: one has none yet) and the index's bits_version they were read at.
+    # The KV index bits of the model's workers (0: one has none yet) and the index's bits_version they were read at;
+    # the same in the host-tier index.
     kv_group: int = 0
     kv_group_version: int = -1
+    host_group: int = 0
+    host_group_version: int = -1
 
 
 @dataclasses.dataclass(slots=True)
@@ -198,6 +217,7 @@ class RouterStats:
     num_decisions: int = 0
     num_prompt_blocks: int = 0  # full prompt blocks of the requests placed (KV policies)
     num_cached_blocks: int = 0  # of which the chosen worker held (the router's predicted prefix-cache hits)
+    num_host_cached_blocks: int = 0  # and of the rest, those its host-memory tier held (predicted loads)
     num_resyncs_requested: int = 0
     num_sync_messages: int = 0
 
@@ -231,6 +251,8 @@ class Router:
         # Identifies this router's messages on the sync topic; the standalone router uses its instance id.
         self.replica_id = replica_id if replica_id is not None else secrets.randbits(63)
         self.index = KvIndex(approx_ttl_s=config.router_ttl_s)
+        # The workers' host-memory tiers, made at the first event of that medium (``apply_kv_events``).
+        self.host_index: KvIndex | None = None
         self.uses_kv = self.policy.uses_kv
         self.approximate = self.uses_kv and not config.router_kv_events
         self.stats = RouterStats()
@@ -252,6 +274,8 @@ class Router:
         self._unschedulable: dict[int, str] = {}
         self._down: dict[int, float] = {}
         self._blocked: frozenset[int] = frozenset()  # the union of both, for select's hot path
+        # Block size -> the hashes of recently seen prompt chunks (``prepare``); one per block size a model uses.
+        self._hash_memos: dict[int, HashMemo] = {}
 
     # --- membership -------------------------------------------------------------------------------------------------
 
@@ -296,6 +320,8 @@ class Router:
                 )
                 self._foreign_hashes.add(iid)
                 self.index.remove_worker(iid)
+                if self.host_index is not None:
+                    self.host_index.remove_worker(iid)
             models = self._member_of.get(iid)
             if models is None:
                 self._member_of[iid] = {model}
@@ -321,6 +347,8 @@ class Router:
         if self._unschedulable.pop(iid, None) is not None or self._down.pop(iid, None) is not None:
             self._update_blocked()
         self.index.remove_worker(iid)
+        if self.host_index is not None:
+            self.host_index.remove_worker(iid)
         self._step_time.pop(iid, None)
         self._foreign_hashes.discard(iid)
         load = self._loads.get(iid)
@@ -410,6 +438,7 @@ class Router:
                 metadata,
                 prefill_ms_per_token=step.prefill_ms_per_prompt_token(0, 0),
                 decode_step_ms=step.decode_ms(1, 0),
+                host_load_ms_per_token=step.host_load_ms_per_token,
             )
         seqs = load.active_requests
         kv_tokens = load.active_prompt_tokens
@@ -437,6 +466,7 @@ class Router:
             queued,
             load.prefill_ms_per_token,
             load.decode_step_ms,
+            step.host_load_ms_per_token,
         )
 
     def _flush(self) -> None:
@@ -463,7 +493,14 @@ class Router:
             return request
         state = self._models.get(request.model)
         bs = state.block_size if state is not None else DEFAULT_BLOCK_SIZE
-        return _with_fields(request, _AT_BLOCK_SIZE, bs, _AT_BLOCK_HASHES, PromptHashes(request.token_ids, bs))
+        memo = self._hash_memos.get(bs)
+        if memo is None:
+            memo = self._hash_memos[bs] = HashMemo(bs, self.config.prompt_hash_cache_blocks)
+        return _with_fields(request, _AT_BLOCK_SIZE, bs, _AT_BLOCK_HASHES, PromptHashes(request.token_ids, bs, memo))
+
+    def hash_memo(self, block_size: int) -> HashMemo | None:
+        """The memo of prompt-chunk hashes for ``block_size`` (``prepare``); None before a prompt of that size."""
+        return self._hash_memos.get(block_size)
 
     def select(self, request: RouteRequest) -> RouteDecision:
         """Ask the policy; raise ``NoWorkersError`` when it places the request nowhere."""
@@ -486,7 +523,17 @@ class Router:
                 state.kv_group = index.bits_of(state.metadata)
                 state.kv_group_version = index.bits_version
             overlaps, floor = index.overlaps_with_floor(request.block_hashes, state.kv_group)
-            if overlaps or floor:
+            host = self.host_index
+            if host is not None:
+                if state.host_group_version != host.bits_version:
+                    state.host_group = host.bits_of(state.metadata)
+                    state.host_group_version = host.bits_version
+                host_overlaps, host_floor = host.overlaps_with_floor(request.block_hashes, state.host_group)
+                if host_overlaps or host_floor:
+                    request = _with_overlaps(request, overlaps, floor, host_overlaps, host_floor)
+                elif overlaps or floor:
+                    request = _with_fields(request, _AT_OVERLAP_BLOCKS, overlaps, _AT_COMMON_OVERLAP, floor)
+            elif overlaps or floor:
                 request = _with_fields(request, _AT_OVERLAP_BLOCKS, overlaps, _AT_COMMON_OVERLAP, floor)
         decision, state.policy_state = self.policy.select(request, state.workers, state.policy_state, self.rng)
         if decision.instance_id is None:
@@ -495,6 +542,7 @@ class Router:
         if request.block_hashes is not None:
             self.stats.num_prompt_blocks += len(request.block_hashes)
             self.stats.num_cached_blocks += decision.overlap_blocks
+            self.stats.num_host_cached_blocks += decision.host_overlap_blocks
         return decision
 
     def end_program(self, model: str, program_id: str) -> bool:
@@ -556,7 +604,8 @@ class Router:
         state = self._models.get(request.model)
         bs = request.block_size or (state.block_size if state is not None else DEFAULT_BLOCK_SIZE)
         n = len(request.token_ids)
-        a = Assignment(request_id, iid, n, max(0, n - decision.overlap_blocks * bs), -(-n // bs))
+        cached = decision.overlap_blocks + decision.host_overlap_blocks
+        a = Assignment(request_id, iid, n, max(0, n - cached * bs), -(-n // bs))
         old = self._inflight.pop(request_id, None)
         if old is not None:
             self._sub(old)
@@ -657,23 +706,40 @@ class Router:
         self._dirty.add(instance_id)
 
     def apply_kv_events(self, instance_id: int, events: list[KvEvent]) -> bool:
-        """Apply a batch of a worker's KV events; False: a gap, fetch its ``kv_state`` and call ``load_kv_state``."""
+        """Apply a batch of a worker's KV events; False: a gap, fetch its ``kv_state`` and call ``load_kv_state``.
+
+        Events of a host-memory tier (``KvEvent.is_host``) go to ``host_index``, made at the first one; from then on
+        it sees every event, so that it counts the ids of the device's too (``KvIndex``'s media)."""
         if instance_id in self._departed or instance_id in self._foreign_hashes:
             return True
-        return self.index.apply(instance_id, events)
+        host = self.host_index
+        if host is None and any(e.is_host for e in events):
+            host = self.host_index = KvIndex(approx_ttl_s=self.config.router_ttl_s, host=True)
+        ok = self.index.apply(instance_id, events)
+        if host is not None:
+            ok = host.apply(instance_id, events) and ok
+        return ok
 
     def begin_resync(self, instance_id: int) -> None:
         """A snapshot fetch starts: buffer the worker's events until it arrives."""
         self.stats.num_resyncs_requested += 1
         self.index.mark_stale(instance_id)
+        if self.host_index is not None:
+            self.host_index.mark_stale(instance_id)
 
     def load_kv_state(self, instance_id: int, snapshot: KvStateSnapshot) -> bool:
         """Replace the worker's blocks with its snapshot and replay the events buffered since; False when those
         events had a gap of their own (fetch again)."""
         if instance_id in self._departed or instance_id in self._foreign_hashes:
             return True
+        if self.host_index is None and snapshot.host_block_hashes:
+            self.host_index = KvIndex(approx_ttl_s=self.config.router_ttl_s, host=True)
         self.index.load_snapshot(instance_id, snapshot)
-        return not self.index.is_stale(instance_id)
+        ok = not self.index.is_stale(instance_id)
+        if self.host_index is not None:
+            self.host_index.load_snapshot(instance_id, snapshot)
+            ok = not self.host_index.is_stale(instance_id) and ok
+        return ok
 
     # --- replicas ---------------------------------------------------------------------------------------------------
 

@@ -88,6 +88,14 @@ class RouterConfig(BaseModel):
         description="kv without KV events: how long a routed request's blocks are assumed cached on its worker.",
         json_schema_extra={"cli_aliases": ["--router-ttl-secs"]},
     )
+    prompt_hash_cache_blocks: int = Field(
+        default=262_144,
+        ge=0,
+        description="kv: block hashes of recently seen prompt chunks the router keeps (least recently used out), so a "
+        "prefix it has hashed before (a conversation's history, a shared document) is not chained again: ~40 bytes "
+        "a block, ~11 MB at the default (4M tokens of distinct prefixes at 16 tokens a block); 0: hash every prompt "
+        "in full.",
+    )
     active_decode_blocks_threshold: float | None = Field(
         default=None,
         gt=0.0,

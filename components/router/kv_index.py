@@ -25,6 +25,11 @@ marks the worker *stale*: ``apply`` returns False, later events are buffered, an
 ``KvStateSnapshot`` and calls ``load_snapshot``, which replaces the worker's blocks and replays buffered events newer
 than the snapshot. Until then the stale worker's old blocks still count (better than forgetting a warm cache).
 
+Media: an engine with a host-memory tier announces that tier's blocks with the same events, ``medium`` host
+(``KvEvent.is_host``), in the same sequence of event ids as its device's. A router keeps one index per medium
+(``KvIndex(host=True)`` for the host tier's): each applies its own medium's events and only counts the others' ids,
+so that a gap in either shows in both.
+
 Approximate mode, for engines without KV events: ``record_routed(worker, hashes, now_s)`` predicts that the worker
 now holds the request's blocks, for ``approx_ttl_s``; ``expire(now_s)`` drops predictions past their TTL.
 """
@@ -79,7 +84,8 @@ class KvIndex:
     # snapshot will be newer than them anyway if the fetch succeeds).
     MAX_BUFFERED_EVENTS = 100_000
 
-    def __init__(self, approx_ttl_s: float = 120.0) -> None:
+    def __init__(self, approx_ttl_s: float = 120.0, *, host: bool = False) -> None:
+        self.host = host  # which medium's events this index applies (module docstring)
         self._masks: dict[int, int] = {}
         self._workers: dict[int, _WorkerState] = {}
         self._bit_owner: dict[int, int] = {}
@@ -250,8 +256,10 @@ class KvIndex:
         return not st.stale
 
     def _apply_one(self, st: _WorkerState, ev: KvEvent) -> None:
-        self.stats.num_events += 1
         st.last_event_id = ev.event_id
+        if ev.is_host is not self.host:
+            return  # the other medium's: its id counted, its blocks not ours
+        self.stats.num_events += 1
         if ev.kind == KvEventKind.BLOCK_STORED:
             self._store(st, ev.block_hashes, ev.parent_hash)
             self.stats.num_blocks_stored += len(ev.block_hashes)
@@ -263,10 +271,11 @@ class KvIndex:
             self._update_closed(st)
 
     def load_snapshot(self, worker_id: int, snap: KvStateSnapshot) -> None:
-        """Replace the worker's blocks with a snapshot, then replay buffered events newer than it."""
+        """Replace the worker's blocks with a snapshot (its medium's list), then replay buffered events newer than
+        it."""
         st = self._worker(worker_id)
         self._clear(st)
-        self._store(st, snap.block_hashes, _UNKNOWN)
+        self._store(st, snap.host_block_hashes if self.host else snap.block_hashes, _UNKNOWN)
         st.last_event_id = snap.last_event_id
         st.stale = False
         buffered, st.buffered = st.buffered, []

@@ -20,7 +20,7 @@ import functools
 import math
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -30,7 +30,7 @@ class RouteRequest:
     ``block_hashes`` (the prompt's chained block hashes, ``components.protocol.kv_hashing``) and ``overlap_blocks`` are
     filled in by the ``Router`` for KV-aware policies: hashes once per request (``Router.prepare``), overlaps at each
     ``select`` from the KV index. ``overlap_blocks`` is a mapping on the request rather than a field of each
-    ``WorkerSnapshot`` because it changes with every request: rebuilding 256 frozen snapshots per decision would cost
+    ``WorkerSnapshot`` because it changes with every request: rebuilding 256 snapshots per decision would cost
     ~300 us, more than the whole decision budget (200 us at 256 workers).
     """
 
@@ -49,10 +49,24 @@ class RouteRequest:
     # in overlap_blocks, so a decision does not build and read one entry per worker. Read a worker's overlap with
     # ``overlap_of``.
     common_overlap_blocks: int = 0
+    # The same two for the workers' host-memory KV tiers (engines that announce one: events with medium host):
+    # leading blocks of the prompt each worker's host tier holds. Empty and 0 where no worker announces a tier.
+    host_overlap_blocks: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    common_host_overlap_blocks: int = 0
 
     def overlap_of(self, instance_id: int) -> int:
         """Leading blocks of the prompt this worker caches."""
         return self.overlap_blocks.get(instance_id, self.common_overlap_blocks)
+
+    def host_overlap_of(self, instance_id: int) -> int:
+        """Leading blocks of the prompt this worker's host-memory tier holds."""
+        return self.host_overlap_blocks.get(instance_id, self.common_host_overlap_blocks)
+
+    def host_extra_of(self, instance_id: int) -> int:
+        """Blocks past the ones this worker caches that its host-memory tier holds: it loads them, not computes."""
+        if not self.host_overlap_blocks and not self.common_host_overlap_blocks:
+            return 0
+        return max(0, self.host_overlap_of(instance_id) - self.overlap_of(instance_id))
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -66,7 +80,9 @@ class StepTime:
       * n**2``;
     * a step that decodes ``b`` sequences attending to ``k`` KV tokens: ``decode_base_ms + decode_ms_per_seq * b +
       decode_ms_per_kv_token * k``;
-    * a step carries at most ``max_num_batched_tokens`` tokens, one per decoding sequence and the rest prefill.
+    * a step carries at most ``max_num_batched_tokens`` tokens, one per decoding sequence and the rest prefill;
+    * loading a token's KV from the worker's host-memory tier takes ``host_load_ms_per_token`` (Llama-3-8B's 128 KiB
+      a token over PCIe Gen5 at ~50 GB/s: ~2.6 us, an eighth of computing it in a large prefill chunk).
     """
 
     prefill_base_ms: float = 16.5
@@ -76,6 +92,7 @@ class StepTime:
     decode_ms_per_seq: float = 0.02
     decode_ms_per_kv_token: float = 3e-5
     max_num_batched_tokens: int = 8192
+    host_load_ms_per_token: float = 2.62e-3
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> StepTime:
@@ -112,9 +129,13 @@ _IDLE_PREFILL_MS_PER_TOKEN = DEFAULT_STEP_TIME.prefill_ms_per_prompt_token(0, 0)
 _IDLE_DECODE_STEP_MS = DEFAULT_STEP_TIME.decode_ms(1, 0)
 
 
-@dataclasses.dataclass(slots=True, frozen=True)
-class WorkerSnapshot:
+class WorkerSnapshot(NamedTuple):
     """One worker as the router knows it at ``RouteRequest.now_s``.
+
+    Immutable, and a named tuple rather than a frozen dataclass: the router rebuilds ~5 of them per decision at 256
+    workers (the workers that a routed request, a first token, a finish or a load report changed), and a frozen
+    dataclass's ``__init__`` (one ``object.__setattr__`` per field) took ~2 us of each, a named tuple ~0.3 us
+    (rebuilding 4: ~14 vs ~6 us, thread CPU time on the 2-core dev VM). Reading a field costs about the same.
 
     Counted by the router from its own assignments (and, with replica sync, its replicas'): exact between metric
     updates, never stale.
@@ -138,7 +159,8 @@ class WorkerSnapshot:
     - ``prefill_ms_per_token``: how fast it works through them, given the sequences decoding alongside
       (``StepTime.prefill_ms_per_prompt_token`` at ``active_requests`` sequences over ``active_prompt_tokens``);
     - ``decode_step_ms``: its decode step with one more sequence of the mean context: the inter-token latency a new
-      request would see there.
+      request would see there;
+    - ``host_load_ms_per_token``: how long loading a token's KV from its host-memory tier takes (its ``StepTime``).
     """
 
     instance_id: int
@@ -157,6 +179,7 @@ class WorkerSnapshot:
     queued_prefill_tokens: int = 0
     prefill_ms_per_token: float = _IDLE_PREFILL_MS_PER_TOKEN
     decode_step_ms: float = _IDLE_DECODE_STEP_MS
+    host_load_ms_per_token: float = DEFAULT_STEP_TIME.host_load_ms_per_token
 
     def has_fresh_metrics(self, now_s: float) -> bool:
         return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
@@ -168,8 +191,11 @@ class WorkerTable(Sequence[WorkerSnapshot]):
     time (``replace``: ~5 per decision at 256 workers, where a decision reads 256).
 
     - ``positions``: instance id -> position, a dict (read it, do not modify it);
-    - ``min_stale_after_s()``: the earliest ``metrics_stale_after_s``, so ``common.candidates`` sees in O(1) that no
-      worker is stale (recomputed only when the worker holding it reports again, ~1 decision in 100);
+    - ``none_stale(now_s)``: whether no worker's ``metrics_stale_after_s`` has passed, for ``common.candidates``, in
+      O(1) almost always: the table keeps a lower bound of the earliest ``metrics_stale_after_s`` (a report only
+      moves a worker's later, so the bound stays one) and finds the exact earliest only when ``now_s`` reaches the
+      bound: about once per publishing interval (100 ms), not per decision, as an exact minimum would need (the
+      worker holding it is the next to report, so it moves with nearly every report: ~4 us a decision at 256);
     - ``load_range()``: the fewest and most ``active_requests``, for the ``kv`` imbalance test (a count per value);
     - ``by_queued_wait()``: ``(queued_wait_ms, position)`` pairs, ascending, where ``queued_wait_ms`` is
       ``prefill_ms_per_token * queued_prefill_tokens`` (how long the worker's prefill queue takes), with
@@ -186,7 +212,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
     __slots__ = (
         "_loads",
         "_stale",
-        "_stale_min",
+        "_stale_lo",
         "_wait",
         "_wait_keys",
         "_wait_order",
@@ -201,7 +227,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         ws = self._workers = list(workers)
         self.positions = {w.instance_id: i for i, w in enumerate(ws)}  # instance id -> position (read only)
         self._stale = [w.metrics_stale_after_s for w in ws]
-        self._stale_min: float | None = None
+        self._stale_lo = min(self._stale, default=math.inf)  # at most the earliest of _stale
         self._loads: dict[int, int] = {}
         for w in ws:
             self._loads[w.active_requests] = self._loads.get(w.active_requests, 0) + 1
@@ -236,15 +262,9 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         old = self._workers[i]
         self._workers[i] = w
         s = w.metrics_stale_after_s
-        old_s = self._stale[i]
-        if s != old_s:
-            self._stale[i] = s
-            lo = self._stale_min
-            if lo is not None:
-                if s < lo:
-                    self._stale_min = s
-                elif old_s == lo:
-                    self._stale_min = None  # the earliest moved on: found again when next asked
+        self._stale[i] = s
+        if s < self._stale_lo:
+            self._stale_lo = s
         n, old_n = w.active_requests, old.active_requests
         if n != old_n:
             loads = self._loads
@@ -278,11 +298,16 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         return zip(self._wait_keys, self._wait_order, strict=True)
 
     def min_stale_after_s(self) -> float:
-        """The earliest instant a worker's metrics go stale (``inf`` with no workers)."""
-        lo = self._stale_min
-        if lo is None:
-            lo = self._stale_min = min(self._stale, default=math.inf)
+        """The earliest instant a worker's metrics go stale (``inf`` with no workers). O(n): ``none_stale`` is the
+        hot path's question."""
+        lo = self._stale_lo = min(self._stale, default=math.inf)
         return lo
+
+    def none_stale(self, now_s: float) -> bool:
+        """Whether every worker's metrics are still fresh at ``now_s`` (``metrics_stale_after_s > now_s``)."""
+        if self._stale_lo > now_s:
+            return True
+        return self.min_stale_after_s() > now_s
 
     def load_range(self) -> tuple[int, int]:
         """The fewest and the most requests in flight on a worker (0, 0 with no workers)."""
@@ -330,7 +355,8 @@ def _format_reason(template: str, args: tuple[object, ...]) -> str:
 class RouteDecision:
     """Where to send a request, and why. ``instance_id`` None means "nowhere": the reason says what was missing.
 
-    ``overlap_blocks`` is how many leading prompt blocks the chosen worker caches (0 for non-KV policies): the router
+    ``overlap_blocks`` is how many leading prompt blocks the chosen worker caches (0 for non-KV policies), and
+    ``host_overlap_blocks`` how many more, past those, its host-memory tier holds (loaded, not computed): the router
     counts only the rest as prefill work on that worker. ``kind`` says in one word what decided it (``DecisionKind``).
 
     ``reason`` is free text for logs and errors, formatted only when read: the constructor's second argument
@@ -342,6 +368,7 @@ class RouteDecision:
     why: Reason = dataclasses.field(compare=False)
     overlap_blocks: int = 0
     kind: DecisionKind = DecisionKind.LOAD
+    host_overlap_blocks: int = 0
 
     @property
     def reason(self) -> str:
@@ -353,9 +380,10 @@ class RouteDecision:
         return text
 
     def __repr__(self) -> str:
+        host = f", host_overlap_blocks={self.host_overlap_blocks!r}" if self.host_overlap_blocks else ""
         return (
             f"RouteDecision(instance_id={self.instance_id!r}, reason={self.reason!r}, "
-            f"overlap_blocks={self.overlap_blocks!r}, kind={self.kind!r})"
+            f"overlap_blocks={self.overlap_blocks!r}, kind={self.kind!r}{host})"
         )
 
 

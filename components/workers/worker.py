@@ -12,9 +12,11 @@ fleet within a check interval instead of failing every request routed to it unti
 ``dead`` (``kvmesh worker`` exits 1 once all its workers are dead, for its supervisor to start a fresh one).
 
 Migration (components/migration/agent.py): a worker whose engine can move requests (``supports_migration``: the
-simulated engine live, vLLM by recompute) runs a ``MigrationAgent``: every request's stream goes through it, and it
-serves ``migrate``, ``migrate_in`` and ``abort`` on the worker's instance id; ``migration_mode`` in the metadata says
-how. When the engine dies, or on ``stop()``, the worker first says on the event plane that it takes no new requests
+simulated engine live, vLLM by kv_transfer or recompute) runs a ``MigrationAgent``: every request's stream goes
+through it, and it serves ``migrate``, ``migrate_in`` and ``abort`` on the worker's instance id; ``migration_mode``
+in the metadata says how, and its counters (by direction, outcome and the mode that ran) go out on
+``migration_counters`` whenever they change and every ``MIGRATION_COUNTERS_REPEAT_S`` (the frontend exports them).
+When the engine dies, or on ``stop()``, the worker first says on the event plane that it takes no new requests
 (``WorkerStatus`` on ``worker_status``, repeated every ``metrics_interval_ms`` while it is registered), so routers
 stop choosing it at once; its ``generate`` registration stays until its requests are gone (drained, or moved off by
 the rescheduler), then goes.
@@ -45,6 +47,7 @@ from components.protocol.endpoints import (
     ENDPOINT_PREFILL_RESULT,
     TOPIC_KV_EVENTS,
     TOPIC_LOAD_METRICS,
+    TOPIC_MIGRATION_COUNTERS,
     TOPIC_WORKER_STATUS,
 )
 from components.protocol.kv_hashing import HASH_SCHEME_VERSION
@@ -57,6 +60,10 @@ from components.workers.disagg import PrefillLoop, RemotePrefiller, supports_rem
 from components.workers.engines.base import Engine, remote_prefill_mode_of
 
 logger = logging.getLogger(__name__)
+
+# Migration counters go out when they changed (checked every metrics interval) and at least this often otherwise, so
+# a frontend that starts later hears them within it.
+MIGRATION_COUNTERS_REPEAT_S = 10.0
 
 
 class Worker:
@@ -102,6 +109,8 @@ class Worker:
         # Set when it stops taking new requests (its engine died, it drains): why, for the worker_status topic.
         self.unschedulable_reason: str | None = None
         self._generate_served: ServedEndpoint | None = None
+        self._counters_sent: dict[str, Any] | None = None
+        self._counters_sent_s = 0.0
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -239,7 +248,34 @@ class Worker:
                 logger.debug("publishing load metrics: %s", e)
             if self.unschedulable_reason is not None:
                 await self._publish_status()  # a router that started since hears it too
+            if self.agent is not None:
+                await self._publish_migration_counters()
             await asyncio.sleep(interval_s)
+
+    def migration_counters(self) -> dict[str, Any] | None:
+        """This worker's ``MigrationCountersReport`` as published (None without a migration agent). An engine that
+        pulls KV (vLLM) counts the migrations it took whose pull failed in ``migrations_in.pull_failed``."""
+        if self.agent is None:
+            return None
+        pull_failed = int(getattr(getattr(self.engine, "migrations_in", None), "pull_failed", 0))
+        return self.agent.counters_report(self.config.model, kv_pull_failures=pull_failed).to_dict()
+
+    async def _publish_migration_counters(self) -> None:
+        """``TOPIC_MIGRATION_COUNTERS``: when they changed, and every ``MIGRATION_COUNTERS_REPEAT_S`` regardless."""
+        report = self.migration_counters()
+        now = time.monotonic()
+        if report is None or (
+            report == self._counters_sent and now - self._counters_sent_s < MIGRATION_COUNTERS_REPEAT_S
+        ):
+            return
+        try:
+            await self.runtime.namespace(self.config.namespace).events.publish(
+                TOPIC_MIGRATION_COUNTERS, report, source_id=self.instance_id
+            )
+        except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next interval tries again
+            logger.debug("publishing migration counters: %s", e)
+            return
+        self._counters_sent, self._counters_sent_s = report, now
 
     async def _collect_kv_events(self) -> None:
         async for batch in self.engine.kv_events():

@@ -37,7 +37,10 @@ def test_bench_router_reports_decision_cost_per_fleet_size_and_ingest_rates():
         for stats in e["policies"].values():
             assert 0 < stats["decision_us"]["p50"] <= stats["decision_us"]["p99"] <= stats["decision_us"]["max"]
         kv = e["policies"]["kv"]
-        assert kv["prepare_us"]["p50"] > 0 and kv["select_us"]["p50"] > 0
+        assert kv["prepare_us"]["p50"] > 0 and kv["select_us"]["p50"] > 0 and kv["decision_cpu_us"]["p50"] > 0
+        # Every cached conversation's previous turn went through the router: its chunks come from the memo.
+        memo = kv["hash_memo"]
+        assert memo["chunk_hits"] > 0 and memo["blocks_reused_per_decision"] > 0
         assert kv["hashing_us"]["p50"] > 0 and 0 < kv["hashed_blocks"] <= 8192 // 16
         assert 0 < kv["routed_cached_fraction"] <= 1  # requests continuing a cached conversation found it
         assert e["kv_overlaps_only_us"]["p50"] > 0
@@ -77,7 +80,7 @@ def test_bench_routing_live_replays_a_trace_slice_per_policy(tmp_path):
 def test_bench_routing_sweeps_policies_at_fractions_of_measured_capacity(tmp_path):
     png = tmp_path / "routing.png"
     argv = ["routing", "--synthetic", "documents", "--requests", "60", "--policies", "round_robin,least_loaded,kv",
-            "--loads", "0.8,1.2", "--workers", "4", "--png", str(png)]  # fmt: skip
+            "--loads", "0.8,1.2", "--workers", "4", "--synthetic-scales", "1", "--png", str(png)]  # fmt: skip
     if TRACE.is_file():
         argv += ["--trace", str(TRACE)]
     r = bench(*argv)
@@ -86,20 +89,35 @@ def test_bench_routing_sweeps_policies_at_fractions_of_measured_capacity(tmp_pat
     assert ("mooncake_conversation_trace" in r["workloads"]) == TRACE.is_file()
     for entry in r["workloads"].values():
         assert entry["requests"] == 60 and entry["capacity_rps"] > 0
-        assert 0 <= entry["oracle_reuse_fleet_memory"] <= entry["oracle_reuse"] <= 1
+        assert 0 <= entry["oracle_reuse_fleet_device_memory"] <= entry["oracle_reuse_fleet_memory"]
+        assert entry["oracle_reuse_fleet_memory"] <= entry["oracle_reuse"] <= 1
         assert entry["fleet"]["workers"] == 4 and entry["fleet"]["max_model_len"] >= entry["prompt_tokens"]["max"]
+        assert entry["fleet"]["num_host_blocks"] == 65_536  # the default host-memory tier
+        ws = entry["working_set"]
+        assert ws["blocks"] > 0 and ws["over_worker_device"] >= ws["over_worker_memory"] >= ws["over_fleet_memory"]
+        assert ws["regime"] in {
+            "fits one worker's device cache",
+            "fits one worker's device cache and host tier",
+            "fits the fleet's memory, split between workers",
+            "exceeds the fleet's memory",
+        }
+        assert 0 < entry["ttft_floor_ms"]["p50"] <= entry["ttft_floor_ms"]["p99"]
         for policy in ("round_robin", "least_loaded", "kv"):
             low, high = entry["points"][policy]["0.8"], entry["points"][policy]["1.2"]
             assert low["requests"] == high["requests"] == 60  # every request completed
             assert high["rate_rps"] == pytest.approx(1.5 * low["rate_rps"], rel=1e-3)
             assert 0 < low["ttft_ms"]["p50"] <= low["ttft_ms"]["p99"]
-            assert 0 <= low["hit_rate"] <= entry["oracle_reuse"] + 1e-9
+            assert 0 < low["itl_ms"]["p50"] <= low["itl_ms"]["p99"] and low["output_tokens_per_s"] > 0
+            balance = low["balance"]
+            assert balance["in_flight_max_over_mean"] >= 1 and balance["computed_tokens_max_over_mean"] >= 1
+            assert 0 <= low["host_hit_rate"] <= low["hit_rate"] <= entry["oracle_reuse"] + 1e-9
             assert sum(low["decision_kinds"].values()) == 60
         assert entry["points"]["round_robin"]["0.8"]["decision_kinds"] == {"rotation": 60}
         assert {"kv_p99_over_best_load_only_worst_load", "kv_throughput_over_best_load_only_worst_load"} <= set(
             entry["targets"]
         )
     assert r["png"] == str(png) and png.stat().st_size > 10_000
+    assert r["rules"]["host_kv_blocks_per_worker"] == 65_536 and r["rules"]["synthetic_scales"] == [1.0]
 
 
 def test_bench_routing_refuses_bad_input_with_a_clear_message(tmp_path):
@@ -107,6 +125,8 @@ def test_bench_routing_refuses_bad_input_with_a_clear_message(tmp_path):
         (["--trace", str(tmp_path / "nope.jsonl")], "no trace file at"),
         (["--synthetic", "documents", "--policies", "kv,bogus"], "unknown policy ['bogus']"),
         (["--synthetic", "documents", "--loads", "0.8,-1"], "loads must be > 0"),
+        (["--synthetic", "documents", "--host-kv-blocks", "-1"], "--host-kv-blocks must be >= 0"),
+        (["--synthetic", "documents", "--synthetic-scales", "1,0"], "scales must be > 0"),
     ]:
         proc = subprocess.run(
             [sys.executable, "-m", "components.cli.main", "bench", "routing", *argv],

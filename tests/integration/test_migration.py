@@ -170,6 +170,52 @@ async def test_recompute_mode_moves_a_request_without_its_kv_and_the_tokens_are_
     assert await s.done() == expected["rc"]
 
 
+async def test_workers_publish_their_migration_counters_by_direction_outcome_and_mode(pair) -> None:
+    """Each worker's counters go out on ``migration_counters`` when they change (and every 10 s): a live and a
+    recompute move from a to b are counted out on a and in on b, by the mode that ran."""
+    from components.protocol.endpoints import TOPIC_MIGRATION_COUNTERS
+    from components.protocol.migration import MigrationCountersReport, MigrationOutcomeCount
+
+    a, b, crt = pair
+    gen, mig, _ = await clients(crt)
+    heard: dict[int, MigrationCountersReport] = {}
+    sub = await crt.namespace(NS).events.subscribe(TOPIC_MIGRATION_COUNTERS)
+
+    async def listen() -> None:
+        async for ev in sub:
+            heard[ev.source_id] = MigrationCountersReport.from_dict(ev.payload)
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        for mode in ("live", "recompute"):
+            req = gen_request(f"cnt-{mode}", 600, 200, seed=3)
+            s = Stream(await gen.direct(req.to_dict(), a.instance_id))
+            await wait_until(lambda s=s: len(s.tokens) >= 5, timeout_s=10)
+            ask = MigrateRequest(b.instance_id, request_ids=[req.request_id], mode=mode)
+            [report] = await migrate(mig, a.instance_id, ask)
+            assert (report.state, report.mode) == ("committed", mode)
+            await s.done()
+
+        def row(worker: Worker, direction: str, mode: str) -> MigrationOutcomeCount:
+            return MigrationOutcomeCount(direction, "committed", mode, 1)
+
+        await wait_until(
+            lambda: (
+                a.instance_id in heard
+                and b.instance_id in heard
+                and {row(a, "out", "live"), row(a, "out", "recompute")} <= set(heard[a.instance_id].outcomes)
+                and {row(b, "in", "live"), row(b, "in", "recompute")} <= set(heard[b.instance_id].outcomes)
+            ),
+            timeout_s=5,
+        )
+        assert (heard[a.instance_id].model, heard[a.instance_id].mode) == ("mock-model", "live")
+        assert heard[b.instance_id].kv_pull_failures == 0
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await sub.close()
+
+
 async def test_an_abort_after_migration_reaches_the_destination(pair) -> None:
     a, b, crt = pair
     gen, mig, abort = await clients(crt)

@@ -74,11 +74,12 @@ class Fleet:
         self.workers: list[Worker] = []
         self._client: Client | None = None
 
-    async def add(self, n: int = 1, model: str = MODEL) -> list[Worker]:
+    async def add(self, n: int = 1, model: str = MODEL, engine: MockEngineConfig | None = None) -> list[Worker]:
         cfg = WorkerConfig(
             namespace=NS, model=model, model_path=MODEL_PATH, metrics_interval_ms=50, kv_events_batch_ms=5
         )
-        new = [Worker(self.rt, cfg, MockEngine(engine_config(), name=f"m{len(self.workers) + i}")) for i in range(n)]
+        ec = engine or engine_config()
+        new = [Worker(self.rt, cfg, MockEngine(ec, name=f"m{len(self.workers) + i}")) for i in range(n)]
         for w in new:
             await w.start()
         self.workers += new
@@ -166,6 +167,49 @@ async def test_a_router_that_joins_late_learns_warm_caches_from_snapshots(fleet,
     await eventually(lambda: router.index.overlaps(block_hashes(prefix, BS)).get(workers[1].instance_id) == 128)
     d = router.select(router.prepare(RouteRequest(prefix + [3] * 30, MODEL, time.monotonic())))
     assert d.instance_id == workers[1].instance_id
+
+
+async def test_a_prefix_evicted_to_a_workers_host_tier_is_routed_back_there_and_loaded_not_recomputed(
+    fleet, make_router
+):
+    # 256 device blocks (4,096 tokens) and a host tier of 2,048 blocks per worker.
+    small = engine_config().model_copy(update={"num_gpu_blocks": 256, "max_model_len": 4096, "num_host_blocks": 2048})
+    workers = await fleet.add(3, engine=small)
+    router = await make_router(router_policy="kv")
+    await eventually(lambda: router.members() == sorted(w.instance_id for w in workers), what="discovery")
+    prefix = prompts(1, 2048, seed=3)[0]  # 128 blocks
+    hashes = block_hashes(prefix, BS)
+    await fleet.generate(workers[1], prefix + [7] * 10, "warm")
+    # Other prompts push it out of worker 1's device cache; its host tier keeps it.
+    for i, other in enumerate(prompts(3, 3000, seed=4)):
+        await fleet.generate(workers[1], other, f"evict{i}")
+    await eventually(
+        lambda: (
+            router.index.overlaps(hashes).get(workers[1].instance_id, 0) == 0
+            and router.host_index is not None
+            and router.host_index.overlaps(hashes).get(workers[1].instance_id) == 128
+        ),
+        what="device eviction and host blocks seen through the KV events",
+    )
+    await eventually(
+        lambda: all(not s.num_running and s.queued_prefill_tokens == 0 for s in router.workers(MODEL)),
+        what="idle load reports",
+    )
+    req = router.prepare(RouteRequest(prefix + [5] * 20, MODEL, time.monotonic()))
+    d = router.select(req)
+    assert (d.instance_id, d.overlap_blocks, d.host_overlap_blocks) == (workers[1].instance_id, 0, 128), d.reason
+    router.on_routed("real", d, req)
+    items = await fleet.generate(workers[1], list(req.token_ids), "real")
+    router.on_first_token("real")
+    router.on_finished("real")
+    first = TokenChunk.from_dict(items[0])
+    assert first.num_cached_tokens == first.num_host_cached_tokens == 2048  # loaded from host memory, not computed
+    # A router that joins now learns the host tier from the kv_state snapshot.
+    late = await make_router(router_policy="kv")
+    await eventually(
+        lambda: late.host_index is not None and late.host_index.overlaps(hashes).get(workers[1].instance_id) == 128,
+        what="host blocks from the snapshot",
+    )
 
 
 async def test_a_stopped_worker_is_excluded_within_a_second_and_its_blocks_leave(fleet, make_router):

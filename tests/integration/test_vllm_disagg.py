@@ -108,7 +108,13 @@ async def fleet(tmp_path_factory):
         recompute = Worker(
             rt,
             decode,
-            VllmEngine(ecfg(remote_prefill_mode="recompute"), name="recompute", role=WorkerRole.DECODE),
+            # No connector at all: neither to pull prompts nor to migrate requests (migration_mode's auto would load
+            # one, kv_both, as the pulling decode worker's engine has).
+            VllmEngine(
+                ecfg(remote_prefill_mode="recompute", migration_mode="recompute"),
+                name="recompute",
+                role=WorkerRole.DECODE,
+            ),
             index=2,
         )
         workers += [pull, recompute]
@@ -193,6 +199,10 @@ async def test_every_disaggregated_worker_says_how_it_takes_a_remote_prefill(fle
     assert fleet.pull.remote.pulls_kv is HAVE_NIXL and fleet.recompute.remote.pulls_kv is False
     assert "configured" in fleet.recompute.engine.remote_prefill_reason
     assert (fleet.pull.engine.kv_transfer_port > 0) is HAVE_NIXL and fleet.recompute.engine.kv_transfer_port == 0
+    # A decode worker's engine that pulls prompts and migrates requests by KV transfer is both a source and a target.
+    assert fleet.pull.engine.kv_role == ("kv_both" if HAVE_NIXL else None)
+    assert fleet.prefill.engine.kv_role == ("kv_producer" if HAVE_NIXL else None)
+    assert fleet.recompute.engine.kv_role is None
 
 
 async def test_a_long_prompt_is_prefilled_remotely_and_greedy_tokens_match_aggregated(fleet):
@@ -312,7 +322,9 @@ async def test_an_engine_that_cannot_start_its_connector_recomputes_or_refuses(c
         with caplog.at_level("WARNING", logger="components.workers.engines.vllm.engine"):
             await engine.start()
         assert engine.remote_prefill_mode == "recompute" and engine.kv_transfer_port == 0
+        assert engine.migration_mode == "recompute" and engine.kv_role is None
         assert "no port for NIXL's handshake" in engine.remote_prefill_reason
+        assert "no port for NIXL's handshake" in engine.migration_reason
         assert any("remote_prefill_mode recompute" in r.getMessage() for r in caplog.records)
         assert len(await local_tokens(engine, request("fb-1", prompt_of(40, 7), 4))) == 4
     finally:

@@ -151,6 +151,7 @@ class _Req:
     first_s: float = -1.0
     last_s: float = -1.0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
     output_tokens: int = 0
     enqueued_s: float = -1.0  # pushed on the prefill queue (remote prompts only)
 
@@ -352,6 +353,7 @@ def simulate_fleet(workload: Workload, spec: DisaggSpec, policy: str = "round_ro
         e2e_s=e2e,
         prompt_tokens=sum(len(t.prompt) for t in reqs.values()),
         cached_tokens=sum(t.cached_tokens for t in reqs.values()),
+        host_cached_tokens=sum(t.host_cached_tokens for t in reqs.values()),
         output_tokens=sum(t.output_tokens for t in reqs.values()),
         first_arrival_s=workload.requests[0].arrival_s if workload.requests else 0.0,
         last_arrival_s=workload.requests[-1].arrival_s if workload.requests else 0.0,

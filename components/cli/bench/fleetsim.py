@@ -39,6 +39,8 @@ from components.router import Router, RouterConfig, RouteRequest
 from components.workers.simulated import MockEngineConfig, VirtualEngine
 
 MODEL = "sim"
+# The share of the infinite cache's reuse that defines a workload's working set (``PromptBlocks.working_set``).
+WORKING_SET_FRACTION = 0.9
 DRAIN_SLACK = (
     0.02  # backlog left at the last arrival, as a fraction of the replay's length, that still counts as drained
 )
@@ -98,7 +100,14 @@ class _Track:
     first_s: float = -1.0
     last_s: float = -1.0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
     output_tokens: int = 0
+
+
+class Sink(Protocol):
+    """Where ``account_chunk`` appends latencies: a list, or anything with ``append`` (bench planner's histogram)."""
+
+    def append(self, x: float, /) -> None: ...
 
 
 class Timed(Protocol):
@@ -108,6 +117,7 @@ class Timed(Protocol):
     first_s: float
     last_s: float
     cached_tokens: int
+    host_cached_tokens: int
     output_tokens: int
 
 
@@ -117,15 +127,16 @@ def account_chunk(
     chunk: TokenChunk,
     now: float,
     router: Router,
-    ttft: list[float],
-    itl: list[float],
-    e2e: list[float],
+    ttft: Sink,
+    itl: Sink,
+    e2e: Sink,
 ) -> bool:
     """Record a chunk of request ``rid`` that reached its client at ``now``: its first token (TTFT, the router told),
     else an inter-token gap; its tokens; its end (E2E, the router told). True when the request finished."""
     if t.first_s < 0:
         t.first_s = now
         t.cached_tokens = chunk.num_cached_tokens
+        t.host_cached_tokens = chunk.num_host_cached_tokens
         ttft.append(now - t.arrival_s)
         router.on_first_token(rid)
     else:
@@ -147,7 +158,8 @@ class RunResult:
     itl_s: list[float]  # every gap between two consecutive tokens of one request
     e2e_s: list[float]
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # served from a prefix cache: the device's, or loaded from the host tier
+    host_cached_tokens: int  # of which loaded from the host tier
     output_tokens: int
     first_arrival_s: float
     last_arrival_s: float
@@ -164,7 +176,13 @@ class RunResult:
 
     @property
     def hit_rate(self) -> float:
+        """Prompt tokens not computed (device cache or host tier) over all prompt tokens."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """The part of ``hit_rate`` loaded from the host tier."""
+        return self.host_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def makespan_s(self) -> float:
@@ -264,6 +282,7 @@ def simulate(workload: Workload, policy: RouterConfig | str, fleet: FleetSpec, s
         e2e_s=e2e,
         prompt_tokens=prompt_tokens,
         cached_tokens=sum(t.cached_tokens for t in tracks.values()),
+        host_cached_tokens=sum(t.host_cached_tokens for t in tracks.values()),
         output_tokens=sum(t.output_tokens for t in tracks.values()),
         first_arrival_s=workload.requests[0].arrival_s if workload.requests else 0.0,
         last_arrival_s=workload.requests[-1].arrival_s if workload.requests else 0.0,
@@ -283,24 +302,73 @@ def oracle_reuse(prompts: Sequence[Sequence[int]], block_size: int, capacity_blo
     prompt hits the longest prefix of whole blocks in the cache (at most all but its last token, as an engine must
     compute one), then its blocks become the most recently used. ``capacity_blocks`` None: an infinite cache (every
     earlier prompt's blocks); otherwise one LRU cache of that many blocks."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hit = total = 0
-    for p in prompts:
-        hashes = block_hashes(list(p), block_size)
-        usable = (len(p) - 1) // block_size
-        k = 0
-        while k < usable and hashes[k] in cache:
-            k += 1
-        hit += k * block_size
-        total += len(p)
-        for h in hashes:
-            cache[h] = None
-            if capacity_blocks is not None:
-                cache.move_to_end(h)
-        if capacity_blocks is not None:
+    return PromptBlocks(prompts, block_size).reuse(capacity_blocks)
+
+
+class PromptBlocks:
+    """A workload's prompts as block hashes, hashed once, for the cache oracles (``reuse``, ``working_set``)."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], block_size: int) -> None:
+        self.block_size = block_size
+        self.hashes = [block_hashes(list(p), block_size) for p in prompts]
+        self.lengths = [len(p) for p in prompts]
+
+    def reuse(self, capacity_blocks: int | None = None) -> float:
+        """``oracle_reuse`` of these prompts."""
+        bs = self.block_size
+        cache: OrderedDict[int, None] = OrderedDict()
+        hit = total = 0
+        for hashes, n in zip(self.hashes, self.lengths, strict=True):
+            usable = (n - 1) // bs
+            k = 0
+            while k < usable and hashes[k] in cache:
+                k += 1
+            hit += k * bs
+            total += n
+            if capacity_blocks is None:
+                cache.update(dict.fromkeys(hashes))
+                continue
+            move = cache.move_to_end
+            for h in reversed(hashes):  # a prefix's first blocks most recent: evicted last, as engines do
+                cache[h] = None
+                move(h)
             while len(cache) > capacity_blocks:
                 cache.popitem(last=False)
-    return hit / total if total else 0.0
+        return hit / total if total else 0.0
+
+    def hits_per_prompt(self) -> list[int]:
+        """Tokens of each prompt the infinite one-worker cache serves (``reuse(None)``'s per-prompt counts)."""
+        bs = self.block_size
+        seen: set[int] = set()
+        out = []
+        for hashes, n in zip(self.hashes, self.lengths, strict=True):
+            usable = (n - 1) // bs
+            k = 0
+            while k < usable and hashes[k] in seen:
+                k += 1
+            out.append(k * bs)
+            seen.update(hashes)
+        return out
+
+    def working_set(self, fraction: float = WORKING_SET_FRACTION, rel_tol: float = 1 / 16) -> int:
+        """The reuse working set: the fewest blocks one LRU cache needs to serve ``fraction`` of what the infinite
+        cache serves (``reuse``), found by doubling then bisecting to ``rel_tol``; 0 where nothing is reused. Cache
+        memory smaller than this loses reuse to evictions whatever the routing; a fleet holds it only if its
+        workers' caches split it between them."""
+        target = fraction * self.reuse(None)
+        if target <= 0:
+            return 0
+        hi = 64
+        while self.reuse(hi) < target:
+            hi *= 2
+        lo = hi // 2 if hi > 64 else 0
+        while hi - lo > max(1, int(rel_tol * hi)):
+            mid = (lo + hi) // 2
+            if self.reuse(mid) >= target:
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
 
 def derive_programs(rows: Sequence[Sequence[int]], min_share: float = 0.5) -> list[str]:
@@ -364,6 +432,19 @@ def isolated_service_s(workload: Workload, fleet: FleetSpec) -> float:
         ms += (r.max_tokens - 1) * _decode_ms(c, 1, n + r.max_tokens)  # an upper bound: the longest context
         worst = max(worst, ms / 1000.0)
     return worst
+
+
+def ttft_floor_s(workload: Workload, fleet: FleetSpec, cached_tokens: Sequence[int]) -> list[float]:
+    """Each request's time to first token alone on an idle worker that caches ``cached_tokens[i]`` of its prompt
+    (``PromptBlocks.hits_per_prompt``: the infinite one-worker cache's): the rest prefilled in full chunks. No policy
+    can beat these; their p99 against round-robin's says how much better than round-robin any router could be."""
+    c = fleet.engine
+    chunk = c.max_num_batched_tokens
+    out = []
+    for r, cached in zip(workload.requests, cached_tokens, strict=True):
+        full, rest = divmod(max(1, len(r.prompt) - cached), chunk)
+        out.append((full * _prefill_ms(c, chunk) + _prefill_ms(c, rest)) / 1000.0)
+    return out
 
 
 def _prefill_ms(c: MockEngineConfig, n: int) -> float:

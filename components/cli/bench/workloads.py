@@ -24,6 +24,12 @@ arrivals unless said otherwise; each is a prefix-sharing pattern the public trac
   and answers) plus a new user message (median 300 tokens); outputs median 250; the next turn arrives after the
   answer plus a think time (exponential, mean 20 s at the nominal rate); conversations start as a Poisson process.
 
+Each shape has a ``scale``: its shared working set is ``scale`` times the base shape's, the shape otherwise the same.
+``system_prompts`` and ``documents`` get ``scale`` times as many shared prefixes (same lengths, same Zipf law over
+them); ``conversations`` get ``scale`` times as many conversations alive at once (think times ``scale`` times
+longer, starts as frequent: a conversation's history waits longer while more others come and go). At scale 1 each
+shape's working set fits in one worker's KV cache many times over (``kvmesh bench routing`` measures and reports it).
+
 Nothing here does I/O beyond reading the trace file.
 """
 
@@ -106,11 +112,15 @@ def _prompt_length(row: TraceRow) -> int:
     return len(row.text.encode("utf-8")) if row.text is not None else max(1, row.input_length or 1)
 
 
-def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0) -> Workload:
-    """``n`` requests of a synthetic prefix-sharing shape (module docstring), at a nominal 1 request/s."""
+def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0, scale: float = 1.0) -> Workload:
+    """``n`` requests of a synthetic prefix-sharing shape at ``scale`` (module docstring), at a nominal 1 request/s.
+    Named ``synthetic_<shape>``, with ``_x<scale>`` when the scale is not 1."""
     if shape not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
-    rng = random.Random(f"{seed}:{shape}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    name = f"synthetic_{shape}" if scale == 1 else f"synthetic_{shape}_x{scale:g}"
+    rng = random.Random(f"{seed}:{shape}" if scale == 1 else f"{seed}:{shape}:x{scale:g}")
 
     def ids(key: str, k: int) -> tuple[int, ...]:
         return tuple(token_ids(f"{seed}:{shape}:{key}", k, vocab_size))
@@ -118,6 +128,7 @@ def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0) -> Workload
     reqs: list[SimRequest] = []
     if shape in ("system_prompts", "documents"):
         count, median, s = (64, 600, 1.1) if shape == "system_prompts" else (8, 12000, 1.1)
+        count = max(1, round(count * scale))
         shared = [ids(f"shared{k}", _lognormal(rng, median, 0.4, median // 4, median * 3)) for k in range(count)]
         pick = _zipf_picker(rng, count, s)
         own_median, out_median = (400, 200) if shape == "system_prompts" else (100, 150)
@@ -128,9 +139,10 @@ def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0) -> Workload
             # Independent requests (different users of one shared prefix are no program): no program id.
             reqs.append(SimRequest(t, prompt, _lognormal(rng, out_median, 0.6, 8, out_median * 6)))
             t += rng.expovariate(1.0)
-        return Workload(f"synthetic_{shape}", tuple(reqs))
+        return Workload(name, tuple(reqs))
     # conversations: start times Poisson at a rate that, with their turns, makes about 1 request/s
     mean_turns = 7.0
+    think_s = 20.0 * scale
     t_start = 0.0
     c = 0
     while len(reqs) < n:
@@ -142,9 +154,9 @@ def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0) -> Workload
             out = _lognormal(rng, 250, 0.6, 8, 1500)
             reqs.append(SimRequest(t, prompt, out, f"c{c}"))
             history = prompt + ids(f"c{c}a{j}", out)  # the answer joins the history (its ids as the model's tokens)
-            t += out * 0.02 + rng.expovariate(1.0 / 20.0)
+            t += out * 0.02 + rng.expovariate(1.0 / think_s)
         c += 1
         t_start += rng.expovariate(1.0 / mean_turns)
     reqs.sort(key=lambda r: r.arrival_s)
     reqs = reqs[:n]
-    return Workload("synthetic_conversations", tuple(reqs))
+    return Workload(name, tuple(reqs))

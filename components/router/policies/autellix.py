@@ -127,12 +127,12 @@ def place(
     if n <= threshold:
         w, why, overlap, kind = choose(cands)
         why = lazy_reason("{}: {} <= {} tokens, {}{}", label, n, threshold, why, suffix)
-        decision = RouteDecision(w.instance_id, why, overlap, kind)
+        decision = RouteDecision(w.instance_id, why, overlap, kind, request.host_extra_of(w.instance_id))
         st = dataclasses.replace(st, num_small=st.num_small + 1)
     elif pid is None:
         w, why, overlap, kind = choose(cands)
         why = lazy_reason("{}: {} tokens, no program id, {}{}", label, n, why, suffix)
-        decision = RouteDecision(w.instance_id, why, overlap, kind)
+        decision = RouteDecision(w.instance_id, why, overlap, kind, request.host_extra_of(w.instance_id))
         st = dataclasses.replace(st, num_large=st.num_large + 1, num_unaffiliated=st.num_unaffiliated + 1)
     else:
         st = dataclasses.replace(st, num_large=st.num_large + 1)
@@ -147,7 +147,9 @@ def place(
             why = lazy_reason(
                 "{}: {} tokens, program {} stays on its worker (locality hit){}", label, n, partial(_short, pid), suffix
             )
-            decision = RouteDecision(home.instance_id, why, overlap, DecisionKind.AFFINITY)
+            decision = RouteDecision(
+                home.instance_id, why, overlap, DecisionKind.AFFINITY, request.host_extra_of(home.instance_id)
+            )
             st = dataclasses.replace(st, num_locality_hits=st.num_locality_hits + 1)
             if now - a.last_used_s > ttl / _REFRESH_FRACTION:
                 programs = {**programs, pid: Assignment(home.instance_id, now)}
@@ -161,7 +163,7 @@ def place(
                 what = "assigned"
                 st = dataclasses.replace(st, num_assigns=st.num_assigns + 1)
             why = lazy_reason("{}: {} tokens, program {} {}, {}{}", label, n, partial(_short, pid), what, why, suffix)
-            decision = RouteDecision(w.instance_id, why, overlap, kind)
+            decision = RouteDecision(w.instance_id, why, overlap, kind, request.host_extra_of(w.instance_id))
             programs = {**programs, pid: Assignment(w.instance_id, now)}
     new = AutellixState(programs, st, state.last_sweep_s)
     if request.ends_program and pid is not None:

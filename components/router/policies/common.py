@@ -61,14 +61,14 @@ def pin(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Route
     w = find(workers, iid)
     if w is None:
         return None, ", pinned worker gone"
-    return RouteDecision(iid, "pinned", request.overlap_of(iid), DecisionKind.PINNED), ""
+    return RouteDecision(iid, "pinned", request.overlap_of(iid), DecisionKind.PINNED, request.host_extra_of(iid)), ""
 
 
 def candidates(request: RouteRequest, workers: Sequence[WorkerSnapshot]) -> tuple[Sequence[WorkerSnapshot], str]:
     """Workers not yet tried, without the stale ones while a fresh one remains; and a note for the reason."""
     excluded = request.excluded_instance_ids
     now = request.now_s
-    if not excluded and isinstance(workers, WorkerTable) and workers.min_stale_after_s() > now:
+    if not excluded and isinstance(workers, WorkerTable) and workers.none_stale(now):
         return workers, ""  # the usual case, without reading 256 snapshots
     cands = [w for w in workers if w.instance_id not in excluded] if excluded else workers
     fresh = [w for w in cands if w.metrics_stale_after_s > now]

@@ -23,6 +23,18 @@ conversations, 13-37% lower on long shared documents, 14% higher and 16% lower a
 within 7% elsewhere. ``successor_weight`` 0 routes for this request's TTFT
 alone.
 
+Workers with a host-memory KV tier (their engines announce its blocks: ``RouteRequest.host_overlap_blocks``) can
+load a prefix that continues there past what their device caches, at ``host_load_ms_per_token_i`` a token (from
+their announced ``StepTime``) instead of ``prefill_ms_per_token_i``. With ``h_i >= c_i`` tokens held on the device or
+in the host tier, the uncached part is ``P - h_i`` and ``h_i - c_i`` tokens are loaded::
+
+    work_i = prefill_ms_per_token_i * (P - h_i) + host_load_ms_per_token_i * (h_i - c_i)
+    cost_i = prefill_ms_per_token_i * queued_prefill_tokens_i + (1 + successor_weight) * work_i
+             + decode_weight * decode_step_ms_i
+
+(the load holds up the step it happens in, so it delays the next request as a prefill does). Without host tiers
+``h_i = c_i`` and this is the cost above.
+
 Why this unit: a cached prefix and queued work are both prompt tokens to compute before the first token, so the
 cached worker wins exactly while its queue is shorter than its cache advantage (``queued_i - queued_j < c_i - c_j``
 between workers of one speed), at any load. Dynamo's cost (``kv_dynamo`` below) weighs prefill *blocks* to compute
@@ -93,6 +105,8 @@ def ttft_costs(
     request: RouteRequest, cands: Sequence[WorkerSnapshot], decode_weight: float, successor_weight: float = 0.0
 ) -> list[float]:
     """``kv``'s cost of each candidate, in ms (module docstring)."""
+    if request.host_overlap_blocks or request.common_host_overlap_blocks:
+        return _tiered_costs(request, cands, decode_weight, successor_weight)
     bs = request.block_size or DEFAULT_BLOCK_SIZE
     floor = request.common_overlap_blocks
     scale = 1.0 + successor_weight  # the uncached tokens count for this request's TTFT and its successors'
@@ -116,6 +130,32 @@ def ttft_costs(
     return costs
 
 
+def tiered_cost(
+    request: RouteRequest, w: WorkerSnapshot, device: int, host: int, decode_weight: float, scale: float
+) -> float:
+    """``kv``'s cost of ``w`` caching ``device`` leading blocks and holding ``host`` in its host tier (module
+    docstring); ``scale`` is ``1 + successor_weight``."""
+    bs = request.block_size or DEFAULT_BLOCK_SIZE
+    n = len(request.token_ids)
+    held = max(device, host)
+    uncached = max(1, n - held * bs)
+    loaded = max(0, min(held * bs, n - 1) - device * bs)
+    work = w.prefill_ms_per_token * uncached + w.host_load_ms_per_token * loaded
+    return w.prefill_ms_per_token * w.queued_prefill_tokens + scale * work + decode_weight * w.decode_step_ms
+
+
+def _tiered_costs(
+    request: RouteRequest, cands: Sequence[WorkerSnapshot], decode_weight: float, successor_weight: float
+) -> list[float]:
+    scale = 1.0 + successor_weight
+    floor, host_floor = request.common_overlap_blocks, request.common_host_overlap_blocks
+    dev, host = request.overlap_blocks.get, request.host_overlap_blocks.get
+    return [
+        tiered_cost(request, w, dev(w.instance_id, floor), host(w.instance_id, host_floor), decode_weight, scale)
+        for w in cands
+    ]
+
+
 def lowest_ttft(
     request: RouteRequest, table: WorkerTable, decode_weight: float, successor_weight: float = 0.0
 ) -> tuple[list[int], float] | None:
@@ -132,7 +172,13 @@ def lowest_ttft(
     the best cost found (by a relative 1e-9, far above the rounding of either side: a worker left out costs more,
     in floating point too, so the ties are all found). At 256 workers with queues of different lengths it reads a
     handful of workers instead of 256 (~4 us instead of ~35 us for ``ttft_costs`` and ``pick_min``, warm).
+
+    With host tiers the workers holding more than the common prefixes in either tier are computed first, and the
+    others' bound uses what every worker holds (``base`` = the prompt less the larger common prefix; a load costs
+    more than nothing).
     """
+    if request.host_overlap_blocks or request.common_host_overlap_blocks:
+        return _lowest_tiered(request, table, decode_weight, successor_weight)
     n = len(table)
     overlaps = request.overlap_blocks
     if len(overlaps) * 8 >= n or decode_weight < 0.0 or successor_weight < 0.0:
@@ -168,6 +214,50 @@ def lowest_ttft(
             return None
         w = table[i]
         c = w.prefill_ms_per_token * (w.queued_prefill_tokens + sbase) + decode_weight * w.decode_step_ms
+        cost[i] = c
+        if c < best:
+            best = c
+            stop = best + 1e-9 * best + 1e-9
+    return sorted(i for i, c in cost.items() if c == best), best
+
+
+def _lowest_tiered(
+    request: RouteRequest, table: WorkerTable, decode_weight: float, successor_weight: float
+) -> tuple[list[int], float] | None:
+    """``lowest_ttft`` with host tiers: every cost from ``tiered_cost``, as ``_tiered_costs`` computes it."""
+    n = len(table)
+    dev_map, host_map = request.overlap_blocks, request.host_overlap_blocks
+    listed = dev_map.keys() | host_map.keys()
+    if len(listed) * 8 >= n or decode_weight < 0.0 or successor_weight < 0.0:
+        return None
+    bs = request.block_size or DEFAULT_BLOCK_SIZE
+    floor, host_floor = request.common_overlap_blocks, request.common_host_overlap_blocks
+    scale = 1.0 + successor_weight
+    cost: dict[int, float] = {}
+    best = math.inf
+    positions = table.positions
+    for iid in listed:
+        i = positions.get(iid)
+        if i is not None:
+            c = tiered_cost(
+                request, table[i], dev_map.get(iid, floor), host_map.get(iid, host_floor), decode_weight, scale
+            )
+            cost[i] = c
+            if c < best:
+                best = c
+    base = max(1, len(request.token_ids) - max(floor, host_floor) * bs)
+    rest = table.prefill_ms_floor * scale * base + decode_weight * table.decode_ms_floor
+    stop = best + 1e-9 * best + 1e-9
+    budget = max(4, n // 4)
+    for wait, i in table.by_queued_wait():
+        if wait + rest > stop:
+            break
+        if i in cost:
+            continue
+        budget -= 1
+        if budget < 0:
+            return None
+        c = tiered_cost(request, table[i], floor, host_floor, decode_weight, scale)
         cost[i] = c
         if c < best:
             best = c
@@ -267,6 +357,24 @@ def _chosen(
     overlap = request.overlap_blocks.get(w.instance_id, floor)
     bs = request.block_size or DEFAULT_BLOCK_SIZE
     n_blocks = len(request.block_hashes) if request.block_hashes is not None else len(request.token_ids) // bs
+    extra = request.host_extra_of(w.instance_id) if unit == "ms" else 0
+    if extra:
+        kind = (
+            DecisionKind.CACHE_HIT
+            if overlap + extra > max(floor, request.common_host_overlap_blocks)
+            else DecisionKind.LOAD
+        )
+        why = lazy_reason(
+            "kv: {}/{} blocks cached, {} more in host memory, cost {:.1f} {}, {}{}",
+            overlap,
+            n_blocks,
+            extra,
+            cost,
+            unit,
+            how,
+            busy_note,
+        )
+        return w, why, overlap, kind
     kind = DecisionKind.CACHE_HIT if overlap > floor else DecisionKind.LOAD
     why = lazy_reason("kv: {}/{} blocks cached, cost {:.1f} {}, {}{}", overlap, n_blocks, cost, unit, how, busy_note)
     return w, why, overlap, kind
@@ -291,7 +399,8 @@ class KvPolicy:
         if placed is not None:
             return placed, state
         w, why, overlap, kind = choose(request, cands, self.config, rng, self.cost)
-        return RouteDecision(w.instance_id, common.with_note(why, note), overlap, kind), state
+        host = request.host_extra_of(w.instance_id) if self.cost == TTFT else 0
+        return RouteDecision(w.instance_id, common.with_note(why, note), overlap, kind, host), state
 
 
 class KvDynamoPolicy(KvPolicy):

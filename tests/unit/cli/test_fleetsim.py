@@ -44,6 +44,50 @@ def test_oracle_reuse_of_a_cache_too_small_to_hold_the_reuse_distance():
     assert oracle_reuse_lru(prompts, BS, capacity_blocks=10**6) == pytest.approx(fleetsim.oracle_reuse(prompts, BS))
 
 
+def test_an_lru_oracle_evicts_a_prompts_last_blocks_before_its_first():
+    # a+b (2 blocks), then c (1): a 2-block cache must drop one. Engines drop a sequence's tail first, so a stays
+    # and a+d hits a (16 tokens); evicting the oldest-stored block first would have dropped a.
+    a, b, c, d = block(1), block(2), block(3), block(4)
+    prompts = [(*a, *b, 1), (*c, 1), (*a, *d, 1)]
+    assert oracle_reuse_lru(prompts, BS, capacity_blocks=2) == pytest.approx(16 / (33 + 17 + 33))
+
+
+def test_the_working_set_is_the_smallest_lru_cache_that_serves_most_of_the_reuse():
+    # Ten documents of 4 blocks, then each asked about again in the same order: a document comes back after the 9
+    # others' 36 blocks (and the questions' partial blocks, which are never cached). The infinite cache serves 3 of
+    # each second visit's 4 blocks... all 4: the question makes the prompt 65 tokens, so 4 whole blocks are usable.
+    docs = [sum((block(10 * k + j) for j in range(4)), ()) for k in range(10)]
+    prompts = [(*doc, 1) for doc in docs] * 2
+    blocks = fleetsim.PromptBlocks(prompts, BS)
+    assert blocks.reuse(None) == pytest.approx(10 * 64 / (20 * 65))
+    # An LRU cache of 40 blocks holds all ten; with fewer, each document is evicted before it returns (LRU on a
+    # cyclic pattern), so the working set for 90% of the reuse is 40 blocks exactly.
+    assert blocks.reuse(40) == pytest.approx(blocks.reuse(None)) and blocks.reuse(39) < 0.9 * blocks.reuse(None)
+    assert blocks.working_set(rel_tol=0.0) == 40
+    assert fleetsim.PromptBlocks([(1, 2, 3)], BS).working_set() == 0  # nothing reused
+    assert blocks.hits_per_prompt() == [0] * 10 + [64] * 10
+
+
+def test_the_ttft_floor_is_each_requests_uncached_part_prefilled_alone():
+    cfg = MockEngineConfig(max_num_batched_tokens=1000, prefill_base_ms=10, prefill_ms_per_token=0.5,
+                           prefill_ms_per_token_sq=0)  # fmt: skip
+    fleet = FleetSpec(workers=2, engine=cfg)
+    w = Workload("w", (SimRequest(0.0, tuple(range(2500)), 4), SimRequest(1.0, tuple(range(300)), 4)))
+    # 2500 - 100 cached = 2400 tokens: two full 1000-token chunks (510 ms each) and 400 (210 ms); 300 - 300 cached:
+    # at least one token is computed (10.5 ms).
+    floor = fleetsim.ttft_floor_s(w, fleet, [100, 300])
+    assert floor == pytest.approx([(2 * 510 + 210) / 1000, 10.5 / 1000])
+
+
+def test_a_working_sets_regime_is_read_against_one_worker_and_the_fleet():
+    from components.cli.bench.routing import regime
+
+    assert regime(100, 100, 500, 4000) == "fits one worker's device cache"
+    assert regime(101, 100, 500, 4000) == "fits one worker's device cache and host tier"
+    assert regime(501, 100, 500, 4000) == "fits the fleet's memory, split between workers"
+    assert regime(4001, 100, 500, 4000) == "exceeds the fleet's memory"
+
+
 def test_programs_are_derived_from_shared_history_not_from_a_block_position():
     system = 1
     rows = [
@@ -149,6 +193,39 @@ def test_synthetic_shapes_share_prefixes_and_are_seeded(shape):
     assert len(a.requests) == 50 and all(r.max_tokens >= 1 for r in a.requests)
     assert [r.arrival_s for r in a.requests] == sorted(r.arrival_s for r in a.requests)
     assert fleetsim.oracle_reuse([r.prompt for r in a.requests], BS) > 0.2
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_synthetic_shape_at_a_larger_scale_has_a_larger_working_set_and_its_own_name(shape):
+    from components.cli.bench.routing import LARGE_REQUESTS_FACTOR, synthetic_requests
+
+    n = 100 if shape == "documents" else 400
+    base = synthetic(shape, n, vocab_size=128256, seed=1)
+    wide = synthetic(shape, n, vocab_size=128256, seed=1, scale=4)
+    assert (base.name, wide.name) == (f"synthetic_{shape}", f"synthetic_{shape}_x4")
+    a = fleetsim.PromptBlocks([r.prompt for r in base.requests], BS).working_set()
+    b = fleetsim.PromptBlocks([r.prompt for r in wide.requests], BS).working_set()
+    assert b > a
+    if shape == "conversations":
+        # Think times 4x longer, starts as frequent: more conversations are under way at the last arrival.
+        def live(w: Workload) -> int:
+            first, last = {}, {}
+            for r in w.requests:
+                first.setdefault(r.program_id, r.arrival_s)
+                last[r.program_id] = r.arrival_s
+            mid = w.requests[len(w.requests) // 2].arrival_s
+            return sum(1 for p in first if first[p] <= mid <= last[p])
+
+        assert live(wide) > live(base)
+    else:
+        # 4x as many shared prefixes to draw from: more distinct ones drawn.
+        def shared(w: Workload) -> int:
+            return len({r.prompt[:BS] for r in w.requests})
+
+        assert shared(wide) > shared(base)
+    assert synthetic_requests(1000, 1) == 1000 and synthetic_requests(1000, 8) == 1000 * LARGE_REQUESTS_FACTOR
+    with pytest.raises(ValueError, match="scale"):
+        synthetic(shape, 10, vocab_size=100, scale=0)
 
 
 def test_every_trace_format_becomes_a_workload(tmp_path):

@@ -197,6 +197,7 @@ def test_status_cells():
         "model": "m",
         "role": "decode",
         "remote_prefill_mode": "kv_transfer",
+        "migration_mode": "kv_transfer",
         "endpoints": ["kv_state", "generate"],
         "load": None,
         "age_s": 3.0,
@@ -205,12 +206,14 @@ def test_status_cells():
         "watcher": "ns-mock-1",
     }
     router = row | {"component": "router", "instance_id": "def", "model": None, "role": None, "pid": None}
-    router |= {"remote_prefill_mode": None, "watcher": None, "endpoints": ["route"]}
+    router |= {"remote_prefill_mode": None, "migration_mode": None, "watcher": None, "endpoints": ["route"]}
     header, line, router_line = render_table([row, router]).splitlines()
     assert header.split() == [
-        "NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ROLE", "ENDPOINTS", "LOAD", "AGE"
+        "NAMESPACE", "COMPONENT", "INSTANCE", "MODEL", "WATCHER", "PID", "ROLE", "MIGRATION", "ENDPOINTS", "LOAD", "AGE"
     ]  # fmt: skip
-    assert line.split() == ["ns", "backend", "abc", "m", "ns-mock-1", "4242", "decode", "generate,kv_state", "-", "3s"]
+    assert line.split() == [
+        "ns", "backend", "abc", "m", "ns-mock-1", "4242", "decode", "kv_transfer", "generate,kv_state", "-", "3s"
+    ]  # fmt: skip
     assert router_line.split()[6] == "-"  # not a worker: no role
 
 
@@ -218,7 +221,9 @@ def test_status_rows_carry_each_worker_s_role_and_none_for_other_instances():
     from components.protocol.metadata import WorkerMetadata, WorkerRole
     from components.runtime import InstanceInfo
 
-    decode = WorkerMetadata(model="m", role=WorkerRole.DECODE, remote_prefill_mode="recompute", pid=7).to_dict()
+    decode = WorkerMetadata(
+        model="m", role=WorkerRole.DECODE, remote_prefill_mode="recompute", migration_mode="recompute", pid=7
+    ).to_dict()
     infos = [InstanceInfo("ns", "backend", endpoint, 0xA, "s", decode) for endpoint in ("generate", "kv_state")] + [
         InstanceInfo("ns", "router", "route", 0xB, "s", {"kind": "router", "policy": "kv"})
     ]
@@ -226,7 +231,10 @@ def test_status_rows_carry_each_worker_s_role_and_none_for_other_instances():
     assert (worker["instance_id"], sorted(worker["endpoints"])) == ("a", ["generate", "kv_state"])
     assert (worker["role"], worker["remote_prefill_mode"]) == ("decode", "recompute")
     assert (router["role"], router["remote_prefill_mode"]) == (None, None)
-    assert render_table([worker, router]).splitlines()[1].split()[6] == "decode:recompute"
+    assert (worker["migration_mode"], router["migration_mode"]) == ("recompute", None)
+    worker_line, router_line = render_table([worker, router]).splitlines()[1:]
+    assert worker_line.split()[6:8] == ["decode:recompute", "recompute"]
+    assert router_line.split()[6:8] == ["-", "-"]
 
 
 def serve_state(**fields: Any) -> ServeState:

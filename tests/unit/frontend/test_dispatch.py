@@ -193,7 +193,8 @@ async def test_a_worker_that_aborts_before_any_output_reached_the_client_is_repl
 
 
 async def test_cached_tokens_are_counted_on_the_worker_that_reported_them(make_fleet):
-    first = chunk([104]) | {"num_cached_tokens": 2}  # the engine's prefix-cache hit rides on the first chunk
+    # The engine's prefix-cache hit rides on the first chunk: 2 tokens, 1 of them loaded from its host-memory tier.
+    first = chunk([104]) | {"num_cached_tokens": 2, "num_host_cached_tokens": 1}
     fleet = await make_fleet({A: [first, chunk([105], "length")], B: [chunk([104]), chunk([105], "length")]})
     for rid, pin in (("c1", A), ("c2", B), ("c3", A)):
         d = fleet.dispatch(fleet.prepared(rid, pin=pin))
@@ -202,6 +203,8 @@ async def test_cached_tokens_are_counted_on_the_worker_that_reported_them(make_f
         await gen.aclose()
     cached = "kvmesh_frontend_worker_cached_tokens_total"
     assert (fleet.counted(cached, worker="a1"), fleet.counted(cached, worker="b2")) == (4, 0)
+    host = "kvmesh_frontend_worker_host_cached_tokens_total"
+    assert (fleet.counted(host, worker="a1"), fleet.counted(host, worker="b2")) == (2, 0)
     assert fleet.placed() == {A: (2, 4), B: (1, 2)}
 
 

@@ -23,6 +23,7 @@ def test_placements_and_decisions_are_counted_per_worker_and_per_kind():
             mm.count_placement(0xB2, 100, 0)
             mm.count_decision(DecisionKind.LOAD)
     mm.count_decision(DecisionKind.NOWHERE)
+    mm.count_placement(0xC3, 100, 90, 80)  # a worker with a host-memory tier: 80 of its 90 cached tokens loaded
 
     def value(name: str, **labels: str) -> float | None:
         return m.registry.get_sample_value(name, {"model": "m", **labels})
@@ -32,14 +33,17 @@ def test_placements_and_decisions_are_counted_per_worker_and_per_kind():
     assert value("kvmesh_frontend_worker_prompt_tokens_total", worker="a1") == 600 * 100
     assert value("kvmesh_frontend_worker_cached_tokens_total", worker="a1") == 600 * 64
     assert value("kvmesh_frontend_worker_cached_tokens_total", worker="b2") == 0  # a series, at zero
+    assert value("kvmesh_frontend_worker_cached_tokens_total", worker="c3") == 90
+    assert value("kvmesh_frontend_worker_host_cached_tokens_total", worker="c3") == 80
+    assert value("kvmesh_frontend_worker_host_cached_tokens_total", worker="a1") == 0
     decided = "kvmesh_frontend_routing_decisions_total"
     assert value(decided, policy="kv", kind="cache_hit") == 600
     assert value(decided, policy="kv", kind="load") == 400
     assert value(decided, policy="kv", kind="nowhere") == 1
 
-    # Bounded cardinality: two workers and three kinds make 2 series per worker counter and 3 decision series.
+    # Bounded cardinality: three workers and three kinds make 3 series per worker counter and 3 decision series.
     text = m.render().decode()
     lines = [line for line in text.splitlines() if not line.startswith("#")]
-    assert sum(line.startswith("kvmesh_frontend_worker_requests_total{") for line in lines) == 2
+    assert sum(line.startswith("kvmesh_frontend_worker_requests_total{") for line in lines) == 3
     assert sum(line.startswith(decided + "{") for line in lines) == 3
     assert 'kind="cache_hit"' in text and "DecisionKind" not in text

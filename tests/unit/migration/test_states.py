@@ -78,3 +78,29 @@ def test_stalled_lists_incoming_migrations_whose_source_went_silent() -> None:
     t.touch("in2", 8.0)
     assert [m.migration_id for m in t.stalled(10.0, 10.0)] == ["in1"]  # out is never the watchdog's
     assert t.stalled(9.9, 10.0) == []
+
+
+def test_outcomes_are_counted_by_the_mode_that_ran_and_refusals_apart() -> None:
+    t = MigrationTable(1)
+    for i, (mode, end) in enumerate(
+        [
+            ("kv_transfer", S.COMMITTED),
+            ("kv_transfer", S.COMMITTED),
+            ("recompute", S.COMMITTED),
+            ("kv_transfer", S.ABORTED_BY_DESTINATION),
+        ]
+    ):
+        m = t.begin(f"m{i}", f"r{i}", Direction.OUT, 1, float(i))
+        assert m is not None
+        m.mode = mode  # the agent sets the mode tried, then the one that ran
+        t.advance(m.migration_id, S.FINAL_STAGE, i + 0.1)
+        t.advance(m.migration_id, end, i + 0.2)
+    t.begin("x", "rx", Direction.IN, 2, 9.0)
+    assert t.begin("y", "ry", Direction.IN, 2, 9.0) is None  # at the cap: refused
+    assert t.outcome_counts() == [
+        ("in", "refused", "", 1),
+        ("out", "aborted_by_destination", "kv_transfer", 1),
+        ("out", "committed", "kv_transfer", 2),
+        ("out", "committed", "recompute", 1),
+    ]
+    assert t.counters()["out_committed"] == 3  # the flat counters are unchanged

@@ -11,6 +11,7 @@ import xxhash
 from components.protocol.kv_hashing import (
     HASH_SCHEME_VERSION,
     ROOT_PARENT_MARKER,
+    HashMemo,
     PromptHashes,
     block_hashes,
     num_full_blocks,
@@ -142,3 +143,68 @@ def test_hashes_past_the_cached_slices_are_the_same():
     assert len(expected) == n and block_hashes(tokens, 4) == expected
     lazy = PromptHashes(tokens, 4)
     assert lazy[n - 1] == expected[-1] and lazy.computed(n) == expected
+
+
+def test_a_memo_gives_the_chains_hashes_and_reuses_the_chunks_a_prompt_shares_with_an_earlier_one():
+    rng = random.Random(5)
+    memo = HashMemo(16, 10_000)
+    history = [rng.randrange(2**17) for _ in range(16 * 200 + 7)]  # 200 full blocks: chunks 0-2 whole, 3 of 8 blocks
+    first = PromptHashes(history, 16, memo)
+    assert list(first) == reference_block_hashes(history, 16)
+    assert (memo.hits, memo.misses, len(memo), memo.num_blocks) == (0, 4, 4, 200)
+    # The next turn: the history then a new message. Chunks 0-2 (blocks 0-191) are the history's, reused; chunk 3
+    # (blocks 192-255) holds the history's last 8 blocks and the new text, so it is new; chunk 4 too.
+    turn = history + [rng.randrange(2**17) for _ in range(16 * 100)]
+    second = PromptHashes(turn, 16, memo)
+    assert list(second) == reference_block_hashes(turn, 16)
+    assert (memo.hits, memo.misses, memo.blocks_reused) == (3, 4 + 2, 3 * 64)
+    # The same prompt again (a retry): every chunk from the memo, the same values.
+    assert PromptHashes(turn, 16, memo).computed(len(second)) == list(second) and memo.hits == 3 + 5
+
+
+def test_a_memo_is_keyed_by_the_chunks_bytes_and_the_hash_before_them():
+    # The same 64 blocks after different prefixes chain to different hashes: each gets its own entry.
+    rng = random.Random(6)
+    body = [rng.randrange(2**17) for _ in range(64 * 4)]
+    a, b = [1] * (64 * 4) + body, [2] * (64 * 4) + body
+    memo = HashMemo(4, 10_000)
+    assert list(PromptHashes(a, 4, memo)) == reference_block_hashes(a, 4)
+    assert list(PromptHashes(b, 4, memo)) == reference_block_hashes(b, 4)
+    assert memo.hits == 0 and memo.misses == 4
+    # A memo of another block size is not used (its chunks are cut elsewhere).
+    other = HashMemo(16, 10_000)
+    assert list(PromptHashes(a, 4, other)) == reference_block_hashes(a, 4) and len(other) == 0
+
+
+def test_a_memo_holds_at_most_max_blocks_least_recently_used_out():
+    rng = random.Random(7)
+    prompts = [[rng.randrange(2**17) for _ in range(16 * 64)] for _ in range(4)]  # one chunk each
+    memo = HashMemo(16, 3 * 64)
+    for p in prompts[:3]:
+        list(PromptHashes(p, 16, memo))
+    list(PromptHashes(prompts[0], 16, memo))  # a hit: prompts[0] is now the most recent
+    list(PromptHashes(prompts[3], 16, memo))  # full: the least recently used (prompts[1]) goes
+    assert memo.num_blocks == 3 * 64 and len(memo) == 3 and memo.hits == 1
+    hits = memo.hits
+    list(PromptHashes(prompts[0], 16, memo))
+    list(PromptHashes(prompts[1], 16, memo))
+    assert memo.hits == hits + 1  # prompts[0] still there, prompts[1] was evicted
+    off = HashMemo(16, 0)  # 0: nothing kept, hashes as without a memo
+    assert list(PromptHashes(prompts[2], 16, off)) == reference_block_hashes(prompts[2], 16) and len(off) == 0
+    with pytest.raises(ValueError, match="max_blocks"):
+        HashMemo(16, -1)
+
+
+def test_a_memo_backed_prompt_is_hashed_lazily_in_aligned_chunks():
+    tokens = list(range(16 * 300))
+    memo = HashMemo(16, 10_000)
+    lazy = PromptHashes(tokens, 16, memo)
+    assert lazy[3] == block_hashes(tokens, 16)[3] and lazy.num_computed == 64
+    lazy.ensure(130)  # chunks end at multiples of 64 blocks: 192, not 130 + 64
+    assert lazy.num_computed == 192
+    assert lazy.computed(300) == block_hashes(tokens, 16) and lazy.num_computed == 300
+    # A prompt longer than the first packed piece (PACK_BLOCKS) packs the rest as it goes, to the same values.
+    long_tokens = [(i * 7919) % 2**17 for i in range(16 * (PromptHashes.PACK_BLOCKS * 3 + 5) + 9)]
+    long_lazy = PromptHashes(long_tokens, 16, memo)
+    assert long_lazy[10] == block_hashes(long_tokens, 16)[10]
+    assert list(long_lazy) == block_hashes(long_tokens, 16)

@@ -77,3 +77,17 @@ def test_worker_metadata_announces_its_migration_mode() -> None:
     assert d["migration_mode"] == "live"
     assert WorkerMetadata.from_dict(d).migration_mode == "live"
     assert WorkerMetadata.from_dict({"model": "m"}).migration_mode == ""
+
+
+def test_a_kv_transfer_commit_carries_the_hand_off_and_older_peers_read_none() -> None:
+    handoff = {"do_remote_prefill": True, "remote_block_ids": ([1, 2, 3],), "remote_port": 41000, "tp_size": 1}
+    req = MigratingRequest("r", [1] * 64, [2] * 8, SamplingParams(max_tokens=20), 72, kv_transfer_params=handoff)
+    back = MigratingRequest.from_dict(wire(req.to_dict()))
+    # msgpack turns vLLM's tuple of block lists into a list of lists (nixl.check_handoff reads either).
+    assert back.kv_transfer_params == {**handoff, "remote_block_ids": [[1, 2, 3]]}
+    old = req.to_dict()
+    del old["kv_transfer_params"]
+    assert MigratingRequest.from_dict(old).kv_transfer_params is None
+    assert MigrateInReply.from_dict(wire(MigrateInReply(True, mode="kv_transfer").to_dict())).mode == "kv_transfer"
+    assert MigrateInReply.from_dict({"ok": True}).mode == ""  # an older destination says nothing of its mode
+    assert MigrationMode("kv_transfer") is MigrationMode.KV_TRANSFER

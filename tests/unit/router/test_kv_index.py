@@ -327,3 +327,26 @@ def test_overlaps_with_floor_leaves_out_the_prefix_a_whole_group_shares():
     version = idx.bits_version
     idx.apply(77, [stored(0, H[:2])])
     assert idx.bits_version != version and idx.bits_of([1, 2, 77]) != 0
+
+
+def test_an_index_applies_its_mediums_events_and_counts_the_others_ids():
+    from components.protocol.messages import KV_MEDIUM_HOST
+
+    def host(ev):
+        ev.medium = KV_MEDIUM_HOST
+        return ev
+
+    device, hosted = KvIndex(), KvIndex(host=True)
+    events = [stored(0, H[:3]), host(stored(1, H[:6])), host(removed(2, H[5:6])), stored(3, H[3:4], H[2])]
+    for idx in (device, hosted):
+        assert idx.apply(1, events)
+    assert device.overlaps(H) == {1: 4} and hosted.overlaps(H) == {1: 5}
+    # A lost event shows as a gap in both, whichever medium it was.
+    for idx in (device, hosted):
+        assert not idx.apply(1, [stored(5, H[4:5], H[3])])
+        assert idx.is_stale(1)
+    snap = KvStateSnapshot(last_event_id=6, block_size=BS, block_hashes=list(H[:2]), host_block_hashes=list(H[:7]))
+    device.load_snapshot(1, snap)
+    hosted.load_snapshot(1, snap)
+    assert device.overlaps(H) == {1: 2} and hosted.overlaps(H) == {1: 7}
+    assert not device.is_stale(1) and not hosted.is_stale(1)

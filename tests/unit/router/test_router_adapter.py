@@ -167,6 +167,49 @@ def test_prepare_and_select_copy_every_field_of_the_request():
     assert (d.instance_id, d.overlap_blocks) == (1, 4) and "pinned worker gone" in d.reason
 
 
+def test_host_tier_events_feed_a_second_index_and_a_host_hit_is_counted_as_loaded_not_prefilled():
+    from components.protocol.messages import KV_MEDIUM_HOST
+
+    r = kv_router()
+    r.set_workers("m", [(1, meta()), (2, meta())])
+    assert r.host_index is None  # no engine has announced a host tier
+    # Worker 1 caches 2 blocks on its device and all 16 in host memory; worker 2 caches 6 on its device.
+    host = KvEvent(1, KvEventKind.BLOCK_STORED, list(H), None, BS, medium=KV_MEDIUM_HOST)
+    assert r.apply_kv_events(1, [stored(0, H[:2]), host])
+    assert r.apply_kv_events(2, [stored(0, H[:6])])
+    assert r.host_index is not None
+    req = r.prepare(RouteRequest(PROMPT + [7] * 8, "m", 0.0))  # 264 tokens
+    d = r.select(req)
+    # Worker 1 loads 14 blocks (~2.6 us a token) and computes 8 tokens; worker 2 computes 264 - 96 = 168.
+    assert (d.instance_id, d.overlap_blocks, d.host_overlap_blocks) == (1, 2, 14)
+    r.on_routed("a", d, req)
+    assert r.workers("m")[0].active_prefill_tokens == 264 - 16 * BS  # only what is neither cached nor loaded
+    assert (r.stats.num_cached_blocks, r.stats.num_host_cached_blocks) == (2, 14)
+    # A gap in the worker's events (whatever their medium) asks for a resync; its snapshot replaces both tiers.
+    assert not r.apply_kv_events(1, [stored(3, H[2:3])])
+    r.begin_resync(1)
+    snap = KvStateSnapshot(last_event_id=3, block_size=BS, block_hashes=list(H[:8]), host_block_hashes=list(H[:4]))
+    assert r.load_kv_state(1, snap)
+    assert r.index.overlaps(H)[1] == 8 and r.host_index.overlaps(H)[1] == 4
+    # A worker that leaves takes its host blocks with it.
+    r.set_workers("m", [(2, meta())])
+    assert 1 not in r.host_index.overlaps(H)
+
+
+def test_a_router_hashes_a_prefix_it_has_seen_from_its_memo_and_not_with_the_memo_off():
+    history = list(range(1, 16 * 130 + 1))  # 130 blocks: chunks 0 and 1 whole, chunk 2 of 2 blocks
+    turn = history + list(range(5000, 5000 + 16 * 70))  # the next turn: 200 blocks
+    for blocks, expect_hits in ((262_144, 2), (0, 0)):
+        r = kv_router(prompt_hash_cache_blocks=blocks)
+        r.set_workers("m", [(1, meta()), (2, meta())])
+        r.apply_kv_events(1, [stored(0, block_hashes(history, BS))])
+        r.select(r.prepare(RouteRequest(history, "m", 0.0)))
+        d = r.select(r.prepare(RouteRequest(turn, "m", 1.0)))
+        assert (d.instance_id, d.overlap_blocks) == (1, 130)  # the same decision either way
+        memo = r.hash_memo(BS)
+        assert memo is not None and memo.hits == expect_hits  # the turn's first two chunks, from the history's
+
+
 def test_a_request_that_fails_before_its_first_token_frees_its_prefill_too():
     r = Router("least_loaded")
     r.set_workers("m", [(1, meta())])

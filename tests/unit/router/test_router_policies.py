@@ -642,3 +642,55 @@ def test_kv_autellix_state_is_autellix_state():
     p = KvAutellixPolicy()
     assert isinstance(p.initial_state(), AutellixState)
     assert p.end_program(p.initial_state(), "x") == AutellixState()
+
+
+# --- kv with host-memory tiers ---------------------------------------------------------------------------------------
+
+
+def test_kv_a_host_tier_hit_costs_its_load_not_a_prefill_and_the_crossovers_follow():
+    # 8192-token prompt. Worker 1 caches 4096 tokens on its device; worker 2 holds the whole prompt but 256 tokens in
+    # its host tier only (it loads 8191 - 256 at l ms a token); worker 3 holds nothing. Same speed m, successor weight
+    # 1 (s = 2): cost_i = m * q_i + s * (m * uncached_i + l * loaded_i) + decode.
+    P = 8192
+    m = STEP.prefill_ms_per_prompt_token(0, 0)
+    load = STEP.host_load_ms_per_token
+    req = request(P, overlap_blocks={1: 4096 // BS, 2: 256 // BS}, host_overlap_blocks={2: P // BS})
+    # Worker 2: uncached = 1 (the last token is computed), loaded = 8191 - 256. Worker 1: uncached 4096, none loaded.
+    cost2 = lambda q: m * q + 2 * (m * 1 + load * (P - 1 - 256))  # noqa: E731
+    cost1 = lambda q: m * q + 2 * (m * 4096)  # noqa: E731
+    assert load < m / 4  # a load is far cheaper than computing
+    d = place(KvPolicy(), req, [timed(1), timed(2), timed(3)])
+    assert (d.instance_id, d.overlap_blocks, d.host_overlap_blocks, d.kind) == (2, 16, P // BS - 16,
+                                                                                   DecisionKind.CACHE_HIT)  # fmt: skip
+    assert "more in host memory" in d.reason
+    # Worker 2's queue where it stops paying: cost2(q) = cost1(0), derived here from the costs, not the policy.
+    q_cross = (cost1(0) - cost2(0)) / m
+    assert place(KvPolicy(), req, [timed(1), timed(2, queued=int(q_cross) - 8), timed(3)]).instance_id == 2
+    assert place(KvPolicy(), req, [timed(1), timed(2, queued=int(q_cross) + 8), timed(3)]).instance_id == 1
+    # kv_dynamo counts device blocks only: worker 1 (256 device blocks) wins there, and no host load is predicted.
+    d = place(KvDynamoPolicy(), req, [timed(1), timed(2), timed(3)])
+    assert (d.instance_id, d.host_overlap_blocks) == (1, 0)
+
+
+def test_kv_with_host_tiers_decides_over_a_table_as_over_a_list_and_by_the_formula():
+    rng = random.Random(5)
+    ws = [timed(i, queued=rng.randrange(6000)) for i in range(1, 65)]
+    P = 4096
+    dev = {i: rng.randrange(40, 200) for i in rng.sample(range(1, 65), 5)}
+    host = {i: rng.randrange(100, 256) for i in rng.sample(range(1, 65), 5)}
+    req = request(P, overlap_blocks=dev, common_overlap_blocks=32, host_overlap_blocks=host,
+                  common_host_overlap_blocks=48)  # fmt: skip
+    m, load = STEP.prefill_ms_per_prompt_token(0, 0), STEP.host_load_ms_per_token
+
+    def cost(w: WorkerSnapshot) -> float:
+        d, h = dev.get(w.instance_id, 32) * BS, host.get(w.instance_id, 48) * BS
+        held = max(d, h)
+        return m * w.queued_prefill_tokens + 2 * (m * max(1, P - held) + load * max(0, min(held, P - 1) - d))
+
+    want = min(ws, key=cost).instance_id
+    from components.router.types import WorkerTable
+
+    a = place(KvPolicy(), req, ws)
+    b = place(KvPolicy(), req, WorkerTable(ws))
+    assert a.instance_id == b.instance_id == want and a.reason == b.reason
+    assert a.host_overlap_blocks == max(0, host.get(want, 48) - dev.get(want, 32))

@@ -56,6 +56,8 @@ def snapshot(rng: random.Random, iid: int, *, ties: bool, stale_ones: bool) -> W
 def check_table(table: WorkerTable, ws: list[WorkerSnapshot]) -> None:
     """The table's summaries are those of ``ws``, computed the slow way."""
     assert list(table) == ws and len(table) == len(ws) and table[3] == ws[3] and table[1:3] == ws[1:3]
+    for now in (NOW - 2.0, NOW - 1.0, NOW, NOW + 0.45, NOW + 0.5):  # from the kept bound, then found again
+        assert table.none_stale(now) == all(w.metrics_stale_after_s > now for w in ws), now
     assert table.min_stale_after_s() == min(w.metrics_stale_after_s for w in ws)
     assert table.load_range() == (min(w.active_requests for w in ws), max(w.active_requests for w in ws))
     pairs = list(table.by_queued_wait())
@@ -85,6 +87,7 @@ def test_a_table_keeps_its_summaries_as_snapshots_are_replaced(ties):
 def test_an_empty_table_has_no_stale_worker_and_no_load():
     table = WorkerTable(())
     assert len(table) == 0 and table.min_stale_after_s() == math.inf and table.load_range() == (0, 0)
+    assert table.none_stale(1e18)
     assert list(table.by_queued_wait()) == []
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from components.protocol.kv_hashing import block_hashes
-from components.protocol.messages import KvEventKind
+from components.protocol.messages import KV_MEDIUM_HOST, KvEventKind
 from components.workers.engines.mock.block_pool import BlockPool, NoFreeBlocksError
 
 pytestmark = pytest.mark.unit
@@ -179,3 +179,58 @@ def test_caching_disabled_stores_nothing_and_emits_no_events():
     assert pool.lookup_prefix(hashes) == [] and pool.num_cached_blocks == 0
     pool.allocate(4)
     assert pool.take_events() == [] and pool.last_event_id == 0
+
+
+# --- host-memory tier -----------------------------------------------------------------------------------------------
+
+
+def test_the_host_tier_is_written_through_and_announced_with_its_medium():
+    pool = BlockPool(8, BS, num_host_blocks=6)
+    tokens = list(range(12))  # 3 blocks
+    _, hashes = store_sequence(pool, tokens)
+    events = pool.take_events()
+    # One stored run on the device, then the same run in host memory; ids in one sequence.
+    assert [(e.event_id, e.kind, e.medium, e.block_hashes, e.parent_hash) for e in events] == [
+        (1, KvEventKind.BLOCK_STORED, None, hashes, None),
+        (2, KvEventKind.BLOCK_STORED, KV_MEDIUM_HOST, hashes, None),
+    ]
+    assert pool.num_host_cached_blocks == 3 and pool.host_lookup(hashes, 0) == 3 and pool.host_lookup(hashes, 1) == 2
+    snap = pool.kv_state()
+    assert snap.host_block_hashes and set(snap.host_block_hashes) == set(hashes) and snap.last_event_id == 2
+
+
+def test_the_host_tier_keeps_what_the_device_evicted_and_evicts_a_sequence_tail_first():
+    pool = BlockPool(3, BS, num_host_blocks=5)
+    a_blocks, a = store_sequence(pool, list(range(12)))  # 3 blocks: the whole device
+    pool.free(a_blocks)
+    b_blocks, b = store_sequence(pool, list(range(100, 112)))  # evicts a's 3 blocks from the device
+    # a lives on in host memory, less one block: the tier holds 5 and b's 3 pushed out 1 of a's. a's blocks were
+    # touched first-block-last (its first block most recent), so the one evicted is a's last block, and a's first
+    # two still make a prefix.
+    assert pool.lookup_prefix(a) == [] and pool.host_lookup(a, 0) == 2 and pool.num_host_cached_blocks == 5
+    host_removed = [e for e in pool.take_events() if e.kind == KvEventKind.BLOCK_REMOVED and e.medium]
+    assert [e.block_hashes for e in host_removed] == [[a[2]]]
+    pool.free(b_blocks)
+    pool.host_touch(a)  # a used again: now b's tail goes first
+    store_sequence(pool, list(range(200, 204)))  # one more block
+    removed = [e for e in pool.take_events() if e.kind == KvEventKind.BLOCK_REMOVED and e.medium == KV_MEDIUM_HOST]
+    assert [e.block_hashes for e in removed] == [[b[2]]]
+    assert pool.host_lookup(a, 0) == 2 and pool.host_lookup(b, 0) == 2
+
+
+def test_a_reset_clears_the_host_tier_too_and_without_one_nothing_is_written():
+    pool = BlockPool(8, BS, num_host_blocks=6)
+    store_sequence(pool, list(range(8)))
+    pool.take_events()
+    pool.reset_prefix_cache()
+    assert [(e.kind, e.medium) for e in pool.take_events()] == [
+        (KvEventKind.ALL_CLEARED, None),
+        (KvEventKind.ALL_CLEARED, KV_MEDIUM_HOST),
+    ]
+    assert pool.num_host_cached_blocks == 0
+    plain = make_pool(8)
+    _, hashes = store_sequence(plain, list(range(8)))
+    assert plain.host_lookup(hashes, 0) == 0 and all(e.medium is None for e in plain.take_events())
+    assert plain.kv_state().host_block_hashes == []
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        BlockPool(8, BS, num_host_blocks=-1)

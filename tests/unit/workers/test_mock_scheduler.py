@@ -487,3 +487,54 @@ def test_a_first_token_that_ends_the_request_finishes_it_at_commit():
     chunk = sched.commit_remote_prefill("one", 5)
     assert chunk is not None and chunk.token_ids == [5] and chunk.finish_reason is FinishReason.LENGTH
     assert not sched.requests and sched.pool.num_free_blocks == free
+
+
+# --- host-memory tier -------------------------------------------------------------------------------------------------
+
+
+def test_a_prefix_evicted_from_the_device_is_loaded_from_the_host_tier_at_the_modelled_cost():
+    # 8 device blocks of 16 tokens, a host tier of 32; prefill 10 ms + 0.5 ms a token; loads at 8 Gb/s (1 GB/s).
+    sched = make_scheduler(
+        num_gpu_blocks=8,
+        max_model_len=128,
+        max_num_batched_tokens=128,
+        num_host_blocks=32,
+        host_kv_bandwidth_gbps=8.0,
+        host_kv_latency_ms=0.1,
+        prefill_base_ms=10,
+        prefill_ms_per_token=0.5,
+        prefill_ms_per_token_sq=0,
+    )
+    a = list(range(1000, 1064))  # 4 full blocks
+    sched.add_request(make_request("a", a, max_tokens=1), 0.0)
+    run_until_idle(sched)
+    sched.add_request(make_request("b", 120, max_tokens=1, offset=5000), 1.0)  # 8 blocks: evicts a's from the device
+    run_until_idle(sched)
+    assert sched.pool.lookup_prefix(block_hashes(a, 16)) == [] and sched.pool.num_host_cached_blocks == 4 + 7
+    sched.add_request(make_request("a2", [*a, *range(10)], max_tokens=1), 2.0)
+    out = sched.step(2.0)
+    # a's 64 tokens come from host memory: only the 10 new ones are computed, and the step waits for the load of 4
+    # blocks of 2 MiB (Llama-3-8B's 2 x 32 layers x 8 heads x 128 dims x 2 bytes x 16 tokens) at 1 GB/s.
+    assert out.num_scheduled_tokens == {"a2": 10} and out.num_host_loaded_blocks == 4
+    chunk = out.chunks["a2"]
+    assert chunk.num_cached_tokens == 64 and chunk.num_host_cached_tokens == 64
+    load_ms = 0.1 + 4 * 2 * 1024 * 1024 * 8 / 8e9 * 1e3
+    assert out.step_time_s == pytest.approx((10 + 0.5 * 10 + load_ms) / 1e3)
+    # The loaded blocks are on the device again: the next request with that prefix finds them there.
+    sched.add_request(make_request("a3", [*a, *range(20, 30)], max_tokens=1), 3.0)
+    out = sched.step(3.0)
+    assert out.chunks["a3"].num_cached_tokens == 64 and out.chunks["a3"].num_host_cached_tokens == 0
+    assert out.num_host_loaded_blocks == 0
+
+
+def test_without_a_host_tier_an_evicted_prefix_is_recomputed():
+    sched = make_scheduler(num_gpu_blocks=8, max_model_len=128, max_num_batched_tokens=128)
+    a = list(range(1000, 1064))
+    sched.add_request(make_request("a", a, max_tokens=1), 0.0)
+    run_until_idle(sched)
+    sched.add_request(make_request("b", 120, max_tokens=1, offset=5000), 1.0)
+    run_until_idle(sched)
+    sched.add_request(make_request("a2", [*a, *range(10)], max_tokens=1), 2.0)
+    out = sched.step(2.0)
+    assert out.num_scheduled_tokens == {"a2": 74} and out.chunks["a2"].num_cached_tokens == 0
+    assert all(e.medium is None for e in sched.take_kv_events())

@@ -23,7 +23,9 @@ from components.workers.engines.vllm.nixl import (
     CONNECTOR_MODULE,
     UCX_ENVIRONMENT,
     check_handoff,
+    choose_migration_mode,
     choose_remote_prefill_mode,
+    connector_role,
     free_loopback_port,
     kv_transfer_config,
 )
@@ -87,18 +89,58 @@ def test_kv_transfer_required_without_nixl_is_an_error_that_says_why():
         choose_remote_prefill_mode("decode", "nixl", None)
 
 
+@pytest.mark.parametrize(
+    ("role", "configured", "unavailable", "want"),
+    [
+        ("aggregated", "auto", None, "kv_transfer"),
+        ("decode", "auto", None, "kv_transfer"),
+        ("aggregated", "kv_transfer", None, "kv_transfer"),
+        ("aggregated", "auto", "not installed", "recompute"),
+        ("aggregated", "recompute", None, "recompute"),  # the way to turn the connector off
+        ("prefill", "auto", None, "recompute"),  # serves no client stream: moves nothing
+    ],
+)
+def test_the_migration_mode_follows_the_role_the_config_and_nixl(role, configured, unavailable, want):
+    mode, reason = choose_migration_mode(role, configured, unavailable)
+    assert mode == want and reason
+    if unavailable:
+        assert unavailable in reason
+    with pytest.raises(ValueError, match="migration_mode = kv_transfer, but NIXL is unavailable: gone"):
+        choose_migration_mode("aggregated", "kv_transfer", "gone")
+    with pytest.raises(ValueError, match="expected auto, kv_transfer or recompute"):
+        choose_migration_mode("aggregated", "live", None)
+
+
+@pytest.mark.parametrize(
+    ("prefill_role", "migrates", "want"),
+    [
+        (None, False, None),  # aggregated, recompute: no connector at all
+        (None, True, "kv_both"),  # aggregated, kv_transfer migration: source and target of hand-offs
+        ("kv_consumer", True, "kv_both"),  # a decode worker that also migrates by KV transfer
+        ("kv_consumer", False, "kv_consumer"),
+        ("kv_producer", False, "kv_producer"),
+    ],
+)
+def test_the_connector_role_covers_both_uses(prefill_role, migrates, want):
+    assert connector_role(prefill_role, migrates) == want
+
+
 def test_the_config_field_refuses_unknown_modes_and_short_leases():
     with pytest.raises(ValueError):
         VllmEngineConfig(model_path="/m", remote_prefill_mode="nixl")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         VllmEngineConfig(model_path="/m", kv_transfer_lease_s=0)
+    with pytest.raises(ValueError):
+        VllmEngineConfig(model_path="/m", migration_mode="live")  # type: ignore[arg-type]
     cfg = VllmEngineConfig(model_path="/m")
     assert (cfg.remote_prefill_mode, cfg.kv_transfer_lease_s, cfg.kv_transfer_host) == ("auto", 10, "127.0.0.1")
+    assert cfg.migration_mode == "auto"
 
 
 def test_an_engine_announces_recompute_until_it_has_started_with_a_connector():
     engine = VllmEngine(VllmEngineConfig(model_path="/m"), role=WorkerRole.DECODE)
     assert engine.remote_prefill_mode == "recompute" and engine.kv_transfer_port == 0
+    assert engine.migration_mode == "recompute" and engine.kv_role is None
 
 
 # --- the connector's config and environment ----------------------------------------------------------------------

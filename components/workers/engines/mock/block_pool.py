@@ -13,10 +13,18 @@ states:
 from vLLM V1, whose single free queue can evict a cached block while an empty one waits further down the queue; the
 router-visible difference is fewer ``BLOCK_REMOVED`` events.
 
+With ``num_host_blocks`` the pool also keeps a **host-memory tier**: an LRU cache of block hashes in host DRAM. Every
+block that gets its hash on the device is written there too (write-through: the tier holds what the device holds,
+and what the device evicted, up to its size), ``host_lookup`` says how far a prefix continues there past what the
+device caches (the scheduler loads those blocks back instead of recomputing them), and ``host_touch`` marks a
+sequence's blocks as used, tail first so that the tier, like the device, evicts a sequence's last blocks before its
+first ones. It holds hashes only: the simulated KV is just its bookkeeping.
+
 The pool records every change to the set of cached hashes as a ``KvEvent``: ``BLOCK_STORED`` when full blocks get
 their hashes (one event per run of consecutive blocks of one request), ``BLOCK_REMOVED`` when cached blocks are
-evicted (one event per ``allocate`` call that evicts), ``ALL_CLEARED`` on ``reset_prefix_cache``. Event ids start at
-1 and increase by one per event; ``last_event_id`` is 0 before the first.
+evicted (one event per ``allocate`` call that evicts), ``ALL_CLEARED`` on ``reset_prefix_cache``; the host tier's
+changes as the same kinds with ``medium=KV_MEDIUM_HOST``. Event ids (both media, one sequence) start at 1 and
+increase by one per event; ``last_event_id`` is 0 before the first.
 
 Pure bookkeeping: no asyncio, no clock, no I/O. Imports the engine contract (``..base``) and the standard library.
 """
@@ -26,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot
+from components.protocol.messages import KV_MEDIUM_HOST, KvEvent, KvEventKind, KvStateSnapshot
 
 from ..base import EngineError
 
@@ -45,9 +53,13 @@ class NoFreeBlocksError(EngineError):
 class BlockPool:
     """Reference-counted KV blocks plus a prefix cache keyed by chained block hash."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_caching: bool = True, num_host_blocks: int = 0
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -61,6 +73,9 @@ class BlockPool:
         self._cached: dict[int, int] = {}
         self._events: list[KvEvent] = []
         self._last_event_id = 0
+        # The host tier: hashes in LRU order (first key = least recently used = evicted first).
+        self.num_host_blocks = num_host_blocks if enable_caching else 0
+        self._host: OrderedDict[int, None] = OrderedDict()
 
     # --- counts -----------------------------------------------------------------------------------------------------
 
@@ -195,6 +210,65 @@ class BlockPool:
             prev = h
         if run:
             self._emit(KvEventKind.BLOCK_STORED, block_hashes=run, parent_hash=run_parent)
+        if self.num_host_blocks:
+            self._host_store(hashes, parent_hash)
+
+    # --- host-memory tier -------------------------------------------------------------------------------------------
+
+    @property
+    def num_host_cached_blocks(self) -> int:
+        return len(self._host)
+
+    def host_lookup(self, hashes: Sequence[int], start: int) -> int:
+        """How many of ``hashes[start:]``, consecutively from ``start``, the host tier holds; changes nothing."""
+        host = self._host
+        n = start
+        for h in hashes[start:] if start else hashes:
+            if h not in host:
+                break
+            n += 1
+        return n - start
+
+    def host_touch(self, hashes: Sequence[int]) -> None:
+        """Mark the held ones of a sequence's ``hashes`` as just used, its first blocks most recently (evicted last)."""
+        host = self._host
+        if not host:
+            return
+        move = host.move_to_end
+        for h in reversed(hashes):
+            if h in host:
+                move(h)
+
+    def _host_store(self, hashes: Sequence[int], parent_hash: int | None) -> None:
+        """Write a chain's blocks through to the host tier (``parent_hash``: the hash before ``hashes[0]``): new ones
+        are announced with ``BLOCK_STORED`` (medium host), then the tier evicts least recently used ones beyond its
+        size (``BLOCK_REMOVED``)."""
+        host = self._host
+        run: list[int] = []
+        run_parent = parent_hash
+        prev = parent_hash
+        for h in hashes:
+            if h in host:
+                if run:
+                    self._emit(
+                        KvEventKind.BLOCK_STORED, block_hashes=run, parent_hash=run_parent, medium=KV_MEDIUM_HOST
+                    )
+                    run = []
+            else:
+                host[h] = None
+                if not run:
+                    run_parent = prev
+                run.append(h)
+            prev = h
+        if run:
+            self._emit(KvEventKind.BLOCK_STORED, block_hashes=run, parent_hash=run_parent, medium=KV_MEDIUM_HOST)
+        self.host_touch(hashes)
+        if len(host) > self.num_host_blocks:
+            removed = []
+            while len(host) > self.num_host_blocks:
+                h, _ = host.popitem(last=False)
+                removed.append(h)
+            self._emit(KvEventKind.BLOCK_REMOVED, block_hashes=removed, medium=KV_MEDIUM_HOST)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash, active blocks' included, and emit ``ALL_CLEARED``.
@@ -209,6 +283,9 @@ class BlockPool:
             self._hash[b] = None
         self._cached.clear()
         self._emit(KvEventKind.ALL_CLEARED)
+        if self.num_host_blocks:
+            self._host.clear()
+            self._emit(KvEventKind.ALL_CLEARED, medium=KV_MEDIUM_HOST)
 
     # --- events and state -------------------------------------------------------------------------------------------
 
@@ -218,13 +295,22 @@ class BlockPool:
         return events
 
     def kv_state(self) -> KvStateSnapshot:
-        """Every cached hash (in the order the blocks were stored) and the id of the last event reflected in it."""
+        """Every cached hash (in the order the blocks were stored), the host tier's, and the id of the last event
+        reflected in them."""
         return KvStateSnapshot(
-            last_event_id=self._last_event_id, block_size=self.block_size, block_hashes=list(self._cached)
+            last_event_id=self._last_event_id,
+            block_size=self.block_size,
+            block_hashes=list(self._cached),
+            host_block_hashes=list(self._host),
         )
 
     def _emit(
-        self, kind: KvEventKind, *, block_hashes: list[int] | None = None, parent_hash: int | None = None
+        self,
+        kind: KvEventKind,
+        *,
+        block_hashes: list[int] | None = None,
+        parent_hash: int | None = None,
+        medium: str | None = None,
     ) -> None:
         self._last_event_id += 1
         self._events.append(
@@ -234,5 +320,6 @@ class BlockPool:
                 block_hashes=list(block_hashes or []),
                 parent_hash=parent_hash,
                 num_tokens_per_block=self.block_size if kind is KvEventKind.BLOCK_STORED else 0,
+                medium=medium,
             )
         )

@@ -41,6 +41,16 @@ KV cache), the same model the step times describe: 128 KiB per token, 2 MiB per 
   their completion (a NATS round trip on a LAN is ~0.2-0.5 ms) and posting the RDMA writes (tens of us).
   Example: an 8192-token prompt is 512 blocks, 1 GiB: 1 ms + 1.07e9 B / 50e9 B/s = 22.5 ms, against the ~170 ms its
   prefill takes.
+Host-memory KV tier (``num_host_blocks``, off by default), what vLLM's offloading connector, LMCache, Dynamo's KVBM
+and the Mooncake store add to an engine: every block that gets its hash on the device is also written to an LRU
+cache of ``num_host_blocks`` blocks in host DRAM (write-through; the copy out runs beside the compute and is not
+charged), and a request whose prefix continues in host memory past what the device caches loads those blocks back
+instead of recomputing them, in the step that admits it: ``host_kv_latency_ms + bytes / host_kv_bandwidth_gbps``.
+* bandwidth, 400 Gb/s (50 GB/s): an H100's host link is PCIe Gen5 x16, 64 GB/s each way; copies from pinned memory
+  reach ~50-55 GB/s. An 8192-token prompt (1 GiB) loads in ~21 ms, about an eighth of its ~170 ms prefill.
+* latency, 0.1 ms per load: what does not depend on the size (the lookup, launching the copies).
+* size: a DGX H100 has 2 TiB of DRAM for 8 GPUs, 256 GiB each; half of it for KV is 128 GiB = 65,536 blocks of
+  2 MiB, 4x the default device cache (``kvmesh bench routing``'s default).
 
 This module imports only the standard library and pydantic.
 """
@@ -60,6 +70,7 @@ STEP_TIME_FIELDS = (
     "decode_ms_per_seq",
     "decode_ms_per_kv_token",
     "max_num_batched_tokens",
+    "host_load_ms_per_token",
 )
 
 
@@ -154,6 +165,23 @@ class MockEngineConfig(BaseModel):
         default=1.0, ge=0, description="Fixed cost of one KV transfer, whatever its size, in ms (control messages)."
     )
 
+    # --- Host-memory KV tier -----------------------------------------------------------------------------------------
+    num_host_blocks: int = Field(
+        default=0,
+        ge=0,
+        description="Blocks of the host-memory KV tier (LRU, written through from the device cache, loaded back on a "
+        "prefix hit past the device's); 0: none. 65536 = 128 GiB at Llama-3-8B's 2 MiB per block, half a DGX H100 "
+        "GPU's share of host DRAM.",
+    )
+    host_kv_bandwidth_gbps: float = Field(
+        default=400.0,
+        gt=0,
+        description="Bandwidth of loading KV blocks from the host tier to the device, in gigabits per second: PCIe "
+        "Gen5 x16 from pinned memory (~50 GB/s).",
+    )
+    host_kv_latency_ms: float = Field(
+        default=0.1, ge=0, description="Fixed cost of one load from the host tier, whatever its size, in ms."
+    )
     # --- Output tokens ----------------------------------------------------------------------------------------------
     vocab_size: int = Field(
         default=128256,
@@ -205,6 +233,11 @@ class MockEngineConfig(BaseModel):
             * self.kv_cache_dtype_bytes
             * self.block_size
         )
+
+    @property
+    def host_load_ms_per_token(self) -> float:
+        """ms per token to load KV from the host tier (bandwidth only): what a router weighs a host hit by."""
+        return self.kv_bytes_per_block / self.block_size * 8 / (self.host_kv_bandwidth_gbps * 1e9) * 1e3
 
     @model_validator(mode="after")
     def _check_consistent(self) -> MockEngineConfig:

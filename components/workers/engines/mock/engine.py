@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 from components.migration.engine import KvExtent, SuspendedChunk
 from components.migration.types import RequestTable
@@ -315,6 +316,9 @@ class MockEngine:
             latency_ms=cfg.kv_transfer_latency_ms,
         )
         return s / cfg.speedup_ratio
+
+    async def export_kv(self, request_id: str) -> dict[str, Any] | None:
+        return None  # live: the blocks were copied stage by stage (kv_transfer is vLLM's)
 
     def reserve_migration(self, migration_id: str, request_id: str, token_ids: list[int]) -> int | None:
         self._check_alive()

@@ -24,6 +24,13 @@ given at most that many tokens in one step (vLLM's rule, applied before the budg
 3. Bookkeeping: blocks that became full get their hashes (a ``BLOCK_STORED`` event), requests that caught up sample
    a token, and finished requests free their blocks.
 
+With a host-memory tier (``num_host_blocks``), admission continues the prefix lookup there past the device's hits:
+those blocks get fresh device blocks and count as computed (``num_cached_tokens`` includes them,
+``num_host_cached_tokens`` says how many), and the step that admits them takes their load time on top of its compute
+(``host_kv_latency_ms`` + bytes at ``host_kv_bandwidth_gbps``): the batch waits for the copy, as an engine whose
+connector loads KV before the forward pass does. A finished or preempted request marks its blocks used in the tier.
+Remote prefill (disaggregation) looks at the device cache only.
+
 Output tokens are a pure function of (config seed, request sampling seed, every token before them): token ``i`` is
 ``xxh3_64(all tokens before i, seed=request_seed) % vocab_size``, computed with one streaming hasher per request.
 Identical requests get identical answers on every engine, and a request re-sent with its first ``k`` outputs appended
@@ -65,7 +72,7 @@ from components.protocol.migration import MigratingRequest
 from ..base import EngineError, EngineRequestError
 from .block_pool import BlockPool
 from .config import MockEngineConfig
-from .perf_model import step_time_ms
+from .perf_model import step_time_ms, transfer_time_s
 
 __all__ = [
     "DuplicateRequestError",
@@ -135,7 +142,8 @@ class Request:
     # Chained hashes of the full blocks of all_token_ids, extended lazily (only with prefix caching on).
     block_hashes: list[int] = dataclasses.field(default_factory=list)
     num_stored_blocks: int = 0  # leading blocks whose hashes the pool already holds for this request
-    num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
+    num_cached_tokens: int | None = None  # prefix-cache hit at the first admission (device and host tier)
+    num_host_cached_tokens: int = 0  # of which loaded from the host tier
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     suspended_from: RequestStatus | None = None  # the status a suspended request had (``resume`` restores it)
@@ -164,13 +172,14 @@ class StepOutput:
     """What one step did: the unit-testable result of ``Scheduler.step``."""
 
     now_s: float
-    step_time_s: float  # modelled duration, before speedup_ratio
+    step_time_s: float  # modelled duration, before speedup_ratio (host-tier loads included)
     num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step, in scheduling order
     num_prefill_tokens: int
     num_decode_seqs: int
     num_decode_kv_tokens: int
     chunks: dict[str, TokenChunk]  # request id -> the token it sampled (with finish_reason when it finished)
     preempted_ids: list[str]
+    num_host_loaded_blocks: int = 0  # blocks loaded from the host tier for the requests this step admitted
 
     @property
     def batch_size(self) -> int:
@@ -187,7 +196,12 @@ class Scheduler:
     def __init__(self, config: MockEngineConfig) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.pool = BlockPool(config.num_gpu_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        self.pool = BlockPool(
+            config.num_gpu_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            num_host_blocks=config.num_host_blocks,
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting, running, reserved or suspended
@@ -198,6 +212,7 @@ class Scheduler:
         self.num_steps = 0
         self._last_batch_size = 0
         self._last_decode_kv_tokens = 0
+        self._host_loading = 0  # blocks the step being scheduled loads from the host tier
 
     # --- requests in and out ----------------------------------------------------------------------------------------
 
@@ -519,6 +534,15 @@ class Scheduler:
         ms = step_time_ms(
             self.config, num_prefill_tokens=num_prefill, num_decode_seqs=num_decode, num_decode_kv_tokens=kv_tokens
         )
+        loaded, self._host_loading = self._host_loading, 0
+        if loaded:
+            cfg = self.config
+            ms += 1e3 * transfer_time_s(
+                loaded,
+                bytes_per_block=cfg.kv_bytes_per_block,
+                bandwidth_gbps=cfg.host_kv_bandwidth_gbps,
+                latency_ms=cfg.host_kv_latency_ms,
+            )
         chunks: dict[str, TokenChunk] = {}
         any_finished = False
         for req, n, _ in scheduled:
@@ -547,6 +571,7 @@ class Scheduler:
             num_decode_kv_tokens=kv_tokens,
             chunks=chunks,
             preempted_ids=[r.request_id for r in preempted],
+            num_host_loaded_blocks=loaded,
         )
 
     def _schedule(self) -> tuple[list[tuple[Request, int, bool]], list[Request]]:
@@ -584,23 +609,29 @@ class Scheduler:
         # 2. Waiting requests, first come first served; none in a step that had to preempt (memory is short).
         if preempted:
             return scheduled, preempted
+        bs = self.block_size
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             hits = self._prefix_hits(req)
-            n = req.num_tokens - len(hits) * self.block_size
+            loaded = self._host_hits(req, len(hits))
+            n = req.num_tokens - (len(hits) + loaded) * self.block_size
             if 0 < cap < n:
                 n = cap
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break
                 n = budget
-            if not self._allocate_slots(req, n, hits):
+            # The loaded blocks need device blocks as much as computed ones do.
+            if not self._allocate_slots(req, n + loaded * bs, hits):
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = len(hits) * self.block_size
+            req.num_computed_tokens = (len(hits) + loaded) * bs
             req.num_stored_blocks = len(hits)
+            if loaded:
+                self._host_loading += loaded
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = req.num_computed_tokens
+                req.num_host_cached_tokens = loaded * bs
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, n, False))
@@ -614,6 +645,14 @@ class Scheduler:
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._ensure_hashes(req, max_blocks)
         return self.pool.lookup_prefix(req.block_hashes[:max_blocks])
+
+    def _host_hits(self, req: Request, device_hits: int) -> int:
+        """Blocks of ``req``'s prefix the host tier holds right after the ``device_hits`` the device cache holds (at
+        most all but the last token's, like device hits)."""
+        if not self.pool.num_host_blocks:
+            return 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.pool.host_lookup(req.block_hashes[:max_blocks], device_hits)
 
     def _allocate_slots(self, req: Request, num_new_tokens: int, hit_blocks: list[int] | None = None) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``hit_blocks``); False, changing nothing,
@@ -634,6 +673,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        self._host_touch(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
@@ -643,7 +683,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _host_touch(self, req: Request) -> None:
+        if self.pool.num_host_blocks and req.num_stored_blocks:
+            self.pool.host_touch(req.block_hashes[: req.num_stored_blocks])
+
     def _release(self, req: Request, reason: FinishReason) -> None:
+        self._host_touch(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.status = RequestStatus.FINISHED
@@ -683,6 +728,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens if first else 0,
             num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
             position=position,
+            num_host_cached_tokens=req.num_host_cached_tokens if first else 0,
         )
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:

@@ -149,14 +149,23 @@ class VllmEngineConfig(BaseModel):
         "asks for a replay when it sees a gap in vLLM's sequence numbers (PUB/SUB drops, late subscription).",
     )
 
-    # --- Disaggregation: moving a prompt's KV between engines (prefill and decode workers only) --------------------
+    # --- Moving KV between engines: disaggregation (prefill and decode workers) and migration ------------------
     remote_prefill_mode: Literal["auto", "kv_transfer", "recompute"] = Field(
         default="auto",
         description="How a decode worker's engine gets a remotely prefilled prompt, and whether a prefill worker's "
         "keeps the KV for it (components/workers/engines/vllm/nixl.py). auto: kv_transfer when NIXL is installed and "
         "the engine starts with its connector, else recompute (and the log says why); kv_transfer: NIXL or the "
-        "engine does not start; recompute: no KV connector, the decode engine computes the prompt again. Aggregated "
-        "workers never load a connector.",
+        "engine does not start; recompute: the decode engine computes the prompt again. Aggregated workers "
+        "never prefill remotely (their connector, if any, is migration_mode's).",
+    )
+    migration_mode: Literal["auto", "kv_transfer", "recompute"] = Field(
+        default="auto",
+        description="How this engine moves a running request to another worker (aggregated and decode workers; "
+        "docs/migration.md). auto: kv_transfer when NIXL is installed and the engine starts with its connector "
+        "(kv_both), else recompute (the log says why); kv_transfer: NIXL or the engine does not start; recompute: "
+        "no connector for migration (an aggregated worker then loads none), the destination computes prompt + "
+        "outputs again. The connector cost nothing measurable in start-up, idle CPU or per request on the CPU test "
+        "machine (docs/migration.md).",
     )
     kv_transfer_lease_s: int = Field(
         default=10,

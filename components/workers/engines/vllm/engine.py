@@ -27,21 +27,31 @@ cannot run any of that; vLLM's processes then die by their lifeline (hooks.py: a
 its parent is gone), and the private directory holding vLLM's ipc sockets (``VLLM_RPC_BASE_PATH``, one per worker
 process, with the KV-event sockets inside) is removed by them, or at a normal exit by this process.
 
-Disaggregated serving (prefill and decode workers' engines only): ``start()`` decides ``remote_prefill_mode``
-(``nixl.choose_remote_prefill_mode``) and, for kv_transfer, builds the engine with kvmesh's NIXL connector (a
-``kv_producer`` for a prefill worker, a ``kv_consumer`` for a decode worker; one free handshake port each);
-``prefill_handoff`` keeps a prompt's KV for a pull and ``generate_remote`` pulls it, or recomputes (nixl.py).
+KV connector: ``start()`` decides ``remote_prefill_mode`` (``nixl.choose_remote_prefill_mode``, prefill and decode
+workers) and ``migration_mode`` (``nixl.choose_migration_mode``, aggregated and decode workers) and, where either is
+kv_transfer, builds the engine with kvmesh's NIXL connector in the role they need together (``nixl.connector_role``:
+``kv_producer`` for a prefill worker, ``kv_consumer`` for a decode worker that only pulls prompts, ``kv_both`` for an
+engine that migrates: a source and a target; one free handshake port each). If the engine does not start with it and
+no mode required it, it starts again without, and both modes say recompute.
 
-Migration (components/migration/engine.py), by **recompute**: no vLLM KV connector moves a running request's blocks
-here (``migration_mode``). ``suspend`` aborts the request in vLLM (its full blocks stay in the prefix cache); the
-stream delivers what vLLM produced before, then a ``SuspendedChunk``. ``commit_migration`` on another engine
-continues it as a *continuation* request: prompt plus the outputs so far, ``max_tokens`` less them, and for a seeded
-request ``extra_args[SAMPLER_DRAWS_KEY]`` = the number of outputs, which hooks.py turns into the sampler draws the
-earlier engine made, so greedy and seeded output are exactly the unmoved request's. ``resume`` continues it the same
-way on this engine (its prefix cache holds nearly all of it). A KV-transfer mode would implement
-``reserve_migration`` (register the request's blocks with a NIXL connector), the copy stages (the connector's pull)
-and ``commit_migration`` with ``kv_transfer_params`` (``do_remote_prefill``) in the continuation's
-``SamplingParams``; /work/shared/notes/vllm-kv-transfer.md measured that path (docs/migration.md).
+Disaggregated serving: ``prefill_handoff`` keeps a prompt's KV for a pull and ``generate_remote`` pulls it, or
+recomputes (nixl.py).
+
+Migration (components/migration/engine.py). ``suspend`` aborts the request in vLLM (its full blocks stay in the prefix
+cache); the stream delivers what vLLM produced before, then a ``SuspendedChunk``. ``commit_migration`` on another
+engine continues it as a *continuation* request: prompt plus the outputs so far, ``max_tokens`` less them, and for a
+seeded request ``extra_args[SAMPLER_DRAWS_KEY]`` = the number of outputs, which hooks.py turns into the sampler draws
+the earlier engine made, so greedy and seeded output are exactly the unmoved request's. ``resume`` continues it the
+same way on this engine (its prefix cache holds nearly all of it). Two modes:
+
+* **kv_transfer** (``migration_mode``, with the connector): vLLM exports nothing of an aborted request, so the
+  suspended request's tokens are submitted again here with ``max_tokens=1`` and ``do_remote_decode``
+  (``export_kv``/``export_tokens``: served from the prefix cache, at most the last partial block computed), and the
+  final output's ``kv_transfer_params`` name the kept blocks; the destination's ``reserve_migration`` checks room
+  beforehand, and its ``commit_migration`` submits the continuation with those params, so vLLM pulls the blocks it
+  lacks and computes only the last token (a hand-off it cannot use, ``nixl.check_handoff``, is recomputed; a pull
+  that fails too, by vLLM, and is counted in ``migrations_in.pull_failed``).
+* **recompute**: the continuation carries no KV; the destination computes prompt + outputs again.
 
 Imports vLLM lazily (in ``start()``), so importing this module costs nothing and the mock path never loads vLLM.
 """
@@ -53,6 +63,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import shutil
@@ -100,7 +111,9 @@ from .nixl import (
     SOURCE_PARAMS,
     UCX_ENVIRONMENT,
     check_handoff,
+    choose_migration_mode,
     choose_remote_prefill_mode,
+    connector_role,
     free_loopback_port,
     kv_transfer_config,
     nixl_unavailable_reason,
@@ -201,11 +214,15 @@ def _stat_logger_class(base: type, stats: VllmStats) -> type:
 
 @dataclasses.dataclass(slots=True)
 class HandoffCounters:
-    """What became of the remotely prefilled requests a decode engine received (``generate_remote``)."""
+    """What became of the KV hand-offs an engine received: remotely prefilled prompts (``generate_remote``,
+    ``VllmEngine.handoffs``) or migrated requests (``commit_migration``, ``VllmEngine.migrations_in``)."""
 
-    pulled: int = 0  # submitted with the prefill engine's KV hand-off (vLLM pulls; a failed pull it recomputes)
-    refused: int = 0  # a hand-off ``check_handoff`` refused: recomputed instead
-    recomputed: int = 0  # recomputed from the prompt plus the prefill worker's first token (refused ones included)
+    pulled: int = 0  # submitted with the other engine's KV hand-off (vLLM pulls; a failed pull it recomputes)
+    refused: int = 0  # a hand-off ``check_handoff`` refused (or this engine has no connector): recomputed instead
+    recomputed: int = 0  # computed again here (refused hand-offs included)
+    # Of those pulled, how many vLLM computed again because the pull failed (the source died): seen as NIXL failures
+    # recorded before the request's first output (``VllmEngine._stream``), each failure counted once.
+    pull_failed: int = 0
 
 
 _runtime_dir: str | None = None
@@ -253,8 +270,8 @@ class _Run:
 class VllmEngine:
     """A vLLM engine. ``start()`` it (~10 s), ``generate()`` on it, ``shutdown()`` it (~4 s)."""
 
-    # Until start() has decided (``nixl.choose_remote_prefill_mode``): what a decode engine without a connector does.
-    # A migrated request is computed again on its new engine (module docstring): no KV-transfer migration yet.
+    # Until start() has decided (``nixl.choose_remote_prefill_mode``, ``choose_migration_mode``): what an engine
+    # without a connector does.
     remote_prefill_mode = RemotePrefillMode.RECOMPUTE
     migration_mode = MigrationMode.RECOMPUTE
 
@@ -272,8 +289,18 @@ class VllmEngine:
         self.role = role
         self.remote_prefill_mode = RemotePrefillMode.RECOMPUTE
         self.remote_prefill_reason = "not started"
+        # How a running request leaves this engine (module docstring), decided by start() like remote_prefill_mode.
+        self.migration_mode = MigrationMode.RECOMPUTE
+        self.migration_reason = "not started"
+        self.kv_role: str | None = None  # the NIXL connector's role (None: no connector)
         self.kv_transfer_port = 0  # this engine's NIXL handshake port (0: no connector)
         self.handoffs = HandoffCounters()
+        self.migrations_in = HandoffCounters()
+        self.num_exports = 0  # kv_transfer migrations out: hand-offs made (export_kv)
+        self.num_export_failures = 0  # ... and those it could not make (the destination then recomputes)
+        self._reservations: dict[str, str] = {}  # incoming kv_transfer migration id -> request id
+        self._failures_attributed = 0  # NIXL failures already counted as a failed pull
+        self._export_ids = itertools.count(1)
         # Both are replaced by what vLLM settled on once start() returns (max_model_len may come from the model).
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or 0
@@ -309,12 +336,19 @@ class VllmEngine:
         changed = apply_vllm_environment(self.config, os.environ)
         if changed:
             logger.debug("vLLM environment: %s", changed)
+        unavailable = nixl_unavailable_reason()
         try:
-            mode, kv_role, reason = choose_remote_prefill_mode(
-                str(self.role), self.config.remote_prefill_mode, nixl_unavailable_reason()
+            mode, prefill_role, reason = choose_remote_prefill_mode(
+                str(self.role), self.config.remote_prefill_mode, unavailable
             )
+            migration, migration_reason = choose_migration_mode(str(self.role), self.config.migration_mode, unavailable)
         except ValueError as exc:
             raise EngineDeadError(f"vLLM engine {self.name!r}: {exc}") from exc
+        kv_role = connector_role(prefill_role, migration == MigrationMode.KV_TRANSFER)
+        # Without the connector the engine still serves, by recompute: unless a mode that needs it was required.
+        required = (prefill_role is not None and self.config.remote_prefill_mode == "kv_transfer") or (
+            migration == MigrationMode.KV_TRANSFER and self.config.migration_mode == "kv_transfer"
+        )
         t0 = time.perf_counter()
         runtime_dir = process_runtime_dir()
         v = self._vllm = await asyncio.to_thread(_import_vllm)
@@ -323,14 +357,14 @@ class VllmEngine:
         try:
             llm = await self._build(v, kv_role)
         except EngineDeadError as exc:
-            if self._closed or kv_role is None or self.config.remote_prefill_mode != "auto":
+            if self._closed or kv_role is None or required:
                 self._remove_tmpdir()
                 raise
             # NIXL is installed but the engine did not start with it (a broken package, a port taken meanwhile):
-            # a decode worker that recomputes beats no worker.
+            # a worker that recomputes beats no worker.
             logger.warning("vLLM engine %s: %s; starting again without a KV connector", self.name, exc)
-            reason = f"the engine did not start with the NIXL connector: {exc}"
-            mode, kv_role = RemotePrefillMode.RECOMPUTE, None
+            reason = migration_reason = f"the engine did not start with the NIXL connector: {exc}"
+            mode, migration, kv_role = RemotePrefillMode.RECOMPUTE, MigrationMode.RECOMPUTE, None
             try:
                 llm = await self._build(v, None)
             except EngineDeadError:
@@ -338,8 +372,15 @@ class VllmEngine:
                 raise
         self.remote_prefill_mode = RemotePrefillMode(mode)
         self.remote_prefill_reason = reason
+        self.migration_mode = MigrationMode(migration)
+        self.migration_reason = migration_reason
+        self.kv_role = kv_role
+        if self.role != WorkerRole.PREFILL:
+            fallback = migration == MigrationMode.RECOMPUTE and self.config.migration_mode != "recompute"
+            log = logger.warning if fallback else logger.info
+            log("vLLM engine %s: migration_mode %s: %s", self.name, migration, migration_reason)
         if self.role != WorkerRole.AGGREGATED:
-            if kv_role is not None:
+            if prefill_role is not None and kv_role is not None:
                 logger.info(
                     "vLLM engine %s: remote_prefill_mode kv_transfer: %s, handshake on %s:%d, lease %d s",
                     self.name,
@@ -527,11 +568,16 @@ class VllmEngine:
         max_tokens: int | None = None,
         kv_transfer_params: Mapping[str, Any] | None = None,
         handoff: dict[str, Any] | None = None,
+        counters: HandoffCounters | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """``generate()``, optionally with ``max_tokens`` replaced and vLLM ``kv_transfer_params`` attached (a hand-off
-        to keep, or one to pull: ``nixl``); the final output's ``kv_transfer_params`` are copied into ``handoff``."""
+        to keep, or one to pull: ``nixl``); the final output's ``kv_transfer_params`` are copied into ``handoff``.
+        ``counters``: where a pull that failed is counted (``HandoffCounters.pull_failed``)."""
         llm, v = self._check_alive()
         run = self._new_run(request, v, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params, handoff=handoff)
+        # A pull that fails is computed again by vLLM and says so only in its NIXL failure counters: a failure
+        # recorded between the submission and the first output is this pull's (each failure counted once).
+        failures_before = self._stats.num_kv_transfer_failures if counters is not None else None
         rid = request.request_id
         progress = RequestProgress(num_prompt_tokens=len(request.token_ids))
         self._requests[rid] = progress
@@ -561,6 +607,9 @@ class VllmEngine:
                         chunk = TokenChunk(token_ids=list(completion.token_ids), position=len(run.outputs))
                         if not progress.started:
                             progress.started = True
+                            if failures_before is not None and counters is not None:
+                                self._count_pull_failure(rid, failures_before, counters)
+                                failures_before = None
                             if chunk.position == 0:
                                 chunk.num_prompt_tokens = len(prompt)
                                 chunk.num_cached_tokens = run.num_cached_tokens = int(out.num_cached_tokens or 0)
@@ -592,6 +641,15 @@ class VllmEngine:
                 del self._requests[rid]
             if self._runs.get(rid) is run:
                 del self._runs[rid]
+
+    def _count_pull_failure(self, request_id: str, before: int, counters: HandoffCounters) -> None:
+        now = self._stats.num_kv_transfer_failures
+        if now > max(before, self._failures_attributed):
+            self._failures_attributed = now
+            counters.pull_failed += 1
+            logger.warning(
+                "vLLM engine %s: request %s: the KV pull failed; vLLM computed it again", self.name, request_id
+            )
 
     def _new_run(
         self,
@@ -695,7 +753,8 @@ class VllmEngine:
             problem = check_handoff(params, len(request.token_ids), self.block_size)
             if problem is None:
                 self.handoffs.pulled += 1
-                async with contextlib.aclosing(self._stream(request, kv_transfer_params=params)) as chunks:
+                stream = self._stream(request, kv_transfer_params=params, counters=self.handoffs)
+                async with contextlib.aclosing(stream) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
@@ -750,7 +809,7 @@ class VllmEngine:
             run.suspending = False  # an abort wins over a suspension in progress
             await self._llm.abort(run.vllm_id)
 
-    # --- migration (components/migration/engine.py), by recompute --------------------------------------------------
+    # --- migration (components/migration/engine.py): kv_transfer, or by recompute ---------------------------------
 
     def request_table(self) -> RequestTable:
         """Requests with output so far as running (in arrival order), the others as waiting."""
@@ -763,7 +822,16 @@ class VllmEngine:
         return RequestTable(tuple(running), tuple(waiting), self._stats.num_total_blocks * self.block_size)
 
     def kv_extent(self, request_id: str) -> KvExtent | None:
-        return None  # no KV leaves this engine (recompute)
+        """kv_transfer: the blocks the request's prompt + outputs fill now (what ``export_kv`` would hand over; the
+        agent reserves room for them on the destination before suspending). None by recompute (no KV leaves this
+        engine) or for a request not running here."""
+        run = self._runs.get(request_id)
+        if run is None or self.migration_mode != MigrationMode.KV_TRANSFER:
+            return None
+        tokens = [*run.request.prompt_token_ids, *run.outputs]
+        bs = self.block_size
+        full = len(tokens) // bs
+        return KvExtent(full, -(-len(tokens) // bs), tokens[: full * bs])
 
     def suspend(self, request_id: str) -> bool:
         """Abort the request in vLLM; its stream then delivers vLLM's last tokens and a ``SuspendedChunk``. False
@@ -790,6 +858,58 @@ class VllmEngine:
             num_cached_tokens=run.num_cached_tokens,
         )
 
+    async def export_kv(self, request_id: str) -> dict[str, Any] | None:
+        """kv_transfer, the source's final stage: make the suspended request's KV (prompt + outputs, N tokens)
+        pullable and return the hand-off naming it (vLLM's ``kv_transfer_params``), or None when it cannot (not
+        kv_transfer, not suspended, vLLM refused or failed): the destination then computes the request again.
+
+        vLLM exports nothing of an aborted request, so the suspended request's tokens are submitted again
+        (``export_tokens``): its prefix cache still holds the aborted request's whole blocks, so vLLM computes at
+        most the last partial block. Blocks nobody pulls are freed when ``kv_transfer_lease_s`` runs out (also when
+        the migration fails after this: the request resumed here finds them in its prefix cache meanwhile)."""
+        run = self._runs.get(request_id)
+        if self.migration_mode != MigrationMode.KV_TRANSFER or run is None or not run.suspended:
+            return None
+        self.num_exports += 1
+        handoff = await self.export_tokens([*run.request.prompt_token_ids, *run.outputs], run.vllm_id)
+        if handoff is None:
+            self.num_export_failures += 1
+        return handoff
+
+    async def export_tokens(self, token_ids: list[int], name: str) -> dict[str, Any] | None:
+        """Compute ``token_ids`` (from the prefix cache where it holds them) as a request of their own with
+        ``max_tokens=1`` and ``do_remote_decode`` (nixl.py), keep their KV for a pull, and return the hand-off that
+        names it (checked: ``check_handoff``); None without a connector or when vLLM refused, failed or named
+        other blocks. The token vLLM samples is discarded: the target samples the next token itself, with the
+        request's own sampling state. ``name``: a prefix of the vLLM request id (logs)."""
+        llm, v = self._llm, self._vllm
+        if self.kv_role is None or llm is None or v is None or llm.errored:
+            return None
+        params = v.SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            output_kind=v.RequestOutputKind.FINAL_ONLY,
+            detokenize=False,
+            extra_args={"kv_transfer_params": dict(SOURCE_PARAMS)},
+        )
+        handoff: dict[str, Any] | None = None
+        stream = llm.generate(v.tokens_input(list(token_ids)), params, f"{name}#kv{next(self._export_ids)}")
+        try:
+            async for out in stream:
+                if out.finished:
+                    handoff = dict(out.kv_transfer_params or {})
+                    break
+        except (v.ClientError, v.EngineDeadError, v.EngineGenerateError) as exc:
+            logger.warning("vLLM engine %s: KV export of %s failed: %r", self.name, name, exc)
+            handoff = None
+        finally:
+            await stream.aclose()
+        problem = check_handoff(handoff, len(token_ids), self.block_size)
+        if problem is not None:
+            logger.warning("vLLM engine %s: no KV hand-off for %s (%s)", self.name, name, problem)
+            return None
+        return handoff
+
     def resume(self, request_id: str) -> bool:
         """The stream goes on here (it resubmits the request as a continuation when next read)."""
         run = self._runs.get(request_id)
@@ -799,28 +919,80 @@ class VllmEngine:
         return True
 
     def transfer_time_s(self, num_blocks: int) -> float:
-        return 0.0  # nothing is transferred: recompute
+        return 0.0  # vLLM's connector moves real bytes (kv_transfer), or nothing moves (recompute)
 
     def reserve_migration(self, migration_id: str, request_id: str, token_ids: list[int]) -> int | None:
-        raise EngineRequestError("this vLLM engine migrates by recompute: it cannot take KV blocks")
+        """kv_transfer, the destination: room for a request whose whole blocks hold ``token_ids``. vLLM cannot set
+        blocks aside ahead of a request: this only checks that this engine lives and has the blocks free now (by
+        its latest KV usage) beyond what its prefix cache already holds, and remembers the migration; vLLM allocates
+        when ``commit_migration`` submits it (and queues it if the blocks went meanwhile). Returns the leading
+        blocks its prefix cache holds (not pulled), None without room."""
+        if self.migration_mode != MigrationMode.KV_TRANSFER:
+            raise EngineRequestError("this vLLM engine migrates by recompute: it takes no KV blocks")
+        self._check_alive()
+        if migration_id in self._reservations or request_id in self._runs:
+            raise EngineRequestError(f"request {request_id!r} already runs or migrates here")
+        cached = self._cached_blocks(token_ids)
+        need = len(token_ids) // self.block_size + 1 - cached  # whole blocks, the partial last one, less the hits
+        free = int(self._stats.num_total_blocks * (1.0 - self._stats.kv_usage))
+        if need > free:
+            return None
+        self._reservations[migration_id] = request_id
+        return cached
+
+    def _cached_blocks(self, token_ids: list[int]) -> int:
+        """Leading whole blocks of ``token_ids`` this engine's prefix cache holds, as its KV events told."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in block_hashes(token_ids[: len(token_ids) // self.block_size * self.block_size], self.block_size):
+            if not self._translator.holds(h):
+                break
+            n += 1
+        return n
 
     def extend_migration(self, migration_id: str, token_ids: list[int]) -> bool:
-        return False
+        return migration_id in self._reservations  # nothing is copied while the request decodes (no pre-copy)
 
     def cancel_migration(self, migration_id: str) -> bool:
-        return False
+        return self._reservations.pop(migration_id, None) is not None
 
     def commit_migration(self, migration_id: str | None, request: MigratingRequest) -> AsyncGenerator[TokenChunk, None]:
-        """Continue ``request`` here by recompute (prompt + outputs as a continuation; module docstring). Raises at
-        once (a dead engine, a bad or duplicate request) so that the commit can be refused."""
-        if migration_id is not None:
-            raise EngineRequestError("this vLLM engine migrates by recompute: no KV was reserved for it")
+        """Continue ``request`` here as a continuation (prompt + outputs, ``max_tokens`` less them, the seeded
+        sampler's draws replayed: module docstring). With a hand-off (``request.kv_transfer_params``) that this
+        engine can use (kv_transfer, ``check_handoff``), vLLM pulls the KV of every token and computes only the last
+        one; otherwise it computes them again, and ``request.kv_transfer_params`` is cleared to say so. Raises at
+        once (a dead engine, a bad or duplicate request, a reservation it does not hold) so the commit can be
+        refused."""
+        if migration_id is not None and migration_id not in self._reservations:
+            raise EngineRequestError(f"migration {migration_id} has nothing reserved here")
         _, v = self._check_alive()
         continuation = GenerateRequest(
             request.request_id, request.all_token_ids, request.sampling, num_output_tokens=request.position
         )
-        self._new_run(continuation, v)  # the checks generate() makes on first iteration, now
-        return self.generate(continuation)
+        params = request.kv_transfer_params
+        pull: Mapping[str, Any] | None = None
+        if params:
+            if self.migration_mode != MigrationMode.KV_TRANSFER:
+                problem: str | None = "this engine has no KV connector"
+            else:
+                problem = check_handoff(params, len(continuation.token_ids), self.block_size)
+            if problem is None:
+                pull = params
+            else:
+                self.migrations_in.refused += 1
+                logger.warning(
+                    "request %s: migration's KV hand-off refused (%s): recomputing", request.request_id, problem
+                )
+                request.kv_transfer_params = None
+        self._new_run(continuation, v, kv_transfer_params=pull)  # the checks generate() makes on first iteration, now
+        if migration_id is not None:
+            del self._reservations[migration_id]
+        if pull is not None:
+            self.migrations_in.pulled += 1
+        else:
+            self.migrations_in.recomputed += 1
+        return self._stream(continuation, kv_transfer_params=pull, counters=self.migrations_in)
 
     def _check_alive(self) -> tuple[Any, _Vllm]:
         if self._closed:

@@ -43,7 +43,9 @@ __all__ = [
     "SOURCE_PARAMS",
     "UCX_ENVIRONMENT",
     "check_handoff",
+    "choose_migration_mode",
     "choose_remote_prefill_mode",
+    "connector_role",
     "free_loopback_port",
     "kv_transfer_config",
     "nixl_unavailable_reason",
@@ -175,7 +177,7 @@ def choose_remote_prefill_mode(role: str, configured: str, unavailable: str | No
 
     ``mode`` is ``kv_transfer`` or ``recompute``; ``kv_role`` the connector's role (None: no connector); ``reason``
     says why, for the log. Raises ``ValueError`` when ``kv_transfer`` is required and NIXL is unavailable. Aggregated
-    workers never load a connector: nothing would use it (migration between them would need ``kv_both``)."""
+    workers pull no prompt (their connector, if any, is for migration: ``choose_migration_mode``)."""
     if configured not in ("auto", "kv_transfer", "recompute"):
         raise ValueError(f"remote_prefill_mode {configured!r}: expected auto, kv_transfer or recompute")
     kv_role = _KV_ROLES.get(role)
@@ -188,3 +190,38 @@ def choose_remote_prefill_mode(role: str, configured: str, unavailable: str | No
             raise ValueError(f"remote_prefill_mode = kv_transfer, but NIXL is unavailable: {unavailable}")
         return "recompute", None, f"NIXL is unavailable: {unavailable}"
     return "kv_transfer", kv_role, f"NIXL connector ({kv_role}), remote_prefill_mode = {configured}"
+
+
+def choose_migration_mode(role: str, configured: str, unavailable: str | None) -> tuple[str, str]:
+    """(mode, reason): how an engine of a worker of ``role`` moves its running requests to another worker, where its
+    config says ``configured`` (auto, kv_transfer, recompute) and NIXL is unavailable for ``unavailable``.
+
+    ``kv_transfer`` (an engine that is both a source and a target of hand-offs: ``connector_role``) or
+    ``recompute``. A prefill worker serves no client stream, so it moves nothing (``recompute``, never used).
+    Raises ``ValueError`` when ``kv_transfer`` is required and NIXL is unavailable."""
+    if configured not in ("auto", "kv_transfer", "recompute"):
+        raise ValueError(f"migration_mode {configured!r}: expected auto, kv_transfer or recompute")
+    if role == "prefill":
+        return "recompute", "a prefill worker moves no running request"
+    if configured == "recompute":
+        return "recompute", "migration_mode = recompute (configured)"
+    if unavailable is not None:
+        if configured == "kv_transfer":
+            raise ValueError(f"migration_mode = kv_transfer, but NIXL is unavailable: {unavailable}")
+        return "recompute", f"NIXL is unavailable: {unavailable}"
+    return "kv_transfer", f"NIXL connector (kv_both), migration_mode = {configured}"
+
+
+def connector_role(prefill_kv_role: str | None, migrates_kv: bool) -> str | None:
+    """The connector's ``kv_role`` for an engine whose remote prefill needs ``prefill_kv_role`` (None: none) and
+    that moves running requests' KV (``migrates_kv``); None: no connector.
+
+    A migrating engine is both a source (it keeps a suspended request's KV for a pull: ``do_remote_decode``) and a
+    target (it pulls: ``do_remote_prefill``), which is ``kv_both``. In vLLM 0.32's pull-mode NixlConnector the role
+    decides little (measured and read in its source, docs/vllm-cpu.md): both directions key on the per-request params,
+    and a producer role only adds that a request preempted while its hand-off is pending is recomputed rather than
+    exporting freed blocks (``requires_kv_delivery``), which a migration source wants. vLLM logs that ``kv_both`` with
+    NixlConnector is deprecated (a warning at start, nothing else)."""
+    if migrates_kv:
+        return "kv_both"
+    return prefill_kv_role

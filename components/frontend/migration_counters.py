@@ -1,0 +1,118 @@
+"""Workers' migration counters for ``/metrics``: ``MigrationCounters`` keeps the latest ``MigrationCountersReport`` of
+each worker (pure: every call takes ``now_s``), ``MigrationCountersFeed`` follows ``TOPIC_MIGRATION_COUNTERS`` into it,
+and ``components.frontend.metrics`` renders it at scrape time as ``kvmesh_worker_migrations_total`` and friends.
+
+Why through the frontend: a worker serves no HTTP endpoint of its own (its load goes out on NATS), and the frontend's
+``/metrics`` is where operators already look; every worker publishes its counters when they changed and every 10 s
+otherwise (components/workers/worker.py), so a frontend started later has them within 10 s. The counters are the
+worker's own, cumulative since it started: the frontend relays them as Prometheus counters (a restarted worker is a
+new instance id, hence new series). A worker silent for ``FORGET_AFTER_S`` is dropped (its series end, as a scrape
+target's do when it goes); at most ``MAX_WORKERS`` are kept, the longest silent dropped first.
+
+Owns: one subscription and one task (``frontend-migration-counters:<namespace>``, in the runtime's supervisor), both
+released by ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from components.protocol.endpoints import TOPIC_MIGRATION_COUNTERS
+from components.protocol.migration import MigrationCountersReport
+from components.runtime import EventSubscription, Runtime
+
+logger = logging.getLogger(__name__)
+
+FORGET_AFTER_S = 300.0  # 30 of a worker's repeats missed: it is gone
+MAX_WORKERS = 4096
+MAX_PENDING = 10_000  # unread events kept when the loop is starved (a newer report supersedes an older one)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerCounters:
+    instance_id: int
+    report: MigrationCountersReport
+    received_s: float
+
+
+class MigrationCounters:
+    """The latest counters heard from each worker (module docstring). Not thread-safe; one event loop owns it."""
+
+    def __init__(self) -> None:
+        self._workers: dict[int, WorkerCounters] = {}
+
+    def apply(self, source_id: int, report: MigrationCountersReport, now_s: float) -> None:
+        self._workers.pop(source_id, None)  # re-inserted last: the dict stays ordered by last report
+        self._workers[source_id] = WorkerCounters(source_id, report, now_s)
+        self._forget(now_s)
+
+    def workers(self, now_s: float) -> list[WorkerCounters]:
+        """Every worker heard within ``FORGET_AFTER_S``, by instance id."""
+        return sorted(
+            (w for w in self._workers.values() if now_s - w.received_s <= FORGET_AFTER_S), key=lambda w: w.instance_id
+        )
+
+    def _forget(self, now_s: float) -> None:
+        for iid in [i for i, w in self._workers.items() if now_s - w.received_s > FORGET_AFTER_S]:
+            del self._workers[iid]
+        while len(self._workers) > MAX_WORKERS:
+            del self._workers[next(iter(self._workers))]
+
+
+def parse_report(payload: Any) -> MigrationCountersReport | None:
+    """An event's payload as a ``MigrationCountersReport``; None when it is not one (a peer of another version)."""
+    if not isinstance(payload, dict):
+        return None
+    try:
+        return MigrationCountersReport.from_dict(payload)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class MigrationCountersFeed:
+    def __init__(
+        self, runtime: Runtime, namespace: str, counters: MigrationCounters, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.runtime = runtime
+        self.namespace = namespace
+        self.counters = counters
+        self.clock = clock
+        self.num_unparsed = 0
+        self._sub: EventSubscription[Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        events = self.runtime.namespace(self.namespace).events
+        self._sub = await events.subscribe(TOPIC_MIGRATION_COUNTERS, max_pending=MAX_PENDING)
+        self._task = self.runtime.supervisor.spawn(
+            self._consume(self._sub), name=f"frontend-migration-counters:{self.namespace}"
+        )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.close()
+            except Exception as e:  # noqa: BLE001 - the runtime's shutdown releases it anyway
+                logger.warning("closing subscription %s: %s", sub.topic, e)
+
+    async def _consume(self, sub: EventSubscription[Any]) -> None:
+        async for ev in sub:
+            report = parse_report(ev.payload)
+            if report is None:
+                self.num_unparsed += 1
+                if self.num_unparsed == 1 or self.num_unparsed % 1000 == 0:
+                    logger.warning(
+                        "migration counters from %x do not parse (%d so far)", ev.source_id, self.num_unparsed
+                    )
+                continue
+            self.counters.apply(ev.source_id, report, self.clock())

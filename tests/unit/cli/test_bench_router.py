@@ -1,0 +1,62 @@
+"""``kvmesh bench router``'s workload: what its decisions are timed on must not flatter the router's prompt memo."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from components.cli.bench import router as bench
+
+pytestmark = pytest.mark.unit
+
+
+def args(**over: object) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    ns = p.parse_args(["--indexed-blocks", "4000", "--families", "8", "--request-pool", "4", "--prompt-tokens", "2048"])
+    for k, v in over.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_every_prompt_is_new_and_a_conversations_turn_extends_its_previous_turn():
+    a = args()
+    fleet = bench.build_fleet(16, a, random.Random(0))
+    rng = random.Random(1)
+    prompts = [bench.next_prompt(fleet.shared, fleet.families, a, rng) for _ in range(200)]
+    assert len({tuple(p) for p in prompts}) == 200  # no prompt is sent twice: a memo cannot serve a whole one
+    assert all(len(p) == a.prompt_tokens and max(p) < bench.VOCAB for p in prompts)
+    cut = slice(a.shared_prefix_tokens, a.shared_prefix_tokens + 64)  # past the system prompt every prompt shares
+    assert all(p[: a.shared_prefix_tokens] == fleet.shared for p in prompts)
+    hits = [p for p in prompts if any(p[cut] == f[cut] for f in fleet.families)]
+    assert 0.6 < len(hits) / len(prompts) < 0.95  # --hit-fraction 0.8 of them continue a cached conversation
+    for p in hits:
+        family = next(f for f in fleet.families if f[cut] == p[cut])
+        # The turn carries the conversation's history; the previous turn (what the router saw) is a prefix of it.
+        history = len(p) - bench.NEW_TURN_TOKENS
+        assert p[:history] == family[:history] and p[history:] != family[history : len(p)]
+        prev = bench.previous_turn(family)
+        assert p[: len(prev)] == prev and len(prev) == history - bench.NEW_TURN_TOKENS
+
+
+def test_the_previous_turns_warm_the_memo_and_a_decision_reuses_them_but_hashes_its_new_turn():
+    a = args()
+    fleet = bench.build_fleet(16, a, random.Random(0))
+    router = bench.new_router("kv", fleet, 0, a.block_size)
+    bench.load_index(router, fleet, a.block_size)
+    bench.replay_previous_turns(router, fleet)
+    memo = router.hash_memo(a.block_size)
+    assert memo is not None and len(memo) > 0
+    out = bench.measure_decisions(router, fleet, args(decisions=60, warmup=0), random.Random(0))
+    m = out["hash_memo"]
+    # 2048-token prompts are 2 chunks: a conversation's first chunk comes from the memo, its second (history and
+    # new turn) is new; a new conversation's are both new.
+    assert m["chunk_hits"] > 0 and m["chunk_misses"] >= 60
+    assert 0 < out["routed_cached_fraction"] <= 1
+    off = bench.new_router("kv", fleet, 0, a.block_size, memo_blocks=0)
+    bench.load_index(off, fleet, a.block_size)
+    bench.replay_previous_turns(off, fleet)
+    cold = bench.measure_decisions(off, fleet, args(decisions=60, warmup=0), random.Random(0))
+    assert cold["hash_memo"]["chunk_hits"] == 0
