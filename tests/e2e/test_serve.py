@@ -301,7 +301,7 @@ def test_sigterm_drains_the_workers_and_leaves_no_process_behind(tmp_path):
         serve.wait_ready()
         st = serve.state()
         records = st.all_processes()
-        assert len(records) == 5  # serve, frontend, one worker replica, etcd, nats
+        assert len(records) == 4 + FRONTEND_PROCESSES  # serve, frontend's, one worker replica, etcd, nats
         assert all(p.alive() for p in records)
         follower = subprocess.Popen(
             kvmesh("logs", "mock-0", "-f", "--state-dir", str(tmp_path)),
