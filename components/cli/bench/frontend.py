@@ -82,6 +82,7 @@ class Side:
     tree: Path | None = None  # kvmesh: run this checkout's code (None: this one)
     url: str | None = None  # external: its base URL
     pids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # external: role -> pids
+    extra_body: dict[str, Any] | None = None  # external: fields added to each request (--url-extra-body)
 
     @property
     def external(self) -> bool:
@@ -178,10 +179,17 @@ def _kvmesh(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def load_config(
-    args: argparse.Namespace, url: str, seed: int, requests: int, pids: list[int], warm: bool
+    args: argparse.Namespace,
+    url: str,
+    seed: int,
+    requests: int,
+    pids: list[int],
+    warm: bool,
+    extra_body: dict[str, Any] | None = None,
 ) -> LoadConfig:
     return LoadConfig(
         url=url,
+        extra_body=extra_body,
         model=args.model,
         concurrency=args.concurrency,
         synthetic_prompt=args.synthetic_prompt,
@@ -203,12 +211,16 @@ async def measure(
 ) -> dict[str, Any]:
     """Warm up, then one measured window of ``args.requests`` requests; CPU by role."""
     if args.warmup_requests:
-        warm = await run_load(load_config(args, url, seed + 500_000, args.warmup_requests, [], warm=True))
+        warm = await run_load(
+            load_config(args, url, seed + 500_000, args.warmup_requests, [], warm=True, extra_body=side.extra_body)
+        )
         if not warm["requests_completed"]:
             raise RuntimeError(f"side {side.name}: no warm-up request completed: {warm['error_examples']}")
     role_of = {pid: role for role, pids in roles.items() for pid in pids}
     load_before = os.getloadavg()[0]
-    out = await run_load(load_config(args, url, seed, args.requests, list(role_of), warm=False))
+    out = await run_load(
+        load_config(args, url, seed, args.requests, list(role_of), warm=False, extra_body=side.extra_body)
+    )
     load_after = os.getloadavg()[0]
     done = out["requests_completed"]
     cpu_ms = dict.fromkeys(roles, 0.0)
@@ -243,7 +255,10 @@ def sides_of(args: argparse.Namespace) -> list[Side]:
     if args.compare_tree:
         sides.append(Side("baseline", tree=Path(args.compare_tree).resolve()))
     if args.url:
-        sides.append(Side("external", url=args.url, pids=parse_pids(args.url_pids or "")))
+        extra = json.loads(args.url_extra_body) if args.url_extra_body else None
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"--url-extra-body takes a JSON object; got {args.url_extra_body!r}")
+        sides.append(Side("external", url=args.url, pids=parse_pids(args.url_pids or ""), extra_body=extra))
     if args.sides:
         wanted = [s.strip() for s in args.sides.split(",") if s.strip()]
         unknown = sorted(set(wanted) - {s.name for s in sides})
@@ -529,6 +544,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="also load this OpenAI endpoint, already running (e.g. Dynamo's)")
     p.add_argument(
         "--url-pids", default=None, help="its processes by role for CPU: frontend=PID,workers=PID,nats=PID,etcd=PID"
+    )
+    p.add_argument(
+        "--url-extra-body",
+        default=None,
+        help="a JSON object whose fields are added to every request sent to --url (e.g. Dynamo's nvext annotations; "
+        "docs/frontend.md)",
     )
     p.add_argument("--rounds", type=int, default=6, help="rounds; each runs every side once, order alternating")
     p.add_argument("--requests", type=int, default=3000, help="measured requests per side and round")

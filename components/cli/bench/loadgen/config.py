@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -76,6 +76,11 @@ class LoadConfig(BaseModel):
         default=True,
         description="Send ignore_eos=true (a vLLM/kvmesh/Dynamo extension) so each request produces exactly its "
         "max_tokens; --no-ignore-eos for servers that reject unknown fields.",
+    )
+    extra_body: dict[str, Any] | None = Field(
+        default=None,
+        description="Fields added to every request's JSON body (a server's extensions, e.g. Dynamo's 'nvext'); the "
+        "request's own fields (model, prompt or messages, max_tokens, stream) win.",
     )
     vocab_size: int = Field(
         default=256,
