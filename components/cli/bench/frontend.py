@@ -282,6 +282,7 @@ async def run_policy(
                 assert side.url is not None
                 roles = {role: with_descendants(pids) for role, pids in side.pids.items()}
                 results.append(await measure(args, side, side.url, roles, seed))
+                _progress(policy, r, args.rounds, side, results[-1])
                 continue
             port = free_port()
             plan = plan_frontend(
@@ -311,10 +312,14 @@ async def run_policy(
                 results.append(await measure(args, side, url, roles, seed))
             finally:
                 await asyncio.to_thread(fe.stop)
-            print(f"bench frontend: {policy} round {r + 1}/{args.rounds} side {side.name}: "
-                  f"{json.dumps(_brief(results[-1]))}", file=sys.stderr, flush=True)  # fmt: skip
+            _progress(policy, r, args.rounds, side, results[-1])
         rounds.append(results)
     return {"router_policy": policy, "rounds": rounds, **summarize(rounds, [s.name for s in sides], pairs_of(sides))}
+
+
+def _progress(policy: str, r: int, rounds: int, side: Side, result: dict[str, Any]) -> None:
+    print(f"bench frontend: {policy} round {r + 1}/{rounds} side {side.name}: {json.dumps(_brief(result))}",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
