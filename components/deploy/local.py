@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel, Field
 
 from components.deploy.circus import CircusLauncher, WatcherInfo, detect_gpus, rotate_log
@@ -250,6 +251,8 @@ class Deployment:
                 changed = True
         for w in self.state.watchers:
             new = procs.get(w.name, [])
+            if w.kind == "frontend":
+                new = new + replica_processes(new)
             if new != w.processes:
                 w.processes = new
                 changed = True
@@ -396,6 +399,23 @@ class Deployment:
             self.state.status = "stopped"
         with contextlib.suppress(OSError):
             self.write()
+
+
+def replica_processes(parents: Iterable[ProcessRecord]) -> list[ProcessRecord]:
+    """The frontend's replica processes (``kvmesh frontend --replicas N`` runs them as its children): recorded with
+    the watcher's own, so that ``kvmesh stop`` waits for every one of them and ends them if serve is gone."""
+    out: list[ProcessRecord] = []
+    for parent in parents:
+        try:
+            children = psutil.Process(parent.pid).children()
+        except psutil.Error:
+            continue
+        for child in sorted(children, key=lambda c: c.pid):
+            try:
+                out.append(ProcessRecord(pid=child.pid, create_time=child.create_time()))
+            except psutil.Error:
+                continue
+    return out
 
 
 def registered_workers_by_pid(instances: Iterable[InstanceInfo]) -> dict[int, int]:

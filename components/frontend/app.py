@@ -58,6 +58,8 @@ _STATUS: list[tuple[type[FrontendError], int, str]] = [
     (ModelUnavailableError, 500, "server_error"),
     (FrontendError, 500, "server_error"),
 ]
+# At most this many chunks share one write (a stream that fell far behind still reaches the client in pieces).
+_MAX_GATHERED = 16
 _CLIENT_CLOSED = 499  # nginx's code for "the client went away first", used only as a metrics label
 _PUBLIC_PATHS = {"/health"}
 
@@ -310,33 +312,45 @@ class FrontendApp:
         await response.prepare(request)
         write = response.write
         status = 200
+        pending: list[bytes] = []  # chunks read but not written yet: what arrived together goes out in one write
         try:
             async with asyncio.timeout_at(deadline):
                 # A chunk per worker output that carried tokens, even when its text is empty (bytes of an unfinished
                 # UTF-8 character, text held back by a stop string), as vLLM's server streams: with a byte-level
                 # tokenizer a token is often part of a character, and skipping it made the first chunk wait for the
                 # tokens that complete it (issue 4; measured in docs/vllm-cpu.md, "Benchmark: kvmesh bench vs-vllm").
+                # Chunks whose outputs were already here when the previous one was read share one write (and one
+                # syscall): never a wait, only less work when the frontend falls behind the workers.
                 num_sent = 0
                 async for text, finish in gen:
                     if text or finish is not None or gen.num_output_tokens != num_sent:
                         num_sent = gen.num_output_tokens
-                        await write(enc.chunk(text, finish, gen))
+                        pending.append(enc.chunk(text, finish, gen))
+                    if pending and (len(pending) >= _MAX_GATHERED or not gen.ready()):
+                        await write(pending[0] if len(pending) == 1 else b"".join(pending))
+                        pending.clear()
+                if pending:
+                    await write(b"".join(pending))
+                    pending.clear()
             if req.include_usage:
                 await write(enc.usage(gen))
         except FrontendError as e:
             status, kind = status_of(e)
-            await self._write_error(write, error_body(e.message, kind, e.param, e.code))
+            await self._write_error(write, pending, error_body(e.message, kind, e.param, e.code))
         except TimeoutError:
             status, kind = status_of(UpstreamTimeoutError(""))
             msg = f"the request took longer than {self.config.request_timeout_s:g} s (request_timeout_s)"
-            await self._write_error(write, error_body(msg, kind, None, UpstreamTimeoutError.code))
+            await self._write_error(write, pending, error_body(msg, kind, None, UpstreamTimeoutError.code))
         await write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response, status
 
-    async def _write_error(self, write: Callable[[bytes], Awaitable[None]], body: dict[str, Any]) -> None:
+    async def _write_error(
+        self, write: Callable[[bytes], Awaitable[None]], pending: list[bytes], body: dict[str, Any]
+    ) -> None:
+        """The chunks read before the error, then the error event."""
         logger.info("stream ended with an error: %s", body["error"]["message"])
-        await write(b"data: " + _dumps(body).encode() + b"\n\n")
+        await write(b"".join(pending) + b"data: " + _dumps(body).encode() + b"\n\n")
 
 
 def _usage(gen: Generation) -> dict[str, Any]:

@@ -8,9 +8,25 @@ with an embedded router, so every ``RouterConfig`` knob is a frontend flag too (
 
 from __future__ import annotations
 
+import os
+
 from pydantic import ConfigDict, Field
 
 from components.router.config import RouterConfig
+
+# The default number of frontend processes is one per usable core, at most this many: one process serves several
+# hundred streamed requests/s, and each holds its own tokenizer, KV index and connections (~130 MiB resident with
+# transformers imported), so beyond 8 memory grows faster than anything a frontend would need.
+MAX_DEFAULT_REPLICAS = 8
+
+
+def default_replicas() -> int:
+    """Frontend processes when ``replicas`` is unset: the cores this process may run on, 1 to 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_REPLICAS))
 
 
 class FrontendConfig(RouterConfig):
@@ -25,6 +41,21 @@ class FrontendConfig(RouterConfig):
         "--api-key too.",
     )
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on; 0 picks a free one.")
+    replicas: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="Frontend processes accepting on the one port (SO_REUSEPORT: the kernel spreads connections "
+        "over them), so the frontend uses more than one core; they share their routers' in-flight counts over "
+        "NATS (router_replica_sync) and their /metrics. Unset: one per usable core, at most 8. 1: one process, "
+        "no helper processes (vLLM's --api-server-count).",
+        json_schema_extra={"cli_aliases": ["--api-server-count"]},
+    )
+    reuse_port: bool = Field(
+        default=False,
+        description="Bind the port with SO_REUSEPORT, so that other frontend processes of this user may accept on "
+        "it too (--replicas sets it on its processes; set it by hand to run replicas under another supervisor).",
+    )
     api_key: str | None = Field(
         default=None,
         description="If set, every request but GET /health must carry 'Authorization: Bearer <key>' (401 otherwise). "

@@ -349,6 +349,11 @@ class Dispatch:
             if accepted is not None:
                 return accepted
 
+    def ready(self) -> bool:
+        """Whether ``next_item`` has an item here already (it may still wait: a repeat that brings nothing new)."""
+        stream = self.stream
+        return stream is not None and stream.ready()
+
     def _accept(self, item: dict[str, Any]) -> dict[str, Any] | None:
         """Splice ``item`` at the client's position (module docstring): the item to deliver (trimmed of tokens the
         client has), None when it brings nothing new; ``Interrupted`` when tokens before it are missing."""

@@ -1,10 +1,13 @@
 """``kvmesh frontend``: serve the OpenAI API for a namespace's workers until SIGTERM/SIGINT.
 
-    kvmesh frontend --namespace NS [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--etcd URL] [--nats URL]
+    kvmesh frontend --namespace NS [--host 127.0.0.1] [--port 8000] [--replicas N] [--api-key KEY] [--etcd URL] ...
 
 Prints ``READY http://host:port`` once listening (the real port when ``--port 0``), and ``STOPPED`` after a graceful
 shutdown: stop listening, let requests in flight finish for up to ``--shutdown-timeout-s``, leave the mesh. The
 process around it (flags of the runtime, signals, READY/STOPPED) is ``components.runtime.process``.
+
+``--replicas N`` (default: one per usable core, at most 8) with N > 1 runs N such processes on the one port under a
+small supervisor (``components.frontend.replicas``); N = 1 serves in this process.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import argparse
 import logging
 import os
 
-from components.frontend.config import FrontendConfig
+from components.frontend.config import FrontendConfig, default_replicas
+from components.frontend.replicas import REPLICA_ENV, run_replicas
 from components.frontend.server import Frontend
 from components.runtime import Runtime, eventloop
 from components.runtime.flags import add_model_arguments, model_from_args
@@ -57,6 +61,9 @@ class FrontendProcess:
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    return eventloop.run(
-        run_component(args, f"kvmesh-frontend-{cfg.namespace}", lambda runtime: FrontendProcess(cfg, runtime))
-    )
+    num = cfg.replicas if cfg.replicas is not None else default_replicas()
+    if num > 1:
+        return run_replicas(cfg, num, args)
+    replica = os.environ.get(REPLICA_ENV)
+    name = f"kvmesh-frontend-{cfg.namespace}" + (f"-{replica}" if replica else "")
+    return eventloop.run(run_component(args, name, lambda runtime: FrontendProcess(cfg, runtime)))

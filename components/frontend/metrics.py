@@ -25,6 +25,17 @@ that read it: absent while no alive prefill worker could read it) and ``prefill_
 they all went silent). They are computed at scrape time from the reports (a collector, not gauges set on every
 report), so a silent worker stops counting without a timer, and a queue nobody reads is not shown as empty.
 
+Several processes (``kvmesh frontend --replicas N``, components/frontend/replicas.py): with prometheus_client's
+``PROMETHEUS_MULTIPROC_DIR`` set in the environment before it is imported, every process writes its counters,
+histograms and gauges to files there and ``render`` sums every process's (``kvmesh_frontend_inflight_requests`` over
+the live ones), so a scrape answered by any replica counts every replica's requests. The collectors computed at
+scrape time (worker info, prefill queues, the router's view) come from the answering process, whose view of the
+workers is the same as the others' (with router replica sync, so are its in-flight counts; every replica follows
+the KV events, so are its KV blocks).
+
+The router's own view, per worker, at scrape time: ``kvmesh_frontend_router_inflight_requests`` (requests in
+flight there as it counts them) and ``kvmesh_frontend_router_kv_blocks`` (blocks its KV index holds, KV policies).
+
 Migrations as the workers count them (``components.frontend.migration_counters`` follows their
 ``MigrationCountersReport``s on ``TOPIC_MIGRATION_COUNTERS``), rendered at scrape time with the worker's own
 cumulative values: ``kvmesh_worker_migrations_total{model,worker,direction,outcome,mode}`` (``direction`` out: the
@@ -46,11 +57,12 @@ many instance ids over one frontend's life grows the exposition by three series 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -58,6 +70,7 @@ from components.frontend.migration_counters import MigrationCounters, WorkerCoun
 from components.router.prefill_queue import PrefillQueues, PrefillQueueView
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Seconds. TTFT from a few ms (mock workers, cached prefixes) to minutes (a long queue); ITL from 1 ms to 1 s.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -197,6 +210,40 @@ class WorkerInfoCollector(Collector):
         return iter([worker_info_family({})])
 
 
+def router_view_families(view: Mapping[str, Mapping[int, tuple[int, int | None]]]) -> list[Metric]:
+    """The router's own view of each worker (``Router.load_view``): requests in flight and indexed KV blocks."""
+    inflight = GaugeMetricFamily(
+        "kvmesh_frontend_router_inflight_requests",
+        "Requests in flight on the worker as the router of the frontend process that answers counts them (its own "
+        "and, with router replica sync, those its replicas placed)",
+        labels=["model", "worker"],
+    )
+    blocks = GaugeMetricFamily(
+        "kvmesh_frontend_router_kv_blocks",
+        "KV blocks the router of the frontend process that answers indexes for the worker (KV-aware policies)",
+        labels=["model", "worker"],
+    )
+    for model, by_id in sorted(view.items()):
+        for iid, (n, kv) in sorted(by_id.items()):
+            inflight.add_metric([model, f"{iid:x}"], float(n))
+            if kv is not None:
+                blocks.add_metric([model, f"{iid:x}"], float(kv))
+    return [inflight, blocks]
+
+
+class RouterViewCollector(Collector):
+    """Renders ``source()`` (``Router.load_view``) at scrape time."""
+
+    def __init__(self, source: Callable[[], Mapping[str, Mapping[int, tuple[int, int | None]]]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(router_view_families(self.source()))
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(router_view_families({}))
+
+
 class PrefillQueueCollector(Collector):
     """Renders ``queues`` at scrape time (``clock``: the monotonic clock its reports were applied with)."""
 
@@ -287,7 +334,9 @@ class ModelMetrics:
 
 class FrontendMetrics:
     """``policy``: the router policy's readable name, the ``policy`` label of routing decisions. ``prefill_queues``
-    is what the prefill-queue gauges show (``components.frontend.prefill_queue`` fills it), read with ``clock``."""
+    is what the prefill-queue gauges show (``components.frontend.prefill_queue`` fills it), read with ``clock``.
+    ``multiprocess_dir`` (default: ``$PROMETHEUS_MULTIPROC_DIR``): render every process's metrics written there
+    (module docstring); it must be the directory prometheus_client was imported with."""
 
     def __init__(
         self,
@@ -295,8 +344,11 @@ class FrontendMetrics:
         prefill_queues: PrefillQueues | None = None,
         clock: Callable[[], float] = time.monotonic,
         worker_metadata: Callable[[], Mapping[str, Mapping[int, Mapping[str, Any]]]] | None = None,
+        multiprocess_dir: str | None = None,
+        router_view: Callable[[], Mapping[str, Mapping[int, tuple[int, int | None]]]] | None = None,
     ) -> None:
         self.policy = policy
+        self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.prefill_queues = prefill_queues if prefill_queues is not None else PrefillQueues()
         # The workers' migration counters (components.frontend.migration_counters fills it), read with ``clock``.
         self.migration_counters = MigrationCounters()
@@ -308,7 +360,13 @@ class FrontendMetrics:
             ["endpoint", "model", "status"],
             registry=r,
         )
-        self.inflight = Gauge("kvmesh_frontend_inflight_requests", "Requests being generated", ["model"], registry=r)
+        self.inflight = Gauge(
+            "kvmesh_frontend_inflight_requests",
+            "Requests being generated",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",  # several replicas: the sum over the live ones
+        )
         self.ttft = Histogram(
             "kvmesh_frontend_time_to_first_token_seconds",
             "From the request's arrival to its first output token",
@@ -383,10 +441,17 @@ class FrontendMetrics:
             ["model", "policy", "kind"],
             registry=r,
         )
-        r.register(PrefillQueueCollector(self.prefill_queues, clock))
-        r.register(MigrationCountersCollector(self.migration_counters, clock))
+        # What /metrics renders: this registry, or with replicas every process's files plus this one's live views.
+        self._render_registry = r
+        if self.multiprocess_dir is not None:
+            self._render_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._render_registry, path=self.multiprocess_dir)
+        self._render_registry.register(PrefillQueueCollector(self.prefill_queues, clock))
+        self._render_registry.register(MigrationCountersCollector(self.migration_counters, clock))
         if worker_metadata is not None:
-            r.register(WorkerInfoCollector(worker_metadata))
+            self._render_registry.register(WorkerInfoCollector(worker_metadata))
+        if router_view is not None:
+            self._render_registry.register(RouterViewCollector(router_view))
         self._models: dict[str, ModelMetrics] = {}
 
     def model(self, name: str) -> ModelMetrics:
@@ -399,4 +464,4 @@ class FrontendMetrics:
         self.requests.labels(endpoint=endpoint, model=model, status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._render_registry)

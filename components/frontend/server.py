@@ -43,7 +43,11 @@ class Frontend:
         self.router = Router(config)
         # Load metrics, KV events (KV policies) and replica sync; membership comes from the registry below.
         self.feed = RouterFeed(runtime, self.router, config.namespace, config.components)
-        self.metrics = FrontendMetrics(policy=self.router.policy.name, worker_metadata=self.router.worker_metadata)
+        self.metrics = FrontendMetrics(
+            policy=self.router.policy.name,
+            worker_metadata=self.router.worker_metadata,
+            router_view=self.router.load_view,
+        )
         # Prefill workers' queue reports -> the prefill-queue gauges of /metrics (disaggregated serving).
         self.prefill_queue = PrefillQueueFeed(runtime, config.namespace, self.metrics.prefill_queues)
         # Workers' migration counters -> kvmesh_worker_migrations_total and friends.
@@ -69,7 +73,8 @@ class Frontend:
         )
         await runner.setup()
         self._runner = runner
-        site = web.TCPSite(runner, self.config.host, self.config.port)
+        # reuse_port: other replicas of this frontend listen on the same port (components/frontend/replicas.py).
+        site = web.TCPSite(runner, self.config.host, self.config.port, reuse_port=self.config.reuse_port or None)
         await site.start()
         host, port = runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"

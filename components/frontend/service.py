@@ -153,6 +153,10 @@ class Generation:
                 item = await self._dispatch.resume(e, self.num_output_tokens)
         return self._process(item)
 
+    def ready(self) -> bool:
+        """Whether the next item is here already: a writer can gather what arrived together into one write."""
+        return self._first is not None or (self.finish_reason is None and self._dispatch.ready())
+
     def _process(self, item: dict[str, Any]) -> tuple[str, str | None]:
         ids: list[int] = item["token_ids"]
         finish: str | None = item["finish_reason"]

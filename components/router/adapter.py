@@ -673,6 +673,17 @@ class Router:
         load = self._loads.get(instance_id)
         return 0 if load is None else load.active_requests
 
+    def load_view(self) -> dict[str, dict[int, tuple[int, int | None]]]:
+        """Per model and worker: the requests in flight there as this router counts them (its own and, with replica
+        sync, its replicas'), and the KV blocks its index holds for the worker (None for a policy without KV)."""
+        return {
+            model: {
+                iid: (self.active_requests(iid), self.index.num_blocks(iid) if self.uses_kv else None)
+                for iid in state.metadata
+            }
+            for model, state in self._models.items()
+        }
+
     # --- event plane ------------------------------------------------------------------------------------------------
 
     def apply_load(self, instance_id: int, snapshot: LoadSnapshot, now_s: float) -> None:
@@ -736,6 +747,15 @@ class Router:
         """Apply another router's sync message (``protocol`` module docstring). Raises ``RouterProtocolError`` for
         one that does not parse; this router's own messages are ignored."""
         if replica_id == self.replica_id:
+            return
+        if isinstance(msg, Mapping) and msg.get("op") == "batch":  # several changes in one (RouterFeed gathers them)
+            ops = msg.get("ops")
+            if not isinstance(ops, list):
+                raise RouterProtocolError(f"malformed sync batch from {replica_id:x}: ops is {type(ops).__name__}")
+            for op in ops:
+                if not isinstance(op, Mapping):
+                    raise RouterProtocolError(f"malformed sync batch from {replica_id:x}: an op is {op!r}")
+                self.apply_sync(replica_id, op, now_s)
             return
         self.stats.num_sync_messages += 1
         if replica_id not in self._remote_seen:

@@ -10,8 +10,9 @@
 - discovery (``watch_workers``, the standalone router; the frontend's model registry does this itself) -> the
   ``generate`` instances of the configured components, grouped by their ``model`` metadata, ->
   ``Router.set_workers``; a worker that deregisters, or whose lease expires, leaves with its KV blocks;
-- ``router_sync`` topic (``router_replica_sync``): publishes this router's assignment changes as they happen and its
-  whole in-flight table every ``router_sync_interval_s``; applies the other replicas'; forgets a replica silent for
+- ``router_sync`` topic (``router_replica_sync``): publishes this router's assignment changes as they happen
+  (those within ``SYNC_GATHER_S`` of each other in one ``batch`` message) and its whole in-flight table every
+  ``router_sync_interval_s``; applies the other replicas'; forgets a replica silent for
   5 intervals (its process died) together with its requests.
 
 Owns: its subscriptions, its runtime clients and its tasks (named ``router-*``, in the runtime's supervisor), all
@@ -50,6 +51,9 @@ RESYNC_TIMEOUT_S = 5.0
 RESYNC_BACKOFF_S = (0.1, 5.0)
 # A replica that published nothing (not even its periodic state) for this many sync intervals is presumed dead.
 REPLICA_TIMEOUT_INTERVALS = 5
+# How long the first assignment change waits for others to share its sync message: 2 ms, against load reports
+# every 100 ms; at 400 requests/s (1,200 changes/s) about 2-3 changes share a message instead of one each.
+SYNC_GATHER_S = 0.002
 
 
 class RouterFeed:
@@ -276,17 +280,21 @@ class RouterFeed:
                 logger.warning("%s", e)
 
     async def _publish_sync(self) -> None:
+        """Assignment changes go out in batches: the first change waits ``SYNC_GATHER_S`` for others, then every
+        change queued by then leaves in one ``batch`` message (three changes per request, each sent alone, cost
+        every replica three messages per request placed anywhere). The whole table follows every interval."""
         router = self.router
         events = self.runtime.namespace(self.namespace).events
         interval = router.config.router_sync_interval_s
         loop = asyncio.get_running_loop()
         next_state = loop.time()
+        outbox = self._outbox
         while True:
             msg: dict[str, Any] | None
             wait = next_state - loop.time()
             if wait > 0:
                 try:
-                    msg = await asyncio.wait_for(self._outbox.get(), wait)
+                    msg = await asyncio.wait_for(outbox.get(), wait)
                 except TimeoutError:
                     msg = None
             else:
@@ -294,15 +302,18 @@ class RouterFeed:
             batch: list[dict[str, Any]] = []
             if msg is not None:
                 batch.append(msg)
+                await asyncio.sleep(SYNC_GATHER_S)
+                while not outbox.empty():
+                    batch.append(outbox.get_nowait())
             else:
                 # The periodic state goes out after everything queued before it, so it is the newest word.
-                while not self._outbox.empty():
-                    batch.append(self._outbox.get_nowait())
+                while not outbox.empty():
+                    batch.append(outbox.get_nowait())
                 batch.append(router.sync_state())
                 next_state = loop.time() + interval
                 router.expire_replicas(time.monotonic(), REPLICA_TIMEOUT_INTERVALS * interval)
-            for m in batch:
-                try:
-                    await events.publish(TOPIC_ROUTER_SYNC, m, source_id=router.replica_id)
-                except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next state message heals the loss
-                    logger.debug("publishing router sync: %s", e)
+            out = batch[0] if len(batch) == 1 else {"op": "batch", "ops": batch}
+            try:
+                await events.publish(TOPIC_ROUTER_SYNC, out, source_id=router.replica_id)
+            except Exception as e:  # noqa: BLE001 - NATS reconnecting: the next state message heals the loss
+                logger.debug("publishing router sync: %s", e)

@@ -17,7 +17,9 @@ Topic ``router_sync`` (event plane, source id = the router replica's id), payloa
 - ``{"op": "state", "inflight": [Assignment.to_list(), ...]}``: the replica's whole in-flight table, every
   ``router_sync_interval_s``; receivers replace their view of that replica with it, which heals lost messages and
   teaches a replica that joined late;
-- ``{"op": "bye"}``: the replica is shutting down; forget its assignments.
+- ``{"op": "bye"}``: the replica is shutting down; forget its assignments;
+- ``{"op": "batch", "ops": [message, ...]}``: several of the above from one replica, applied in order (routers
+  gather the changes of a few milliseconds into one message).
 
 Unknown ops are ignored, so a newer router can add some without breaking older replicas.
 """

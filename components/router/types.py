@@ -396,11 +396,15 @@ class RoutingPolicy(Protocol[S]):
     ``workers`` come in ascending ``instance_id`` order, so a policy that walks them is deterministic given its state
     and ``rng``; the router passes a ``WorkerTable``, whose summaries a policy may use to skip that walk, deciding as
     it would over a plain list. ``uses_kv``: the router hashes the prompt and fills ``RouteRequest.overlap_blocks``
-    only for policies that read them (hashing an 8k-token prompt costs ~115 us).
+    only for policies that read them (hashing an 8k-token prompt costs ~115 us). ``uses_inflight``: it reads what the
+    router counts in flight per worker (requests, prompt tokens, blocks, prefill tokens), so routers that place
+    requests on the same workers (frontend replicas) must share their assignments for its decisions to be right;
+    a policy that reads none of it (round robin, random) gains nothing from that sharing.
     """
 
     name: str
     uses_kv: bool
+    uses_inflight: bool
 
     def initial_state(self) -> S: ...
 

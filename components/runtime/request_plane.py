@@ -498,6 +498,51 @@ def _on_reprobe(ref: weakref.ref[ResponseStream]) -> None:
         stream._on_reprobe()
 
 
+class FrameQueue:
+    """One stream's frames in arrival order, for its one reader: what ``asyncio.Queue`` gives it (``put_nowait``,
+    ``get``, ``get_nowait``, ``empty``) for less (no task accounting, no getter list: one waiter at most; a frame put
+    and taken without waiting costs ~0.13 us against ~0.44 us), plus ``peek``, so the reader can tell whether its
+    next item is already here."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[list[Any]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: list[Any]) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def peek(self) -> list[Any] | None:
+        return self._items[0] if self._items else None
+
+    def get_nowait(self) -> list[Any]:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> list[Any]:
+        while not self._items:
+            w = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await w
+            finally:
+                if self._waiter is w:
+                    self._waiter = None
+        return self._items.popleft()
+
+
 def _on_stream_timer(ref: weakref.ref[ResponseStream]) -> None:
     # A weak reference: the timer must not keep a dropped stream alive (its __del__ cancels the request).
     stream = ref()
@@ -522,7 +567,7 @@ class ResponseMux:
         self._listener = (
             ResponseListener(response_host, self._on_batch, self._on_connection_lost) if response_host else None
         )
-        self._queues: dict[int, asyncio.Queue[list[Any]]] = {}
+        self._queues: dict[int, FrameQueue] = {}
         self._source: dict[int, Any] = {}  # stream key -> the direct connection its ACK came on
         # Streams given up on before their end: key -> [instance subject, request id, when CANCEL was last sent].
         # Frames that keep arriving for one mean the CANCEL was lost (the bus was down): it is sent again.
@@ -621,9 +666,9 @@ class ResponseMux:
             seq, kind, payload = -2, -1, None
         q.put_nowait([key, seq, kind, payload])
 
-    def open(self) -> tuple[int, str, asyncio.Queue[list[Any]]]:
+    def open(self) -> tuple[int, str, FrameQueue]:
         key = next(self._counter)
-        q: asyncio.Queue[list[Any]] = asyncio.Queue()
+        q = FrameQueue()
         self._queues[key] = q
         return key, f"{self._prefix}.{key}", q
 
@@ -660,7 +705,7 @@ class ResponseStream:
         request_id: str,
         key: int,
         inbox: str,
-        queue: asyncio.Queue[list[Any]],
+        queue: FrameQueue,
         idle_probe_s: float,
         probe_timeout_s: float,
     ) -> None:
@@ -691,6 +736,14 @@ class ResponseStream:
     @property
     def done(self) -> bool:
         return self._done
+
+    def ready(self) -> bool:
+        """Whether the next item is already here (``__anext__`` returns it without waiting): a caller that writes
+        what it reads can gather what arrived together into one write."""
+        head = self._q.peek()
+        if head is not None:
+            return head[1] == self._next_seq and head[2] == DATA
+        return bool(self._held) and self._next_seq in self._held
 
     def __aiter__(self) -> ResponseStream:
         return self
@@ -877,10 +930,30 @@ class ResponseStream:
         """Cancel the request on the instance if it has not finished."""
         if self._done:
             return
+        if self._ended_in_queue():
+            return
         self._finish()
         self._mux.abandon(self._key, self.subject, self.request_id)
         with contextlib.suppress(Exception):
             await self._bus.publish(self.subject, pack([CANCEL, self.request_id]))
+
+    def _ended_in_queue(self) -> bool:
+        """Whether the instance's END is already here, right behind the frames the caller read: a caller that stops
+        at the last item it wanted (a finish reason) closes the stream before reading END, and a CANCEL then would
+        cost a message to the instance for a request it no longer runs. Drops the frames it reads (the caller is
+        closing); finishes the stream when END is found."""
+        q = self._q
+        while not q.empty():
+            msg = q.get_nowait()
+            if msg[1] != self._next_seq:
+                return False  # a probe's answer, an out-of-order frame: cannot tell, cancel
+            self._next_seq += 1
+            if msg[2] == END:
+                self._finish()
+                return True
+            if msg[2] != DATA:
+                return False
+        return False
 
     def _cancel_in_background(self) -> None:
         if self._done:

@@ -44,11 +44,26 @@ def test_bench_fleet():
 
 
 def test_bench_frontend(tmp_path):
-    r = bench("frontend", "--requests", "40", "--concurrency", "4", "--prompt-tokens", "64", "--max-tokens", "8",
-              "--state-dir", str(tmp_path))  # fmt: skip
-    assert r["requests_completed"] == 40 and r["errors"] == {}
-    assert r["frontend"]["frontend_cpu_ms_per_request"] > 0
-    assert r["baseline_runtime_client"]["client_cpu_ms_per_request"] > 0
+    # Sides 1, 2 (replicas) and baseline (this same checkout, run as --compare-tree would run an older one), two ABBA
+    # rounds of the KV policy on the default graph's simulated workers.
+    r = bench("frontend", "--router-policies", "kv", "--rounds", "2", "--requests", "40", "--warmup-requests", "8",
+              "--concurrency", "4", "--prompt-tokens", "64", "--shared-prefix-tokens", "32", "--max-tokens", "8",
+              "--replicas", "2", "--compare-tree", str(ROOT), "--state-dir", str(tmp_path))  # fmt: skip
+    (pol,) = r["policies"]
+    assert pol["router_policy"] == "kv" and len(pol["rounds"]) == 2
+    # ABBA: the second round runs the sides in reverse order.
+    assert [x["side"] for x in pol["rounds"][0]] == ["1", "2", "baseline"]
+    assert [x["side"] for x in pol["rounds"][1]] == ["baseline", "2", "1"]
+    for rnd in pol["rounds"]:
+        for x in rnd:
+            assert x["requests_completed"] == 40 and x["errors"] == {}, x
+            assert x["cpu_ms_per_request"]["frontend"] > 0 and x["requests_per_s"] > 0
+            assert x["hit_rate"] is not None and x["ttft_ms"]["p99"] > 0
+    assert {x["processes"]["frontend"] for x in pol["rounds"][0] if x["side"] == "2"} == {3}  # supervisor + 2
+    assert {"2_over_1", "1_over_baseline", "2_over_baseline"} <= set(pol["paired_ratios"])
+    t = r["targets"]["kv"]
+    assert set(t["2_over_1"]) >= {"requests_per_s_at_least_1_5", "ttft_p99_lower", "hit_rate_within_2_points"}
+    assert t["1_over_baseline"]["at_most_0_8"] in (True, False)
 
 
 @pytest.mark.vllm

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from components.deploy.state import ProcessRecord, ServeState, read_state, state_path
+from components.frontend.config import default_replicas
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -33,6 +34,8 @@ NS = "mock"  # graphs/mock_agg.yaml's namespace
 FAST = ["--set", "frontend.port=0", "--set", "workers[0].speedup_ratio=.inf"]
 SMALL = [*FAST, "--set", "workers[0].replicas=1", "--set", "workers[0].num_workers=2"]
 START_TIMEOUT_S = 90.0  # two cores shared with other tests: imports alone take seconds per process
+# The frontend's processes by default: one per core (at most 8), under a supervisor when there are several.
+FRONTEND_PROCESSES = 1 + default_replicas() if default_replicas() > 1 else 1
 
 
 def kvmesh(*args: str) -> list[str]:
@@ -208,7 +211,8 @@ def test_the_state_file_records_watchers_processes_and_endpoints(mock_agg):
         ("mock-mock-1", "worker", 8),
     ]
     for w in st.watchers:
-        assert len(w.processes) == 1 and w.processes[0].alive()
+        assert len(w.processes) == (FRONTEND_PROCESSES if w.kind == "frontend" else 1)
+        assert all(p.alive() for p in w.processes)
         assert w.env["KVMESH_ETCD_ENDPOINTS"] == st.etcd_endpoints[0]
         assert Path(w.log) == serve.state_dir / "logs" / f"{w.name}.log"
         assert w.gpus == []  # no GPU asked for
@@ -224,12 +228,16 @@ def test_every_process_shares_serves_session_in_its_own_process_group(mock_agg):
     serve, _ = mock_agg
     st = serve.state()
     session = os.getsid(serve.proc.pid)
-    procs = [p for w in st.watchers for p in w.processes]
+    procs = [w.processes[0] for w in st.watchers]  # each watcher's own process
     procs += [st.embedded_etcd.process, st.embedded_nats.process]  # type: ignore[union-attr]
     assert len(procs) == 5
     for p in procs:
         assert os.getsid(p.pid) == session, p
         assert os.getpgid(p.pid) == p.pid, p
+    # The frontend's replicas (when it has several) run in its process group: a signal to the group reaches them.
+    frontend = next(w for w in st.watchers if w.kind == "frontend")
+    for p in frontend.processes[1:]:
+        assert os.getsid(p.pid) == session and os.getpgid(p.pid) == frontend.processes[0].pid, p
 
 
 def test_the_circus_controller_lists_the_watchers(mock_agg):
@@ -293,7 +301,7 @@ def test_sigterm_drains_the_workers_and_leaves_no_process_behind(tmp_path):
         serve.wait_ready()
         st = serve.state()
         records = st.all_processes()
-        assert len(records) == 5  # serve, frontend, one worker replica, etcd, nats
+        assert len(records) == 4 + FRONTEND_PROCESSES  # serve, frontend's, one worker replica, etcd, nats
         assert all(p.alive() for p in records)
         follower = subprocess.Popen(
             kvmesh("logs", "mock-0", "-f", "--state-dir", str(tmp_path)),
@@ -342,6 +350,37 @@ def test_detach_returns_once_ready_and_stop_ends_everything(tmp_path):
         kill_leftovers(tmp_path)
 
 
+def test_frontend_replicas_share_the_port_and_stop_ends_every_one(tmp_path):
+    try:
+        done = run_kvmesh(
+            "serve", str(MOCK_AGG), "--detach", "--state-dir", str(tmp_path), *SMALL, "--set", "frontend.replicas=2",
+            timeout_s=START_TIMEOUT_S + 30,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        url = next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("READY "))
+        st = read_state(state_path(tmp_path, NS))
+        frontend = next(w for w in st.watchers if w.kind == "frontend")
+        assert "--replicas" in frontend.cmd and frontend.cmd[frontend.cmd.index("--replicas") + 1] == "2"
+        # The watcher's process (the supervisor) and its two replicas are recorded: stop waits for all three.
+        assert len(frontend.processes) == 3 and all(p.alive() for p in frontend.processes)
+        answered = set()
+        body = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}).encode()
+        for _ in range(64):  # urllib opens a connection per request: the kernel spreads them over the replicas
+            headers = {"Content-Type": "application/json"}
+            req = urllib.request.Request(f"{url}/v1/completions", data=body, headers=headers)
+            with urllib.request.urlopen(req, timeout=30) as r:
+                answered.add(json.loads(r.read())["id"].split("-", 1)[1][:12])  # the answering process's id prefix
+            if len(answered) == 2:
+                break
+        assert len(answered) == 2
+        stopped = run_kvmesh("stop", NS, "--state-dir", str(tmp_path), timeout_s=120)
+        assert stopped.returncode == 0, stopped.stderr
+        assert [p.pid for p in frontend.processes if p.alive()] == []
+        assert [p.pid for p in st.all_processes() if p.alive()] == []
+    finally:
+        kill_leftovers(tmp_path)
+
+
 def test_stop_cleans_up_after_a_serve_that_was_killed(tmp_path):
     with serving(tmp_path, *SMALL) as serve:
         serve.wait_ready()
@@ -353,11 +392,11 @@ def test_stop_cleans_up_after_a_serve_that_was_killed(tmp_path):
         assert again.returncode == 1 and f"'kvmesh stop {NS}' ends them" in again.stderr
         stopped = run_kvmesh("stop", NS, "--state-dir", str(tmp_path), timeout_s=120)
         assert stopped.returncode == 0, stopped.stderr
-        # 4 orphans (etcd, nats-server, frontend, worker); one fresh-clone CI run found only 3 still running by the
-        # time stop looked (which one had exited went with the run's temporary files). What this test is about:
-        # stop ends whatever is left, and nothing survives.
+        # 3 + FRONTEND_PROCESSES orphans (etcd, nats-server, worker, the frontend's); one fresh-clone CI run found
+        # one fewer still running by the time stop looked (which one had exited went with the run's temporary
+        # files). What this test is about: stop ends whatever is left, and nothing survives.
         left = re.search(r"stopped the (\d+) processes it left", stopped.stdout)
-        assert left is not None and 1 <= int(left.group(1)) <= 4, stopped.stdout
+        assert left is not None and 1 <= int(left.group(1)) <= 3 + FRONTEND_PROCESSES, stopped.stdout
         assert wait_gone(records, 5) == []
 
 

@@ -174,6 +174,7 @@ def place(
 class AutellixPolicy:
     name = "autellix"
     uses_kv = False
+    uses_inflight = True
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()

@@ -383,6 +383,7 @@ def _chosen(
 class KvPolicy:
     name = "kv"
     uses_kv = True
+    uses_inflight = True
     cost = TTFT
 
     def __init__(self, config: RouterConfig | None = None) -> None:

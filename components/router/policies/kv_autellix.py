@@ -26,6 +26,7 @@ from components.router.types import DecisionKind, Reason, RouteDecision, RouteRe
 class KvAutellixPolicy:
     name = "kv+autellix"
     uses_kv = True
+    uses_inflight = True
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()

@@ -25,6 +25,7 @@ from components.router.types import RouteDecision, RouteRequest, WorkerSnapshot
 class LeastLoadedPolicy:
     name = "least_loaded"
     uses_kv = False
+    uses_inflight = True
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.metric = (config or RouterConfig()).least_loaded_metric

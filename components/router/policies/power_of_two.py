@@ -29,6 +29,7 @@ def reported_load(w: WorkerSnapshot, now_s: float) -> int | None:
 class PowerOfTwoPolicy:
     name = "power_of_two"
     uses_kv = False
+    uses_inflight = True
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         del config  # no parameters

@@ -19,6 +19,7 @@ from components.router.types import DecisionKind, RouteDecision, RouteRequest, W
 class RandomPolicy:
     name = "random"
     uses_kv = False
+    uses_inflight = False
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         del config  # no parameters

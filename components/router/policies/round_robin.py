@@ -27,6 +27,7 @@ class RoundRobinState:
 class RoundRobinPolicy:
     name = "round_robin"
     uses_kv = False
+    uses_inflight = False
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         del config  # no parameters

@@ -202,6 +202,13 @@ def test_build_request_applies_caps_and_picks_the_endpoint():
     assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hi"}]
     assert "ignore_eos" not in body and body["stream_options"] == {"include_usage": True}
 
+    # extra_body: a server's extension fields go into every body; the request's own fields win over them.
+    extra = {"nvext": {"annotations": ["output_replay_id:x"]}, "max_tokens": 1, "model": "other"}
+    _, body = request_body(text, "m", False, extra)
+    assert body["nvext"] == {"annotations": ["output_replay_id:x"]}
+    assert (body["model"], body["max_tokens"]) == ("m", 7)
+    assert request_body(text, "m", False, None)[1] == request_body(text, "m", False)[1]
+
     # Azure-like rows: distinct synthetic prompts of the row's length, seeded by the row and the seed.
     a0 = build_request(TraceRow(index=0, timestamp_s=0.0, input_length=50, output_length=0), cfg(), blocks)
     a1 = build_request(TraceRow(index=1, timestamp_s=0.0, input_length=50, output_length=5), cfg(), blocks)

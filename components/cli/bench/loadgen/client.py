@@ -31,9 +31,13 @@ from .stats import ErrorKind, RequestResult, http_error_kind
 from .traces import RequestSpec
 
 
-def request_body(spec: RequestSpec, model: str, ignore_eos: bool) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of the streaming request for ``spec``."""
-    body: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "stream": True}
+def request_body(
+    spec: RequestSpec, model: str, ignore_eos: bool, extra: dict[str, Any] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of the streaming request for ``spec``; ``extra``'s fields are added first (the request's own
+    fields win)."""
+    body: dict[str, Any] = dict(extra) if extra else {}
+    body |= {"model": model, "max_tokens": spec.max_tokens, "stream": True}
     body["stream_options"] = {"include_usage": True}
     if ignore_eos:
         body["ignore_eos"] = True
@@ -156,9 +160,10 @@ async def send_request(
     model: str,
     ignore_eos: bool,
     timeout_s: float,
+    extra_body: dict[str, Any] | None = None,
 ) -> RequestResult:
     """Send ``spec`` as one streaming request and time it; failures come back as ``result.error``."""
-    path, body = request_body(spec, model, ignore_eos)
+    path, body = request_body(spec, model, ignore_eos, extra_body)
     result = RequestResult(index=spec.index)
     t0 = time.perf_counter()
     stream = _Stream(t0)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from .errors import LoadgenError, RemoteTargetError
 
@@ -40,7 +40,28 @@ class LoadConfig(BaseModel):
         "prompts of prompt_tokens.",
     )
     trace_format: TraceFormat = Field(default="auto", description="Format of the trace; auto: sniffed from its start.")
-    prompt_tokens: int = Field(default=256, ge=1, description="Length of a synthetic prompt, in tokens.")
+    prompt_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Length of a synthetic prompt, in tokens (characters of a text prompt: one token each with a "
+        "byte-level tokenizer such as tiny-llama's, which the chat template adds a few to).",
+    )
+    synthetic_prompt: Literal["tokens", "text"] = Field(
+        default="tokens",
+        description="Synthetic prompts as token ids sent to /v1/completions (no tokeniser work on the server), or "
+        "as text in one user message sent to /v1/chat/completions (the server renders its chat template and "
+        "tokenises, as for real chat traffic). Text is random lowercase words, a pure function of the seed.",
+    )
+    shared_prefix_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Synthetic prompts: the first this many tokens (characters) are one of num_shared_prefixes "
+        "prefixes, picked per request at random (seeded), the rest unique, so that a KV-aware router has cached "
+        "prefixes to find; 0: every prompt is unique from its first token. At most prompt_tokens.",
+    )
+    num_shared_prefixes: int = Field(
+        default=1, ge=1, description="How many distinct shared prefixes synthetic prompts draw from."
+    )
     max_tokens: int = Field(
         default=64, ge=1, description="Output tokens per request where the trace has none (synthetic, ShareGPT)."
     )
@@ -55,6 +76,11 @@ class LoadConfig(BaseModel):
         default=True,
         description="Send ignore_eos=true (a vLLM/kvmesh/Dynamo extension) so each request produces exactly its "
         "max_tokens; --no-ignore-eos for servers that reject unknown fields.",
+    )
+    extra_body: dict[str, Any] | None = Field(
+        default=None,
+        description="Fields added to every request's JSON body (a server's extensions, e.g. Dynamo's 'nvext'); the "
+        "request's own fields (model, prompt or messages, max_tokens, stream) win.",
     )
     vocab_size: int = Field(
         default=256,
@@ -105,6 +131,14 @@ class LoadConfig(BaseModel):
         description="Add each pid's live descendants and its reaped children (cutime+cstime) to its CPU time.",
     )
     progress: bool = Field(default=True, description="Progress bar on stderr (only when stderr is a terminal).")
+
+    @model_validator(mode="after")
+    def _prefix_fits(self) -> LoadConfig:
+        if self.shared_prefix_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"shared_prefix_tokens ({self.shared_prefix_tokens}) cannot exceed prompt_tokens ({self.prompt_tokens})"
+            )
+        return self
 
     @field_validator("duration_s", "time_scale", "request_timeout_s", "drain_timeout_s", "start_offset_s")
     @classmethod

@@ -74,6 +74,7 @@ class _Run:
                 spec,
                 model=self.cfg.model,
                 ignore_eos=self.cfg.ignore_eos,
+                extra_body=self.cfg.extra_body,
                 timeout_s=self.cfg.request_timeout_s,
             )
         finally:

@@ -247,12 +247,39 @@ def build_request(row: TraceRow, cfg: LoadConfig, blocks: MooncakeBlocks) -> Req
         if row.hash_ids:
             prompt = blocks.prompt(row.hash_ids, n)
         else:
-            prompt = token_ids(f"{cfg.seed}:prompt:{row.index}", n, cfg.vocab_size)
+            prompt = synthetic_prompt(cfg, row.index, n)
     user = None
     k = cfg.program_id_block
     if k is not None and k < len(row.hash_ids):
         user = f"conv-{row.hash_ids[k]}"
     return RequestSpec(index=row.index, prompt=prompt, max_tokens=max_tokens, user=user)
+
+
+def text(key: str, n: int) -> str:
+    """``n`` characters of random lowercase words (about one space in six), a pure function of ``key``: ASCII only,
+    so a byte-level tokenizer makes exactly one token of each character."""
+    return random.Random(key).randbytes(n).translate(_TEXT_TABLE).decode("ascii")
+
+
+# Byte -> character: 256 = 9 x 27 + 13, so the letters a-m come up 10/256, n-z and the space 9/256 each (the
+# bias does not matter: the text only has to be varied and reproducible).
+_TEXT_ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
+_TEXT_TABLE = bytes(_TEXT_ALPHABET[i % len(_TEXT_ALPHABET)] for i in range(256))
+
+
+def synthetic_prompt(cfg: LoadConfig, index: int, n: int) -> str | list[int]:
+    """Request ``index``'s synthetic prompt of ``n`` tokens (``cfg.synthetic_prompt``: token ids or text): one of
+    ``cfg.num_shared_prefixes`` shared prefixes (picked at random, seeded by the request) then a unique rest."""
+    shared = min(cfg.shared_prefix_tokens, n)
+    prefix_key = ""
+    if shared:
+        pick = random.Random(f"{cfg.seed}:prefix-pick:{index}").randrange(cfg.num_shared_prefixes)
+        prefix_key = f"{cfg.seed}:prefix:{pick}"
+    own_key = f"{cfg.seed}:prompt:{index}"
+    if cfg.synthetic_prompt == "text":
+        return (text(prefix_key, shared) if shared else "") + text(own_key, n - shared)
+    head = token_ids(prefix_key, shared, cfg.vocab_size) if shared else []
+    return head + token_ids(own_key, n - shared, cfg.vocab_size)
 
 
 # --- Schedule ---------------------------------------------------------------------------------------------------------
