@@ -60,15 +60,14 @@ per-event worst case). Each is measured on ``KvEvent`` objects (the index alone)
 (``KvEvent.from_dict`` + apply: the feed's work after msgpack). "Block events" are blocks stored plus blocks removed.
 
 Targets (issue 6): p99 <= 200 us per ``kv`` decision at 256 workers and 1M blocks; >= 300k block events/s on one core.
-Measured on the 2-core EPYC dev VM in alternating ABBA rounds against commit 42257b7 (timed by this benchmark, 8 runs
-each, medians; docs/router.md has the table), with other work holding the load average at 4-7: a ``kv`` decision took
-253 -> 182 us at p50 and 498 -> 329 us of thread CPU time at p99 (wall-clock p99 was the scheduler's, 4-8 ms, for every
-policy); with the memo off (a router that never saw the conversations) 228 -> 207 us and 360 -> 312 us. The p99
-target is not shown met. Of a decision's ~172 us (thread CPU, p50, same load): ~69 us hashing 480 blocks (packing the
-8k token ids, ~37 us of it on a quiet core: every token up to the deepest cached block must be read; ~7 chunks from
-the memo, one chained), ~38 us searching the index (gallop and bisect over prefix-closed workers,
-``components.router.kv_index``), ~20 us rebuilding the snapshots of the workers that changed, ~27 us in the policy,
-~9 us preparing and copying the request. Ingest (an earlier, quiet
+Measured on the 2-core EPYC dev VM in alternating ABBA rounds against main at 64fcae8 (timed by this benchmark, 6 runs
+each, medians; docs/router.md, "Cost", has the tables), with other work holding the load average at 7-8: a ``kv``
+decision took 189 -> 149 us of thread CPU time at p50 and 347 -> 284 us at p99 (wall-clock p99 was the scheduler's,
+~4.2 ms, for A and B); the bookkeeping between decisions, which now rebuilds the snapshots of the workers it changes,
+28 -> 62 us at p50. The p99 target is not shown met. Of a decision's ~150 us (thread CPU, p50): ~75 us hashing
+(packing the 8k token ids, ~37 us of it: every token up to the deepest cached block must be read; the memo's chunks;
+chaining the new one), ~45 us searching the index (gallop and bisect over prefix-closed workers,
+``components.router.kv_index``), ~25 us in the policy, ~6 us preparing the request. Ingest (an earlier, quiet
 measurement): ~0.7M single-block events/s (decode blocks naming their parent), ~2M blocks/s in prefill-sized events.
 The last line printed is one JSON object; ``--workers 8,64 --indexed-blocks 20000 --decisions 200`` runs in seconds.
 """
