@@ -233,10 +233,12 @@ class PromptHashes(Sequence[int]):
     with 32-block chunks, ~231 us with 64 and ~230 us with 128 (hashing 370, 381 and 411 blocks on average).
 
     With a ``memo`` (``HashMemo`` of the same block size) the chunks are aligned to multiples of 64 blocks and each
-    is looked up there before it is chained, and stored after (same values either way).
+    is looked up there before it is chained, and stored after (same values either way). A read also takes the
+    chunks after the one it needs while the memo holds them (a memo hit costs ~0.5 us a chunk, where a call per
+    chunk read, as the search's gallop reads them, costs ~1-2 us more), so ``num_computed`` may exceed what was read.
     """
 
-    __slots__ = ("_bs", "_buf", "_last", "_memo", "_n", "_out", "_tokens")
+    __slots__ = ("_bs", "_buf", "_last", "_memo", "_n", "_out", "_peek", "_tokens")
 
     MIN_CHUNK_BLOCKS = HashMemo.CHUNK_BLOCKS
     PACK_BLOCKS = 512  # with a memo, the first packed piece (``_packed``)
@@ -251,6 +253,7 @@ class PromptHashes(Sequence[int]):
         self._last = ROOT_SEED
         self._memo = memo if memo is not None and memo.block_size == block_size and memo.max_blocks else None
         self._buf: array[int] = array("I")  # the packed tokens so far (with a memo: ``_packed``)
+        self._peek: tuple[int, int] | None = None  # (byte offset, memo key) of a chunk looked up ahead, not found
 
     def __len__(self) -> int:
         return self._n
@@ -271,7 +274,9 @@ class PromptHashes(Sequence[int]):
             self._last = _chain(packed, bs * 4, self._last, self._out)
             return
         # Whole chunks from a multiple of ``chunk`` (``done`` always is one here), so that prompts sharing a prefix
-        # cut it into the same chunks.
+        # cut it into the same chunks. Past ``k``, the chunks that follow are taken too while the memo holds them and
+        # they are packed already (a conversation's history: one call instead of one per chunk the search reads); the
+        # first one it lacks is left for a later call, its key kept (``_peek``) so that it is not digested twice.
         k = min(self._n, -(-k // chunk) * chunk)
         stride = bs * 4
         size = chunk * stride
@@ -279,11 +284,26 @@ class PromptHashes(Sequence[int]):
         last = self._last
         chunks = memo._chunks
         with memoryview(self._packed(k * bs)).cast("B") as view:
-            for off in range(done * stride, k * stride, size):
+            n = self._n
+            avail = min(n, len(view) // stride)  # whole blocks packed
+            off = done * stride
+            asked = k * stride
+            while True:
+                ahead = off >= asked
+                if ahead and (off >= avail * stride or min(off // stride + chunk, n) > avail):
+                    break
                 piece = view[off : off + size]  # a view: no copy (xxh3 reads any buffer)
-                key = _xxh3_128(piece, last)
+                peek = self._peek
+                if peek is not None and peek[0] == off:
+                    key = peek[1]
+                    self._peek = None
+                else:
+                    key = _xxh3_128(piece, last)
                 hashes = chunks.get(key)
                 if hashes is None:
+                    if ahead:
+                        self._peek = (off, key)
+                        break
                     memo.misses += 1
                     start = len(out)
                     last = _chain(piece.tobytes(), stride, last, out)  # 64-byte bytes slices beat view slices
@@ -294,6 +314,7 @@ class PromptHashes(Sequence[int]):
                     memo.blocks_reused += len(hashes)
                     out += hashes
                     last = hashes[-1]
+                off += size
         self._last = last
 
     def _packed(self, num_tokens: int) -> array[int]:

@@ -25,20 +25,25 @@ Fed by its owner, with no I/O of its own (``feed.RouterFeed`` does the I/O: even
   flight when it died arrives sooner), or when it registers again; one that left is forgotten with the rest;
 - ``on_migrated``: a running request moved to another worker; its load goes with it.
 
-Hot path: ``select`` rebuilds only the snapshots of workers that changed since the last decision (~5 at 256 workers
-and 1,000 requests/s: the workers a request was routed to, got its first token on and finished on, and ~2.5 load
-reports; what a snapshot derives from the report and from the step-time model is kept in ``_Load`` until its inputs
-change), searches the KV index once (KV policies only) with the prompt's
+Snapshots are kept ready: every method that changes a worker's counts or report (``apply_load``, ``on_routed``,
+``on_first_token``, ``on_finished``, ``on_migrated``, ``apply_sync``, ``drop_replica``) rebuilds that worker's
+``WorkerSnapshot`` and its place in the ``WorkerTable`` before it returns (``_flush``), off the decision's path: at
+256 workers and 1,000 requests/s that is ~5 snapshots per decision (the workers a request was routed to, got its first
+token on and finished on, and ~2.5 load reports), ~3-4 us each, which ``select`` rebuilt itself before (main at
+64fcae8); ``select`` still flushes what another path left changed (``set_workers``). The CPU time is the same, spent
+where the event arrives rather than where the next request waits; what a snapshot derives from the report and from
+the step-time model is kept in ``_Load`` until its inputs change.
+
+Hot path: ``select`` searches the KV index once (KV policies only) with the prompt's
 lazily computed hashes (``prepare`` wraps them in a ``PromptHashes``: only the blocks the search reads are hashed)
 and the model's workers as a group, so a prefix every one of them caches comes back as one number
 (``RouteRequest.common_overlap_blocks``) rather than one entry per worker. ``prepare`` backs the hashes with the
 router's memo of prompt-chunk hashes (``HashMemo``, ``RouterConfig.prompt_hash_cache_blocks``), so a prefix it has
 hashed before (a conversation's history) is not chained again. At 256 workers, 1M indexed blocks and 8k-token prompts
-(``kvmesh bench router``'s workload, 2-core EPYC dev VM under a load of ~5.5) a ``kv`` decision takes ~172 us at p50
-(thread CPU): ~69 us hashing (packing the 8k token ids, ~37 us of it on a quiet core; the memo's chunks; one chained),
-~38 us searching the index, ~20 us rebuilding the ~5 snapshots a decision dirties (named tuples) and the
-``WorkerTable`` summaries, ~27 us in the policy (``kv.lowest_ttft`` reads a handful of workers) and ~9 us preparing
-and copying the request.
+(``kvmesh bench router``'s workload, 2-core EPYC dev VM under a load of ~7) a ``kv`` decision takes ~150 us at p50
+(thread CPU): ~60 us hashing (packing the 8k token ids, ~37 us of it; the memo's chunks; one chained), ~35-40 us
+searching the index, ~25 us in the policy (``kv.lowest_ttft`` reads a handful of workers) and ~15 us preparing and
+copying the request (docs/router.md, "Cost").
 
 Single-threaded: every method is called from the event loop, none awaits.
 """
@@ -138,11 +143,12 @@ def make_policy(config: RouterConfig | str) -> RoutingPolicy[Any]:
 class _Load:
     """One worker's counters (from assignments, local and remote) and its last load report.
 
-    Also what ``Router._snapshot`` derives from them, kept until its inputs change (a snapshot is rebuilt ~5 times
-    per decision at 256 workers, see ``Router._flush``): ``report``, the snapshot fields that come from the last
-    report (set by ``set_report``, the only writer of ``metrics``/``received_s``/``interval_s``), and the two
-    step-time rates for the ``rates_at`` (StepTime, requests, prompt tokens) they were computed at. A load report
-    or a first token leaves the rates as they were; only ``on_routed``/``on_finished`` move them.
+    Also what ``Router._snapshot`` derives from them, kept until its inputs change (a snapshot is rebuilt at every
+    change of the worker, ~5 times per decision at 256 workers, see ``Router._flush``): ``report``, the snapshot
+    fields that come from the last report (set by ``set_report``, the only writer of ``metrics``/``received_s``/
+    ``interval_s``), and the two step-time rates for the ``rates_at`` (StepTime, requests, prompt tokens) they were
+    computed at. A load report or a first token leaves the rates as they were; only ``on_routed``/``on_finished``
+    move them.
     """
 
     __slots__ = (
@@ -470,12 +476,16 @@ class Router:
         )
 
     def _flush(self) -> None:
-        """Rebuild the snapshots of the workers that changed since the last decision."""
+        """Rebuild the snapshots of the workers that changed, and (KV policies) re-sort their queued waits."""
+        if not self._dirty:
+            return
         dirty, self._dirty = self._dirty, set()
         for iid in dirty:
             for model in self._member_of.get(iid, ()):
                 state = self._models[model]
                 state.workers.replace(state.position[iid], self._snapshot(iid, state.metadata[iid]))
+                if self.uses_kv:
+                    state.workers.settle()
 
     def _load(self, iid: int) -> _Load:
         load = self._loads.get(iid)
@@ -620,6 +630,7 @@ class Router:
             msg["hashes"] = hashes
         if self.sync_listeners:
             self._emit(msg)
+        self._flush()  # eagerly: this worker's snapshot, off the next decision's path (class docstring)
 
     def _table_of(self, request_id: str, first: dict[str, Assignment] | None = None) -> dict[str, Assignment] | None:
         """The table (this router's, or a replica's) that holds ``request_id``, looking in ``first`` first."""
@@ -644,6 +655,7 @@ class Router:
         self._add(a)
         if self.sync_listeners:
             self._emit({"op": "routed", "a": a.to_list()})
+        self._flush()
 
     def on_first_token(self, request_id: str) -> None:
         """The request's first token arrived. It may be another replica's request (a standalone router's caller
@@ -654,6 +666,7 @@ class Router:
         self._first_token(table[request_id])
         if self.sync_listeners:
             self._emit({"op": "first_token", "rid": request_id})
+        self._flush()
 
     def on_finished(self, request_id: str) -> None:
         """The request ended on its worker (finished, failed, or cancelled); unknown ids are ignored. Like
@@ -664,6 +677,7 @@ class Router:
         self._sub(table.pop(request_id))
         if self.sync_listeners:
             self._emit({"op": "finished", "rid": request_id})
+        self._flush()
 
     def is_inflight(self, request_id: str) -> bool:
         """Whether this router counts ``request_id`` as in flight (routed here or by a replica)."""
@@ -704,6 +718,7 @@ class Router:
                 interval_s = gap if est is None else est + _INTERVAL_ALPHA * (min(gap, 2 * est) - est)
         load.set_report(snapshot, now_s, interval_s, self.config)
         self._dirty.add(instance_id)
+        self._flush()
 
     def apply_kv_events(self, instance_id: int, events: list[KvEvent]) -> bool:
         """Apply a batch of a worker's KV events; False: a gap, fetch its ``kv_state`` and call ``load_kv_state``.
@@ -798,6 +813,8 @@ class Router:
             if isinstance(e, RouterProtocolError):
                 raise
             raise RouterProtocolError(f"malformed sync message from {replica_id:x}: {e!r}") from None
+        finally:
+            self._flush()
 
     def sync_state(self) -> dict[str, Any]:
         """This router's whole in-flight table as a ``state`` sync message."""
@@ -812,6 +829,7 @@ class Router:
         for a in table.values():
             self._sub(a)
         logger.info("router replica %x left; dropped its %d requests in flight", replica_id, len(table))
+        self._flush()
 
     def expire_replicas(self, now_s: float, timeout_s: float) -> list[int]:
         """Drop the replicas not heard from for ``timeout_s``; returns their ids."""

@@ -282,6 +282,13 @@ class WorkerTable(Sequence[WorkerSnapshot]):
     def by_queued_wait(self) -> Iterator[tuple[float, int]]:
         """``(queued_wait_ms, position)`` of every worker, ascending by wait (see the class docstring)."""
         if self._wait_stale:
+            self.settle()
+        return zip(self._wait_keys, self._wait_order, strict=True)
+
+    def settle(self) -> None:
+        """Put the workers replaced since the last call in their places in ``by_queued_wait``'s order (which calls
+        it; the router calls it as it replaces them, so that a decision finds the order ready)."""
+        if self._wait_stale:
             ws, waits, keys, order = self._workers, self._wait, self._wait_keys, self._wait_order
             for i in self._wait_stale:
                 w = ws[i]
@@ -295,7 +302,6 @@ class WorkerTable(Sequence[WorkerSnapshot]):
                     keys.insert(j, wait)
                     order.insert(j, i)
             self._wait_stale.clear()
-        return zip(self._wait_keys, self._wait_order, strict=True)
 
     def min_stale_after_s(self) -> float:
         """The earliest instant a worker's metrics go stale (``inf`` with no workers). O(n): ``none_stale`` is the

@@ -6,13 +6,16 @@ frontend asks it, so the measured code is the production code path and nothing e
 **Decision cost.** For each fleet size (8, 64, 256, 1,024 workers by default) and policy, ``--decisions`` requests of
 ``--prompt-tokens`` (8,192) token ids are placed, one ``perf_counter_ns`` pair around each decision exactly as
 ``FrontendService`` makes it: ``Router.prepare`` (wraps the prompt in a lazy ``PromptHashes`` backed by the router's
-memo of prompt-chunk hashes; KV policies only) then ``Router.select`` (rebuilds the snapshots of workers that changed,
-searches the KV index once, hashing the prompt as far as the search reads it, runs the pure policy). ``kv`` is the
+memo of prompt-chunk hashes; KV policies only) then ``Router.select`` (searches the KV index once, hashing the prompt
+as far as the search reads it, runs the pure policy over the workers' snapshots). ``kv`` is the
 policy under test; ``round_robin`` and ``least_loaded`` are measured in the same run as the floor (no hashing, no
 index). Every KV-aware policy listed (``kv``, ``kv+autellix``, ``kv_dynamo``) gets its own router with the same index
-loaded. Bookkeeping the frontend does after the decision (``on_routed``, ``on_first_token``, ``on_finished``) runs
-between timed regions, so the next decision pays for the snapshots it dirtied, as in production; so does freeing the
-request (untimed: the next decision would otherwise pay for freeing the previous prompt's 8k ints).
+loaded. Bookkeeping the frontend does after the decision (``on_routed``, ``on_first_token``, ``on_finished``) and the
+load reports that arrive between decisions run between timed regions and are timed on their own
+(``bookkeeping_cpu_us``: their thread CPU time before each decision): they rebuild the snapshots of the workers they
+change, as in production (``Router``'s docstring; until main at 64fcae8 the next ``select`` rebuilt them, inside
+``decision_us``). Freeing the request is untimed too (the next decision would otherwise pay for freeing the previous
+prompt's 8k ints).
 
 Every decision's prompt is new (``next_prompt``, built untimed, as a tokenizer would: fresh ints of a 128k
 vocabulary), never a repeat: a cached conversation's next turn (its history, then a new 512-token turn) or a new
@@ -45,7 +48,8 @@ the model's common floor, ``RouteRequest.common_overlap_blocks``, instead of 1,0
 
 Between decisions the workers' load reports arrive as they would at ``--arrival-rate`` requests/s with a report
 every 100 ms from each worker (``n_workers * 10 / arrival_rate`` reports per decision, round-robin over the workers),
-so ``select`` rebuilds their snapshots as it does in production. The garbage collector stays on.
+so the router rebuilds their snapshots as it does in production (in ``bookkeeping_cpu_us``). The garbage collector
+stays on.
 
 **Ingest.** With 256 workers and the index at ``--indexed-blocks``, batches of ``BlockStored``/``BlockRemoved`` events
 (a batch per worker message, as ``RouterFeed`` receives it from the ``kv_events`` topic) go through
@@ -56,15 +60,14 @@ per-event worst case). Each is measured on ``KvEvent`` objects (the index alone)
 (``KvEvent.from_dict`` + apply: the feed's work after msgpack). "Block events" are blocks stored plus blocks removed.
 
 Targets (issue 6): p99 <= 200 us per ``kv`` decision at 256 workers and 1M blocks; >= 300k block events/s on one core.
-Measured on the 2-core EPYC dev VM in alternating ABBA rounds against commit 42257b7 (timed by this benchmark, 8 runs
-each, medians; docs/router.md has the table), with other work holding the load average at 4-7: a ``kv`` decision took
-253 -> 182 us at p50 and 498 -> 329 us of thread CPU time at p99 (wall-clock p99 was the scheduler's, 4-8 ms, for every
-policy); with the memo off (a router that never saw the conversations) 228 -> 207 us and 360 -> 312 us. The p99
-target is not shown met. Of a decision's ~172 us (thread CPU, p50, same load): ~69 us hashing 480 blocks (packing the
-8k token ids, ~37 us of it on a quiet core: every token up to the deepest cached block must be read; ~7 chunks from
-the memo, one chained), ~38 us searching the index (gallop and bisect over prefix-closed workers,
-``components.router.kv_index``), ~20 us rebuilding the snapshots of the workers that changed, ~27 us in the policy,
-~9 us preparing and copying the request. Ingest (an earlier, quiet
+Measured on the 2-core EPYC dev VM in alternating ABBA rounds against main at 64fcae8 (timed by this benchmark, 6 runs
+each, medians; docs/router.md, "Cost", has the tables), with other work holding the load average at 7-8: a ``kv``
+decision took 189 -> 149 us of thread CPU time at p50 and 347 -> 284 us at p99 (wall-clock p99 was the scheduler's,
+~4.2 ms, for A and B); the bookkeeping between decisions, which now rebuilds the snapshots of the workers it changes,
+28 -> 62 us at p50. The p99 target is not shown met. Of a decision's ~150 us (thread CPU, p50): ~75 us hashing
+(packing the 8k token ids, ~37 us of it: every token up to the deepest cached block must be read; the memo's chunks;
+chaining the new one), ~45 us searching the index (gallop and bisect over prefix-closed workers,
+``components.router.kv_index``), ~25 us in the policy, ~6 us preparing the request. Ingest (an earlier, quiet
 measurement): ~0.7M single-block events/s (decode blocks naming their parent), ~2M blocks/s in prefill-sized events.
 The last line printed is one JSON object; ``--workers 8,64 --indexed-blocks 20000 --decisions 200`` runs in seconds.
 """
@@ -252,6 +255,8 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
     total_ns: list[int] = []
     cpu_ns: list[int] = []
     prepare_ns: list[int] = []
+    book_ns: list[int] = []  # the bookkeeping before each decision (load reports, on_routed ... on_finished)
+    book = 0
     hashing_ns: list[int] = []
     hashed_blocks = 0
     overlap_blocks = 0
@@ -263,12 +268,14 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
     gc.collect()
     for i in range(n):
         # Untimed: load reports that arrived since the last decision (the event loop interleaves them).
+        b0 = time.thread_time_ns()
         report_credit += reports_per_decision
         while report_credit >= 1.0:
             report_credit -= 1.0
             t = time.monotonic()
             router.apply_load(workers[next_reporter], _load_snapshot(t, rng), t)
             next_reporter = (next_reporter + 1) % len(workers)
+        book += time.thread_time_ns() - b0
         if i == args.warmup and memo is not None:
             memo_at_start = (memo.hits, memo.misses, memo.blocks_reused)
         prompt = next_prompt(fleet.shared, fleet.families, args, prompt_rng)  # untimed: the tokenizer's work
@@ -280,7 +287,10 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
         decision = router.select(prepared)
         t2 = time.perf_counter_ns()
         c2 = time.thread_time_ns()
+        if i >= args.warmup:
+            book_ns.append(book)
         # Untimed: the frontend's bookkeeping; about a quarter of the requests in flight are still prefilling.
+        b0 = time.thread_time_ns()
         rid = f"r{i}"
         router.on_routed(rid, decision, prepared)
         prefilling.append(rid)
@@ -290,6 +300,7 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             decoding.append(first)
         if len(decoding) > in_flight_target - in_flight_target // 4:
             router.on_finished(decoding.popleft())
+        book = time.thread_time_ns() - b0
         if i >= args.warmup:
             total_ns.append(t2 - t0)
             cpu_ns.append(c2 - c0)
@@ -309,7 +320,11 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
         # Untimed: the request ends here, as it would once answered. Without this, the next decision's ``prepare``
         # would drop the last reference to this prompt and pay for freeing its 8k token ints (~8 us) in its time.
         del request, prepared, prompt
-    out: dict[str, Any] = {"decision_us": _stats_us(total_ns), "decision_cpu_us": _stats_us(cpu_ns)}
+    out: dict[str, Any] = {
+        "decision_us": _stats_us(total_ns),
+        "decision_cpu_us": _stats_us(cpu_ns),
+        "bookkeeping_cpu_us": _stats_us(book_ns),
+    }
     if router.uses_kv:
         out["prepare_us"] = _stats_us(prepare_ns)
         out["select_us"] = _stats_us([a - b for a, b in zip(total_ns, prepare_ns, strict=True)])

@@ -208,3 +208,22 @@ def test_a_memo_backed_prompt_is_hashed_lazily_in_aligned_chunks():
     long_lazy = PromptHashes(long_tokens, 16, memo)
     assert long_lazy[10] == block_hashes(long_tokens, 16)[10]
     assert list(long_lazy) == block_hashes(long_tokens, 16)
+
+
+def test_a_read_takes_the_following_chunks_the_memo_holds_and_leaves_the_first_it_lacks():
+    rng = random.Random(8)
+    memo = HashMemo(16, 10_000)
+    history = [rng.randrange(2**17) for _ in range(16 * 256)]  # chunks 0-3
+    list(PromptHashes(history, 16, memo))
+    assert (memo.hits, memo.misses) == (0, 4)
+    turn = history + [rng.randrange(2**17) for _ in range(16 * 100)]  # chunks 4 (64 blocks) and 5 (36) are new
+    lazy = PromptHashes(turn, 16, memo)
+    assert lazy[3] == reference_block_hashes(turn, 16)[3]
+    # One read took the four chunks the memo holds; chunk 4 was looked up and left (not counted, not chained).
+    assert lazy.num_computed == 256 and (memo.hits, memo.misses) == (4, 4)
+    assert lazy[300] == reference_block_hashes(turn, 16)[300]
+    assert lazy.num_computed == 320 and (memo.hits, memo.misses) == (4, 5)  # chunk 4, chained; chunk 5 left
+    assert list(lazy) == reference_block_hashes(turn, 16) and (memo.hits, memo.misses) == (4, 6)
+    # Without a memo entry for chunk 0, a read computes that chunk and stops at the next one the memo lacks.
+    fresh = PromptHashes([rng.randrange(2**17) for _ in range(16 * 200)], 16, memo)
+    assert fresh[0] is not None and fresh.num_computed == 64

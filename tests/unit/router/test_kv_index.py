@@ -350,3 +350,49 @@ def test_an_index_applies_its_mediums_events_and_counts_the_others_ids():
     hosted.load_snapshot(1, snap)
     assert device.overlaps(H) == {1: 2} and hosted.overlaps(H) == {1: 7}
     assert not device.is_stale(1) and not hosted.is_stale(1)
+
+
+def test_a_search_probes_first_where_the_last_one_saw_its_first_worker_stop_and_stays_exact_where_that_moved():
+    # 40 workers hold a 32-block system prompt, 3 of them conversations past it. After one search, the next prompt
+    # with the same system prompt brackets the drop-out at block 32 with two reads (blocks 31 and 32) instead of
+    # galloping to 63 and bisecting back. Prompts whose common prefix is elsewhere (shorter, longer, none, a prompt
+    # shorter than the remembered depth) still get the brute-force answer.
+    import random
+
+    rng = random.Random(3)
+    system = list(range(1, 16 * 32 + 1))
+    convs = [system + [rng.randrange(2**17) for _ in range(16 * 480)] for _ in range(3)]
+    idx = KvIndex()
+    held: dict[int, list[int]] = {}
+    for w in range(40):
+        hs = block_hashes(convs[w % 3], BS)[: 32 if w >= 3 else rng.randrange(33, 513)]
+        held[w] = hs
+        idx.apply(w, [stored(0, hs)])
+
+    def brute(hashes: list[int]) -> dict[int, int]:
+        out = {}
+        for w, hs in held.items():
+            k = next((i for i, (a, b) in enumerate(zip(hs, hashes, strict=False)) if a != b), min(len(hs), len(hashes)))
+            if k:
+                out[w] = k
+        return out
+
+    new = block_hashes(system + [5] * (16 * 480), BS)
+    assert idx.overlaps(new) == brute(new)
+    _CountingHashes.reads = 0
+    assert idx.overlaps(_CountingHashes(new)) == brute(new) == dict.fromkeys(range(40), 32)
+    assert _CountingHashes.reads <= 3  # block 0, then 31 and 32
+    for hashes in (
+        block_hashes(convs[1], BS),
+        block_hashes(system[: 16 * 20] + [9] * 16 * 100, BS),  # the common prefix now ends earlier
+        block_hashes(convs[2][: 16 * 33], BS),  # shorter than the conversations
+        block_hashes(system[: 16 * 16], BS),  # shorter than the remembered depth
+        block_hashes([9] * 16 * 64, BS),  # nobody holds block 0
+        block_hashes(convs[0], BS),
+    ):
+        assert idx.overlaps(hashes) == brute(hashes)
+    for w in (0, 3, 4):  # evictions move the stops; the searches stay exact
+        idx.apply(w, [removed(1, held[w][20:])])
+        held[w] = held[w][:20]
+        for hashes in (new, block_hashes(convs[0], BS), block_hashes(convs[1], BS)):
+            assert idx.overlaps(hashes) == brute(hashes)

@@ -78,6 +78,35 @@ def test_a_request_adds_prefill_and_blocks_first_token_ends_prefill_finish_frees
     assert r.stats.num_decisions == 1 and (r.stats.num_prompt_blocks, r.stats.num_cached_blocks) == (16, 10)
 
 
+def test_bookkeeping_rebuilds_the_workers_it_changes_so_a_decision_rebuilds_none():
+    r = kv_router()
+    r.set_workers("m", [(1, meta()), (2, meta())])
+    rebuilt: list[int] = []
+    snapshot = r._snapshot
+
+    def counting(iid: int, metadata: Any) -> WorkerSnapshot:
+        rebuilt.append(iid)
+        return snapshot(iid, metadata)
+
+    r._snapshot = counting  # type: ignore[method-assign]
+    req = r.prepare(RouteRequest(PROMPT, "m", 0.0))
+    r.select(req)
+    assert rebuilt == []
+    r.apply_load(2, load(0.5, running=3, waiting=1), 0.1)
+    assert rebuilt == [2]
+    d = r.select(req)
+    assert rebuilt == [2]  # nothing left for the decision
+    r.on_routed("a", d, req)
+    r.on_first_token("a")
+    r.on_finished("a")
+    assert rebuilt == [2, d.instance_id, d.instance_id, d.instance_id]
+    r.select(req)
+    assert len(rebuilt) == 4
+    # The table the policy reads holds what the bookkeeping left: the report, and no request in flight.
+    w2 = r.workers("m")[1]
+    assert (w2.kv_usage, w2.num_running, w2.num_waiting, w2.active_requests) == (0.5, 3, 1, 0)
+
+
 def test_snapshots_carry_the_queue_and_the_prefill_rate_the_kv_cost_compares():
     # Worker 2 announces an engine twice as fast at prefill; worker 1 announces none (the defaults).
     fast = {"prefill_base_ms": 8.0, "prefill_ms_per_token": 0.0076, "max_num_batched_tokens": 4096}
