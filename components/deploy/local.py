@@ -279,7 +279,15 @@ class Deployment:
             while True:
                 self.refresh()
                 for w in self.state.watchers:
-                    self._check_alive(w, seen)
+                    failed = self._exits_beyond_limit(w, seen)
+                    if failed:
+                        times = "once" if failed == 1 else f"{failed} times"
+                        raise StartupError(
+                            w.name,
+                            f"exited {times} during start-up (max_start_restarts {self.cfg.max_start_restarts}); "
+                            f"its log: {w.log}",
+                            await settled_tail(Path(w.log)),
+                        )
                 waiting = await self._waiting_for(runtime)
                 if not waiting:
                     return time.monotonic() - t0
@@ -296,18 +304,14 @@ class Deployment:
         finally:
             await runtime.shutdown(drain_timeout_s=1.0)
 
-    def _check_alive(self, w: WatcherState, seen: dict[str, set[int]]) -> None:
+    def _exits_beyond_limit(self, w: WatcherState, seen: dict[str, set[int]]) -> int:
+        """How many of ``w``'s processes have exited since start-up began, if more than ``max_start_restarts``
+        (else 0)."""
         pids = seen.setdefault(w.name, set())
         pids.update(p.pid for p in w.processes)
         alive = {p.pid for p in w.processes if p.alive()}
         exits = len(pids - alive)
-        if exits > self.cfg.max_start_restarts:
-            times = "once" if exits == 1 else f"{exits} times"
-            raise StartupError(
-                w.name,
-                f"exited {times} during start-up (max_start_restarts {self.cfg.max_start_restarts}); its log: {w.log}",
-                tail(Path(w.log)),
-            )
+        return exits if exits > self.cfg.max_start_restarts else 0
 
     async def _waiting_for(self, runtime: Runtime) -> list[str]:
         by_pid = registered_workers_by_pid(await runtime.namespace(self.graph.namespace).list_instances())
@@ -569,6 +573,27 @@ def healthy(url: str, models: Iterable[str] = ()) -> bool:
     except (urllib.error.URLError, OSError, ValueError, AttributeError):
         return False
     return set(models) <= set(listed)
+
+
+async def settled_tail(path: Path, num_lines: int = 20, quiet_s: float = 0.25, timeout_s: float = 3.0) -> str:
+    """``tail`` of a log that an exited process's output is still being copied into: circus's stream redirector
+    reads the process's pipes and writes the file on its own schedule, so at the moment the exit is seen its last
+    lines (usually the error) may not be there yet. Read once the file has not grown for ``quiet_s``, or after
+    ``timeout_s`` at most. There is no event to wait for: the redirector says nothing when it has drained a pipe."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    size, since = -1, loop.time()
+    while loop.time() < deadline:
+        try:
+            now_size = os.stat(path).st_size
+        except OSError:
+            now_size = -1
+        if now_size != size:
+            size, since = now_size, loop.time()
+        elif loop.time() - since >= quiet_s:
+            break
+        await asyncio.sleep(0.05)
+    return tail(path, num_lines)
 
 
 def tail(path: Path, num_lines: int = 20) -> str:

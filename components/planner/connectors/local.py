@@ -80,7 +80,7 @@ import psutil
 from components.deploy.circus import CircusController, rotate_log
 from components.deploy.errors import CircusError, CircusUnreachableError, StateError
 from components.deploy.graph import replica_watcher
-from components.deploy.local import registered_workers_by_pid, tail
+from components.deploy.local import registered_workers_by_pid, settled_tail
 from components.deploy.plan import REDACTED
 from components.deploy.state import ServeState, WatcherState, log_path, read_state, state_path
 from components.planner.config import DEFAULT_SCALING_TIMEOUT_S
@@ -423,9 +423,11 @@ class LocalConnector:
             seen |= set(pids)
             exits = len(seen - set(pids))
             if exits > MAX_START_RESTARTS:
-                raise WorkerStartError(pool, count, f"{name} exited {exits} times before registering", tail(log))
+                why = f"{name} exited {exits} times before registering"
+                raise WorkerStartError(pool, count, why, await settled_tail(log))
             if not pids and (await asyncio.to_thread(ctl.statuses)).get(name.lower()) == "stopped":
-                raise WorkerStartError(pool, count, f"circus stopped {name} (it kept crashing)", tail(log))
+                why = f"circus stopped {name} (it kept crashing)"
+                raise WorkerStartError(pool, count, why, await settled_tail(log))
             if pids:
                 try:
                     by_pid = registered_workers_by_pid(await ns.list_instances())
