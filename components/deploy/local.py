@@ -157,6 +157,7 @@ class Deployment:
         self.etcd: EtcdServer | None = None
         self.nats: NatsServer | None = None
         self.launcher: CircusLauncher | None = None
+        self._frontend_replicas_ready: set[int] = set()  # the frontend's processes seen healthy (``healthy``)
         self.plans: list[WatcherPlan] = []
         self.gpus_available = detect_gpus()
         self.gpus = assign_gpus(graph.namespace, graph.workers, self.gpus_available)
@@ -325,7 +326,8 @@ class Deployment:
                 # Healthy *and* listing every model the graph serves: the frontend answers 200 before it has
                 # discovered any worker, and 503 while it loads a model's tokenizer, so 200 alone can precede that.
                 models = {g.model for g in self.graph.workers if g.replicas > 0 and g.role != WorkerRole.PREFILL}
-                if not await asyncio.to_thread(healthy, self.state.frontend_url + "/health", models):
+                url = self.state.frontend_url + "/health"
+                if not await asyncio.to_thread(healthy, url, models, self._frontend_replicas_ready):
                     waiting.append(f"{w.name} (GET {self.state.frontend_url}/health: 200 listing {sorted(models)})")
         return waiting
 
@@ -563,16 +565,36 @@ def _client_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def healthy(url: str, models: Iterable[str] = ()) -> bool:
-    """``url`` answers 200 and its JSON's ``models`` include every one of ``models``."""
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
-            if r.status != 200:
-                return False
-            listed = json.loads(r.read() or b"{}").get("models", []) if models else []
-    except (urllib.error.URLError, OSError, ValueError, AttributeError):
-        return False
-    return set(models) <= set(listed)
+def healthy(url: str, models: Iterable[str] = (), replicas_seen: set[int] | None = None) -> bool:
+    """``url`` answers 200 and its JSON's ``models`` include every one of ``models``.
+
+    A frontend of several processes on one port (``kvmesh frontend --replicas N``) says in that JSON which one
+    answered (``replica`` i of ``replicas`` N), and each process discovers workers and loads tokenizers on its own:
+    then every one must have answered so. Each probe is a new connection, which the kernel hashes onto one of the
+    processes, so up to 8N probes are made per call; the processes seen ready are kept in ``replicas_seen`` across
+    calls (a process, once ready, stays so)."""
+    wanted = set(models)
+    seen = replicas_seen if replicas_seen is not None else set()
+    probes, limit = 0, 1
+    while probes < limit:
+        probes += 1
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status != 200:
+                    return False
+                body = json.loads(r.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            return False
+        if not isinstance(body, dict) or not wanted <= set(body.get("models", [])):
+            return False
+        num, index = body.get("replicas"), body.get("replica")
+        if not isinstance(num, int) or not isinstance(index, int) or num <= 1:
+            return True  # one process
+        seen.add(index)
+        if len(seen & set(range(num))) == num:
+            return True
+        limit = 8 * num
+    return False
 
 
 async def settled_tail(path: Path, num_lines: int = 20, quiet_s: float = 0.25, timeout_s: float = 3.0) -> str:

@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -41,6 +42,7 @@ from components.frontend.errors import (
 from components.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from components.frontend.models import ModelRegistry
 from components.frontend.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from components.frontend.replicas import REPLICA_ENV, REPLICAS_ENV
 from components.frontend.service import FrontendService, Generation, Prepared, routing_hints
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,12 @@ class FrontendApp:
         self.registry = registry
         self.metrics = metrics
         self._api_key = config.api_key
+        # Which of the processes sharing the port this is (``kvmesh frontend --replicas N``), told in /health: a
+        # connection reaches one replica, so whoever waits for the frontend (kvmesh serve) must see every one ready.
+        replica, replicas = os.environ.get(REPLICA_ENV), os.environ.get(REPLICAS_ENV)
+        self._replica: dict[str, int] = (
+            {"replica": int(replica), "replicas": int(replicas)} if replica and replicas and int(replicas) > 1 else {}
+        )
 
     def build(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=self.config.max_request_body_bytes)
@@ -157,6 +165,7 @@ class FrontendApp:
             "status": "loading" if loading else "healthy",
             "models": self._listed(),
             "num_workers": self.registry.num_workers(),
+            **self._replica,
         }
         if loading:
             body["loading"] = loading

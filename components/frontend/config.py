@@ -14,19 +14,26 @@ from pydantic import ConfigDict, Field
 
 from components.router.config import RouterConfig
 
-# The default number of frontend processes is one per usable core, at most this many: one process serves several
-# hundred streamed requests/s, and each holds its own tokenizer, KV index and connections (~130 MiB resident with
-# transformers imported), so beyond 8 memory grows faster than anything a frontend would need.
+# The default number of frontend processes is one per two usable cores, at most this many. Half, because the
+# frontend shares its machine with what it serves (workers, nats-server, etcd, often the clients): on 2 cores a
+# second process had no idle core to use and cost 3-16% more CPU per request (docs/frontend.md), so a 2-core
+# machine gets one process and a 16-core one 8. At most 8: one process serves several hundred streamed requests/s,
+# and each holds its own tokenizer, KV index and connections (~130 MiB resident with transformers imported), so
+# beyond 8 memory grows faster than anything a frontend would need.
 MAX_DEFAULT_REPLICAS = 8
 
 
-def default_replicas() -> int:
-    """Frontend processes when ``replicas`` is unset: the cores this process may run on, 1 to 8."""
+def usable_cores() -> int:
+    """The cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_DEFAULT_REPLICAS))
+        return os.cpu_count() or 1
+
+
+def default_replicas() -> int:
+    """Frontend processes when ``replicas`` is unset: half the usable cores, 1 to 8."""
+    return max(1, min(usable_cores() // 2, MAX_DEFAULT_REPLICAS))
 
 
 class FrontendConfig(RouterConfig):
@@ -47,7 +54,7 @@ class FrontendConfig(RouterConfig):
         le=256,
         description="Frontend processes accepting on the one port (SO_REUSEPORT: the kernel spreads connections "
         "over them), so the frontend uses more than one core; they share their routers' in-flight counts over "
-        "NATS (router_replica_sync) and their /metrics. Unset: one per usable core, at most 8. 1: one process, "
+        "NATS (router_replica_sync) and their /metrics. Unset: one per two usable cores, 1 to 8. 1: one process, "
         "no helper processes (vLLM's --api-server-count).",
         json_schema_extra={"cli_aliases": ["--api-server-count"]},
     )

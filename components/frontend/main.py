@@ -6,7 +6,7 @@ Prints ``READY http://host:port`` once listening (the real port when ``--port 0`
 shutdown: stop listening, let requests in flight finish for up to ``--shutdown-timeout-s``, leave the mesh. The
 process around it (flags of the runtime, signals, READY/STOPPED) is ``components.runtime.process``.
 
-``--replicas N`` (default: one per usable core, at most 8) with N > 1 runs N such processes on the one port under a
+``--replicas N`` (default: one per two usable cores, 1 to 8) with N > 1 runs N such processes on the one port under a
 small supervisor (``components.frontend.replicas``); N = 1 serves in this process.
 """
 

@@ -61,7 +61,8 @@ from components.runtime.flags import argv_for, given_values
 logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own variable, read when it is imported
-REPLICA_ENV = "KVMESH_FRONTEND_REPLICA"  # the replica's index, for its process name and logs
+REPLICA_ENV = "KVMESH_FRONTEND_REPLICA"  # the replica's index, for its process name, logs and /health
+REPLICAS_ENV = "KVMESH_FRONTEND_REPLICAS"  # how many replicas share the port, for /health
 API_KEY_ENV = "KVMESH_API_KEY"
 MAX_CRASHES = 5
 CRASH_WINDOW_S = 60.0
@@ -137,7 +138,7 @@ class Replicas:
         return [r.proc.pid for r in self.replicas if r.proc is not None and r.proc.returncode is None]
 
     async def _spawn(self, r: _Replica) -> None:
-        env = os.environ | {MULTIPROC_ENV: self.multiproc_dir, REPLICA_ENV: str(r.index)}
+        env = os.environ | {MULTIPROC_ENV: self.multiproc_dir, REPLICA_ENV: str(r.index), REPLICAS_ENV: str(self.num)}
         if self.cfg.api_key:
             env[API_KEY_ENV] = self.cfg.api_key
         r.ready.clear()

@@ -363,6 +363,16 @@ def test_frontend_replicas_share_the_port_and_stop_ends_every_one(tmp_path):
         assert "--replicas" in frontend.cmd and frontend.cmd[frontend.cmd.index("--replicas") + 1] == "2"
         # The watcher's process (the supervisor) and its two replicas are recorded: stop waits for all three.
         assert len(frontend.processes) == 3 and all(p.alive() for p in frontend.processes)
+        # READY means every replica lists the model, not only the one serve's first probe reached.
+        said = set()
+        for _ in range(16):
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+                health = json.loads(r.read())
+            assert health["models"] == ["tiny-llama"] and health["replicas"] == 2
+            said.add(health["replica"])
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+                assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny-llama"]
+        assert said <= {0, 1}
         answered = set()
         body = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}).encode()
         for _ in range(64):  # urllib opens a connection per request: the kernel spreads them over the replicas

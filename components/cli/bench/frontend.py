@@ -5,8 +5,8 @@ measured side by side in alternating rounds on the same workers.
    speed, so engine time is ~0 and the control plane's cost is what remains), without its frontend, in a temporary
    state directory.
 2. Sides, each started fresh for every round and stopped after it (so an idle side costs the other nothing):
-   ``1`` (``kvmesh frontend --replicas 1``), ``N`` (``--replicas N``, N = the frontend's own default: one per usable
-   core, at most 8; ``--replicas`` to choose), ``baseline`` (``--compare-tree DIR``: one frontend run from another
+   ``1`` (``kvmesh frontend --replicas 1``), ``N`` (``--replicas N``, N = the usable cores, at least 2; ``--replicas``
+   to choose), ``baseline`` (``--compare-tree DIR``: one frontend run from another
    checkout's code, e.g. an older commit, to measure a change before/after), and ``external`` (``--url``: any
    OpenAI-compatible endpoint already running, e.g. Dynamo's frontend on its own simulated workers, with the CPU of
    the processes ``--url-pids`` names). The kvmesh sides are started with the command line ``kvmesh serve`` would
@@ -58,7 +58,7 @@ from components.deploy.graph import load_graph
 from components.deploy.local import healthy
 from components.deploy.plan import plan_frontend
 from components.deploy.state import ServerState, read_state, resolve_state_dir, state_path
-from components.frontend.config import default_replicas
+from components.frontend.config import usable_cores
 from components.runtime.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -142,7 +142,8 @@ class KvmeshFrontend:
                 break
         if not url:
             raise RuntimeError(f"the frontend exited before READY ({self.proc.wait()}); its log: {self.log}")
-        while not healthy(url + "/health", [model]):
+        ready: set[int] = set()  # replicas seen healthy: every one must be
+        while not healthy(url + "/health", [model], ready):
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError(f"the frontend at {url} did not become healthy; its log: {self.log}")
             time.sleep(0.1)
@@ -250,7 +251,7 @@ async def measure(
 
 
 def sides_of(args: argparse.Namespace) -> list[Side]:
-    n = args.replicas or default_replicas()
+    n = args.replicas or max(2, usable_cores())
     sides = [Side("1", replicas=1), Side(str(n), replicas=n)] if n > 1 else [Side("1", replicas=1)]
     if args.compare_tree:
         sides.append(Side("baseline", tree=Path(args.compare_tree).resolve()))
@@ -542,7 +543,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama", help="model name the graph serves")
     p.add_argument("--router-policies", default="round_robin,kv", help="comma-separated; each gets its own rounds")
     p.add_argument(
-        "--replicas", type=int, default=None, help="frontend processes of side N (default: the frontend's default)"
+        "--replicas", type=int, default=None, help="frontend processes of side N (default: usable cores, at least 2)"
     )
     p.add_argument("--sides", default=None, help="run only these sides (comma-separated names, e.g. 1,baseline)")
     p.add_argument("--compare-tree", default=None, help="also run a frontend from this checkout's code")
