@@ -101,7 +101,7 @@ def test_bench_planner_compares_the_planner_with_fixed_fleets(tmp_path, trace):
         assert b["worker_seconds"] >= b["least_worker_seconds"] * 0.999
         assert b["most_saving_vs_fixed_peak"] <= rows[("step", interval, u, startup)]["most_saving_vs_fixed_peak"]
     assert set(r["verdict"]) == {"step_i30", "step_i10", "loop_i30", "loop_i10"}
-    assert all(v.startswith(("feasible", "infeasible")) for v in r["verdict"].values())
+    assert all(v.startswith(("feasible", "infeasible", "not reached")) for v in r["verdict"].values())
     # Fairness: smaller fleets at the reference's load per worker (start 1 and mean 2 of 3), and the share of the
     # requests that arrive while the load is within the mean fleet's 2 of 3 workers: cos(2 pi t / P) >= c with
     # c = (0.625 - 2/3) / 0.375, a = acos(c): (0.625 a - 0.375 sin a) / (0.625 pi) = 34.6%.

@@ -37,7 +37,8 @@ Beside the simulations, ``schedule_bound`` gives, per rule set, interval, utilis
 and ``--startup-s``), the greedy clairvoyant schedule's worker-seconds and a lower bound for any schedule under the
 rules that always routes the load's need (``Oracle.least_worker_seconds``); they depend on the load's shape, not on
 the trace. ``verdict`` says per rule set and interval whether the goal is within reach: not if the bound leaves less
-than 25% to save, whatever the latency; else whether a simulated clairvoyant fleet met it.
+than 25% to save, whatever the latency; else whether a simulated clairvoyant fleet met it. ``--schedule-only`` prints
+the bound and the verdicts alone, with no trace read and no fleet simulated.
 
 Fairness figures (``fairness``): the SLO checks, fixed fleets of the planner's start size and of the mean size at the
 same load per worker as the SLO's reference (whether a smaller fleet, as loaded per worker as the peak fleet at its
@@ -605,7 +606,8 @@ def verdicts(report: dict[str, Any]) -> dict[str, str]:
     worker-seconds alone (``schedule_bound`` at the run's start-up): if no schedule that always routes the need can
     save 25% of the peak fleet's, no planner under those rules that keeps up with the load can, whatever its
     latency. Then the simulated clairvoyant fleets (where run): whether one kept its attainment within 2 points of
-    the peak fleet's with that saving."""
+    the peak fleet's with that saving ("feasible"), or none did ("not reached": the bound leaves room, so that is no
+    proof of infeasibility); "undecided" where none was simulated."""
     out: dict[str, str] = {}
     startup = report["load"]["startup_s"] * report["load"]["time_compression"]
     groups = oracle_groups(report)
@@ -647,8 +649,8 @@ def verdicts(report: dict[str, Any]) -> dict[str, str]:
             )
         elif names:
             out[key] = (
-                f"infeasible at {interval} s intervals under {what}: {schedule}, but no clairvoyant fleet met "
-                f"the goal{sims}"
+                f"not reached at {interval} s intervals under {what}: {schedule}, but no simulated clairvoyant "
+                f"fleet met the goal{sims}; whether another schedule would is open"
             )
         else:
             out[key] = f"undecided at {interval} s intervals under {what}: {schedule}; no clairvoyant fleet simulated"
