@@ -101,7 +101,7 @@ def test_bench_planner_compares_the_planner_with_fixed_fleets(tmp_path, trace):
         assert b["worker_seconds"] >= b["least_worker_seconds"] * 0.999
         assert b["most_saving_vs_fixed_peak"] <= rows[("step", interval, u, startup)]["most_saving_vs_fixed_peak"]
     assert set(r["verdict"]) == {"step_i30", "step_i10", "loop_i30", "loop_i10"}
-    assert all(v.startswith(("feasible", "infeasible")) for v in r["verdict"].values())
+    assert all(v.startswith(("feasible", "infeasible", "not reached")) for v in r["verdict"].values())
     # Fairness: smaller fleets at the reference's load per worker (start 1 and mean 2 of 3), and the share of the
     # requests that arrive while the load is within the mean fleet's 2 of 3 workers: cos(2 pi t / P) >= c with
     # c = (0.625 - 2/3) / 0.375, a = acos(c): (0.625 a - 0.375 sin a) / (0.625 pi) = 34.6%.
@@ -147,3 +147,43 @@ def test_bench_planner_refuses_bad_settings_before_running(tmp_path):
     assert proc.returncode == 2 and "expected PROMPT:OUTPUT" in proc.stderr
     proc = bench("--oracle-utilisation", "1.0,1.5", "--trace", str(AZURE), timeout=60)
     assert proc.returncode == 2 and "a fraction in (0, 1]" in proc.stderr
+
+
+# Three CLI runs: each takes 12-15 s to start on 2 cores under a load average of 10 (imports), beside the bound's
+# arithmetic (seconds of CPU).
+@pytest.mark.timeout(300)
+def test_bench_planner_schedule_only_bounds_any_schedule_without_simulating(tmp_path):
+    proc = bench("--schedule-only", "--oracle-utilisation", "")
+    assert proc.returncode == 2 and "--schedule-only needs at least one --oracle-utilisation" in proc.stderr
+    # No trace is read (a missing one is not an error here) and no fleet is simulated: only the bound and its verdicts.
+    proc = bench("--schedule-only", "--oracle-intervals", "30,1", "--oracle-utilisation", "1.0",
+                 "--trace", str(tmp_path / "missing.csv"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["schedule_only"] is True and r["fleets"] == {} and "capacity" not in r
+    rows = {(b["rules"], b["interval_s"], b["startup_s"]): b for b in r["schedule_bound"]}
+    assert len(rows) == 2 * 2 * 4 and {b["utilisation"] for b in r["schedule_bound"]} == {1.0}
+    for key, b in rows.items():
+        assert b["worker_seconds"] >= b["least_worker_seconds"] * 0.999
+        assert b["most_saving_vs_fixed_peak"] <= rows[("step", *key[1:])]["most_saving_vs_fixed_peak"]
+    # With no start-up and a decision every second the step limit never binds, so the bound is the need's integral:
+    # 8 f(t) = 5 - 3 cos(2 pi t / 150) runs from 2 to 8, and ceil of it is 2 plus one for each w in 3..7 below it
+    # (and one for w = 2 but at the trough): the share of a period with 5 - 3 cos > w is 1 - acos((5 - w) / 3) / pi,
+    # whose terms pair up to 1 (w = 3 with 7, 4 with 6) beside 1/2 at w = 5: a mean of 2 + 1 + 2 + 0.5 = 5.5 workers,
+    # 3,300 worker-seconds over 600 s, 31.25% fewer than the peak fleet's 4,800.
+    free = rows[("step", 1.0, 0.0)]
+    assert free["least_worker_seconds"] == pytest.approx(3300, abs=2)
+    assert free["most_saving_vs_fixed_peak"] == pytest.approx(0.3125, abs=5e-4)
+    # A 30 s start-up holds each of the 6 additions of each of the 4 periods at most 30 s early: at most 720 more.
+    slow = rows[("step", 1.0, 30.0)]
+    assert 3300 < slow["least_worker_seconds"] <= 3300 + 720 + 2
+    # The rules (30 s start-up, one worker per 30 s interval, the loop's pause and grace) leave less than 25%
+    # to save whatever the latency, and so does a decision every second with that start-up.
+    assert r["verdict"]["loop_i30"].startswith("infeasible") and r["verdict"]["step_i1"].startswith("infeasible")
+    assert "verdict loop_i30: infeasible" in proc.stderr
+    # Without a start-up and with a decision every second the bound leaves more than 25%: the verdict waits for a
+    # simulated clairvoyant fleet's latency.
+    proc = bench("--schedule-only", "--oracle-intervals", "1", "--oracle-utilisation", "1.0", "--startup-s", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["verdict"]["step_i1"].startswith("undecided") and r["load"]["startup_s"] == 0

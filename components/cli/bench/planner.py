@@ -37,7 +37,8 @@ Beside the simulations, ``schedule_bound`` gives, per rule set, interval, utilis
 and ``--startup-s``), the greedy clairvoyant schedule's worker-seconds and a lower bound for any schedule under the
 rules that always routes the load's need (``Oracle.least_worker_seconds``); they depend on the load's shape, not on
 the trace. ``verdict`` says per rule set and interval whether the goal is within reach: not if the bound leaves less
-than 25% to save, whatever the latency; else whether a simulated clairvoyant fleet met it.
+than 25% to save, whatever the latency; else whether a simulated clairvoyant fleet met it. ``--schedule-only`` prints
+the bound and the verdicts alone, with no trace read and no fleet simulated.
 
 Fairness figures (``fairness``): the SLO checks, fixed fleets of the planner's start size and of the mean size at the
 same load per worker as the SLO's reference (whether a smaller fleet, as loaded per worker as the peak fleet at its
@@ -361,6 +362,12 @@ def table(report: dict[str, Any]) -> str:
         f"fixed_mean: {fair['fixed_mean_requests_within_capacity_pct']:.1f}% of the requests arrive while the load is "
         "within its capacity"
     )
+    return "\n".join([*lines, *bound_lines(report)])
+
+
+def bound_lines(report: dict[str, Any]) -> list[str]:
+    """The table's lines for ``schedule_bound`` and ``verdict``."""
+    lines = []
     bound: dict[str, dict[float, list[dict[str, Any]]]] = {}
     for r in report["schedule_bound"]:
         bound.setdefault(f"{r['rules']}_i{r['interval_s']:g}", {}).setdefault(r["utilisation"], []).append(r)
@@ -372,7 +379,7 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"schedule {key}, fewer worker-seconds at start-up {ups} s: " + ", ".join(parts))
     for key, v in report["verdict"].items():
         lines.append(f"verdict {key}: {v}")
-    return "\n".join(lines)
+    return lines
 
 
 def oracle_groups(report: dict[str, Any]) -> dict[str, list[str]]:
@@ -545,23 +552,26 @@ def share_within(sinusoid: Sinusoid, fraction: float, step_s: float = 0.01) -> f
     return sum(r for r in rates if r <= fraction + 1e-12) / sum(rates)
 
 
-def schedule_bound(args: argparse.Namespace, plan: Plan, budget_workers: int) -> list[dict[str, Any]]:
+def schedule_bound(
+    args: argparse.Namespace, sinusoid: Sinusoid, warmup_s: float, budget_workers: int
+) -> list[dict[str, Any]]:
     """Worker-seconds without simulating latency, for both rule sets, every ``--oracle-intervals`` and
     ``--oracle-utilisation``, at ``--startup-s`` and the start-ups of ``STARTUP_SWEEP_S``: the greedy clairvoyant
     schedule's (``Oracle.plan``, a removed worker drained at once: achievable) and a lower bound for any schedule
     under the rules that always routes the load's need (``Oracle.least_worker_seconds``). Both depend on the load's
-    shape, the peak fleet's size and the rules only, not on the trace."""
+    shape, the peak fleet's size and the rules only, not on the trace. ``sinusoid`` and ``warmup_s`` are on the
+    simulation's (compressed) clock."""
     k = args.time_compression
-    t0, t1 = plan.warmup_s, plan.warmup_s + plan.sinusoid.duration_s
-    peak_ws = args.peak_workers * plan.sinusoid.duration_s
+    t0, t1 = warmup_s, warmup_s + sinusoid.duration_s
+    peak_ws = args.peak_workers * sinusoid.duration_s
     rows = []
     for loop in (False, True):
         for interval in args.oracle_intervals:
             for u in args.oracle_utilisation:
                 for startup in sorted({*STARTUP_SWEEP_S, args.startup_s}):
                     o = Oracle(
-                        sinusoid=plan.sinusoid,
-                        load_start_s=plan.warmup_s,
+                        sinusoid=sinusoid,
+                        load_start_s=warmup_s,
                         peak_workers=args.peak_workers,
                         utilisation=u,
                         interval_s=interval / k,
@@ -596,7 +606,8 @@ def verdicts(report: dict[str, Any]) -> dict[str, str]:
     worker-seconds alone (``schedule_bound`` at the run's start-up): if no schedule that always routes the need can
     save 25% of the peak fleet's, no planner under those rules that keeps up with the load can, whatever its
     latency. Then the simulated clairvoyant fleets (where run): whether one kept its attainment within 2 points of
-    the peak fleet's with that saving."""
+    the peak fleet's with that saving ("feasible"), or none did ("not reached": the bound leaves room, so that is no
+    proof of infeasibility); "undecided" where none was simulated."""
     out: dict[str, str] = {}
     startup = report["load"]["startup_s"] * report["load"]["time_compression"]
     groups = oracle_groups(report)
@@ -612,9 +623,9 @@ def verdicts(report: dict[str, Any]) -> dict[str, str]:
         # The largest utilisation needs the fewest workers: its bound is the bound for every smaller one too.
         best = max(rows, key=lambda r: r["utilisation"])
         schedule = (
-            f"no schedule that always routes enough workers to run them at most {best['utilisation']:g} of their "
-            f"measured capacity saves more than {100 * best['most_saving_vs_fixed_peak']:.1f}% of the peak fleet's "
-            f"worker-seconds ({startup:g} s start-up; the greedy clairvoyant schedule "
+            f"no schedule that always routes enough workers to run them at most {100 * best['utilisation']:g}% of "
+            f"their measured capacity saves more than {100 * best['most_saving_vs_fixed_peak']:.1f}% of the peak "
+            f"fleet's worker-seconds ({startup:g} s start-up; the greedy clairvoyant schedule "
             f"{100 * best['saving_vs_fixed_peak']:.1f}%)"
         )
         names = groups.get(key, [])
@@ -638,12 +649,43 @@ def verdicts(report: dict[str, Any]) -> dict[str, str]:
             )
         elif names:
             out[key] = (
-                f"infeasible at {interval} s intervals under {what}: {schedule}, but no clairvoyant fleet met "
-                f"the goal{sims}"
+                f"not reached at {interval} s intervals under {what}: {schedule}, but no simulated clairvoyant "
+                f"fleet met the goal{sims}; whether another schedule would is open"
             )
         else:
             out[key] = f"undecided at {interval} s intervals under {what}: {schedule}; no clairvoyant fleet simulated"
     return out
+
+
+def run_schedule_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--schedule-only``: ``schedule_bound`` and its verdicts without reading a trace or simulating a fleet (the
+    bound depends on the load's shape, the peak fleet's size, the budget and the rules only); seconds of CPU."""
+    t_start = time.perf_counter()
+    k = args.time_compression
+    sinusoid = Sinusoid(args.period_s, args.duration_s, args.low, args.high).scaled(k)
+    cfg = planner_configs(args)["planner"]
+    budget_workers = max(1, cfg.max_gpu_budget // cfg.decode_engine_num_gpu)
+    report: dict[str, Any] = {
+        "bench": "planner",
+        "schedule_only": True,
+        "load": {
+            "period_s": sinusoid.period_s,
+            "duration_s": sinusoid.duration_s,
+            "low": sinusoid.low,
+            "high": sinusoid.high,
+            "peak_workers": args.peak_workers,
+            "budget_workers": budget_workers,
+            "time_compression": k,
+            "startup_s": args.startup_s / k,
+        },
+        "fleets": {},
+        "goal": {},
+    }
+    report["schedule_bound"] = schedule_bound(args, sinusoid, args.warmup_s / k, budget_workers)
+    report["verdict"] = verdicts(report)
+    report["wall_s"] = round(time.perf_counter() - t_start, 1)
+    print("\n".join(bound_lines(report)), file=sys.stderr, flush=True)
+    return report
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -839,7 +881,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "fleets": fleets,
     }
-    report["schedule_bound"] = schedule_bound(args, plan, budget_workers)
+    report["schedule_bound"] = schedule_bound(args, sinusoid, plan.warmup_s, budget_workers)
     report["goal"] = judge(fleets)
     report["goal_met"] = {name: g["met"] for name, g in report["goal"].items()}
     report["verdict"] = verdicts(report)
@@ -972,6 +1014,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "progress and none removing a worker for 3 decisions after an addition",
     )
     p.add_argument(
+        "--schedule-only",
+        action="store_true",
+        help="print only the schedule bound and its verdicts (worker-seconds of the greedy clairvoyant schedule and a "
+        "lower bound for any schedule under the rules, per rule set, --oracle-intervals, --oracle-utilisation and "
+        "start-up): no trace read, no fleet simulated",
+    )
+    p.add_argument(
         "--dynamo-setting",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -997,7 +1046,7 @@ def main(args: argparse.Namespace) -> int:
         print("kvmesh bench planner: give --trace or --lengths, not both", file=sys.stderr)
         return 2
     args.trace = args.trace or str(TRACE_DIR / DEFAULT_TRACE)
-    if not args.lengths and not Path(args.trace).is_file():
+    if not args.schedule_only and not args.lengths and not Path(args.trace).is_file():
         print(f"kvmesh bench planner: no trace file at {args.trace}", file=sys.stderr)
         return 2
     problems = []
@@ -1023,8 +1072,10 @@ def main(args: argparse.Namespace) -> int:
             f"{str(err['msg']).removeprefix('Value error, ')}"
             for err in e.errors()
         ]
+    if args.schedule_only and not args.oracle_utilisation:
+        problems.append("--schedule-only needs at least one --oracle-utilisation")
     if problems:
         print("kvmesh bench planner: " + "; ".join(problems), file=sys.stderr)
         return 2
-    print(json.dumps(run(args)), flush=True)
+    print(json.dumps(run_schedule_only(args) if args.schedule_only else run(args)), flush=True)
     return 0
