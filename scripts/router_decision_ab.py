@@ -8,10 +8,12 @@ more than the differences measured here).
 A: the baseline tree's ``KvIndex._search``/``_split`` (bound to this tree's index: the index's data is the same) and
 its ``PromptHashes`` (over the same memo of chunk hashes), and snapshots rebuilt lazily, by the decision (the
 bookkeeping before an A decision only marks workers changed, as main at 64fcae8 did: see
-docs/router.md). B: this tree's code as it is. Everything else is this tree's. Each decision is timed as ``kvmesh
-bench router`` times it (the request wrapped with its lazy hashes, then ``Router.select``), in thread CPU time; so is
-the bookkeeping before it (load reports, ``on_routed``/``on_first_token``/``on_finished``: untimed in ``kvmesh bench
-router``), where B now rebuilds the snapshots. Prints one JSON object: per side, the decisions and p50/p90/p99 of
+docs/router.md); with ``--eager-a``, A's snapshots are rebuilt by the bookkeeping as B's (a baseline at or after
+5f99b84), so that A and B differ only in the search and the hashing. B: this tree's code as it is. Everything else
+is this tree's. Each decision is timed as ``kvmesh bench router`` times it (the request wrapped with its lazy
+hashes, then ``Router.select``), in thread CPU time; so is the bookkeeping before it (load reports,
+``on_routed``/``on_first_token``/``on_finished``: untimed in ``kvmesh bench router``), where B rebuilds the snapshots
+(and A too with ``--eager-a``). Prints one JSON object: per side, the decisions and p50/p90/p99 of
 the decision and of decision plus bookkeeping.
 """
 
@@ -45,6 +47,12 @@ def main() -> None:
     bench.add_arguments(p)
     p.add_argument("--baseline", required=True, help="the other tree's root (its components/ is read, not imported)")
     p.add_argument("--pattern", default="ABBA", help="which side takes decision i: pattern[i % len(pattern)]")
+    p.add_argument(
+        "--eager-a",
+        action="store_true",
+        help="A's snapshots rebuilt by the bookkeeping too, as B's (a baseline at or after 5f99b84, e.g. main at "
+        "b9b476f): A and B then differ only in the index search and the prompt hashing",
+    )
     p.set_defaults(workers=[256], decisions=4000, ingest_blocks=0)
     args = p.parse_args()
     root = Path(args.baseline)
@@ -84,7 +92,8 @@ def main() -> None:
     gc.collect()
     for i in range(args.warmup + args.decisions):
         side = args.pattern[i % len(args.pattern)]
-        if side == "A":
+        lazy_a = not args.eager_a
+        if side == "A" and lazy_a:
             router._flush = noop  # type: ignore[method-assign]  # lazily: select rebuilds what changed
         b0 = time.thread_time_ns()
         credit += reports_per_decision
@@ -94,7 +103,7 @@ def main() -> None:
             router.apply_load(workers[reporter], bench._load_snapshot(t, rng), t)
             reporter = (reporter + 1) % len(workers)
         book += time.thread_time_ns() - b0
-        if side == "A":
+        if side == "A" and lazy_a:
             del router._flush
         prompt = bench.next_prompt(fleet.shared, fleet.families, args, prompt_rng)
         search, split, prompt_hashes = sides[side]
@@ -112,7 +121,7 @@ def main() -> None:
             samples[side].append(c1 - c0)
             totals[side].append(c1 - c0 + book)
         nxt = args.pattern[(i + 1) % len(args.pattern)]
-        if nxt == "A":
+        if nxt == "A" and lazy_a:
             router._flush = noop  # type: ignore[method-assign]
         b0 = time.thread_time_ns()
         rid = f"r{i}"
@@ -125,7 +134,7 @@ def main() -> None:
         if len(decoding) > in_flight_target - in_flight_target // 4:
             router.on_finished(decoding.popleft())
         book = time.thread_time_ns() - b0
-        if nxt == "A":
+        if nxt == "A" and lazy_a:
             del router._flush
         del request, prepared, prompt
     out = {
