@@ -180,6 +180,17 @@ def main() -> None:
             "with_a_chained_chunk": sum(1 for j in top if misses[j]),
             "within_2_decisions_of_another": bursty,
             "within_2_if_spread_evenly": round(len(top) * (1 - (1 - len(top) / n) ** 4), 1),
+            "slowest_5": [
+                {
+                    "decision": j,
+                    "cpu_us": round(cpu[j] / 1000, 1),
+                    "conversation": bool(conv[j]),
+                    "hashed_blocks": hashed[j],
+                    "chained_chunks": misses[j],
+                    "collection_cpu_us": round(gc_cpu[j] / 1000),
+                }
+                for j in reversed(order[-5:])
+            ],
         },
         "p50_per_tenth_us": [
             round((percentile(sorted(cpu[a : a + tenth]), 50) or 0) / 1000, 1) for a in range(0, n - tenth + 1, tenth)
