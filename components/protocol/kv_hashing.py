@@ -163,10 +163,10 @@ class HashMemo:
     ``CHUNK_BLOCKS`` blocks from the prompt's start, so two prompts sharing a prefix share its whole chunks; the chunk
     where they part (and a prompt's shorter last chunk) is keyed by its own bytes and hashed when new. One memo
     serves one block size. At most ``max_blocks`` hashes are kept, least recently used first out, each chunk's as the
-    bytes of an ``array('Q')`` of them (native byte order: the memo never leaves the process): ~10 bytes a block (8
-    for the hash, the rest the bytes object's header and the entry, ~620 bytes a 64-block chunk), ~2.5 MB for the
-    default 262,144 blocks (4M tokens of distinct prefixes at 16 tokens a block). ``max_blocks`` 0 keeps nothing
-    (every chunk is hashed).
+    bytes of an ``array('Q')`` of them (native byte order: the memo never leaves the process): ~14 bytes a block (8
+    for the hash, the rest the bytes object's header, the 128-bit key and the entry; ``tracemalloc``, where tuples of
+    ints took ~50), ~3.6 MB for the default 262,144 blocks (4M tokens of distinct prefixes at 16 tokens a block).
+    ``max_blocks`` 0 keeps nothing (every chunk is hashed).
 
     Unboxed on purpose (a tuple of ints until main at b9b476f): a hit copies the chunk's 512 bytes into the prompt's
     array of hashes (``PromptHashes``) instead of touching 64 int objects scattered over the heap (taking a reference
