@@ -6,13 +6,16 @@ more than the differences measured here).
     PYTHONPATH=. python scripts/router_decision_ab.py --baseline /work/main [--pattern ABBA] [bench router args]
 
 A: the baseline tree's ``KvIndex._search``/``_split`` (bound to this tree's index: the index's data is the same) and
-its ``PromptHashes`` (over the same memo of chunk hashes), and snapshots rebuilt lazily, by the decision (the
-bookkeeping before an A decision only marks workers changed, as main at 64fcae8 did: see
-docs/router.md). B: this tree's code as it is. Everything else is this tree's. Each decision is timed as ``kvmesh
-bench router`` times it (the request wrapped with its lazy hashes, then ``Router.select``), in thread CPU time; so is
-the bookkeeping before it (load reports, ``on_routed``/``on_first_token``/``on_finished``: untimed in ``kvmesh bench
-router``), where B now rebuilds the snapshots. Prints one JSON object: per side, the decisions and p50/p90/p99 of
-the decision and of decision plus bookkeeping.
+its ``PromptHashes`` over its own ``HashMemo`` (each side's memo holds the cached conversations' previous turns, as
+``kvmesh bench router``'s routers do, and the chunks of its own decisions), and snapshots rebuilt lazily, by the
+decision (the bookkeeping before an A decision only marks workers changed, as main at 64fcae8 did: see
+docs/router.md); with ``--eager-a``, A's snapshots are rebuilt by the bookkeeping as B's (a baseline at or after
+5f99b84), so that A and B differ only in the search and the hashing. B: this tree's code as it is. Everything else
+is this tree's. Each decision is timed as ``kvmesh bench router`` times it (the request wrapped with its lazy
+hashes, then ``Router.select``), in thread CPU time; so is the bookkeeping before it (load reports,
+``on_routed``/``on_first_token``/``on_finished``: untimed in ``kvmesh bench router``), where B rebuilds the snapshots
+(and A too with ``--eager-a``). Prints one JSON object: per side, the decisions and p50/p90/p99 of the decision and
+of decision plus bookkeeping.
 """
 
 import argparse
@@ -45,6 +48,12 @@ def main() -> None:
     bench.add_arguments(p)
     p.add_argument("--baseline", required=True, help="the other tree's root (its components/ is read, not imported)")
     p.add_argument("--pattern", default="ABBA", help="which side takes decision i: pattern[i % len(pattern)]")
+    p.add_argument(
+        "--eager-a",
+        action="store_true",
+        help="A's snapshots rebuilt by the bookkeeping too, as B's (a baseline at or after 5f99b84, e.g. main at "
+        "b9b476f): A and B then differ only in the index search and the prompt hashing",
+    )
     p.set_defaults(workers=[256], decisions=4000, ingest_blocks=0)
     args = p.parse_args()
     root = Path(args.baseline)
@@ -59,6 +68,11 @@ def main() -> None:
     bench.replay_previous_turns(router, fleet)
     index = router.index
     memo = router.hash_memo(bs)
+    # A's memo, of A's class (main at b9b476f keeps tuples of ints, this tree bytes), holding what B's holds.
+    memo_a = base_hashing.HashMemo(bs, memo.max_blocks if memo is not None else 0)
+    for family in fleet.families:
+        list(base_hashing.PromptHashes(bench.previous_turn(family), bs, memo_a))
+    memos = {"A": memo_a, "B": memo}
     sides = {
         "A": (base_index.KvIndex._search, base_index.KvIndex._split, base_hashing.PromptHashes),
         "B": (kv_index.KvIndex._search, kv_index.KvIndex._split, kv_hashing.PromptHashes),
@@ -84,7 +98,8 @@ def main() -> None:
     gc.collect()
     for i in range(args.warmup + args.decisions):
         side = args.pattern[i % len(args.pattern)]
-        if side == "A":
+        lazy_a = not args.eager_a
+        if side == "A" and lazy_a:
             router._flush = noop  # type: ignore[method-assign]  # lazily: select rebuilds what changed
         b0 = time.thread_time_ns()
         credit += reports_per_decision
@@ -94,7 +109,7 @@ def main() -> None:
             router.apply_load(workers[reporter], bench._load_snapshot(t, rng), t)
             reporter = (reporter + 1) % len(workers)
         book += time.thread_time_ns() - b0
-        if side == "A":
+        if side == "A" and lazy_a:
             del router._flush
         prompt = bench.next_prompt(fleet.shared, fleet.families, args, prompt_rng)
         search, split, prompt_hashes = sides[side]
@@ -104,7 +119,7 @@ def main() -> None:
         request = RouteRequest(prompt, bench.MODEL, time.monotonic())
         c0 = time.thread_time_ns()
         prepared = adapter._with_fields(
-            request, adapter._AT_BLOCK_SIZE, bs, adapter._AT_BLOCK_HASHES, prompt_hashes(prompt, bs, memo)
+            request, adapter._AT_BLOCK_SIZE, bs, adapter._AT_BLOCK_HASHES, prompt_hashes(prompt, bs, memos[side])
         )
         decision = router.select(prepared)
         c1 = time.thread_time_ns()
@@ -112,7 +127,7 @@ def main() -> None:
             samples[side].append(c1 - c0)
             totals[side].append(c1 - c0 + book)
         nxt = args.pattern[(i + 1) % len(args.pattern)]
-        if nxt == "A":
+        if nxt == "A" and lazy_a:
             router._flush = noop  # type: ignore[method-assign]
         b0 = time.thread_time_ns()
         rid = f"r{i}"
@@ -125,7 +140,7 @@ def main() -> None:
         if len(decoding) > in_flight_target - in_flight_target // 4:
             router.on_finished(decoding.popleft())
         book = time.thread_time_ns() - b0
-        if nxt == "A":
+        if nxt == "A" and lazy_a:
             del router._flush
         del request, prepared, prompt
     out = {

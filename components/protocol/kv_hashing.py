@@ -123,7 +123,7 @@ def _slices(stride: int, n: int) -> list[slice]:
     return cached
 
 
-def _chain(buf: bytes, stride: int, seed: int, out: list[int]) -> int:
+def _chain(buf: bytes, stride: int, seed: int, out: list[int] | array[int]) -> int:
     """Append the chained hashes of the ``stride``-byte blocks of ``buf`` to ``out``; returns the last one."""
     h = seed
     append = out.append
@@ -162,9 +162,18 @@ class HashMemo:
     these two things, so equal keys mean equal hashes (up to a 128-bit collision). Chunks start at multiples of
     ``CHUNK_BLOCKS`` blocks from the prompt's start, so two prompts sharing a prefix share its whole chunks; the chunk
     where they part (and a prompt's shorter last chunk) is keyed by its own bytes and hashed when new. One memo
-    serves one block size. At most ``max_blocks`` hashes are kept, least recently used first out: ~40 bytes a block
-    (a 64-bit int and a tuple slot), ~11 MB for the default 262,144 blocks (4M tokens of distinct prefixes at 16
-    tokens a block). ``max_blocks`` 0 keeps nothing (every chunk is hashed).
+    serves one block size. At most ``max_blocks`` hashes are kept, least recently used first out, each chunk's as the
+    bytes of an ``array('Q')`` of them (native byte order: the memo never leaves the process): ~14 bytes a block (8
+    for the hash, the rest the bytes object's header, the 128-bit key and the entry; ``tracemalloc``, where tuples of
+    ints took ~50), ~3.6 MB for the default 262,144 blocks (4M tokens of distinct prefixes at 16 tokens a block).
+    ``max_blocks`` 0 keeps nothing (every chunk is hashed).
+
+    Unboxed on purpose (a tuple of ints until main at b9b476f): a hit copies the chunk's 512 bytes into the prompt's
+    array of hashes (``PromptHashes``) instead of touching 64 int objects scattered over the heap (taking a reference
+    to each: a cache miss apiece in a router whose other work has evicted them, ~7 chunks per conversation turn); and
+    a bytes object is nothing the cyclic garbage collector tracks, where each new tuple was traversed, its 64 ints
+    read, by the next collection (most of the young generation's work in ``kvmesh bench router``: ~0.5-0.8 ms a
+    collection, docs/router.md, "Cost").
 
     ``hits`` and ``misses`` count chunks; ``blocks_reused`` the hashes that came from the memo.
     """
@@ -180,7 +189,7 @@ class HashMemo:
             raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self._chunks: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._chunks: OrderedDict[int, bytes] = OrderedDict()  # key -> the chunk's hashes, array('Q').tobytes()
         self.num_blocks = 0
         self.hits = self.misses = self.blocks_reused = 0
 
@@ -188,28 +197,35 @@ class HashMemo:
         """Chunks held."""
         return len(self._chunks)
 
-    def get(self, key: int) -> tuple[int, ...] | None:
-        hashes = self._chunks.get(key)
-        if hashes is None:
+    def get(self, key: int) -> array[int] | None:
+        """The chunk's hashes (a new ``array('Q')``), None if the memo lacks it."""
+        packed = self._chunks.get(key)
+        if packed is None:
             self.misses += 1
             return None
         self._chunks.move_to_end(key)
+        hashes = array("Q")
+        hashes.frombytes(packed)
         self.hits += 1
         self.blocks_reused += len(hashes)
         return hashes
 
-    def put(self, key: int, hashes: tuple[int, ...]) -> None:
-        if len(hashes) > self.max_blocks:
+    def put(self, key: int, hashes: Sequence[int]) -> None:
+        """Keep a chunk's hashes (an ``array('Q')`` or any sequence of ints), evicting the least recently used."""
+        n = len(hashes)
+        if n > self.max_blocks:
             return
+        if not isinstance(hashes, array) or hashes.typecode != "Q":
+            hashes = array("Q", hashes)
         chunks = self._chunks
         old = chunks.pop(key, None)
         if old is not None:
-            self.num_blocks -= len(old)
-        chunks[key] = hashes
-        self.num_blocks += len(hashes)
+            self.num_blocks -= len(old) >> 3
+        chunks[key] = hashes.tobytes()
+        self.num_blocks += n
         while self.num_blocks > self.max_blocks:
             _, gone = chunks.popitem(last=False)
-            self.num_blocks -= len(gone)
+            self.num_blocks -= len(gone) >> 3
 
     def clear(self) -> None:
         self._chunks.clear()
@@ -236,6 +252,10 @@ class PromptHashes(Sequence[int]):
     is looked up there before it is chained, and stored after (same values either way). A read also takes the
     chunks after the one it needs while the memo holds them (a memo hit costs ~0.5 us a chunk, where a call per
     chunk read, as the search's gallop reads them, costs ~1-2 us more), so ``num_computed`` may exceed what was read.
+
+    The hashes are kept in an ``array('Q')`` (``ensure``), not a list of ints: a memo hit appends a chunk's 512 bytes
+    (``HashMemo``), and the index search makes an int only of the few dozen hashes it probes (~20 ns each); freeing
+    the prompt frees one buffer instead of 512 ints.
     """
 
     __slots__ = ("_bs", "_buf", "_last", "_memo", "_n", "_out", "_peek", "_tokens")
@@ -249,7 +269,7 @@ class PromptHashes(Sequence[int]):
         self._tokens = token_ids
         self._bs = block_size
         self._n = len(token_ids) // block_size
-        self._out: list[int] = []
+        self._out: array[int] = array("Q")  # the hashes so far, unboxed (class docstring)
         self._last = ROOT_SEED
         self._memo = memo if memo is not None and memo.block_size == block_size and memo.max_blocks else None
         self._buf: array[int] = array("I")  # the packed tokens so far (with a memo: ``_packed``)
@@ -307,13 +327,13 @@ class PromptHashes(Sequence[int]):
                     memo.misses += 1
                     start = len(out)
                     last = _chain(piece.tobytes(), stride, last, out)  # 64-byte bytes slices beat view slices
-                    memo.put(key, tuple(out[start:]))
+                    memo.put(key, out[start:])
                 else:
                     chunks.move_to_end(key)
                     memo.hits += 1
-                    memo.blocks_reused += len(hashes)
-                    out += hashes
-                    last = hashes[-1]
+                    memo.blocks_reused += len(hashes) >> 3
+                    out.frombytes(hashes)  # the chunk's 8-byte hashes, copied
+                    last = out[-1]
                 off += size
         self._last = last
 
@@ -353,19 +373,19 @@ class PromptHashes(Sequence[int]):
             self._extend(i + 1)
         return out[i]
 
-    def ensure(self, k: int) -> list[int]:
-        """The list of hashes computed so far, holding at least the first ``min(k, len(self))``. The same list object
-        grows as more are computed (read it, do not modify it): a hot loop indexes it directly, without a method call
-        per hash."""
+    def ensure(self, k: int) -> array[int]:
+        """The hashes computed so far (an ``array('Q')``: indexing it gives ints), holding at least the first
+        ``min(k, len(self))``. The same array grows as more are computed (read it, do not modify it): a hot loop
+        indexes it directly, without a method call per hash."""
         if k > len(self._out):
             self._extend(k)
         return self._out
 
     def computed(self, k: int) -> list[int]:
-        """The first ``min(k, len(self))`` hashes, computing what is missing (the list is shared: do not modify)."""
+        """The first ``min(k, len(self))`` hashes as a new list, computing what is missing."""
         if k > len(self._out):
             self._extend(k)
-        return self._out if k >= self._n else self._out[:k]
+        return self._out.tolist() if k >= self._n else self._out[:k].tolist()
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.computed(self._n))

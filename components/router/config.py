@@ -92,8 +92,8 @@ class RouterConfig(BaseModel):
         default=262_144,
         ge=0,
         description="kv: block hashes of recently seen prompt chunks the router keeps (least recently used out), so a "
-        "prefix it has hashed before (a conversation's history, a shared document) is not chained again: ~40 bytes "
-        "a block, ~11 MB at the default (4M tokens of distinct prefixes at 16 tokens a block); 0: hash every prompt "
+        "prefix it has hashed before (a conversation's history, a shared document) is not chained again: ~14 bytes "
+        "a block, ~3.6 MB at the default (4M tokens of distinct prefixes at 16 tokens a block); 0: hash every prompt "
         "in full.",
     )
     active_decode_blocks_threshold: float | None = Field(

@@ -412,9 +412,11 @@ class KvIndex:
                 hi = lo + max_step - (lo + 1) % max_step  # then the next max_step - 1 + j * max_step
             if hi >= n:
                 hi, m_hi = n, 0  # past the end: nobody holds block n
-                need(n)
+                if n > len(hs):
+                    need(n)
             else:
-                need(hi + 1)
+                if hi >= len(hs):  # (``hs`` grows in place: most probes find their hash there already)
+                    need(hi + 1)
                 m_hi = get(hs[hi], 0) & m_lo
             if m_hi != m_lo:
                 split(hs, lo, m_lo, hi, m_hi, groups)

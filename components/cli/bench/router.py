@@ -67,8 +67,13 @@ decision took 189 -> 149 us of thread CPU time at p50 and 347 -> 284 us at p99 (
 28 -> 62 us at p50. The p99 target is not shown met. Of a decision's ~150 us (thread CPU, p50): ~75 us hashing
 (packing the 8k token ids, ~37 us of it: every token up to the deepest cached block must be read; the memo's chunks;
 chaining the new one), ~45 us searching the index (gallop and bisect over prefix-closed workers,
-``components.router.kv_index``), ~25 us in the policy, ~6 us preparing the request. Ingest (an earlier, quiet
-measurement): ~0.7M single-block events/s (decode blocks naming their parent), ~2M blocks/s in prefill-sized events.
+``components.router.kv_index``), ~25 us in the policy, ~6 us preparing the request. Round 3 (against main at
+b9b476f, load ~1-2.6, 16 ABBA runs each): p50 ~132 us, p99 207 us (164-443): still not met. The p99 is made of
+conversation hits, of the young garbage collections (main: 3 per run, all inside decisions, 0.4-0.8 ms each, now 1 of
+~0.2 ms: the memo keeps bytes, not tuples of ints) and above all of the host's slow stretches (the p50 of parts of a
+run 1.3-1.9x the rest): runs without one are at 155-223 us (``scripts/router_decision_tail.py``).
+Ingest (an earlier, quiet measurement): ~0.7M single-block events/s (decode blocks naming their parent), ~2M blocks/s
+in prefill-sized events.
 The last line printed is one JSON object; ``--workers 8,64 --indexed-blocks 20000 --decisions 200`` runs in seconds.
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import struct
 
@@ -227,3 +228,23 @@ def test_a_read_takes_the_following_chunks_the_memo_holds_and_leaves_the_first_i
     # Without a memo entry for chunk 0, a read computes that chunk and stops at the next one the memo lacks.
     fresh = PromptHashes([rng.randrange(2**17) for _ in range(16 * 200)], 16, memo)
     assert fresh[0] is not None and fresh.num_computed == 64
+
+
+def test_a_memo_keeps_its_chunks_unboxed_and_out_of_the_garbage_collectors_reach():
+    # Each chunk's hashes are the bytes of an array('Q') (no int objects, nothing the cyclic collector tracks); a
+    # prompt's hashes are an array('Q') too. Reading them gives the chain's ints, and computed() a plain list.
+    rng = random.Random(9)
+    memo = HashMemo(16, 10_000)
+    history = [rng.randrange(2**17) for _ in range(16 * 130)]
+    expected = reference_block_hashes(history, 16)
+    first = PromptHashes(history, 16, memo)
+    assert first.computed(130) == expected and type(first.computed(130)) is list
+    assert len(memo) == 3 and all(type(v) is bytes and not gc.is_tracked(v) for v in memo._chunks.values())
+    again = PromptHashes(history, 16, memo)
+    hs = again.ensure(130)
+    assert list(hs) == expected and hs[129] == expected[129] == again[129]
+    assert memo.hits == 3 and again == expected and list(again) == expected
+    # A chunk put as any sequence of ints is kept as the same bytes, and read back as an array of the same values.
+    memo.put(12345, tuple(expected[:64]))
+    got = memo.get(12345)
+    assert got is not None and list(got) == expected[:64] and type(memo._chunks[12345]) is bytes
