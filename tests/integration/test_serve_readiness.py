@@ -4,6 +4,7 @@ it has discovered any worker)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
@@ -16,12 +17,16 @@ from components.deploy.local import healthy
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def frontend() -> Iterator[tuple[str, dict]]:
-    answer: dict = {"status": 200, "body": {"status": "healthy", "models": []}}
+@contextlib.contextmanager
+def health_server(answers: list[dict]) -> Iterator[str]:
+    """A real HTTP server on loopback whose n-th request gets ``answers[n % len(answers)]`` (``status``, ``body``);
+    yields its /health URL."""
+    turn = {"n": 0}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            answer = answers[turn["n"] % len(answers)]
+            turn["n"] += 1
             body = json.dumps(answer["body"]).encode()
             self.send_response(answer["status"])
             self.send_header("Content-Type", "application/json")
@@ -36,10 +41,17 @@ def frontend() -> Iterator[tuple[str, dict]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/health", answer
+        yield f"http://127.0.0.1:{server.server_address[1]}/health"
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def frontend() -> Iterator[tuple[str, dict]]:
+    answer: dict = {"status": 200, "body": {"status": "healthy", "models": []}}
+    with health_server([answer]) as url:
+        yield url, answer
 
 
 def test_ready_only_once_healthy_and_listing_every_model_of_the_graph(frontend):
@@ -63,30 +75,8 @@ def replicated_frontend() -> Iterator[tuple[str, list[dict]]]:
         {"status": 503, "body": {"status": "loading", "models": [], "loading": ["tiny-llama"], "replica": 1,
                                  "replicas": 2}},
     ]  # fmt: skip
-    turn = {"n": 0}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            answer = answers[turn["n"] % len(answers)]
-            turn["n"] += 1
-            body = json.dumps(answer["body"]).encode()
-            self.send_response(answer["status"])
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/health", answers
-    finally:
-        server.shutdown()
-        server.server_close()
+    with health_server(answers) as url:
+        yield url, answers
 
 
 def test_with_replicas_every_process_must_list_the_models(replicated_frontend):
