@@ -10,27 +10,26 @@ new instance id, hence new series). A worker silent for ``FORGET_AFTER_S`` is dr
 target's do when it goes); at most ``MAX_WORKERS`` are kept, the longest silent dropped first.
 
 Owns: one subscription and one task (``frontend-migration-counters:<namespace>``, in the runtime's supervisor), both
-released by ``stop()``.
+released by ``stop()`` (components/frontend/report_feed.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from components.frontend.report_feed import ReportFeed
 from components.protocol.endpoints import TOPIC_MIGRATION_COUNTERS
 from components.protocol.migration import MigrationCountersReport
-from components.runtime import EventSubscription, Runtime
+from components.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
 FORGET_AFTER_S = 300.0  # 30 of a worker's repeats missed: it is gone
 MAX_WORKERS = 4096
-MAX_PENDING = 10_000  # unread events kept when the loop is starved (a newer report supersedes an older one)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,45 +73,11 @@ def parse_report(payload: Any) -> MigrationCountersReport | None:
         return None
 
 
-class MigrationCountersFeed:
+class MigrationCountersFeed(ReportFeed[MigrationCountersReport]):
     def __init__(
         self, runtime: Runtime, namespace: str, counters: MigrationCounters, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.runtime = runtime
-        self.namespace = namespace
-        self.counters = counters
-        self.clock = clock
-        self.num_unparsed = 0
-        self._sub: EventSubscription[Any] | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        events = self.runtime.namespace(self.namespace).events
-        self._sub = await events.subscribe(TOPIC_MIGRATION_COUNTERS, max_pending=MAX_PENDING)
-        self._task = self.runtime.supervisor.spawn(
-            self._consume(self._sub), name=f"frontend-migration-counters:{self.namespace}"
+        super().__init__(
+            runtime, namespace, TOPIC_MIGRATION_COUNTERS, "migration-counters", parse_report, counters.apply, clock
         )
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            try:
-                await sub.close()
-            except Exception as e:  # noqa: BLE001 - the runtime's shutdown releases it anyway
-                logger.warning("closing subscription %s: %s", sub.topic, e)
-
-    async def _consume(self, sub: EventSubscription[Any]) -> None:
-        async for ev in sub:
-            report = parse_report(ev.payload)
-            if report is None:
-                self.num_unparsed += 1
-                if self.num_unparsed == 1 or self.num_unparsed % 1000 == 0:
-                    logger.warning(
-                        "migration counters from %x do not parse (%d so far)", ev.source_id, self.num_unparsed
-                    )
-                continue
-            self.counters.apply(ev.source_id, report, self.clock())
+        self.counters = counters
