@@ -256,17 +256,24 @@ async def test_a_decode_worker_killed_during_its_remote_prefill_leaves_nothing_r
         client = await client_rt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(1)
         queue = await client_rt.namespace(NS).prefill_queue(MODEL)
-        # The decode worker hears the prefill worker's reports within a few intervals; retry until one goes remote.
-        stream = None
+        # The decode worker hears the prefill worker's reports within a few intervals; until then it prefills
+        # locally. Each attempt waits for whichever comes first: the prefill worker takes the item (remote: the
+        # stream cannot end before the item is delivered) or the stream ends (prefilled locally: try again). No fixed
+        # window: on a loaded machine the pull can take longer than any window chosen here.
+        pending: asyncio.Future | None = None
         for attempt in range(50):
             stream = await client.direct(req(f"orphan-{attempt}", PROMPT), iid)
-            with contextlib.suppress(AssertionError):
-                await wait_until(lambda: prefill.prefill_loop.busy, timeout_s=0.5)
+            pending = fut = asyncio.ensure_future(tokens_of(stream))
+            await wait_until(lambda fut=fut: prefill.prefill_loop.busy or fut.done(), timeout_s=60)
+            if prefill.prefill_loop.busy:
                 break
-            await tokens_of(stream)  # prefilled locally (the reports had not arrived): done, try again
+            await pending  # prefilled locally, complete: the next attempt
         assert prefill.prefill_loop.busy
         proc.kill()  # the decode worker dies while the prefill worker computes its prompt
         proc.wait(10)
+        assert pending is not None
+        with contextlib.suppress(Exception):  # the stream of a killed worker ends with an error
+            await asyncio.wait_for(pending, 30)
         loop = prefill.prefill_loop
         await wait_until(lambda: loop.counters.refused == 1, timeout_s=20)  # delivery found nobody: dropped
         assert loop.counters.delivered == 0
