@@ -447,6 +447,61 @@ def ttft_floor_s(workload: Workload, fleet: FleetSpec, cached_tokens: Sequence[i
     return out
 
 
+def causal_ttft_floor_s(workload: Workload, fleet: FleetSpec, hashes: Sequence[Sequence[int]]) -> list[float]:
+    """``ttft_floor_s`` with causality: a cached block exists only once some earlier request has computed it.
+
+    ``ttft_floor_s`` lets each request find the infinite cache's blocks ready, including the first requests of a
+    document that nobody has computed yet; at a cold start (a few long shared documents) that makes its p99 the
+    p99 of the cached case, which no fleet reaches. Here every request still runs alone on an idle worker of its own
+    (infinitely many: no queueing, no eviction), but a block is *available* only from the earliest time any request
+    could have finished computing it, and a request either waits for the first ``k`` blocks of its prompt to be
+    available and computes the rest, or computes all of it, whichever gives the earlier first token. A block first
+    appears in request ``r`` (``hashes[r]``, its prompt's chained block hashes); ``r`` computes blocks ``u..`` (those
+    no earlier request had) after waiting for ``k <= u`` available ones, so block ``i >= u`` is available from
+    ``min_k ready_k + prefill(blocks k..i)``, where ``ready_k`` is ``r``'s arrival or the latest availability of its
+    first ``k`` blocks. Every later request containing the block arrives later, so it cannot make it earlier.
+
+    ``prefill(x tokens)`` for availability is taken at the lowest per-token rate any chunk of at most
+    ``max_num_batched_tokens`` tokens reaches (``min_n prefill_ms(n) / n``): a lower bound on the time of any
+    chunked prefill of ``x`` tokens, which keeps the availability times lower bounds and this a floor that no router
+    on any fleet of these engines can beat. A request's own remaining prefill is the chunked one of ``ttft_floor_s``.
+    """
+    c = fleet.engine
+    bs = c.block_size
+    chunk = c.max_num_batched_tokens
+    slope_s = min(_prefill_ms(c, n) / n for n in range(1, chunk + 1)) / 1000.0
+
+    def own_s(n: int) -> float:
+        full, rest = divmod(max(1, n), chunk)
+        return (full * _prefill_ms(c, chunk) + _prefill_ms(c, rest)) / 1000.0
+
+    avail: dict[int, float] = {}  # block hash -> the earliest time it can exist
+    out = []
+    for r, hs in zip(workload.requests, hashes, strict=True):
+        n = len(r.prompt)
+        a = r.arrival_s
+        usable = (n - 1) // bs  # at most all but the last token from a cache, as ``PromptBlocks``
+        best = own_s(n)
+        ready = a
+        # min over k of ready_k - slope * k * bs: where r's own computation of later blocks can start from
+        start = a
+        k = 0
+        while k < len(hs):
+            t = avail.get(hs[k])
+            if t is None:
+                break
+            if t > ready:
+                ready = t
+            k += 1
+            start = min(start, ready - slope_s * k * bs)
+            if k <= usable:
+                best = min(best, ready - a + own_s(n - k * bs))
+        out.append(best)
+        for i in range(k, len(hs)):  # first computed by r: available from its earliest possible computation
+            avail[hs[i]] = start + slope_s * (i + 1) * bs
+    return out
+
+
 def _prefill_ms(c: MockEngineConfig, n: int) -> float:
     return c.prefill_base_ms + c.prefill_ms_per_token * n + c.prefill_ms_per_token_sq * n * n if n else 0.0
 

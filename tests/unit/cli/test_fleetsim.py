@@ -79,6 +79,52 @@ def test_the_ttft_floor_is_each_requests_uncached_part_prefilled_alone():
     assert floor == pytest.approx([(2 * 510 + 210) / 1000, 10.5 / 1000])
 
 
+def test_the_causal_floor_waits_for_a_shared_prefix_only_once_someone_could_have_computed_it():
+    # A linear step model (no base, no square: every chunk 0.5 ms a token), so the hand arithmetic is exact.
+    cfg = MockEngineConfig(block_size=BS, max_num_batched_tokens=1000, prefill_base_ms=0, prefill_ms_per_token=0.5,
+                           prefill_ms_per_token_sq=0)  # fmt: skip
+    fleet = FleetSpec(workers=1, engine=cfg)
+    doc = sum((block(k) for k in range(10)), ())  # 160 tokens, 10 blocks
+    reqs = (
+        SimRequest(0.0, (*doc, 1), 4),  # 161 tokens: computes all of it, 80.5 ms; block i exists at 8 (i + 1) ms
+        SimRequest(0.040, (*doc, 2), 4),  # arrives 40 ms in: waits for the 10 blocks (80 ms) + 1 token (0.5 ms)
+        SimRequest(0.079, (*doc, 3), 4),  # arrives 79 ms in: 1 ms + 0.5 ms beats computing 161 tokens (80.5 ms)
+        SimRequest(1.0, (*doc, 4), 4),  # long after: everything is there, 1 token
+        SimRequest(1.0, (*block(50), *block(51), 5), 4),  # nothing shared: alone, 33 tokens
+    )
+    w = Workload("w", reqs)
+    hashes = fleetsim.PromptBlocks([r.prompt for r in reqs], BS).hashes
+    floor = fleetsim.causal_ttft_floor_s(w, fleet, hashes)
+    assert floor == pytest.approx([0.0805, 0.0405, 0.0015, 0.0005, 0.0165])
+    # Without causality every repeat found the document cached: the old floor is below the causal one.
+    plain = fleetsim.ttft_floor_s(w, fleet, fleetsim.PromptBlocks([r.prompt for r in reqs], BS).hits_per_prompt())
+    assert plain == pytest.approx([0.0805, 0.0005, 0.0005, 0.0005, 0.0165])
+    assert all(p <= c + 1e-12 for p, c in zip(plain, floor, strict=True))
+
+
+def test_the_causal_floor_lets_a_request_compute_a_prefix_itself_when_waiting_is_slower():
+    # The document's first request arrives at 0 and needs 80 ms; a second arriving 1 ms in with only the first block
+    # of the document and a long tail of its own: waiting for block 0 (8 ms, 7 ms from its arrival) then computing
+    # its other 100 tokens (50 ms) = 57 ms beats computing all 116 (58 ms) by 1 ms.
+    cfg = MockEngineConfig(block_size=BS, max_num_batched_tokens=1000, prefill_base_ms=0, prefill_ms_per_token=0.5,
+                           prefill_ms_per_token_sq=0)  # fmt: skip
+    fleet = FleetSpec(workers=1, engine=cfg)
+    doc = sum((block(k) for k in range(10)), ())
+    tail = tuple(range(500_000, 500_100))
+    reqs = (SimRequest(0.0, (*doc, 1), 4), SimRequest(0.001, (*block(0), *tail), 4))
+    hashes = fleetsim.PromptBlocks([r.prompt for r in reqs], BS).hashes
+    floor = fleetsim.causal_ttft_floor_s(Workload("w", reqs), fleet, hashes)
+    assert floor == pytest.approx([0.0805, 0.057])
+    # The second request's own blocks (the tail's 6 whole ones) exist from the earliest it could have computed them:
+    # after block 0 (8 ms), 8 ms a block, so block 6 of its prompt at 56 ms. A third request with the same 7 blocks
+    # arriving at 60 ms finds them all and computes its one remaining token (0.5 ms).
+    third = SimRequest(0.060, (*block(0), *tail[:96], 7), 4)  # 113 tokens: 7 whole blocks
+    reqs3 = (*reqs, third)
+    hashes3 = fleetsim.PromptBlocks([r.prompt for r in reqs3], BS).hashes
+    floor3 = fleetsim.causal_ttft_floor_s(Workload("w", reqs3), fleet, hashes3)
+    assert floor3[2] == pytest.approx(0.0005)
+
+
 def test_a_working_sets_regime_is_read_against_one_worker_and_the_fleet():
     from components.cli.bench.routing import regime
 
