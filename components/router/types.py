@@ -128,6 +128,23 @@ DEFAULT_STEP_TIME = StepTime()
 _IDLE_PREFILL_MS_PER_TOKEN = DEFAULT_STEP_TIME.prefill_ms_per_prompt_token(0, 0)
 _IDLE_DECODE_STEP_MS = DEFAULT_STEP_TIME.decode_ms(1, 0)
 
+# The share of a prefill step's fixed cost (``StepTime.prefill_base_ms``) that a new prompt waits out, on average, on
+# a worker with prefill in progress: it cannot join the step already running, and arriving at a random moment of it,
+# it waits half of it (``WorkerSnapshot.step_residual_ms``). The per-token rate (``prefill_ms_per_prompt_token``)
+# spreads the fixed cost over a full chunk (16.5 ms over 8,192 tokens: 0.002 ms a token), which misses it for the
+# queues of a few hundred to a few thousand tokens that a fleet below capacity has: there one step in progress,
+# 16.5 ms of fixed cost plus ~15 ms for 1,000 tokens, is most of the wait. Measured with ``kvmesh bench routing``
+# (docs/router.md): 0.35, 0.5, 0.65 and 0.8 all fix ``kv``'s p99 on short shared system prompts at 0.6x capacity;
+# 1.0 (the whole step, as if every arrival came at its start) made conversations at 8x scale unstable at 1.2x.
+STEP_RESIDUAL_SHARE = 0.5
+
+
+def queued_wait_ms(w: WorkerSnapshot) -> float:
+    """How long a new prompt waits on worker ``w`` before its own prefill: the queued prefill tokens at the worker's
+    rate, plus, while any are queued, the rest of the step in progress (``step_residual_ms``)."""
+    q = w.queued_prefill_tokens
+    return w.prefill_ms_per_token * q + w.step_residual_ms if q else 0.0
+
 
 class WorkerSnapshot(NamedTuple):
     """One worker as the router knows it at ``RouteRequest.now_s``.
@@ -160,7 +177,9 @@ class WorkerSnapshot(NamedTuple):
       (``StepTime.prefill_ms_per_prompt_token`` at ``active_requests`` sequences over ``active_prompt_tokens``);
     - ``decode_step_ms``: its decode step with one more sequence of the mean context: the inter-token latency a new
       request would see there;
-    - ``host_load_ms_per_token``: how long loading a token's KV from its host-memory tier takes (its ``StepTime``).
+    - ``host_load_ms_per_token``: how long loading a token's KV from its host-memory tier takes (its ``StepTime``);
+    - ``step_residual_ms``: what of the step in progress a new prompt waits out while prefill is queued there
+      (``STEP_RESIDUAL_SHARE`` of its ``StepTime.prefill_base_ms``; ``queued_wait_ms``).
     """
 
     instance_id: int
@@ -180,6 +199,7 @@ class WorkerSnapshot(NamedTuple):
     prefill_ms_per_token: float = _IDLE_PREFILL_MS_PER_TOKEN
     decode_step_ms: float = _IDLE_DECODE_STEP_MS
     host_load_ms_per_token: float = DEFAULT_STEP_TIME.host_load_ms_per_token
+    step_residual_ms: float = STEP_RESIDUAL_SHARE * DEFAULT_STEP_TIME.prefill_base_ms
 
     def has_fresh_metrics(self, now_s: float) -> bool:
         return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
@@ -197,8 +217,8 @@ class WorkerTable(Sequence[WorkerSnapshot]):
       bound: about once per publishing interval (100 ms), not per decision, as an exact minimum would need (the
       worker holding it is the next to report, so it moves with nearly every report: ~4 us a decision at 256);
     - ``load_range()``: the fewest and most ``active_requests``, for the ``kv`` imbalance test (a count per value);
-    - ``by_queued_wait()``: ``(queued_wait_ms, position)`` pairs, ascending, where ``queued_wait_ms`` is
-      ``prefill_ms_per_token * queued_prefill_tokens`` (how long the worker's prefill queue takes), with
+    - ``by_queued_wait()``: ``(queued_wait_ms, position)`` pairs, ascending, where ``queued_wait_ms`` is how long
+      the worker's prefill queue holds a new prompt (``queued_wait_ms(w)``), with
       ``prefill_ms_floor`` and ``decode_ms_floor``, the least ``prefill_ms_per_token`` and ``decode_step_ms`` any
       snapshot of this table has had (they only go down, so they stay lower bounds). A request's ``kv`` cost on a
       worker caching no more than the common prefix is at least ``queued_wait_ms + prefill_ms_floor * tokens +
@@ -231,7 +251,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         self._loads: dict[int, int] = {}
         for w in ws:
             self._loads[w.active_requests] = self._loads.get(w.active_requests, 0) + 1
-        self._wait = [w.prefill_ms_per_token * w.queued_prefill_tokens for w in ws]
+        self._wait = [queued_wait_ms(w) for w in ws]
         # by_queued_wait as two parallel lists (bisecting floats is ~2x faster than bisecting (float, int) pairs)
         self._wait_order = sorted(range(len(ws)), key=self._wait.__getitem__)
         self._wait_keys = [self._wait[i] for i in self._wait_order]
@@ -292,7 +312,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
             ws, waits, keys, order = self._workers, self._wait, self._wait_keys, self._wait_order
             for i in self._wait_stale:
                 w = ws[i]
-                wait = w.prefill_ms_per_token * w.queued_prefill_tokens
+                wait = queued_wait_ms(w)
                 old = waits[i]
                 if wait != old:
                     waits[i] = wait

@@ -5,14 +5,23 @@ For each candidate worker ``i`` (``common.candidates``: not already tried, not s
 ``P`` prompt tokens of which worker ``i`` caches ``c_i`` (its ``overlap_blocks`` times the block size: the router's KV
 index, from the workers' KV events)::
 
-    ttft_i = prefill_ms_per_token_i * (queued_prefill_tokens_i + P - c_i)
+    wait_i = prefill_ms_per_token_i * queued_prefill_tokens_i + (step_residual_ms_i if queued_prefill_tokens_i else 0)
+    ttft_i = wait_i + prefill_ms_per_token_i * (P - c_i)
     cost_i = ttft_i + successor_weight * prefill_ms_per_token_i * (P - c_i) + decode_weight * decode_step_ms_i
 
 ``queued_prefill_tokens_i`` is the prompt work the worker must do before this request's (requests routed there with no
 first token yet, or what it reports waiting, whichever is larger), ``prefill_ms_per_token_i`` how fast it gets through
 it (from its engine's step-time model, ``types.StepTime``, slowed by the sequences decoding alongside), and
-``decode_step_ms_i`` the decode step the request would then share (its inter-token latency there). All three are
-derived by the router when the worker's counts change (``WorkerSnapshot``), not per decision.
+``decode_step_ms_i`` the decode step the request would then share (its inter-token latency there). All are derived by
+the router when the worker's counts change (``WorkerSnapshot``), not per decision.
+
+``step_residual_ms_i`` is the part of the step in progress that a new prompt waits out on a worker with prefill
+queued: half its engine's fixed cost of a prefill step (``types.STEP_RESIDUAL_SHARE``), which the per-token rate,
+spread over a full chunk, leaves out. Below capacity a queue is one step of a few hundred to a few thousand tokens,
+and its fixed cost (16.5 ms for an 8B model on an H100) is about as much as the ~600-token system prompt a cached
+worker saves: without it ``kv`` sent such prompts to busy holders while idle workers would have answered sooner,
+and its p99 on short shared system prompts at 0.6x capacity was 1.12x round-robin's; with it 1.05x, and lower or
+equal on conversations and the Mooncake trace (docs/router.md).
 
 The middle term is the delay this request's uncached prefill adds to the next request that lands on worker ``i``
 (``successor_weight`` 1.0: one such request). Without it the rule is greedy for this request alone: at high load a
@@ -29,7 +38,7 @@ their announced ``StepTime``) instead of ``prefill_ms_per_token_i``. With ``h_i 
 in the host tier, the uncached part is ``P - h_i`` and ``h_i - c_i`` tokens are loaded::
 
     work_i = prefill_ms_per_token_i * (P - h_i) + host_load_ms_per_token_i * (h_i - c_i)
-    cost_i = prefill_ms_per_token_i * queued_prefill_tokens_i + (1 + successor_weight) * work_i
+    cost_i = wait_i + (1 + successor_weight) * work_i
              + decode_weight * decode_step_ms_i
 
 (the load holds up the step it happens in, so it delays the next request as a prefill does). Without host tiers
@@ -37,9 +46,10 @@ in the host tier, the uncached part is ``P - h_i`` and ``h_i - c_i`` tokens are 
 
 Why this unit: a cached prefix and queued work are both prompt tokens to compute before the first token, so the
 cached worker wins exactly while its queue is shorter than its cache advantage (``queued_i - queued_j < c_i - c_j``
-between workers of one speed), at any load. Dynamo's cost (``kv_dynamo`` below) weighs prefill *blocks* to compute
-against the *decode* blocks of every request in flight: at high load the second term, which grows with requests that
-no longer queue anywhere, outweighs any prefix and cached prefixes are ignored when they matter most.
+between workers of one speed that both have prefill queued), at any load. Dynamo's cost (``kv_dynamo`` below)
+weighs prefill *blocks* to compute against the *decode* blocks of every request in flight: at high load the second
+term, which grows with requests that no longer queue anywhere, outweighs any prefix and cached prefixes are ignored
+when they matter most.
 
 Steps, in order, each with its reason and ``DecisionKind`` in the decision:
 1. **Pin**: ``pinned_instance_id`` wins when it can (``common.pin``).
@@ -90,6 +100,7 @@ from components.router.types import (
     WorkerSnapshot,
     WorkerTable,
     lazy_reason,
+    queued_wait_ms,
 )
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default
@@ -113,7 +124,10 @@ def ttft_costs(
     base = max(1, len(request.token_ids) - floor * bs)  # uncached tokens where only the common prefix is cached
     sbase = scale * base
     costs = [
-        w.prefill_ms_per_token * (w.queued_prefill_tokens + sbase) + decode_weight * w.decode_step_ms for w in cands
+        w.prefill_ms_per_token * (w.queued_prefill_tokens + sbase)
+        + (w.step_residual_ms if w.queued_prefill_tokens else 0.0)
+        + decode_weight * w.decode_step_ms
+        for w in cands
     ]
     overlaps = request.overlap_blocks
     if len(overlaps) * 8 >= len(cands):
@@ -141,7 +155,7 @@ def tiered_cost(
     uncached = max(1, n - held * bs)
     loaded = max(0, min(held * bs, n - 1) - device * bs)
     work = w.prefill_ms_per_token * uncached + w.host_load_ms_per_token * loaded
-    return w.prefill_ms_per_token * w.queued_prefill_tokens + scale * work + decode_weight * w.decode_step_ms
+    return queued_wait_ms(w) + scale * work + decode_weight * w.decode_step_ms
 
 
 def _tiered_costs(
@@ -165,13 +179,13 @@ def lowest_ttft(
     many workers cache more than the common prefix: there ``ttft_costs`` is cheaper.
 
     The workers caching more than the common prefix (a few: ``overlap_blocks``) get their cost computed. Every other
-    worker's is ``prefill_ms_per_token * (queued_prefill_tokens + s * base) + decode_weight * decode_step_ms`` (``s``
-    = 1 + ``successor_weight``), at least ``queued_wait_ms + prefill_ms_floor * s * base + decode_weight *
-    decode_ms_floor`` (``WorkerTable``): walking
-    ``by_queued_wait()`` in order, the bound only grows, so the walk stops at the first worker whose bound exceeds
-    the best cost found (by a relative 1e-9, far above the rounding of either side: a worker left out costs more,
-    in floating point too, so the ties are all found). At 256 workers with queues of different lengths it reads a
-    handful of workers instead of 256 (~4 us instead of ~35 us for ``ttft_costs`` and ``pick_min``, warm).
+    worker's is ``wait + prefill_ms_per_token * s * base + decode_weight * decode_step_ms`` (``wait``:
+    ``types.queued_wait_ms``; ``s`` = 1 + ``successor_weight``), at least ``wait + prefill_ms_floor * s * base +
+    decode_weight * decode_ms_floor`` (``WorkerTable``): walking ``by_queued_wait()`` in order, the bound only grows,
+    so the walk stops at the first worker whose bound exceeds the best cost found (by a relative 1e-9, far above the
+    rounding of either side: a worker left out costs more, in floating point too, so the ties are all found). At
+    256 workers with queues of different lengths it reads a handful of workers instead of 256 (~4 us instead of ~35
+    us for ``ttft_costs`` and ``pick_min``, warm).
 
     With host tiers the workers holding more than the common prefixes in either tier are computed first, and the
     others' bound uses what every worker holds (``base`` = the prompt less the larger common prefix; a load costs
@@ -195,7 +209,11 @@ def lowest_ttft(
         i = positions.get(iid)
         if i is not None:
             w = table[i]
-            c = w.prefill_ms_per_token * (w.queued_prefill_tokens + sbase) + decode_weight * w.decode_step_ms
+            c = (
+                w.prefill_ms_per_token * (w.queued_prefill_tokens + sbase)
+                + (w.step_residual_ms if w.queued_prefill_tokens else 0.0)
+                + decode_weight * w.decode_step_ms
+            )
             if blocks > floor:
                 c -= w.prefill_ms_per_token * (scale * min((blocks - floor) * bs, base - 1))
             cost[i] = c
@@ -213,7 +231,11 @@ def lowest_ttft(
         if budget < 0:
             return None
         w = table[i]
-        c = w.prefill_ms_per_token * (w.queued_prefill_tokens + sbase) + decode_weight * w.decode_step_ms
+        c = (
+            w.prefill_ms_per_token * (w.queued_prefill_tokens + sbase)
+            + (w.step_residual_ms if w.queued_prefill_tokens else 0.0)
+            + decode_weight * w.decode_step_ms
+        )
         cost[i] = c
         if c < best:
             best = c

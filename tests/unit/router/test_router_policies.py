@@ -239,12 +239,13 @@ STEP = StepTime()  # the default step-time model (an 8B model on an H100)
 
 def timed(iid: int, queued: int = 0, step: StepTime = STEP, decoding: int = 0, kv_tokens: int = 0, **f: Any) -> Any:
     """A worker as the router derives it: queued prefill tokens, the prefill rate at its decode batch, the decode step
-    a new request would share."""
+    a new request would share, the part of a step in progress a new prompt waits out (half its fixed cost)."""
     return worker(
         iid,
         queued_prefill_tokens=queued,
         prefill_ms_per_token=step.prefill_ms_per_prompt_token(decoding, kv_tokens),
         decode_step_ms=step.decode_ms(decoding + 1, kv_tokens),
+        step_residual_ms=0.5 * step.prefill_base_ms,
         **f,
     )
 
@@ -266,14 +267,16 @@ def test_kv_a_cached_prefix_wins_over_a_slightly_lighter_worker_and_loses_to_a_m
 @pytest.mark.parametrize("decoding", [0, 64])
 def test_kv_switches_where_the_predicted_times_cross(decoding, successor_weight):
     # Worker 1 caches c tokens and is slowed by `decoding` sequences; worker 2 is idle. With s = 1 + successor_weight
-    # the crossover queue on worker 1 is where m1 * (q + s * (P - c)) + d1 = m2 * s * P + d2 (successor_weight 0: this
-    # request's predicted TTFT alone), derived here from the step-time model, not read off the policy.
+    # the crossover queue on worker 1 is where m1 * (q + s * (P - c)) + r + d1 = m2 * s * P + d2 (successor_weight 0:
+    # this request's predicted TTFT alone; r = half a prefill step's fixed cost, 8.25 ms, which a queue of any length
+    # adds: the step in progress), derived here from the step-time model, not read off the policy.
     P, c = 8192, 4096
     s = 1.0 + successor_weight
     m1 = STEP.prefill_ms_per_prompt_token(decoding, decoding * 2048)
     m2 = STEP.prefill_ms_per_prompt_token(0, 0)
     d1, d2 = STEP.decode_ms(decoding + 1, decoding * 2048), STEP.decode_ms(1, 0)
-    crossover = (m2 * s * P + d2 - d1) / m1 - s * (P - c)
+    r = 0.5 * STEP.prefill_base_ms
+    crossover = (m2 * s * P + d2 - d1 - r) / m1 - s * (P - c)
     assert 0 < crossover <= s * c  # decode load makes worker 1 slower: it wins only for queues shorter than s * c
     req = request(P, overlap_blocks={1: c // BS})
     policy = KvPolicy(RouterConfig(successor_weight=successor_weight))
@@ -284,6 +287,26 @@ def test_kv_switches_where_the_predicted_times_cross(decoding, successor_weight)
 
     assert chosen(int(crossover) - 16) == 1
     assert chosen(int(crossover) + 16) == 2
+
+
+def test_kv_a_queue_costs_the_rest_of_the_step_in_progress_so_a_short_cached_prefix_waits_less_on_an_idle_worker():
+    # The short-system-prompt case (docs/router.md): a 1,000-token prompt whose first 600 tokens worker 1 caches; worker
+    # 1 has prefill queued (a step in progress), worker 2 none. Worker 1's cost is m * (q + 2 * 400) + r, worker 2's
+    # m * 2 * 1000, with r = 8.25 ms (half the 16.5 ms fixed cost of a prefill step): the crossover is at
+    # q = 1200 - r / m = 800 tokens, where the per-token rate alone (r = 0) put it at 1,200.
+    m = STEP.prefill_ms_per_prompt_token(0, 0)
+    r = 0.5 * STEP.prefill_base_ms
+    crossover = 2 * 1000 - 2 * 400 - r / m
+    assert 790 < crossover < 810
+    req = request(1000, overlap_blocks={1: 600 // BS})  # 37 blocks = 592 tokens
+    crossover -= 2 * (600 - 592)  # whole blocks only: 8 more tokens to compute on worker 1, counted twice
+
+    def chosen(q: int) -> int:
+        return int(place(KvPolicy(), req, [timed(1, queued=q), timed(2)]).instance_id)
+
+    assert chosen(int(crossover) - 8) == 1
+    assert chosen(int(crossover) + 8) == 2
+    assert chosen(1000) == 2  # between the two crossovers: the rate alone would have sent it to the busy holder
 
 
 def test_kv_a_faster_engine_gets_the_request_at_equal_queues():
@@ -315,7 +338,12 @@ def test_kv_with_a_common_prefix_decides_as_with_every_overlap_listed_and_by_tim
         assert (a.instance_id, a.overlap_blocks, a.reason) == (b.instance_id, b.overlap_blocks, b.reason)
         # The expected worker, from the formula: the fewest queued + 2 x uncached tokens (all workers run at one speed;
         # successor_weight 1 counts the uncached prefill for this request and the next one there).
-        want = min(range(1, 41), key=lambda i: ((i * 700) % 3000 + 2 * (2048 - everyone[i] * BS), i))
+        # A worker with any prefill queued waits out half of the step in progress too (r ms = r / m tokens' worth).
+        r_tokens = 0.5 * STEP.prefill_base_ms / STEP.prefill_ms_per_prompt_token(0, 0)
+        want = min(
+            range(1, 41),
+            key=lambda i: ((i * 700) % 3000 + (r_tokens if (i * 700) % 3000 else 0) + 2 * (2048 - everyone[i] * BS), i),
+        )
         assert a.instance_id == want
 
 
@@ -650,21 +678,23 @@ def test_kv_autellix_state_is_autellix_state():
 def test_kv_a_host_tier_hit_costs_its_load_not_a_prefill_and_the_crossovers_follow():
     # 8192-token prompt. Worker 1 caches 4096 tokens on its device; worker 2 holds the whole prompt but 256 tokens in
     # its host tier only (it loads 8191 - 256 at l ms a token); worker 3 holds nothing. Same speed m, successor weight
-    # 1 (s = 2): cost_i = m * q_i + s * (m * uncached_i + l * loaded_i) + decode.
+    # 1 (s = 2): cost_i = m * q_i + (r if q_i else 0) + s * (m * uncached_i + l * loaded_i) + decode, with r half a
+    # prefill step's fixed cost (the step in progress that a queue makes a new prompt wait out).
     P = 8192
     m = STEP.prefill_ms_per_prompt_token(0, 0)
     load = STEP.host_load_ms_per_token
     req = request(P, overlap_blocks={1: 4096 // BS, 2: 256 // BS}, host_overlap_blocks={2: P // BS})
     # Worker 2: uncached = 1 (the last token is computed), loaded = 8191 - 256. Worker 1: uncached 4096, none loaded.
-    cost2 = lambda q: m * q + 2 * (m * 1 + load * (P - 1 - 256))  # noqa: E731
-    cost1 = lambda q: m * q + 2 * (m * 4096)  # noqa: E731
+    r = 0.5 * STEP.prefill_base_ms
+    cost2 = lambda q: m * q + (r if q else 0.0) + 2 * (m * 1 + load * (P - 1 - 256))  # noqa: E731
+    cost1 = lambda q: m * q + (r if q else 0.0) + 2 * (m * 4096)  # noqa: E731
     assert load < m / 4  # a load is far cheaper than computing
     d = place(KvPolicy(), req, [timed(1), timed(2), timed(3)])
     assert (d.instance_id, d.overlap_blocks, d.host_overlap_blocks, d.kind) == (2, 16, P // BS - 16,
                                                                                    DecisionKind.CACHE_HIT)  # fmt: skip
     assert "more in host memory" in d.reason
     # Worker 2's queue where it stops paying: cost2(q) = cost1(0), derived here from the costs, not the policy.
-    q_cross = (cost1(0) - cost2(0)) / m
+    q_cross = (cost1(0) - cost2(0) - r) / m
     assert place(KvPolicy(), req, [timed(1), timed(2, queued=int(q_cross) - 8), timed(3)]).instance_id == 2
     assert place(KvPolicy(), req, [timed(1), timed(2, queued=int(q_cross) + 8), timed(3)]).instance_id == 1
     # kv_dynamo counts device blocks only: worker 1 (256 device blocks) wins there, and no host load is predicted.
@@ -685,7 +715,9 @@ def test_kv_with_host_tiers_decides_over_a_table_as_over_a_list_and_by_the_formu
     def cost(w: WorkerSnapshot) -> float:
         d, h = dev.get(w.instance_id, 32) * BS, host.get(w.instance_id, 48) * BS
         held = max(d, h)
-        return m * w.queued_prefill_tokens + 2 * (m * max(1, P - held) + load * max(0, min(held, P - 1) - d))
+        q = w.queued_prefill_tokens
+        r = 0.5 * STEP.prefill_base_ms if q else 0.0  # the step in progress a queue makes it wait out (half)
+        return m * q + r + 2 * (m * max(1, P - held) + load * max(0, min(held, P - 1) - d))
 
     want = min(ws, key=cost).instance_id
     from components.router.types import WorkerTable

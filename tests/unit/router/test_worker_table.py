@@ -63,7 +63,16 @@ def check_table(table: WorkerTable, ws: list[WorkerSnapshot]) -> None:
     pairs = list(table.by_queued_wait())
     assert sorted(i for _, i in pairs) == list(range(len(ws)))
     assert [wait for wait, _ in pairs] == sorted(wait for wait, _ in pairs)
-    assert all(wait == ws[i].prefill_ms_per_token * ws[i].queued_prefill_tokens for wait, i in pairs)
+    # The queue's wait: its tokens at the worker's rate, plus the step in progress's residual while any is queued.
+    assert all(
+        wait
+        == (
+            ws[i].prefill_ms_per_token * ws[i].queued_prefill_tokens + ws[i].step_residual_ms
+            if ws[i].queued_prefill_tokens
+            else 0.0
+        )
+        for wait, i in pairs
+    )
     assert all(table.prefill_ms_floor <= w.prefill_ms_per_token for w in ws)
     assert all(table.decode_ms_floor <= w.decode_step_ms for w in ws)
     assert table.positions == {w.instance_id: i for i, w in enumerate(ws)}
