@@ -59,6 +59,8 @@ def test_bench_frontend(tmp_path):
             assert x["requests_completed"] == 40 and x["errors"] == {}, x
             assert x["cpu_ms_per_request"]["frontend"] > 0 and x["requests_per_s"] > 0
             assert x["hit_rate"] is not None and x["ttft_ms"]["p99"] > 0
+            # The machine's busy cores over the window: something ran (the load), at most every core.
+            assert x["machine_cores"] >= 1 and 0 < x["machine_cores_busy"] <= x["machine_cores"] + 0.05
     assert {x["processes"]["frontend"] for x in pol["rounds"][0] if x["side"] == "2"} == {3}  # supervisor + 2
     assert {"2_over_1", "1_over_baseline", "2_over_baseline"} <= set(pol["paired_ratios"])
     t = r["targets"]["kv"]

@@ -207,6 +207,30 @@ def load_config(
     )
 
 
+def machine_cpu() -> tuple[int, int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot and the number of CPUs, from /proc/stat; None without it."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    head = lines[0].split() if lines else []
+    if not head or head[0] != "cpu" or len(head) < 6:
+        return None
+    ticks = [int(x) for x in head[1:]]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    cpus = sum(1 for line in lines[1:] if line.startswith("cpu") and line[3:4].isdigit())
+    return sum(ticks) - idle, sum(ticks), cpus
+
+
+def cores_busy(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None) -> float | None:
+    """How many of the machine's CPUs were busy on average between two ``machine_cpu`` readings (every process on
+    the machine: the servers, the load generator and anything else running)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]) * after[2], 2)
+
+
 async def measure(
     args: argparse.Namespace, side: Side, url: str, roles: dict[str, list[int]], seed: int
 ) -> dict[str, Any]:
@@ -219,9 +243,11 @@ async def measure(
             raise RuntimeError(f"side {side.name}: no warm-up request completed: {warm['error_examples']}")
     role_of = {pid: role for role, pids in roles.items() for pid in pids}
     load_before = os.getloadavg()[0]
+    cpu_before = machine_cpu()
     out = await run_load(
         load_config(args, url, seed, args.requests, list(role_of), warm=False, extra_body=side.extra_body)
     )
+    cpu_after = machine_cpu()
     load_after = os.getloadavg()[0]
     done = out["requests_completed"]
     cpu_ms = dict.fromkeys(roles, 0.0)
@@ -244,6 +270,10 @@ async def measure(
         "processes": {role: len(pids) for role, pids in roles.items()},
         "loadgen_cpu_ms_per_request": out["cpu"]["loadgen_cpu_ms_per_request"],
         "load_average": [round(load_before, 2), round(load_after, 2)],
+        # Whether the machine had a core to spare: every process's CPU over the window (a side whose servers and
+        # load generator keep all cores busy is bound by the machine, not by its frontend).
+        "machine_cores_busy": cores_busy(cpu_before, cpu_after),
+        "machine_cores": cpu_after[2] if cpu_after else None,
     }
 
 
@@ -330,6 +360,7 @@ def _brief(r: dict[str, Any]) -> dict[str, Any]:
         "cpu": r["cpu_ms_per_request"],
         "hit": r["hit_rate"],
         "load": r["load_average"],
+        "cores_busy": r["machine_cores_busy"],
     }
 
 
@@ -344,6 +375,8 @@ METRICS = {
     "nats_cpu_ms_per_request": lambda r: r["cpu_ms_per_request"].get("nats"),
     "total_cpu_ms_per_request": lambda r: r["cpu_ms_per_request"].get("total"),
     "hit_rate": lambda r: r["hit_rate"],
+    "loadgen_cpu_ms_per_request": lambda r: r.get("loadgen_cpu_ms_per_request"),
+    "machine_cores_busy": lambda r: r.get("machine_cores_busy"),
 }
 
 
@@ -453,6 +486,7 @@ def plot(result: dict[str, Any], path: str) -> bool:
         ("ttft_ms_p99", "TTFT p99 (ms)"),
         ("frontend_cpu_ms_per_request", "frontend CPU-ms / request"),
         ("total_cpu_ms_per_request", "all servers' CPU-ms / request"),
+        ("machine_cores_busy", "machine cores busy"),
     ]
     fig, axes = plt.subplots(len(policies), len(panels), figsize=(4 * len(panels), 3.2 * len(policies)), squeeze=False)
     for row, pol in zip(axes, policies, strict=True):

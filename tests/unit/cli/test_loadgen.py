@@ -449,3 +449,13 @@ def test_cli_flags_map_onto_the_config(capsys):
 
 def test_request_spec_knows_its_prompt_length():
     assert RequestSpec(0, [1, 2, 3], 4).prompt_tokens == 3
+
+
+def test_cores_busy_is_the_busy_share_of_every_cpu_between_two_readings():
+    from components.cli.bench.frontend import cores_busy, machine_cpu
+
+    # 2 CPUs; between the readings 1000 jiffies passed in all (500 per CPU), 750 of them busy: 1.5 cores busy.
+    assert cores_busy((100, 1000, 2), (850, 2000, 2)) == 1.5
+    assert cores_busy(None, (850, 2000, 2)) is None and cores_busy((1, 2, 2), (1, 2, 2)) is None
+    now = machine_cpu()  # this machine's own /proc/stat (Linux: every CI machine)
+    assert now is not None and now[2] >= 1 and 0 <= now[0] <= now[1]
