@@ -19,6 +19,9 @@ Also here, because they are properties of a workload rather than of a policy:
 
 * ``oracle_reuse``: the fraction of prompt tokens an infinite prefix cache on one worker would have served (at the
   engine's block granularity, at most all but one token of a prompt): the ceiling a hit rate is read against;
+* ``ttft_floor_s`` and ``causal_ttft_floor_s``: each request's TTFT alone on an idle worker holding the infinite
+  cache's prefix, and the same where a block exists only once an earlier request could have computed it: floors no
+  router can beat, so a target above their bound is out of every router's reach;
 * ``derive_programs``: program (conversation) ids from Mooncake hash ids alone, for the affinity policies;
 * ``find_capacity``: the arrival rate at which round-robin's queues stop draining.
 """
