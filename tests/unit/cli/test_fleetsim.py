@@ -125,6 +125,27 @@ def test_the_causal_floor_lets_a_request_compute_a_prefix_itself_when_waiting_is
     assert floor3[2] == pytest.approx(0.0005)
 
 
+def test_the_causal_floor_is_never_below_the_plain_floor_and_equals_it_once_everything_was_computed_long_ago():
+    # Random prompts over a few shared prefixes, the default step-time model: per request the causal floor is at least
+    # the plain one (causality only delays a prefix), and replaying the same prompts a second time, long after the
+    # first pass, finds every block available: the second pass's floors equal the plain floor's cached case.
+    import random
+
+    rng = random.Random(3)
+    fleet = FleetSpec(workers=2, engine=MockEngineConfig(block_size=BS))
+    heads = [tuple(rng.randrange(10**6) for _ in range(rng.randrange(1, 2000))) for _ in range(5)]
+    prompts = [rng.choice(heads) + tuple(rng.randrange(10**6) for _ in range(rng.randrange(1, 300))) for _ in range(60)]
+    reqs = tuple(SimRequest(0.01 * i, p, 4) for i, p in enumerate(prompts))
+    later = tuple(SimRequest(1000.0 + 0.01 * i, p, 4) for i, p in enumerate(prompts))
+    w = Workload("w", reqs + later)
+    blocks = fleetsim.PromptBlocks([r.prompt for r in w.requests], BS)
+    causal = fleetsim.causal_ttft_floor_s(w, fleet, blocks.hashes)
+    plain = fleetsim.ttft_floor_s(w, fleet, blocks.hits_per_prompt())
+    assert all(p <= c + 1e-12 for p, c in zip(plain, causal, strict=True))
+    assert causal[len(reqs) :] == pytest.approx(plain[len(reqs) :])
+    assert sum(causal[: len(reqs)]) > sum(plain[: len(reqs)])  # some first pass request waited for a prefix
+
+
 def test_a_working_sets_regime_is_read_against_one_worker_and_the_fleet():
     from components.cli.bench.routing import regime
 
