@@ -20,8 +20,9 @@ queued: half its engine's fixed cost of a prefill step (``types.STEP_RESIDUAL_SH
 spread over a full chunk, leaves out. Below capacity a queue is one step of a few hundred to a few thousand tokens,
 and its fixed cost (16.5 ms for an 8B model on an H100) is about as much as the ~600-token system prompt a cached
 worker saves: without it ``kv`` sent such prompts to busy holders while idle workers would have answered sooner,
-and its p99 on short shared system prompts at 0.6x capacity was 1.12x round-robin's; with it 1.05x, and lower or
-equal on conversations and the Mooncake trace (docs/router.md).
+and its p99 on short shared system prompts at 8x scale and 0.6x capacity was 1.12x round-robin's; with it 1.08x,
+lower on the Mooncake trace at every load and on conversations at 8x scale except at 1.0x capacity (126 -> 140 ms;
+docs/router.md).
 
 The middle term is the delay this request's uncached prefill adds to the next request that lands on worker ``i``
 (``successor_weight`` 1.0: one such request). Without it the rule is greedy for this request alone: at high load a
