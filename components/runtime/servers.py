@@ -67,6 +67,9 @@ class ServerProcess:
 
     def __init__(self, data_dir: Path | None, host: str, port: int | None) -> None:
         self.host = host
+        # A port we picked ourselves may be taken by someone else (an outgoing connection's ephemeral port) before the
+        # server binds it; start() then picks again. A given port is the caller's to keep.
+        self._ports_ours = port is None
         self.port = port or free_port(host)
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix=f"kvmesh-{self.name}-"))
@@ -77,9 +80,50 @@ class ServerProcess:
     def command(self) -> list[str]:
         raise NotImplementedError
 
-    def start(self, timeout_s: float = 20.0) -> None:
+    def start(self, timeout_s: float = 20.0, bind_attempts: int = 5) -> None:
+        for attempt in range(1, bind_attempts + 1):
+            try:
+                self._start_once(timeout_s)
+                return
+            except ConnectError:
+                lost_race = self._ports_ours and "address already in use" in self._log_since_start()
+                if not lost_race or attempt == bind_attempts:
+                    raise
+                self.stop()
+                self._pick_ports()
+
+    def _ports(self) -> list[int]:
+        return [self.port]
+
+    def _pick_ports(self) -> None:
+        self.port = free_port(self.host)
+
+    def _check_ports_free(self) -> None:
+        # Someone else's listener on the port would answer the readiness probe in our server's place; a bind that
+        # fails now says so before anything starts. (A port taken later, between this check and the server's own bind,
+        # makes the server exit with the same words, which start() handles alike.)
+        for port in self._ports():
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the Go servers bind
+                try:
+                    s.bind((self.host, port))
+                except OSError as e:
+                    msg = f"{self.host}:{port}: address already in use ({e.strerror})"
+                    self._log.write(f"kvmesh: cannot start {self.name}: {msg}\n".encode())
+                    self._log.flush()
+                    raise ConnectError(self.name, f"{self.host}:{self.port}", msg) from None
+
+    def _log_since_start(self) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as f:
+            f.seek(self._log_offset)
+            return f.read().decode(errors="replace")
+        return ""
+
+    def _start_once(self, timeout_s: float) -> None:
         log = open(self.log_path, "ab")
         self._log = log
+        self._log_offset = log.tell()
+        self._check_ports_free()
         # Its own process group (a terminal's Ctrl-C does not reach it) but this session: with the kernel's scheduler
         # autogroups (CONFIG_SCHED_AUTOGROUP, on by default), a new session is a new scheduling group, and on a busy
         # machine a group that wakes up can wait tens of milliseconds behind a group that keeps the cores busy (an
@@ -89,6 +133,12 @@ class ServerProcess:
         )
         _wait_port(self.host, self.port, self.proc, timeout_s, self.name, self.log_path)
         self._wait_ready(timeout_s)
+        if self.proc.poll() is not None:
+            raise ConnectError(
+                self.name,
+                f"{self.host}:{self.port}",
+                f"exited with {self.proc.returncode} while starting; see {self.log_path}: {_tail(self.log_path)}",
+            )
 
     def _wait_ready(self, timeout_s: float) -> None:
         pass
@@ -131,6 +181,13 @@ class EtcdServer(ServerProcess):
             "KVMESH_ETCD_BIN",
             "install Debian's etcd-server (apt-get install etcd-server) or set KVMESH_ETCD_BIN",
         )
+
+    def _ports(self) -> list[int]:
+        return [self.port, self.peer_port]
+
+    def _pick_ports(self) -> None:
+        super()._pick_ports()
+        self.peer_port = free_port(self.host)
 
     @property
     def endpoint(self) -> str:

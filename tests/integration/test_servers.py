@@ -1,0 +1,91 @@
+"""The embedded etcd and nats-server start even when the port picked for them is taken before they bind it."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+
+from components.runtime import servers
+from components.runtime.errors import ConnectError
+from components.runtime.servers import EtcdServer, NatsServer
+
+
+@pytest.fixture
+def occupied_port():
+    # A listening socket holds the port the way another process's server would (an outgoing connection's ephemeral
+    # port does the same to a bind without being connectable).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def _picks_taken_port_first(monkeypatch, taken: int) -> list[int]:
+    real = servers.free_port
+    handed: list[int] = []
+
+    def pick(host: str = "127.0.0.1") -> int:
+        port = taken if not handed else real(host)
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(servers, "free_port", pick)
+    return handed
+
+
+@pytest.mark.parametrize("cls", [EtcdServer, NatsServer])
+def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(cls, tmp_path, monkeypatch, occupied_port):
+    handed = _picks_taken_port_first(monkeypatch, occupied_port)
+    server = cls(data_dir=tmp_path / cls.name)
+    assert server.port == occupied_port
+    try:
+        server.start()
+        assert server.port != occupied_port
+        assert server.proc is not None and server.proc.poll() is None
+        assert "address already in use" in server.log_path.read_text()
+        assert len(handed) >= 2
+        if cls is EtcdServer:
+            with urllib.request.urlopen(f"{server.endpoint}/health", timeout=2) as r:
+                assert b'"true"' in r.read()
+        else:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=2) as c:
+                assert c.recv(4).startswith(b"INFO")
+    finally:
+        server.cleanup()
+
+
+def test_a_given_port_that_is_taken_is_a_clear_error_not_another_port(tmp_path, occupied_port):
+    server = NatsServer(data_dir=tmp_path / "nats", port=occupied_port)
+    try:
+        with pytest.raises(ConnectError, match="address already in use"):
+            server.start(timeout_s=10)
+        assert server.port == occupied_port
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def bound_port():
+    # Bound but not listening: how an outgoing connection holds an ephemeral port. Nothing answers a probe on it.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("cls", [EtcdServer, NatsServer])
+def test_a_port_taken_between_the_check_and_the_servers_own_bind_is_picked_again(
+    cls, tmp_path, monkeypatch, bound_port
+):
+    handed = _picks_taken_port_first(monkeypatch, bound_port)
+    monkeypatch.setattr(cls, "_check_ports_free", lambda self: None)  # the race: the check passed, then it was taken
+    server = cls(data_dir=tmp_path / cls.name)
+    try:
+        server.start()
+        assert server.port != bound_port and len(handed) >= 2
+        assert server.proc is not None and server.proc.poll() is None
+        log = server.log_path.read_text()
+        assert "address already in use" in log and "kvmesh: cannot start" not in log  # the server's own words
+    finally:
+        server.cleanup()
