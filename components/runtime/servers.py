@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,7 +27,37 @@ class ServerBinaryMissing(FatalError):
         self.name = name
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PICKED_PORT = 10000
+# Never the global generator: a test that seeds it would make every process pick the same ports.
+_port_rng = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    with contextlib.suppress(OSError, ValueError):
+        lo, hi = (int(x) for x in _EPHEMERAL_RANGE_FILE.read_text().split())
+        return lo, hi
+    return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A TCP port that nothing on ``host`` holds now, for a server started next.
+
+    Picked at random below the kernel's ephemeral range (``ip_local_port_range``), where the kernel never places an
+    outgoing connection: a port the kernel hands out itself (``bind(port 0)``) comes from that range, and on a busy
+    machine a client's connection could take it before the server binds it (CI saw etcd exit with "address already
+    in use" so). Someone else's server may still start there in between; ``ServerProcess.start`` picks again then.
+    Falls back to a kernel-chosen port when the low range is full or absent."""
+    lo, _ = _ephemeral_range()
+    if lo - 1 > _LOWEST_PICKED_PORT:
+        for _ in range(attempts):
+            port = _port_rng.randrange(_LOWEST_PICKED_PORT, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -89,3 +89,21 @@ def test_a_port_taken_between_the_check_and_the_servers_own_bind_is_picked_again
         assert "address already in use" in log and "kvmesh: cannot start" not in log  # the server's own words
     finally:
         server.cleanup()
+
+
+def test_picked_ports_lie_below_the_ephemeral_range_where_no_outgoing_connection_is_placed():
+    lo, hi = servers._ephemeral_range()
+    assert 1024 < lo <= hi
+    ports = {servers.free_port() for _ in range(50)}
+    assert all(servers._LOWEST_PICKED_PORT <= p < lo for p in ports)
+    assert len(ports) > 40  # at random, not one port over and over
+    with socket.socket() as s:  # and free: bindable at once
+        s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_a_port_someone_listens_on_is_never_picked(monkeypatch, occupied_port):
+    monkeypatch.setattr(servers, "_ephemeral_range", lambda: (occupied_port + 1, occupied_port + 2))
+    monkeypatch.setattr(servers, "_LOWEST_PICKED_PORT", occupied_port - 1)
+    # The low range is [occupied - 1, occupied]: only occupied_port - 1 can be picked unless it is taken too.
+    picks = {servers.free_port() for _ in range(20)}
+    assert occupied_port not in picks
