@@ -115,6 +115,8 @@ class ServerProcess:
         for attempt in range(1, bind_attempts + 1):
             try:
                 self._start_once(timeout_s)
+                # Clients know it at this address now: a restart must come back here or fail, never move.
+                self._ports_ours = False
                 return
             except ConnectError:
                 lost_race = self._ports_ours and "address already in use" in self._log_since_start()

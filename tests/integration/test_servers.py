@@ -107,3 +107,23 @@ def test_a_port_someone_listens_on_is_never_picked(monkeypatch, occupied_port):
     # The low range is [occupied - 1, occupied]: only occupied_port - 1 can be picked unless it is taken too.
     picks = {servers.free_port() for _ in range(20)}
     assert occupied_port not in picks
+
+
+@pytest.mark.parametrize("cls", [EtcdServer, NatsServer])
+def test_a_restart_comes_back_on_the_same_address_or_fails_never_moves(cls, tmp_path):
+    server = cls(data_dir=tmp_path / cls.name)  # port picked by the server itself
+    try:
+        server.start()
+        port = server.port
+        server.kill()
+        with socket.socket() as squatter:  # someone takes the address while it is down
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            with pytest.raises(ConnectError, match="address already in use"):
+                server.start(timeout_s=10)
+            assert server.port == port
+        server.start()  # the address is free again: back where it was
+        assert server.port == port and server.proc is not None and server.proc.poll() is None
+    finally:
+        server.cleanup()
