@@ -71,7 +71,6 @@ from components.router.policies.kv import DEFAULT_BLOCK_SIZE
 from components.router.protocol import Assignment
 from components.router.types import (
     DEFAULT_STEP_TIME,
-    STEP_RESIDUAL_SHARE,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
@@ -446,7 +445,7 @@ class Router:
                 prefill_ms_per_token=step.prefill_ms_per_prompt_token(0, 0),
                 decode_step_ms=step.decode_ms(1, 0),
                 host_load_ms_per_token=step.host_load_ms_per_token,
-                step_residual_ms=STEP_RESIDUAL_SHARE * step.prefill_base_ms,
+                step_residual_ms=step.step_residual_ms(),
             )
         seqs = load.active_requests
         kv_tokens = load.active_prompt_tokens
@@ -475,7 +474,7 @@ class Router:
             load.prefill_ms_per_token,
             load.decode_step_ms,
             step.host_load_ms_per_token,
-            STEP_RESIDUAL_SHARE * step.prefill_base_ms,
+            step.step_residual_ms(),
         )
 
     def _flush(self) -> None:

@@ -116,6 +116,10 @@ class StepTime:
             return 0.0
         return self.decode_base_ms + self.decode_ms_per_seq * seqs + self.decode_ms_per_kv_token * kv_tokens
 
+    def step_residual_ms(self) -> float:
+        """What a new prompt waits out of the prefill step in progress (``STEP_RESIDUAL_SHARE`` of its fixed cost)."""
+        return STEP_RESIDUAL_SHARE * self.prefill_base_ms
+
     def prefill_ms_per_prompt_token(self, decoding_seqs: int, kv_tokens: int) -> float:
         """ms per prompt token while ``decoding_seqs`` sequences decode alongside: each step carries the rest of the
         token budget as prefill and costs that prefill plus the decode. The rate at which a worker works through
@@ -201,7 +205,7 @@ class WorkerSnapshot(NamedTuple):
     prefill_ms_per_token: float = _IDLE_PREFILL_MS_PER_TOKEN
     decode_step_ms: float = _IDLE_DECODE_STEP_MS
     host_load_ms_per_token: float = DEFAULT_STEP_TIME.host_load_ms_per_token
-    step_residual_ms: float = STEP_RESIDUAL_SHARE * DEFAULT_STEP_TIME.prefill_base_ms
+    step_residual_ms: float = DEFAULT_STEP_TIME.step_residual_ms()
 
     def has_fresh_metrics(self, now_s: float) -> bool:
         return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
