@@ -40,6 +40,18 @@ def _ephemeral_range() -> tuple[int, int]:
     return 32768, 60999  # Linux's default
 
 
+def _bind_error(host: str, port: int, reuse_addr: bool) -> OSError | None:
+    """Why ``port`` cannot be bound on ``host`` now; None if it can."""
+    with socket.socket() as s:
+        if reuse_addr:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e
+    return None
+
+
 def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
     """A TCP port that nothing on ``host`` holds now, for a server started next.
 
@@ -52,11 +64,7 @@ def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
     if lo - 1 > _LOWEST_PICKED_PORT:
         for _ in range(attempts):
             port = _port_rng.randrange(_LOWEST_PICKED_PORT, lo)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
+            if _bind_error(host, port, reuse_addr=False) is None:
                 return port
     with socket.socket() as s:
         s.bind((host, 0))
@@ -136,15 +144,12 @@ class ServerProcess:
         # fails now says so before anything starts. (A port taken later, between this check and the server's own bind,
         # makes the server exit with the same words, which start() handles alike.)
         for port in self._ports():
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the Go servers bind
-                try:
-                    s.bind((self.host, port))
-                except OSError as e:
-                    msg = f"{self.host}:{port}: address already in use ({e.strerror})"
-                    self._log.write(f"kvmesh: cannot start {self.name}: {msg}\n".encode())
-                    self._log.flush()
-                    raise ConnectError(self.name, f"{self.host}:{self.port}", msg) from None
+            e = _bind_error(self.host, port, reuse_addr=True)  # as the Go servers bind
+            if e is not None:
+                msg = f"{self.host}:{port}: address already in use ({e.strerror})"
+                self._log.write(f"kvmesh: cannot start {self.name}: {msg}\n".encode())
+                self._log.flush()
+                raise ConnectError(self.name, f"{self.host}:{self.port}", msg)
 
     def _log_since_start(self) -> str:
         with contextlib.suppress(OSError), open(self.log_path, "rb") as f:
