@@ -43,8 +43,11 @@ Failure detection, fastest first:
 - No subscriber on the instance subject: the bus answers ``no_responders`` on the inbox at once -> InstanceGoneError.
 - No ACK within ``request_ack_timeout_s`` (a hung process) -> InstanceGoneError.
 - Mid-stream, nothing for ``stream_idle_probe_s``: the client probes the instance; no responder, no answer within
-  ``probe_timeout_s`` or "not alive" -> StreamInterruptedError. A SIGKILLed worker is therefore noticed within about
-  0.5 s + a round trip, long before its lease (10 s) expires, without any heartbeat traffic on healthy streams.
+  ``probe_timeout_s`` or "not alive" -> StreamInterruptedError. "No responders" is believed the second time only
+  (a probe ``REPROBE_FIRST_S`` later, to wherever the stream is then): an instance that handed the stream over and
+  left at once sent its MOVED frame on its own connection, which the bus's answer on the client's can overtake. A
+  SIGKILLed worker is therefore noticed within about 0.5 s + two round trips, long before its lease (10 s) expires,
+  without any heartbeat traffic on healthy streams.
 - Mid-stream, the direct connection the stream's frames come on closes (the kernel closes a dead process's sockets):
   the same probe is sent at once, and repeated at growing intervals from ``REPROBE_FIRST_S`` until an answer comes
   (the first can reach nats-server before it noticed the process's NATS connection close too), so a SIGKILLed
@@ -486,6 +489,7 @@ _NO_RESPONDERS: list[Any] = [None, -1, -1, None]  # the stream's instance subjec
 _IDLE: list[Any] = [None, -3, -1, None]  # nothing for idle_probe_s: probe the instance
 _SILENT: list[Any] = [None, -4, -1, None]  # the probe's answer did not come within probe_timeout_s
 _LOST: list[Any] = [None, -5, -1, None]  # the direct connection the stream's frames came on closed: probe now, again
+_CONFIRM: list[Any] = [None, -6, -1, None]  # "no responders" came once: probe again before calling the stream lost
 # After a lost connection the probe is repeated at these growing intervals until an answer comes: the first may
 # reach nats-server before it has noticed that the killed process's connection closed too, and wait out the whole
 # probe timeout on a subscription nobody reads; a later one gets "no responders" at once.
@@ -496,6 +500,12 @@ def _on_reprobe(ref: weakref.ref[ResponseStream]) -> None:
     stream = ref()
     if stream is not None:
         stream._on_reprobe()
+
+
+def _on_confirm(ref: weakref.ref[ResponseStream]) -> None:
+    stream = ref()
+    if stream is not None and not stream.done:
+        stream._q.put_nowait(_CONFIRM)
 
 
 class FrameQueue:
@@ -729,6 +739,7 @@ class ResponseStream:
         self._last = self._loop.time()
         self._probe_deadline: float | None = None
         self._reprobe_s = 0.0  # > 0 while probes are repeated after a lost connection
+        self._gone_from: str | None = None  # the instance subject that answered "no responders" once
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._arm(self._last + idle_probe_s)
@@ -879,7 +890,20 @@ class ResponseStream:
                 self._rearm()  # stale: a frame or an answer came first
                 continue
             if msg is _NO_RESPONDERS:
+                if self._gone_from != self.subject:
+                    # Once is not proof: an instance that handed the stream over and then left (a worker whose
+                    # engine died just after a migration's export) sent its MOVED frame on its own connection, and
+                    # the bus's answer on ours can overtake it. Probe again shortly, wherever the stream is then.
+                    self._gone_from = self.subject
+                    self._loop.call_later(REPROBE_FIRST_S, _on_confirm, weakref.ref(self))
+                    continue
                 raise self._interrupted("instance gone (no responders on its subject)")
+            if msg is _CONFIRM:
+                await self._probe()
+                if self._probe_deadline is None:
+                    self._probe_deadline = self._loop.time() + self._probe_timeout_s
+                self._rearm()
+                continue
             if msg[2] == PROBE_ACK and msg[1] == -1:
                 if not msg[3]:
                     raise self._interrupted("instance no longer serves the request")

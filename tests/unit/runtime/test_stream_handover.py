@@ -189,3 +189,60 @@ async def test_adopting_a_request_already_in_flight_or_while_draining_is_refused
 
     with pytest.raises(InstanceDrainingError):
         a.adopt(relay.handler(0), {"start": 0, "hops": 0}, {**route, "request_id": "r2"}, 1)
+
+
+async def test_a_no_responders_answer_that_overtakes_the_moved_frame_does_not_cut_the_stream(mesh):
+    """An instance that hands a stream over and leaves at once (a worker whose engine died just after a migration's
+    export): the bus's "no responders" to the client's probe can arrive before the old instance's MOVED frame. The
+    client probes again before calling the stream lost, and by then the stream is at its new instance."""
+    from components.runtime.request_plane import _NO_RESPONDERS
+
+    hand_over = asyncio.Event()
+    served: list[ServedEndpoint] = []
+
+    async def new_home(body, ctx: RequestContext):
+        for i in (2, 3):
+            yield i
+
+    async def old_home(body, ctx: RequestContext):
+        yield 0
+        yield 1
+        await hand_over.wait()
+        route, first_seq = ctx.reply_route()
+        served[1].adopt(new_home, {}, route, first_seq)
+        ctx.hand_over(served[1].info.subject, served[1].instance_id)
+
+    for handler in (old_home, new_home):
+        rt = await mesh.runtime(**FAST)
+        served.append(await rt.namespace("t").component("backend").endpoint("generate").serve(handler))
+    client_rt = await mesh.runtime(**FAST)
+    client = await client_rt.namespace("t").component("backend").endpoint("generate").client("direct")
+    await client.wait_for_instances(2, timeout_s=1.0)
+    stream = await client.generate({}, instance_id=served[0].instance_id)
+    assert [await stream.__anext__(), await stream.__anext__()] == [0, 1]
+    stream._q.put_nowait(_NO_RESPONDERS)  # the bus's answer, ahead of the MOVED frame not yet sent
+    hand_over.set()
+    assert await collect(stream) == [2, 3]
+    assert stream.instance_id == served[1].instance_id and stream.num_moves == 1
+
+
+async def test_an_instance_that_is_gone_still_cuts_its_stream_after_the_second_probe(mesh):
+    from components.runtime import StreamInterruptedError
+
+    stop = asyncio.Event()
+
+    async def handler(body, ctx: RequestContext):
+        yield 0
+        await stop.wait()
+        yield 1
+
+    rt = await mesh.runtime(**FAST)
+    ep = await rt.namespace("t").component("backend").endpoint("generate").serve(handler)
+    client_rt = await mesh.runtime(**FAST)
+    client = await client_rt.namespace("t").component("backend").endpoint("generate").client("direct")
+    await client.wait_for_instances(1, timeout_s=1.0)
+    stream = await client.generate({}, instance_id=ep.instance_id)
+    assert await stream.__anext__() == 0
+    await ep.server.stop()  # unsubscribed: every probe now gets "no responders"
+    with pytest.raises(StreamInterruptedError, match="no responders"):
+        await asyncio.wait_for(stream.__anext__(), 2.0)
