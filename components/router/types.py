@@ -8,7 +8,7 @@ its own bookkeeping of requests in flight. Time comes in as ``RouteRequest.now_s
 "Unknown" is a value here, not an exception: a worker that has not reported load metrics yet has ``kv_usage`` etc.
 None, and a policy decides what that means (see ``policies/common.py``).
 
-This module imports only the standard library.
+This module imports only the standard library and ``components.perf`` (the step-time model, standard library only).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import math
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar, overload
+
+from components.perf.model import StepTimeModel
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -70,51 +72,22 @@ class RouteRequest:
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
-class StepTime:
+class StepTime(StepTimeModel):
     """How long one step of a worker's engine takes, in ms, as a function of its shape: the model the ``kv`` cost
-    predicts times to first token with. A worker announces it in its metadata (``step_time``, the mock engine's own
-    coefficients); a worker that announces none gets these defaults (Llama-3-8B on an H100, the mock engine's
-    defaults). Between workers of one model only the ratios matter: a uniform error in scale changes no decision.
-
-    * a step that computes ``n`` prompt tokens: ``prefill_base_ms + prefill_ms_per_token * n + prefill_ms_per_token_sq
-      * n**2``;
-    * a step that decodes ``b`` sequences attending to ``k`` KV tokens: ``decode_base_ms + decode_ms_per_seq * b +
-      decode_ms_per_kv_token * k``;
-    * a step carries at most ``max_num_batched_tokens`` tokens, one per decoding sequence and the rest prefill;
-    * loading a token's KV from the worker's host-memory tier takes ``host_load_ms_per_token`` (Llama-3-8B's 128 KiB
-      a token over PCIe Gen5 at ~50 GB/s: ~2.6 us, an eighth of computing it in a large prefill chunk).
+    predicts times to first token with. The formula, its fields and their defaults (Llama-3-8B on an H100, the mock
+    engine's) are ``components.perf.model.StepTimeModel``'s, written once; this adds what only the router asks of it.
+    A worker announces its coefficients in its metadata (``step_time``); a worker that announces none gets the
+    defaults. Between workers of one model only the ratios matter: a uniform error in scale changes no decision.
     """
-
-    prefill_base_ms: float = 16.5
-    prefill_ms_per_token: float = 1.518e-2
-    prefill_ms_per_token_sq: float = 4.21e-7
-    decode_base_ms: float = 5.0
-    decode_ms_per_seq: float = 0.02
-    decode_ms_per_kv_token: float = 3e-5
-    max_num_batched_tokens: int = 8192
-    host_load_ms_per_token: float = 2.62e-3
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> StepTime:
-        """From a worker's ``step_time`` metadata; missing, negative or non-numeric fields keep their defaults."""
+        """From a worker's ``step_time`` metadata; missing, negative or non-numeric fields keep their defaults (no
+        announcement: the one ``DEFAULT_STEP_TIME``, so cached rates keyed by it are shared)."""
         if not d:
             return DEFAULT_STEP_TIME
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            v = d.get(f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
-                kwargs[f.name] = int(v) if f.name == "max_num_batched_tokens" else float(v)
-        if kwargs.get("max_num_batched_tokens", 1) < 1:
-            del kwargs["max_num_batched_tokens"]
-        return cls(**kwargs)
-
-    def prefill_ms(self, n: int) -> float:
-        return self.prefill_base_ms + self.prefill_ms_per_token * n + self.prefill_ms_per_token_sq * n * n if n else 0.0
-
-    def decode_ms(self, seqs: int, kv_tokens: int) -> float:
-        if seqs <= 0:
-            return 0.0
-        return self.decode_base_ms + self.decode_ms_per_seq * seqs + self.decode_ms_per_kv_token * kv_tokens
+        parsed = StepTimeModel.from_mapping(d)
+        return cls(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed)})
 
     def step_residual_ms(self) -> float:
         """What a new prompt waits out of the prefill step in progress (``STEP_RESIDUAL_SHARE`` of its fixed cost)."""

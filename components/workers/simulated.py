@@ -19,7 +19,7 @@ The public face of the private ``engines`` package for the command line (tests/u
 from __future__ import annotations
 
 from components.protocol.messages import GenerateRequest, KvEvent, LoadSnapshot, TokenChunk
-from components.workers.engines.mock.config import STEP_TIME_FIELDS, MockEngineConfig
+from components.workers.engines.mock.config import MockEngineConfig
 from components.workers.engines.mock.perf_model import transfer_time_s
 from components.workers.engines.mock.scheduler import Scheduler, StepOutput
 
@@ -28,7 +28,7 @@ __all__ = ["MockEngineConfig", "StepOutput", "VirtualEngine", "step_time_of"]
 
 def step_time_of(config: MockEngineConfig) -> dict[str, float]:
     """The step-time model a worker running this engine announces (``WorkerMetadata.step_time``)."""
-    return {n: float(getattr(config, n)) for n in STEP_TIME_FIELDS}
+    return config.step_time_model.to_mapping()
 
 
 class VirtualEngine:

@@ -39,19 +39,24 @@ MESH_CLIENTS = {"nats", "aetcd", "etcd3"}
 # __init__ is pure as a file and not as an import).
 IO_CLIENTS = ("nats", "aetcd", "aiohttp", "circus", "kubernetes", "kubernetes_asyncio")
 
-# Lowest first. A package may import packages of lower rank only. protocol: the wire contract; runtime: etcd/NATS;
-# router and migration (its per-worker agent is used by workers) sit below workers and frontend; deploy (graphs,
-# watcher plans, circus, state) is used by the planner's connectors and by the command line, which imports everyone.
+# Lowest first. A package may import packages of lower rank only. protocol: the wire contract; perf: the engine
+# performance model (standard library only); runtime: etcd/NATS; fleet: one view of the fleet; router and migration
+# (its per-worker agent is used by workers) sit below workers and frontend; sim runs the real policies on a virtual
+# clock; deploy (graphs, watcher plans, circus, state) is used by the planner's connectors and by the command line,
+# which imports everyone. A package named here that does not exist in a tree is harmless.
 RANKS = {
     "protocol": 0,
-    "runtime": 1,
-    "router": 2,
-    "migration": 2,
-    "workers": 3,
-    "frontend": 3,
-    "deploy": 4,
-    "planner": 5,
-    "cli": 6,
+    "perf": 1,
+    "runtime": 2,
+    "fleet": 3,
+    "router": 4,
+    "migration": 4,
+    "workers": 5,
+    "frontend": 5,
+    "sim": 6,
+    "deploy": 7,
+    "planner": 8,
+    "cli": 9,
 }
 # What a pure config module may import besides the standard library.
 CONFIG_THIRD_PARTY = {"pydantic", "pydantic_core"}

@@ -43,7 +43,7 @@ from components.protocol.metadata import RemotePrefillMode
 from components.protocol.migration import MigratingRequest, MigrationMode
 
 from ..base import EngineDeadError, EngineError
-from .config import STEP_TIME_FIELDS, MockEngineConfig
+from .config import MockEngineConfig
 from .perf_model import transfer_time_s
 from .scheduler import DuplicateRequestError, Scheduler, StepOutput
 
@@ -354,7 +354,7 @@ class MockEngine:
     @property
     def step_time(self) -> dict[str, float]:
         """The step-time model this engine simulates, announced in the worker's metadata for the kv router."""
-        return {n: float(getattr(self.config, n)) for n in STEP_TIME_FIELDS}
+        return self.config.step_time_model.to_mapping()
 
     def snapshot(self) -> LoadSnapshot:
         return self._scheduler.snapshot(self._clock())
