@@ -9,6 +9,18 @@
 
 from __future__ import annotations
 
+from .errors import PerfError, ProfileFormatError
 from .model import DEFAULT_MODEL, STEP_TIME_FIELDS, StepTimeModel, transfer_time_s
+from .profile import PerfModel, Point, Profile
 
-__all__ = ["DEFAULT_MODEL", "STEP_TIME_FIELDS", "StepTimeModel", "transfer_time_s"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "STEP_TIME_FIELDS",
+    "PerfError",
+    "PerfModel",
+    "Point",
+    "Profile",
+    "ProfileFormatError",
+    "StepTimeModel",
+    "transfer_time_s",
+]

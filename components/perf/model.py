@@ -181,7 +181,7 @@ class StepTimeModel:
         """A step that computes ``n`` prompt tokens (its prefill part); 0 for none."""
         return self.prefill_base_ms + self.prefill_ms_per_token * n + self.prefill_ms_per_token_sq * n * n if n else 0.0
 
-    def decode_ms(self, seqs: int, kv_tokens: int) -> float:
+    def decode_ms(self, seqs: int, kv_tokens: float) -> float:
         """A step that decodes ``seqs`` sequences attending to ``kv_tokens`` KV tokens in all (its decode part)."""
         if seqs <= 0:
             return 0.0
