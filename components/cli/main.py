@@ -41,6 +41,7 @@ COMMANDS = (
     Command("frontend", "components.frontend.main", "serve the OpenAI API for a namespace's workers (from etcd)"),
     Command("router", "components.router.main", "a standalone router: serves 'route'/'report' for a namespace"),
     Command("planner", "components.planner.main", "scale prefill/decode pools on KV use and the prefill queue"),
+    Command("profile", "components.cli.profile", "measure an engine's step times into a profile (JSON + PNG)"),
 )
 
 BENCHMARKS = (

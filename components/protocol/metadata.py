@@ -58,9 +58,12 @@ class WorkerMetadata:
     # How its engine moves a running request to another worker (``protocol.migration.MigrationMode``'s value:
     # live or recompute); "" where it cannot (no migration agent). A str for the same reason as above.
     migration_mode: str = ""
-    # The engine's step-time model (router.types.StepTime's fields: ms per step by its shape), for the kv router's
-    # predicted time to first token; empty: the router's defaults.
+    # The engine's step-time model (components.perf.model.StepTimeModel's fields: ms per step by its shape), for the
+    # kv router's predicted time to first token; empty: the router's defaults.
     step_time: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Which measured profile (``components.perf.profile.Profile.profile_id``) the step_time was fitted to; "" when
+    # it is the engine's own model or the defaults.
+    profile_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

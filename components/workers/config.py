@@ -57,6 +57,13 @@ class WorkerConfig(MigrationConfig):
         "transfer) before this worker prefills it itself. Longer than the prefill queue's ack wait (5 s) plus a "
         "prefill, so that an item whose prefill worker died is redelivered to another in time.",
     )
+    profile: str = Field(
+        default="",
+        description="A profile JSON written by 'kvmesh profile' for this engine: the worker announces its fitted "
+        "step-time coefficients (metadata step_time, which the kv router predicts with) and its profile_id instead "
+        "of the engine's own model. Empty: the engine's own (the mock engine's configured coefficients; none for "
+        "vLLM, whose workers the router then predicts with the defaults).",
+    )
     num_workers: int = Field(
         default=1, ge=1, le=4096, description="Independent workers in this process, each with its own id and lease."
     )

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from components.perf.errors import ProfileFormatError
+from components.perf.profile import Profile
 from components.runtime import Runtime, eventloop
 from components.runtime.flags import add_model_arguments, model_from_args
 from components.runtime.process import add_runtime_arguments, run_component
@@ -95,12 +97,25 @@ def make_engine(cfg: WorkerConfig, args: argparse.Namespace, index: int) -> Engi
     raise SystemExit(f"engine {cfg.engine} is not available in this build (supported: mock, vllm)")
 
 
+def load_profile(path: str) -> Profile:
+    """The profile a worker runs with (``--profile``); a missing or malformed file stops the worker with why."""
+    try:
+        profile = Profile.load(path)
+    except (OSError, ProfileFormatError) as e:
+        raise SystemExit(f"kvmesh worker --profile: {e}") from None
+    logger.info("announcing profile %s (%s): fit %s", profile.profile_id, path, profile.step_time())
+    return profile
+
+
 class WorkerProcess:
     """``num_workers`` workers of one engine kind, as the process kit runs them."""
 
     def __init__(self, cfg: WorkerConfig, args: argparse.Namespace, runtime: Runtime) -> None:
         self.cfg = cfg
-        self.workers = [Worker(runtime, cfg, make_engine(cfg, args, i), index=i) for i in range(cfg.num_workers)]
+        profile = load_profile(cfg.profile) if cfg.profile else None
+        self.workers = [
+            Worker(runtime, cfg, make_engine(cfg, args, i), index=i, profile=profile) for i in range(cfg.num_workers)
+        ]
 
     async def start(self) -> str:
         workers = self.workers

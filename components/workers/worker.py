@@ -41,6 +41,7 @@ from typing import Any, cast
 
 from components.migration.agent import MigrationAgent
 from components.migration.engine import MigratableEngine, supports_migration
+from components.perf.profile import Profile
 from components.protocol.endpoints import (
     ENDPOINT_GENERATE,
     ENDPOINT_KV_STATE,
@@ -67,11 +68,15 @@ MIGRATION_COUNTERS_REPEAT_S = 10.0
 
 
 class Worker:
-    def __init__(self, runtime: Runtime, config: WorkerConfig, engine: Engine, index: int = 0) -> None:
+    def __init__(
+        self, runtime: Runtime, config: WorkerConfig, engine: Engine, index: int = 0, profile: Profile | None = None
+    ) -> None:
         self.runtime = runtime
         self.config = config
         self.engine = engine
         self.index = index
+        # A measured profile of this engine (``--profile``): announced instead of the engine's own step-time model.
+        self.profile = profile
         self.instance_id = secrets.randbits(63)
         self.lease = 0
         self._served: list[ServedEndpoint] = []
@@ -129,8 +134,12 @@ class Worker:
             unit=self.index,
             # Wall-clock registration time, so `kvmesh status` can show an instance's age from etcd alone.
             started_at=self.started_at,
-            # The engine's step-time model, where it knows one (the mock engine's own coefficients).
-            step_time=dict(getattr(self.engine, "step_time", None) or {}),
+            # The step-time model: the measured profile's fit where the worker runs with one, else the engine's own
+            # where it knows one (the mock engine's configured coefficients).
+            step_time=self.profile.step_time()
+            if self.profile is not None
+            else dict(getattr(self.engine, "step_time", None) or {}),
+            profile_id="" if self.profile is None else self.profile.profile_id,
             migration_mode="" if self.agent is None else str(self.agent.mode),
         ).to_dict()
 
