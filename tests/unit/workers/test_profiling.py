@@ -1,16 +1,17 @@
-"""``profile_engine`` on the simulated engine, in real time: the profile it measures recovers the engine's configured
-step-time model within what the event loop adds to each step.
+"""``profile_engine`` on the simulated engine: the profile it measures recovers the engine's configured step-time
+model exactly.
 
-Why these tolerances: ``MockEngine`` sleeps each step's modelled time (``speedup_ratio`` 1 here, so nothing is
-scaled up), and an ``asyncio.sleep`` never returns early, so a measured step is at least its modelled time; it is
-later by the loop's overshoot and the delivery of the token. asyncio waits in ``epoll_wait``, whose timeout is whole
-milliseconds (asyncio rounds up), so the overshoot depends on a step's fraction of a millisecond: measured on the
-shared 2-core dev VM with decode steps modelled at 16.02 / 17.55 / 19.60 ms, 0.4 / 1.8 / 0.7 ms late, each steady
-to ~0.1 ms over 8 steps. 2.5 ms is taken as the most; the model below makes every step >= 30 ms, so that is <= 8.3%.
+On virtual time (tests/support/virtual_time.py): ``MockEngine`` ends each step with a sleep of its modelled time, and
+both the engine and the profiler read the virtual loop's clock, so a step measures exactly its modelled time, with no
+event-loop overshoot and on any machine however loaded (the same run on the wall clock measured steps 0.4-1.8 ms late
+on the shared 2-core VM, which a timed test would have to tolerate). That makes the profiler's own bookkeeping
+checkable to rounding: which token's intervals it times, the context each timed step attends to, the scale-back.
+The real-time path (wall clock, ``kvmesh profile``) is exercised by tests/integration/test_profile_cli.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from components.perf.profile import Profile
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 from components.workers.profiling import ProfileGrid, profile_engine
+from tests.support.virtual_time import run_virtual
 
 pytestmark = pytest.mark.unit
 
@@ -37,40 +39,55 @@ CONFIG = MockEngineConfig(
 GRID = ProfileGrid(
     prompt_tokens=(256, 1024, 2048), batch_sizes=(1, 4), context_tokens=(256, 1024), repeats=2, decode_steps=6
 )
-OVERSHOOT_MS = 2.5  # the most the loop adds to one step here (module docstring)
 
 
-async def test_profiling_the_simulated_engine_recovers_its_configured_model():
-    engine = MockEngine(CONFIG, name="profiled")
+async def _profile(config: MockEngineConfig, grid: ProfileGrid, time_scale: float = 1.0) -> Profile:
+    clock = asyncio.get_running_loop().time
+    engine = MockEngine(config, name="profiled", clock=clock)
     await engine.start()
     try:
-        profile = await profile_engine(
-            engine, GRID, max_num_batched_tokens=CONFIG.max_num_batched_tokens, vocab_size=CONFIG.vocab_size
+        return await profile_engine(
+            engine,
+            grid,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            vocab_size=config.vocab_size,
+            time_scale=time_scale,
+            clock=clock,
         )
     finally:
         await engine.shutdown()
+
+
+def test_profiling_the_simulated_engine_recovers_its_configured_model():
+    profile, _ = run_virtual(_profile(CONFIG, GRID))
     true = CONFIG.step_time_model
-    # Each median lies between the modelled time (a sleep never ends early) and it plus the overshoot.
+    # Each median is the modelled time of one step: a prefill of n tokens alone; a decode of b sequences over b x c
+    # KV tokens, c being the mean context of the timed steps: prompt + warm-up steps + (timed steps + 1) / 2.
     for n, p in zip(GRID.prompt_tokens, profile.prefill, strict=True):
-        assert true.prefill_ms(n) * (1 - 1e-6) <= p.median_ms <= true.prefill_ms(n) + OVERSHOOT_MS, (n, p)
+        assert p.median_ms == pytest.approx(true.prefill_ms(n), rel=1e-9), n
+        assert p.min_ms == pytest.approx(p.max_ms, rel=1e-9)  # repeats agree: nothing but the model takes time
     for (i, b), (j, c) in itertools.product(enumerate(GRID.batch_sizes), enumerate(profile.context_tokens)):
-        modelled = true.decode_ms(b, b * c)
-        # the context axis is the mean over timed steps: prompt + warm-up steps + (timed steps + 1) / 2
         assert c == GRID.context_tokens[j] + GRID.warmup_steps + (GRID.decode_steps + 1) / 2
-        assert modelled * (1 - 1e-3) <= profile.decode[i][j].median_ms <= modelled + OVERSHOOT_MS, (b, c)
-    # So the fit predicts the configured model within 10% at every grid point (2.5 ms of >= 30 ms) ...
-    for n in GRID.prompt_tokens:
-        assert profile.fit.prefill_ms(n) == pytest.approx(true.prefill_ms(n), rel=0.1)
-    for b, c in itertools.product(GRID.batch_sizes, profile.context_tokens):
-        assert profile.fit.decode_ms(b, b * c) == pytest.approx(true.decode_ms(b, b * c), rel=0.1)
-    # ... and the coefficients the measurements resolve: the prefill slope (36 ms over 1792 tokens; the overshoot
-    # differs by <= 2.5 ms between points, <= 7% of it) and the bases (the overshoot only adds, <= 2.5 ms, and the
-    # slopes' errors move the intercept by about as much again).
-    assert profile.fit.prefill_ms_per_token == pytest.approx(0.02, rel=0.1)
-    assert true.prefill_base_ms - 2.5 <= profile.fit.prefill_base_ms <= true.prefill_base_ms + 5
-    assert true.decode_base_ms - 2.5 <= profile.fit.decode_base_ms <= true.decode_base_ms + 5
-    assert profile.fit_error["prefill_rel_max"] < 0.1 and profile.fit_error["decode_rel_max"] < 0.1
+        assert profile.decode[i][j].median_ms == pytest.approx(true.decode_ms(b, b * c), rel=1e-9), (b, c)
+    # The model is linear in what the grid varies (prefill_ms_per_token_sq is 0 here), so the fit is exact.
+    for name in ("prefill_base_ms", "prefill_ms_per_token", "decode_base_ms", "decode_ms_per_seq"):
+        assert getattr(profile.fit, name) == pytest.approx(getattr(true, name), rel=1e-6), name
+    assert profile.fit.decode_ms_per_kv_token == pytest.approx(true.decode_ms_per_kv_token, rel=1e-6)
+    assert profile.fit_error["prefill_rel_max"] < 1e-9 and profile.fit_error["decode_rel_max"] < 1e-9
     assert Profile.from_json(profile.to_json()) == profile
+
+
+def test_a_faster_engine_is_scaled_back_to_the_model_it_simulates():
+    # speedup 4: each step sleeps a quarter of its modelled time; time_scale 4 multiplies it back.
+    fast = CONFIG.model_copy(update={"speedup_ratio": 4.0})
+    profile, elapsed = run_virtual(_profile(fast, GRID, time_scale=4.0))
+    slow, elapsed_slow = run_virtual(_profile(CONFIG, GRID))
+    assert elapsed == pytest.approx(elapsed_slow / 4, rel=1e-9)
+    for p, q in zip(profile.prefill, slow.prefill, strict=True):
+        assert p.median_ms == pytest.approx(q.median_ms, rel=1e-9)
+    for row, row_slow in zip(profile.decode, slow.decode, strict=True):
+        for p, q in zip(row, row_slow, strict=True):
+            assert p.median_ms == pytest.approx(q.median_ms, rel=1e-9)
 
 
 def test_a_grid_point_longer_than_one_step_is_refused():
