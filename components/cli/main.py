@@ -1,8 +1,9 @@
 """The ``kvmesh`` command: one subcommand per component, and ``bench`` with one subcommand per benchmark.
 
 Each subcommand is a row of ``COMMANDS``/``BENCHMARKS``: its name, the module that implements it (imported only when
-that subcommand is built, so ``kvmesh status`` never imports vLLM), the functions that add its flags and run it, and
-its one-line help. Every benchmark prints one JSON object as its last line, so results can be compared run to run.
+that subcommand is the one run, so ``kvmesh status`` never imports vLLM and a worker imports no benchmark), the
+functions that add its flags and run it, and its one-line help. Every benchmark prints one JSON object as its last
+line, so results can be compared run to run.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import importlib
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 Runner = Callable[[argparse.Namespace], int]
 
@@ -62,28 +63,60 @@ BENCHMARKS = (
 )
 
 
-def _add(sub: argparse._SubParsersAction, cmd: Command) -> None:
-    module = importlib.import_module(cmd.module)
+def _add(sub: argparse._SubParsersAction, cmd: Command, *, with_flags: bool) -> None:
     p = sub.add_parser(cmd.name, help=cmd.help)
-    getattr(module, cmd.add_arguments)(p)
-    p.set_defaults(run=getattr(module, cmd.run))
+    if with_flags:
+        module = importlib.import_module(cmd.module)
+        getattr(module, cmd.add_arguments)(p)
+        p.set_defaults(run=getattr(module, cmd.run))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _first_word(argv: Sequence[str], value_options: tuple[str, ...] = ()) -> int | None:
+    """Where the first positional word of ``argv`` is, as argparse reads it: an option of ``value_options`` (or an
+    abbreviation of one, argparse accepts those) written without ``=`` takes the next word as its value; after ``--``
+    every word is positional."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return i + 1 if i + 1 < len(argv) else None
+        if not word.startswith("-") or word == "-":
+            return i
+        if "=" not in word and len(word) > 2 and any(o.startswith(word) for o in value_options):
+            i += 1
+        i += 1
+    return None
+
+
+# Every process a deployment or a test starts is a ``kvmesh`` subcommand. Importing all twenty modules to build every
+# parser cost each one ~0.3 s of CPU on the 2-core test machine (``import`` of the table's modules: 0.85 s; of
+# components.workers.main alone: 0.55 s), paid again by every worker, frontend and planner started.
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; given ``argv``, only the subcommand that ``argv`` names gets its flags (and its module
+    imported). The others keep their name and help, so help and 'invalid choice' messages still list every one."""
     ap = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
     ap.add_argument("--log-level", default="WARNING", help="Python logging level (DEBUG, INFO, WARNING, ...)")
+    chosen = bench_chosen = None
+    if argv is not None:
+        at = _first_word(argv, ("--log-level",))
+        chosen = None if at is None else argv[at]
+        if at is not None and chosen == "bench":
+            rest = argv[at + 1 :]
+            bench_at = _first_word(rest)
+            bench_chosen = None if bench_at is None else rest[bench_at]
     sub = ap.add_subparsers(dest="command", required=True)
     for cmd in COMMANDS:
-        _add(sub, cmd)
+        _add(sub, cmd, with_flags=argv is None or cmd.name == chosen)
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object as its last line")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for cmd in BENCHMARKS:
-        _add(bench_sub, cmd)
+        _add(bench_sub, cmd, with_flags=argv is None or (chosen == "bench" and cmd.name == bench_chosen))
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(words).parse_args(words)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run: Runner = args.run
     return run(args)

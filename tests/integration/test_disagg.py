@@ -24,7 +24,6 @@ from tests.integration.test_worker import MOCK_WORKER_FLAGS, ready_instance_id, 
 from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.integration
-NS = "dg"
 MODEL = "mock-model"
 
 
@@ -41,8 +40,8 @@ def engine_config(**over: object) -> MockEngineConfig:
     return MockEngineConfig(**base)  # type: ignore[arg-type]
 
 
-def worker_config(role: WorkerRole, **over: object) -> WorkerConfig:
-    base: dict[str, object] = dict(namespace=NS, model=MODEL, role=role, metrics_interval_ms=50)
+def worker_config(namespace: str, role: WorkerRole, **over: object) -> WorkerConfig:
+    base: dict[str, object] = dict(namespace=namespace, model=MODEL, role=role, metrics_interval_ms=50)
     if role == WorkerRole.DECODE:
         base["max_local_prefill_length"] = 256
     base.update(over)
@@ -55,16 +54,16 @@ def req(rid: str, n: int, max_tokens: int = 12, offset: int = 0) -> dict:
 
 
 @pytest.fixture
-async def disagg(make_runtime):
+async def disagg(make_runtime, namespace):
     """One decode and one prefill worker (mock engines), plus an aggregated reference engine for the same tokens."""
     rt = await make_runtime()
-    decode = Worker(rt, worker_config(WorkerRole.DECODE), MockEngine(engine_config(), name="decode"))
-    prefill = Worker(rt, worker_config(WorkerRole.PREFILL), MockEngine(engine_config(), name="prefill"))
+    decode = Worker(rt, worker_config(namespace, WorkerRole.DECODE), MockEngine(engine_config(), name="decode"))
+    prefill = Worker(rt, worker_config(namespace, WorkerRole.PREFILL), MockEngine(engine_config(), name="prefill"))
     await prefill.start()
     await decode.start()
     assert decode.remote is not None
     client_rt = await make_runtime()
-    client = await client_rt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+    client = await client_rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
     yield decode, prefill, client
     await decode.stop()
     await prefill.stop()
@@ -102,9 +101,8 @@ PROMPT = 3000
 LOGS: dict[int, Path] = {}  # pid -> log file of the prefill worker processes a test started
 
 
-def prefill_process(runtime_config) -> subprocess.Popen:
-    flags = list(MOCK_WORKER_FLAGS)
-    flags[flags.index("--namespace") + 1] = NS
+def prefill_process(runtime_config, namespace: str) -> subprocess.Popen:
+    flags = ["--namespace", namespace, *MOCK_WORKER_FLAGS]
     flags[flags.index("--speedup-ratio") + 1] = "0.05"
     cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "worker", *flags, *SLOW_PREFILL_FLAGS]
     # Its log goes to a file that stop_process prints (pytest shows it when the test fails).
@@ -132,10 +130,10 @@ async def reference_tokens(rid: str, n: int, max_tokens: int = 12, offset: int =
 
 
 @pytest.fixture
-async def busy_reports(make_runtime):
+async def busy_reports(make_runtime, namespace):
     """The latest PrefillQueueReport of each prefill worker, by instance id, kept up to date."""
     rt = await make_runtime()
-    sub = await rt.namespace(NS).events.subscribe(TOPIC_PREFILL_QUEUE)
+    sub = await rt.namespace(namespace).events.subscribe(TOPIC_PREFILL_QUEUE)
     latest: dict[int, PrefillQueueReport] = {}
 
     async def follow() -> None:
@@ -157,23 +155,25 @@ def stop_process(proc: subprocess.Popen) -> None:
         log.unlink(missing_ok=True)
 
 
-async def decode_worker(make_runtime, **over: object) -> tuple[Worker, object]:
+async def decode_worker(make_runtime, namespace: str, **over: object) -> tuple[Worker, object]:
     rt = await make_runtime()
-    decode = Worker(rt, worker_config(WorkerRole.DECODE, **over), MockEngine(process_engine_config(), name="decode"))
+    decode = Worker(
+        rt, worker_config(namespace, WorkerRole.DECODE, **over), MockEngine(process_engine_config(), name="decode")
+    )
     await decode.start()
     client_rt = await make_runtime()
-    client = await client_rt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+    client = await client_rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
     await client.wait_for_instances(1)
     return decode, client
 
 
 async def test_a_prefill_worker_killed_mid_item_is_replaced_and_the_stream_is_whole(
-    make_runtime, runtime_config, busy_reports
+    make_runtime, runtime_config, busy_reports, namespace
 ):
-    procs = [prefill_process(runtime_config) for _ in range(2)]
+    procs = [prefill_process(runtime_config, namespace) for _ in range(2)]
     try:
         ids = [await ready_instance_id(p) for p in procs]
-        decode, client = await decode_worker(make_runtime)
+        decode, client = await decode_worker(make_runtime, namespace)
         await wait_until(lambda: decode.remote.prefill_workers.count(time.monotonic()) == 2, timeout_s=10)
         stream = await client.direct(req("kill-1", PROMPT), decode.instance_id)
         got = asyncio.ensure_future(tokens_of(stream))
@@ -195,13 +195,13 @@ async def test_a_prefill_worker_killed_mid_item_is_replaced_and_the_stream_is_wh
 
 
 async def test_sigterm_to_a_prefill_worker_finishes_its_item_and_loses_none_queued(
-    make_runtime, runtime_config, busy_reports
+    make_runtime, runtime_config, busy_reports, namespace
 ):
-    first = prefill_process(runtime_config)
+    first = prefill_process(runtime_config, namespace)
     second: subprocess.Popen | None = None
     try:
         await ready_instance_id(first)
-        decode, client = await decode_worker(make_runtime, max_prefill_queue_size=10)
+        decode, client = await decode_worker(make_runtime, namespace, max_prefill_queue_size=10)
         await wait_until(lambda: decode.remote.prefill_workers.count(time.monotonic()) == 1, timeout_s=10)
         streams = []
         for i in range(3):
@@ -213,7 +213,7 @@ async def test_sigterm_to_a_prefill_worker_finishes_its_item_and_loses_none_queu
         first.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(first.wait, 30) == 0
         assert not any(s.done() for s in streams[1:])  # the queued ones wait, still queued
-        second = prefill_process(runtime_config)
+        second = prefill_process(runtime_config, namespace)
         await ready_instance_id(second)
         results = await asyncio.wait_for(asyncio.gather(*streams), 60)
         for i, tokens in enumerate(results):
@@ -227,9 +227,8 @@ async def test_sigterm_to_a_prefill_worker_finishes_its_item_and_loses_none_queu
             stop_process(second)
 
 
-def decode_process(runtime_config, *extra: str) -> subprocess.Popen:
-    flags = list(MOCK_WORKER_FLAGS)
-    flags[flags.index("--namespace") + 1] = NS
+def decode_process(runtime_config, namespace: str, *extra: str) -> subprocess.Popen:
+    flags = ["--namespace", namespace, *MOCK_WORKER_FLAGS]
     cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "worker", *flags]
     cmd += ["--role", "decode", "--model", MODEL, "--max-local-prefill-length", "256", *extra]
     # Its log goes to a file that stop_process prints (pytest shows it when the test fails).
@@ -240,22 +239,28 @@ def decode_process(runtime_config, *extra: str) -> subprocess.Popen:
     return proc
 
 
-async def slow_prefill_worker(make_runtime) -> Worker:
+async def slow_prefill_worker(make_runtime, namespace: str) -> Worker:
     rt = await make_runtime()
-    w = Worker(rt, worker_config(WorkerRole.PREFILL), MockEngine(process_engine_config(speedup_ratio=0.05), name="p"))
+    w = Worker(
+        rt,
+        worker_config(namespace, WorkerRole.PREFILL),
+        MockEngine(process_engine_config(speedup_ratio=0.05), name="p"),
+    )
     await w.start()
     return w
 
 
-async def test_a_decode_worker_killed_during_its_remote_prefill_leaves_nothing_reserved(make_runtime, runtime_config):
-    prefill = await slow_prefill_worker(make_runtime)
-    proc = decode_process(runtime_config)
+async def test_a_decode_worker_killed_during_its_remote_prefill_leaves_nothing_reserved(
+    make_runtime, runtime_config, namespace
+):
+    prefill = await slow_prefill_worker(make_runtime, namespace)
+    proc = decode_process(runtime_config, namespace)
     try:
         iid = await ready_instance_id(proc)
         client_rt = await make_runtime()
-        client = await client_rt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        client = await client_rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(1)
-        queue = await client_rt.namespace(NS).prefill_queue(MODEL)
+        queue = await client_rt.namespace(namespace).prefill_queue(MODEL)
         # The decode worker hears the prefill worker's reports within a few intervals; until then it prefills
         # locally. Each attempt waits for whichever comes first: the prefill worker takes the item (remote: the
         # stream cannot end before the item is delivered) or the stream ends (prefilled locally: try again). No fixed
@@ -290,12 +295,12 @@ async def _queue_empty(queue) -> bool:
     return stats.waiting == 0 and stats.in_flight == 0
 
 
-async def test_a_full_queue_makes_the_decode_worker_prefill_locally(make_runtime):
-    prefill = await slow_prefill_worker(make_runtime)
-    decode, client = await decode_worker(make_runtime, max_prefill_queue_size=1)
+async def test_a_full_queue_makes_the_decode_worker_prefill_locally(make_runtime, namespace):
+    prefill = await slow_prefill_worker(make_runtime, namespace)
+    decode, client = await decode_worker(make_runtime, namespace, max_prefill_queue_size=1)
     try:
         await wait_until(lambda: decode.remote.prefill_workers.count(time.monotonic()) == 1, timeout_s=10)
-        queue = await (await make_runtime()).namespace(NS).prefill_queue(MODEL)
+        queue = await (await make_runtime()).namespace(namespace).prefill_queue(MODEL)
         first = asyncio.ensure_future(tokens_of(await client.direct(req("f-0", PROMPT), decode.instance_id)))
         await wait_until(lambda: prefill.prefill_loop.busy, timeout_s=10)  # item 1 in hand, none waiting
         second = asyncio.ensure_future(tokens_of(await client.direct(req("f-1", PROMPT, offset=1), decode.instance_id)))
@@ -314,9 +319,9 @@ async def test_a_full_queue_makes_the_decode_worker_prefill_locally(make_runtime
         await prefill.stop()
 
 
-async def test_no_result_in_time_falls_back_to_a_local_prefill_and_the_late_result_is_dropped(make_runtime):
-    prefill = await slow_prefill_worker(make_runtime)
-    decode, client = await decode_worker(make_runtime, remote_prefill_timeout_s=0.3)
+async def test_no_result_in_time_falls_back_to_a_local_prefill_and_the_late_result_is_dropped(make_runtime, namespace):
+    prefill = await slow_prefill_worker(make_runtime, namespace)
+    decode, client = await decode_worker(make_runtime, namespace, remote_prefill_timeout_s=0.3)
     try:
         await wait_until(lambda: decode.remote.prefill_workers.count(time.monotonic()) == 1, timeout_s=10)
         tokens = await tokens_of(await client.direct(req("late-1", PROMPT), decode.instance_id))
@@ -330,9 +335,9 @@ async def test_no_result_in_time_falls_back_to_a_local_prefill_and_the_late_resu
         await prefill.stop()
 
 
-async def test_a_decode_worker_s_drain_waits_for_its_remote_prefills(make_runtime):
-    prefill = await slow_prefill_worker(make_runtime)
-    decode, client = await decode_worker(make_runtime)
+async def test_a_decode_worker_s_drain_waits_for_its_remote_prefills(make_runtime, namespace):
+    prefill = await slow_prefill_worker(make_runtime, namespace)
+    decode, client = await decode_worker(make_runtime, namespace)
     try:
         await wait_until(lambda: decode.remote.prefill_workers.count(time.monotonic()) == 1, timeout_s=10)
         got = asyncio.ensure_future(tokens_of(await client.direct(req("drain-1", PROMPT), decode.instance_id)))

@@ -44,7 +44,6 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_PATH = str(ROOT / "models" / "tiny-llama")
 MODEL = "tiny-llama"
-NS = "fe"
 MAX_MODEL_LEN = 2048
 EOS = 257
 
@@ -64,8 +63,9 @@ def engine_config(**overrides: Any) -> MockEngineConfig:
 class Stack:
     """A frontend and the workers behind it, all in this process."""
 
-    def __init__(self, worker_rt: Runtime, frontend: Frontend, url: str) -> None:
+    def __init__(self, worker_rt: Runtime, frontend: Frontend, url: str, namespace: str) -> None:
         self.worker_rt = worker_rt
+        self.namespace = namespace
         self.frontend = frontend
         self.url = url
         self.workers: list[Worker] = []
@@ -74,7 +74,7 @@ class Stack:
         self.clients: list[AsyncOpenAI] = []
 
     async def add_worker(self, model: str = MODEL, wait: bool = True, **engine: Any) -> Worker:
-        cfg = WorkerConfig(namespace=NS, model=model, model_path=MODEL_PATH, metrics_interval_ms=1000)
+        cfg = WorkerConfig(namespace=self.namespace, model=model, model_path=MODEL_PATH, metrics_interval_ms=1000)
         w = Worker(self.worker_rt, cfg, MockEngine(engine_config(**engine), name=f"m{len(self.workers)}"))
         await w.start()
         self.workers.append(w)
@@ -104,7 +104,9 @@ class Stack:
 
     async def expected_tokens(self, prompt_ids: list[int], max_tokens: int, **sampling: Any) -> list[int]:
         """What a worker generates for this prompt, asked directly over the runtime (no frontend involved)."""
-        client = await self.worker_rt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        client = (
+            await self.worker_rt.namespace(self.namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        )
         try:
             self._direct += 1
             req = GenerateRequest(f"direct-{self._direct}", prompt_ids, SamplingParams(max_tokens, **sampling))
@@ -126,15 +128,15 @@ class Stack:
 
 
 @pytest.fixture
-async def make_stack(make_runtime) -> AsyncIterator[Any]:
+async def make_stack(make_runtime, namespace) -> AsyncIterator[Any]:
     made: list[Stack] = []
 
     async def make(**config: Any) -> Stack:
         worker_rt = await make_runtime()
         frontend_rt = await make_runtime()
-        frontend = Frontend(FrontendConfig(namespace=NS, port=0, **config), frontend_rt)
+        frontend = Frontend(FrontendConfig(namespace=namespace, port=0, **config), frontend_rt)
         url = await frontend.start()
-        stack = Stack(worker_rt, frontend, url)
+        stack = Stack(worker_rt, frontend, url, namespace)
         made.append(stack)
         return stack
 
@@ -391,7 +393,7 @@ async def test_models_appear_with_their_first_worker_and_disappear_with_their_la
 
 async def test_a_model_whose_tokenizer_cannot_load_is_listed_but_answers_500(make_stack, tmp_path):
     s: Stack = await make_stack()
-    cfg = WorkerConfig(namespace=NS, model="broken", model_path=str(tmp_path / "missing"))
+    cfg = WorkerConfig(namespace=s.namespace, model="broken", model_path=str(tmp_path / "missing"))
     w = Worker(s.worker_rt, cfg, MockEngine(engine_config()))
     await w.start()
     s.workers.append(w)
@@ -782,7 +784,7 @@ async def test_kv_routing_counts_a_repeated_prompt_as_a_cache_hit_on_the_worker_
     assert decisions(text) == {("kv", "load"): 1, ("kv", "cache_hit"): 3}
 
 
-async def test_a_model_is_listed_and_healthy_only_once_its_tokenizer_is_loaded(make_runtime):
+async def test_a_model_is_listed_and_healthy_only_once_its_tokenizer_is_loaded(make_runtime, namespace):
     # The tokenizer's load is held until the test has seen /health while it loads (a real load of the tiny model's
     # tokenizer takes a few ms: too short a window to observe reliably), then let go.
     release = threading.Event()
@@ -794,8 +796,8 @@ async def test_a_model_is_listed_and_healthy_only_once_its_tokenizer_is_loaded(m
         return load_tokenizer(path)
 
     worker_rt, frontend_rt = await make_runtime(), await make_runtime()
-    frontend = Frontend(FrontendConfig(namespace=NS, port=0), frontend_rt, tokenizer_loader=gated_loader)
-    s = Stack(worker_rt, frontend, await frontend.start())
+    frontend = Frontend(FrontendConfig(namespace=namespace, port=0), frontend_rt, tokenizer_loader=gated_loader)
+    s = Stack(worker_rt, frontend, await frontend.start(), namespace)
     try:
         async with aiohttp.ClientSession() as session:
 
@@ -832,13 +834,13 @@ async def test_health_lists_models_and_workers(stack: Stack):
 # --- the kvmesh frontend command ----------------------------------------------------------------------------------
 
 
-async def test_kvmesh_frontend_command_serves_until_sigterm(runtime_config, make_runtime):
+async def test_kvmesh_frontend_command_serves_until_sigterm(runtime_config, make_runtime, namespace):
     worker_rt = await make_runtime()
     w = Worker(
-        worker_rt, WorkerConfig(namespace="cli", model=MODEL, model_path=MODEL_PATH), MockEngine(engine_config())
+        worker_rt, WorkerConfig(namespace=namespace, model=MODEL, model_path=MODEL_PATH), MockEngine(engine_config())
     )
     await w.start()
-    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "frontend", "--namespace", "cli"]
+    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "frontend", "--namespace", namespace]
     cmd += ["--port", "0", "--etcd", runtime_config.etcd_endpoints[0], "--nats", runtime_config.nats_url]
     cmd += ["--api-key", "k"]
     proc = await asyncio.create_subprocess_exec(

@@ -35,7 +35,6 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_PATH = str(ROOT / "models" / "tiny-llama")
 MODEL = "tiny-llama"
-NS = "replicas"
 
 
 def replica_of(response_id: str) -> str:
@@ -112,7 +111,7 @@ class Replicas:
 
 @pytest.fixture
 async def make_replicas(
-    runtime_config: RuntimeConfig, make_runtime: Any
+    runtime_config: RuntimeConfig, make_runtime: Any, namespace: str
 ) -> AsyncIterator[Callable[..., Awaitable[Replicas]]]:
     made: list[Replicas] = []
 
@@ -122,11 +121,11 @@ async def make_replicas(
         for i in range(num_workers):
             ecfg = MockEngineConfig(vocab_size=384, eos_token_id=257, max_model_len=2048, num_gpu_blocks=512,
                                     **({"speedup_ratio": float("inf")} | engine))  # fmt: skip
-            w = Worker(worker_rt, WorkerConfig(namespace=NS, model=MODEL, model_path=MODEL_PATH,
+            w = Worker(worker_rt, WorkerConfig(namespace=namespace, model=MODEL, model_path=MODEL_PATH,
                                                metrics_interval_ms=100), MockEngine(ecfg, name=f"m{i}"))  # fmt: skip
             await w.start()
             workers.append(w)
-        cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "frontend", "--namespace", NS,
+        cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "frontend", "--namespace", namespace,
                "--port", "0", "--etcd", runtime_config.etcd_endpoints[0], "--nats", runtime_config.nats_url,
                "--replicas", "2", *flags]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE)

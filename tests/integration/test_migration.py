@@ -33,7 +33,6 @@ from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-NS = "mig"
 
 # speedup 1 (the modelled ~5 ms decode steps, in real time): requests keep decoding while they are moved. A vocabulary
 # without EOS in reach (eos 999 of 1000, ignore_eos set anyway) so every request runs to max_tokens.
@@ -93,16 +92,16 @@ class Stream:
         return self.tokens
 
 
-async def start_worker(make_runtime: Any, index: int, **engine: Any) -> Worker:
+async def start_worker(make_runtime: Any, namespace: str, index: int, **engine: Any) -> Worker:
     rt = await make_runtime()
-    cfg = WorkerConfig(namespace=NS, model="mock-model", metrics_interval_ms=50, kv_events_batch_ms=5)
+    cfg = WorkerConfig(namespace=namespace, model="mock-model", metrics_interval_ms=50, kv_events_batch_ms=5)
     worker = Worker(rt, cfg, MockEngine(engine_config(**engine), name=f"w{index}"), index=index)
     await worker.start()
     return worker
 
 
-async def clients(rt: Runtime) -> tuple[Client, Client, Client]:
-    comp = rt.namespace(NS).component("backend")
+async def clients(rt: Runtime, namespace: str) -> tuple[Client, Client, Client]:
+    comp = rt.namespace(namespace).component("backend")
     return (
         await comp.endpoint(ENDPOINT_GENERATE).client(),
         await comp.endpoint(ENDPOINT_MIGRATE).client(),
@@ -116,18 +115,18 @@ async def migrate(client: Client, src: int, req: MigrateRequest) -> list[Migrati
 
 
 @pytest.fixture
-async def pair(make_runtime: Any) -> AsyncIterator[tuple[Worker, Worker, Runtime]]:
-    a = await start_worker(make_runtime, 0)
-    b = await start_worker(make_runtime, 1)
+async def pair(make_runtime: Any, namespace) -> AsyncIterator[tuple[Worker, Worker, Runtime]]:
+    a = await start_worker(make_runtime, namespace, 0)
+    b = await start_worker(make_runtime, namespace, 1)
     client_rt = await make_runtime()
     yield a, b, client_rt
     for w in (a, b):
         await w.stop()
 
 
-async def test_live_migration_under_load_back_and_forth_gives_every_client_the_unmoved_tokens(pair) -> None:
+async def test_live_migration_under_load_back_and_forth_gives_every_client_the_unmoved_tokens(pair, namespace) -> None:
     a, b, crt = pair
-    gen, mig, _ = await clients(crt)
+    gen, mig, _ = await clients(crt, namespace)
     await gen.wait_for_instances(2, timeout_s=5)
     # Prompts of 40..1200 tokens: the long ones have more whole blocks than the last stage takes (16), so they are
     # pre-copied while they decode; 600 output tokens at ~5 ms a step keep every request running through the rounds.
@@ -158,9 +157,9 @@ async def test_live_migration_under_load_back_and_forth_gives_every_client_the_u
     assert counters.get("out_committed", 0) + b.agent.counters().get("out_committed", 0) == len(committed)  # type: ignore[union-attr]
 
 
-async def test_recompute_mode_moves_a_request_without_its_kv_and_the_tokens_are_the_same(pair) -> None:
+async def test_recompute_mode_moves_a_request_without_its_kv_and_the_tokens_are_the_same(pair, namespace) -> None:
     a, b, crt = pair
-    gen, mig, _ = await clients(crt)
+    gen, mig, _ = await clients(crt, namespace)
     req = gen_request("rc", 700, 300, seed=5)
     expected = await unmoved([req])
     s = Stream(await gen.direct(req.to_dict(), a.instance_id))
@@ -170,16 +169,16 @@ async def test_recompute_mode_moves_a_request_without_its_kv_and_the_tokens_are_
     assert await s.done() == expected["rc"]
 
 
-async def test_workers_publish_their_migration_counters_by_direction_outcome_and_mode(pair) -> None:
+async def test_workers_publish_their_migration_counters_by_direction_outcome_and_mode(pair, namespace) -> None:
     """Each worker's counters go out on ``migration_counters`` when they change (and every 10 s): a live and a
     recompute move from a to b are counted out on a and in on b, by the mode that ran."""
     from components.protocol.endpoints import TOPIC_MIGRATION_COUNTERS
     from components.protocol.migration import MigrationCountersReport, MigrationOutcomeCount
 
     a, b, crt = pair
-    gen, mig, _ = await clients(crt)
+    gen, mig, _ = await clients(crt, namespace)
     heard: dict[int, MigrationCountersReport] = {}
-    sub = await crt.namespace(NS).events.subscribe(TOPIC_MIGRATION_COUNTERS)
+    sub = await crt.namespace(namespace).events.subscribe(TOPIC_MIGRATION_COUNTERS)
 
     async def listen() -> None:
         async for ev in sub:
@@ -216,9 +215,9 @@ async def test_workers_publish_their_migration_counters_by_direction_outcome_and
         await sub.close()
 
 
-async def test_an_abort_after_migration_reaches_the_destination(pair) -> None:
+async def test_an_abort_after_migration_reaches_the_destination(pair, namespace) -> None:
     a, b, crt = pair
-    gen, mig, abort = await clients(crt)
+    gen, mig, abort = await clients(crt, namespace)
     s = Stream(await gen.direct(gen_request("ab", 300, 2000).to_dict(), a.instance_id))
     await wait_until(lambda: len(s.tokens) >= 3, timeout_s=10)
     [report] = await migrate(mig, a.instance_id, MigrateRequest(b.instance_id, request_ids=["ab"]))
@@ -236,9 +235,9 @@ async def test_an_abort_after_migration_reaches_the_destination(pair) -> None:
     await wait_until(lambda: "ab" not in b.engine.scheduler.requests)  # type: ignore[attr-defined]
 
 
-async def test_a_client_that_leaves_after_a_migration_cancels_the_request_on_the_destination(pair) -> None:
+async def test_a_client_that_leaves_after_a_migration_cancels_the_request_on_the_destination(pair, namespace) -> None:
     a, b, crt = pair
-    gen, mig, _ = await clients(crt)
+    gen, mig, _ = await clients(crt, namespace)
     stream = await gen.direct(gen_request("cx", 300, 2000).to_dict(), a.instance_id)
     await stream.__anext__()
     [report] = await migrate(mig, a.instance_id, MigrateRequest(b.instance_id, request_ids=["cx"]))
@@ -253,13 +252,13 @@ async def test_a_client_that_leaves_after_a_migration_cancels_the_request_on_the
     assert b.engine.scheduler.pool.num_active_blocks == 0  # type: ignore[attr-defined]
 
 
-async def test_a_full_destination_refuses_and_the_request_goes_on_at_the_source(make_runtime) -> None:
-    a = await start_worker(make_runtime, 0)
+async def test_a_full_destination_refuses_and_the_request_goes_on_at_the_source(make_runtime, namespace) -> None:
+    a = await start_worker(make_runtime, namespace, 0)
     # 300 blocks (4800 tokens >= max_model_len), at a tenth of real time so that its hog outlasts the test.
-    tiny = await start_worker(make_runtime, 1, num_gpu_blocks=300, speedup_ratio=0.1)
+    tiny = await start_worker(make_runtime, namespace, 1, num_gpu_blocks=300, speedup_ratio=0.1)
     try:
         crt = await make_runtime()
-        gen, mig, _ = await clients(crt)
+        gen, mig, _ = await clients(crt, namespace)
         # 4000 prompt tokens hold 250 of the 300 blocks while it decodes (90 tokens at ~50 ms a step: ~4.5 s).
         hog = Stream(await gen.direct(gen_request("hog", 4000, 90).to_dict(), tiny.instance_id))
         req = gen_request("large", 1500, 200)  # its prompt differs from the hog's (rid length)
@@ -279,12 +278,12 @@ async def test_a_full_destination_refuses_and_the_request_goes_on_at_the_source(
 # --- workers killed mid-migration (subprocesses) --------------------------------------------------------------------
 
 
-def worker_process(runtime_config: Any, *flags: str) -> subprocess.Popen[str]:
+def worker_process(runtime_config: Any, namespace: str, *flags: str) -> subprocess.Popen[str]:
     env = os.environ | {
         "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
         "KVMESH_NATS_URL": runtime_config.nats_url,
     }
-    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "WARNING", "worker", "--namespace", NS]
+    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "WARNING", "worker", "--namespace", namespace]
     for k, v in ENGINE.items():
         cmd += ["--" + k.replace("_", "-"), str(v)]
     return subprocess.Popen([*cmd, *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -303,16 +302,16 @@ def incoming(worker: Worker) -> list[Any]:
 
 
 async def test_a_source_killed_mid_migration_leaves_no_reservation_on_the_destination(
-    make_runtime, runtime_config
+    make_runtime, runtime_config, namespace
 ) -> None:
     # 0.05 Gb/s: the first pre-copy stage (75 blocks of 2 MiB) takes ~25 s, so the source is surely mid-stage when
     # it is killed.
-    src = worker_process(runtime_config, "--kv-transfer-bandwidth-gbps", "0.05")
-    dst = await start_worker(make_runtime, 1)
+    src = worker_process(runtime_config, namespace, "--kv-transfer-bandwidth-gbps", "0.05")
+    dst = await start_worker(make_runtime, namespace, 1)
     try:
         src_id = await ready_instance_id(src)
         crt = await make_runtime()
-        gen, mig, _ = await clients(crt)
+        gen, mig, _ = await clients(crt, namespace)
         await gen.wait_for_instances(2, timeout_s=10)
         s = Stream(await gen.direct(gen_request("k", 1200, 3000).to_dict(), src_id))
         await wait_until(lambda: len(s.tokens) >= 2, timeout_s=10)
@@ -338,14 +337,14 @@ async def test_a_source_killed_mid_migration_leaves_no_reservation_on_the_destin
 
 
 async def test_a_destination_killed_mid_migration_leaves_the_request_running_on_the_source(
-    make_runtime, runtime_config
+    make_runtime, runtime_config, namespace
 ) -> None:
-    src = await start_worker(make_runtime, 0, kv_transfer_bandwidth_gbps=0.05)
-    dst = worker_process(runtime_config)
+    src = await start_worker(make_runtime, namespace, 0, kv_transfer_bandwidth_gbps=0.05)
+    dst = worker_process(runtime_config, namespace)
     try:
         dst_id = await ready_instance_id(dst)
         crt = await make_runtime()
-        gen, mig, _ = await clients(crt)
+        gen, mig, _ = await clients(crt, namespace)
         await gen.wait_for_instances(2, timeout_s=10)
         req = gen_request("d", 1200, 500)
         expected = await unmoved([req])
@@ -377,23 +376,24 @@ async def test_served_endpoints_of_a_migrating_worker(pair) -> None:
 
 async def test_a_draining_worker_says_it_is_unschedulable_and_stays_registered_until_its_requests_are_done(
     make_runtime,
+    namespace,
 ) -> None:
     from components.protocol.endpoints import TOPIC_WORKER_STATUS
     from components.protocol.migration import WorkerStatus
     from components.router import Router
     from components.router.feed import RouterFeed
 
-    w = await start_worker(make_runtime, 0)
+    w = await start_worker(make_runtime, namespace, 0)
     crt = await make_runtime()
-    gen, _, _ = await clients(crt)
+    gen, _, _ = await clients(crt, namespace)
     await gen.wait_for_instances(1, timeout_s=5)
     # A router fed from the event plane, as the frontend's is.
     router = Router()
     router.set_workers("mock-model", [(w.instance_id, w.metadata)])
-    feed = RouterFeed(crt, router, NS, ["backend"])
+    feed = RouterFeed(crt, router, namespace, ["backend"])
     await feed.start()
     statuses: list[WorkerStatus] = []
-    sub = await crt.namespace(NS).events.subscribe(TOPIC_WORKER_STATUS)
+    sub = await crt.namespace(namespace).events.subscribe(TOPIC_WORKER_STATUS)
 
     async def follow() -> None:
         async for ev in sub:
@@ -421,13 +421,15 @@ async def test_a_draining_worker_says_it_is_unschedulable_and_stays_registered_u
         await feed.stop()
 
 
-async def test_a_client_that_leaves_while_the_commit_is_on_its_way_is_aborted_on_the_destination(pair) -> None:
+async def test_a_client_that_leaves_while_the_commit_is_on_its_way_is_aborted_on_the_destination(
+    pair, namespace
+) -> None:
     """The source's handler is parked in the final stage when the client's CANCEL arrives; the commit succeeds
     anyway (the destination already runs the request): the source forwards an abort there."""
     from components.protocol.migration import MigrateInOp
 
     a, b, crt = pair
-    gen, mig, _ = await clients(crt)
+    gen, mig, _ = await clients(crt, namespace)
     assert a.agent is not None
     original = a.agent._call
     commit_answered = asyncio.Event()

@@ -28,7 +28,6 @@ from components.workers.engines.mock import MockEngine
 from tests.integration.test_frontend import (  # noqa: F401 - make_stack is a fixture
     MODEL,
     MODEL_PATH,
-    NS,
     ROOT,
     Stack,
     engine_config,
@@ -92,7 +91,7 @@ class ClientStream:
 
 
 async def migrate(stack: Stack, src: int, req: MigrateRequest) -> list[MigrationReport]:
-    client = await stack.worker_rt.namespace(NS).component("backend").endpoint(ENDPOINT_MIGRATE).client()
+    client = await stack.worker_rt.namespace(stack.namespace).component("backend").endpoint(ENDPOINT_MIGRATE).client()
     try:
         return [MigrationReport.from_dict(x) async for x in await client.direct(req.to_dict(), src)]
     finally:
@@ -151,13 +150,13 @@ async def test_a_request_whose_engine_dies_goes_on_elsewhere_and_the_dead_worker
 # --- SIGKILL under load (worker processes) --------------------------------------------------------------------------
 
 
-def worker_process(runtime_config: Any) -> subprocess.Popen[str]:
+def worker_process(runtime_config: Any, namespace: str) -> subprocess.Popen[str]:
     env = os.environ | {
         "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
         "KVMESH_NATS_URL": runtime_config.nats_url,
     }
     cfg = engine_config(**REAL_TIME)
-    flags = ["--namespace", NS, "--model", MODEL, "--model-path", MODEL_PATH]
+    flags = ["--namespace", namespace, "--model", MODEL, "--model-path", MODEL_PATH]
     for name in ("vocab_size", "eos_token_id", "max_model_len", "block_size", "num_gpu_blocks", "speedup_ratio"):
         flags += ["--" + name.replace("_", "-"), str(getattr(cfg, name))]
     cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "WARNING", "worker", *flags]
@@ -175,7 +174,7 @@ async def kill_under_load(stack: Stack, runtime_config: Any, n_requests: int = 2
     """Three worker processes; ``n_requests`` streaming requests of 300 tokens, ``concurrency`` at a time; the first
     worker SIGKILLed once every request of the first wave is streaming. Returns the streams, their prompts, the dead
     worker's id, the kill's instant and every (instant, worker) the router placed a request on."""
-    procs = [worker_process(runtime_config) for _ in range(3)]
+    procs = [worker_process(runtime_config, stack.namespace) for _ in range(3)]
     stack.procs = procs  # type: ignore[attr-defined]
     ids = [await ready_instance_id(p) for p in procs]
     await stack.wait_for_workers(MODEL, 3, timeout_s=30)

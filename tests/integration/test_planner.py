@@ -35,10 +35,10 @@ from components.workers.worker import Worker
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
-NS = "pl"
 MODEL = "mock-model"
 
-WORKER_CFG = WorkerConfig(namespace=NS, model=MODEL, metrics_interval_ms=50, kv_events_batch_ms=5, drain_timeout_s=1)
+# The namespace is each test's own: OutsideSystem sets it.
+WORKER_CFG = WorkerConfig(namespace="-", model=MODEL, metrics_interval_ms=50, kv_events_batch_ms=5, drain_timeout_s=1)
 ENGINE_CFG = MockEngineConfig(
     num_gpu_blocks=32,
     block_size=16,
@@ -62,22 +62,26 @@ class OutsideSystem:
     """What the virtual connector talks to: watches the decode pool's target and makes the fleet that size with
     in-process mock workers, then answers ``done`` with the request's id."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, namespace: str) -> None:
         self.runtime = runtime
+        self.namespace = namespace
+        self.worker_cfg = WORKER_CFG.model_copy(update={"namespace": namespace})
         self.workers: list[Worker] = []
         self.targets: list[int] = []  # every target it was asked for, in order
         self._task: asyncio.Task[None] | None = None
 
     async def add_worker(self) -> Worker:
-        w = Worker(self.runtime, WORKER_CFG, MockEngine(ENGINE_CFG, name=f"m{len(self.workers)}"), len(self.workers))
+        w = Worker(
+            self.runtime, self.worker_cfg, MockEngine(ENGINE_CFG, name=f"m{len(self.workers)}"), len(self.workers)
+        )
         await w.start()
         self.workers.append(w)
         return w
 
     async def _serve(self) -> None:
         discovery = self.runtime.discovery
-        key = target_key(NS, MODEL, Pool.DECODE)
-        async for ev in discovery.watch_prefix(pool_prefix(NS, MODEL, Pool.DECODE)):
+        key = target_key(self.namespace, MODEL, Pool.DECODE)
+        async for ev in discovery.watch_prefix(pool_prefix(self.namespace, MODEL, Pool.DECODE)):
             if ev.key != key or ev.kind != WatchEventKind.PUT or ev.value is None:
                 continue
             request = VirtualRequest.from_json(ev.value)
@@ -86,7 +90,7 @@ class OutsideSystem:
                 await self.add_worker()
             while len(self.workers) > request.count:
                 await self.workers.pop().stop()
-            await discovery.put(done_key(NS, MODEL, Pool.DECODE), request.to_json())
+            await discovery.put(done_key(self.namespace, MODEL, Pool.DECODE), request.to_json())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._serve(), name="outside-system")
@@ -99,9 +103,9 @@ class OutsideSystem:
             await w.stop()
 
 
-async def saturate(runtime: Runtime, worker: Worker, n: int = 4) -> list[asyncio.Task[None]]:
+async def saturate(runtime: Runtime, namespace: str, worker: Worker, n: int = 4) -> list[asyncio.Task[None]]:
     """``n`` long requests straight to ``worker``, consumed in the background until cancelled."""
-    client = await runtime.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+    client = await runtime.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
     await client.wait_for_instances(1, timeout_s=5)
 
     async def one(i: int) -> None:
@@ -116,13 +120,13 @@ async def saturate(runtime: Runtime, worker: Worker, n: int = 4) -> list[asyncio
 
 
 @pytest.fixture
-async def deployment(make_runtime) -> AsyncIterator[tuple[Runtime, OutsideSystem]]:
+async def deployment(make_runtime, namespace) -> AsyncIterator[tuple[Runtime, OutsideSystem]]:
     """One saturated aggregated worker, the outside system that owns it, and a runtime for the planner."""
     workers_rt = await make_runtime()
-    outside = OutsideSystem(workers_rt)
+    outside = OutsideSystem(workers_rt, namespace)
     first = await outside.add_worker()
     outside.start()
-    load = await saturate(await make_runtime(), first)
+    load = await saturate(await make_runtime(), namespace, first)
     planner_rt = await make_runtime()
     yield planner_rt, outside
     for t in load:
@@ -140,10 +144,10 @@ async def running(planner: Planner) -> AsyncIterator[Planner]:
         await planner.stop()
 
 
-async def test_high_kv_use_scales_decode_up_by_one_through_the_virtual_connector(deployment, tmp_path):
+async def test_high_kv_use_scales_decode_up_by_one_through_the_virtual_connector(deployment, tmp_path, namespace):
     rt, outside = deployment
-    connector = VirtualConnector(rt, NS, MODEL, timeout_s=10)
-    planner = Planner(rt, PLANNER_CFG, NS, MODEL, connector, log_dir=str(tmp_path / "tb"))
+    connector = VirtualConnector(rt, namespace, MODEL, timeout_s=10)
+    planner = Planner(rt, PLANNER_CFG, namespace, MODEL, connector, log_dir=str(tmp_path / "tb"))
     async with running(planner):
         await wait_until(lambda: planner.num_changes_applied >= 1, timeout_s=15)
         # The first change was one more decode worker, for the reason the policy gave.
@@ -161,7 +165,7 @@ async def test_high_kv_use_scales_decode_up_by_one_through_the_virtual_connector
         assert outside.targets == [2]
         assert planner.num_change_failures == 0
         # The last decision is where `kvmesh status` reads it.
-        status = await rt.discovery.get_prefix(status_key(NS, MODEL))
+        status = await rt.discovery.get_prefix(status_key(namespace, MODEL))
         assert status
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -179,10 +183,12 @@ async def test_high_kv_use_scales_decode_up_by_one_through_the_virtual_connector
     assert any("decode: scale up 1 -> 2" in t for t in texts)
 
 
-async def test_no_operation_reports_the_scale_up_and_changes_nothing(deployment, tmp_path):
+async def test_no_operation_reports_the_scale_up_and_changes_nothing(deployment, tmp_path, namespace):
     rt, outside = deployment
     cfg = PLANNER_CFG.model_copy(update={"no_operation": True})
-    planner = Planner(rt, cfg, NS, MODEL, VirtualConnector(rt, NS, MODEL, timeout_s=10), log_dir=str(tmp_path))
+    planner = Planner(
+        rt, cfg, namespace, MODEL, VirtualConnector(rt, namespace, MODEL, timeout_s=10), log_dir=str(tmp_path)
+    )
     async with running(planner):
 
         def would_scale_up() -> bool:
@@ -196,7 +202,7 @@ async def test_no_operation_reports_the_scale_up_and_changes_nothing(deployment,
         await asyncio.sleep(4 * PLANNER_CFG.adjustment_interval)  # more would-be scale-ups: none applied
     assert planner.num_changes_applied == 0
     assert outside.targets == [] and len(outside.workers) == 1
-    assert await rt.discovery.get_prefix(target_key(NS, MODEL, Pool.DECODE)) == {}
+    assert await rt.discovery.get_prefix(target_key(namespace, MODEL, Pool.DECODE)) == {}
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -207,21 +213,21 @@ async def test_no_operation_reports_the_scale_up_and_changes_nothing(deployment,
     assert any("[no-operation] decode: would scale up 1 -> 2" in t for t in texts)
 
 
-def planner_process(runtime_config, log_dir: Path) -> subprocess.Popen:
+def planner_process(runtime_config, namespace: str, log_dir: Path) -> subprocess.Popen:
     from tests.integration.test_worker import worker_env
 
-    cmd = [sys.executable, "-m", "components.cli.main", "planner", "--namespace", NS, "--environment", "virtual"]
+    cmd = [sys.executable, "-m", "components.cli.main", "planner", "--namespace", namespace, "--environment", "virtual"]
     cmd += ["--metric-pulling-interval", "0.05", "--adjustment-interval", "0.2", "--log-dir", str(log_dir)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=worker_env(runtime_config))
 
 
-async def test_kvmesh_planner_command_runs_and_stops_on_sigterm(runtime_config, tmp_path):
+async def test_kvmesh_planner_command_runs_and_stops_on_sigterm(runtime_config, tmp_path, namespace):
     """The command line end to end: READY, TensorBoard files written, SIGTERM -> STOPPED and exit 0."""
-    proc = planner_process(runtime_config, tmp_path)
+    proc = planner_process(runtime_config, namespace, tmp_path)
     assert proc.stdout is not None
     try:
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
-        assert line.startswith(f"READY planner {NS}/{MODEL} (virtual)"), line
+        assert line.startswith(f"READY planner {namespace}/{MODEL} (virtual)"), line
         await wait_until(lambda: any(tmp_path.glob("events.out.tfevents.*")), timeout_s=10)
         await asyncio.sleep(0.5)  # a few pulls and adjustments (no worker: hold, "missing metrics")
         proc.send_signal(signal.SIGTERM)

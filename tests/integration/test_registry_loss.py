@@ -27,12 +27,12 @@ async def counter(body: dict[str, int], ctx: RequestContext) -> AsyncIterator[di
         yield {"i": i}
 
 
-async def test_registry_loss_keeps_live_instances_routable_until_they_re_register(make_runtime, etcd_server):
+async def test_registry_loss_keeps_live_instances_routable_until_they_re_register(make_runtime, etcd_server, namespace):
     servers = [await make_runtime(), await make_runtime()]
-    served = [await rt.namespace("t").component("backend").endpoint("generate").serve(counter) for rt in servers]
+    served = [await rt.namespace(namespace).component("backend").endpoint("generate").serve(counter) for rt in servers]
     ids = {s.instance_id for s in served}
     front = await make_runtime()
-    client = await front.namespace("t").component("backend").endpoint("generate").client()
+    client = await front.namespace(namespace).component("backend").endpoint("generate").client()
     await client.wait_for_instances(2)
     sizes: list[int] = []
     client.on_change(lambda: sizes.append(len(client.instance_ids())))
@@ -58,7 +58,7 @@ async def test_registry_loss_keeps_live_instances_routable_until_they_re_registe
     fresh = await make_runtime()
 
     async def registered() -> set[int]:
-        return {i.instance_id for i in await fresh.namespace("t").list_instances()}
+        return {i.instance_id for i in await fresh.namespace(namespace).list_instances()}
 
     while await registered() != ids:
         assert time.monotonic() - back < 5, "the instances did not re-register within 5 s of etcd's return"
@@ -77,12 +77,14 @@ async def test_registry_loss_keeps_live_instances_routable_until_they_re_registe
     assert reregistered_s < 3.0
 
 
-async def test_an_instance_that_died_while_the_registry_was_gone_is_dropped_at_once(make_runtime, etcd_server):
+async def test_an_instance_that_died_while_the_registry_was_gone_is_dropped_at_once(
+    make_runtime, etcd_server, namespace
+):
     alive_rt, dying_rt = await make_runtime(), await make_runtime()
-    alive = await alive_rt.namespace("t").component("backend").endpoint("generate").serve(counter)
-    dying = await dying_rt.namespace("t").component("backend").endpoint("generate").serve(counter)
+    alive = await alive_rt.namespace(namespace).component("backend").endpoint("generate").serve(counter)
+    dying = await dying_rt.namespace(namespace).component("backend").endpoint("generate").serve(counter)
     front = await make_runtime()
-    client = await front.namespace("t").component("backend").endpoint("generate").client()
+    client = await front.namespace(namespace).component("backend").endpoint("generate").client()
     await client.wait_for_instances(2)
 
     etcd_server.stop()
@@ -97,11 +99,11 @@ async def test_an_instance_that_died_while_the_registry_was_gone_is_dropped_at_o
     assert dying.instance_id not in client.instance_ids()
 
 
-async def test_a_request_made_while_nats_is_down_waits_for_it(make_runtime, nats_server):
+async def test_a_request_made_while_nats_is_down_waits_for_it(make_runtime, nats_server, namespace):
     rt = await make_runtime()
-    await rt.namespace("t").component("backend").endpoint("generate").serve(counter)
+    await rt.namespace(namespace).component("backend").endpoint("generate").serve(counter)
     front = await make_runtime(bus_wait_s=15.0)
-    client = await front.namespace("t").component("backend").endpoint("generate").client()
+    client = await front.namespace(namespace).component("backend").endpoint("generate").client()
     await client.wait_for_instances(1)
 
     nats_server.stop()

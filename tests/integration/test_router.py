@@ -41,7 +41,6 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_PATH = str(ROOT / "models" / "tiny-llama")
-NS = "rtr"
 MODEL = "mock-model"
 BS = 16
 VOCAB = 384  # the tiny-llama tokenizer's, so the frontend test can use the same engines
@@ -69,14 +68,15 @@ async def eventually(pred: Callable[[], bool], timeout_s: float = 5.0, what: str
 
 
 class Fleet:
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, namespace: str) -> None:
         self.rt = rt
+        self.namespace = namespace
         self.workers: list[Worker] = []
         self._client: Client | None = None
 
     async def add(self, n: int = 1, model: str = MODEL, engine: MockEngineConfig | None = None) -> list[Worker]:
         cfg = WorkerConfig(
-            namespace=NS, model=model, model_path=MODEL_PATH, metrics_interval_ms=50, kv_events_batch_ms=5
+            namespace=self.namespace, model=model, model_path=MODEL_PATH, metrics_interval_ms=50, kv_events_batch_ms=5
         )
         ec = engine or engine_config()
         new = [Worker(self.rt, cfg, MockEngine(ec, name=f"m{len(self.workers) + i}")) for i in range(n)]
@@ -91,14 +91,16 @@ class Fleet:
         One client for the whole test: closing a runtime client within milliseconds of creating it can hang (its
         etcd watch may swallow the cancellation while it is being set up; see the runtime's Client.close)."""
         if self._client is None:
-            self._client = await self.rt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+            self._client = (
+                await self.rt.namespace(self.namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
+            )
         body = GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).to_dict()
         return [item async for item in await self._client.direct(body, worker.instance_id)]
 
 
 @pytest.fixture
-async def fleet(make_runtime) -> AsyncIterator[Fleet]:
-    f = Fleet(await make_runtime())
+async def fleet(make_runtime, namespace) -> AsyncIterator[Fleet]:
+    f = Fleet(await make_runtime(), namespace)
     yield f
     for w in f.workers:
         with contextlib.suppress(Exception):
@@ -106,12 +108,12 @@ async def fleet(make_runtime) -> AsyncIterator[Fleet]:
 
 
 @pytest.fixture
-async def make_router(make_runtime) -> AsyncIterator[Callable[..., Any]]:
+async def make_router(make_runtime, namespace) -> AsyncIterator[Callable[..., Any]]:
     feeds: list[RouterFeed] = []
 
     async def make(**cfg: Any) -> Router:
         router = Router(RouterConfig(router_seed=0, **cfg))
-        feed = RouterFeed(await make_runtime(), router, NS, ["backend"], watch_workers=True)
+        feed = RouterFeed(await make_runtime(), router, namespace, ["backend"], watch_workers=True)
         await feed.start()
         feeds.append(feed)
         return router
@@ -231,7 +233,9 @@ async def test_a_stopped_worker_is_excluded_within_a_second_and_its_blocks_leave
     assert gone not in chosen
 
 
-async def test_a_killed_worker_is_excluded_by_its_silence_before_its_lease_expires(fleet, make_router, runtime_config):
+async def test_a_killed_worker_is_excluded_by_its_silence_before_its_lease_expires(
+    fleet, make_router, runtime_config, namespace
+):
     """SIGKILL: nothing deregisters it and its lease lives on (10 s here); its load reports stop, and after 5 of
     its 100 ms intervals it counts as dead."""
     await fleet.add(2)
@@ -240,7 +244,7 @@ async def test_a_killed_worker_is_excluded_by_its_silence_before_its_lease_expir
         "KVMESH_NATS_URL": runtime_config.nats_url,
         "KVMESH_LEASE_TTL_S": "10",
     }
-    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--namespace", NS, "--model", MODEL]
+    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--namespace", namespace, "--model", MODEL]
     cmd += ["--metrics-interval-ms", "100", "--speedup-ratio", "inf", "--vocab-size", str(VOCAB)]
     cmd += ["--eos-token-id", "257", "--max-model-len", "8192"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
@@ -279,11 +283,11 @@ async def test_a_killed_worker_is_excluded_by_its_silence_before_its_lease_expir
 
 
 @pytest.fixture
-async def frontend(make_runtime, fleet) -> AsyncIterator[Callable[..., Any]]:
+async def frontend(make_runtime, fleet, namespace) -> AsyncIterator[Callable[..., Any]]:
     made: list[tuple[Frontend, AsyncOpenAI]] = []
 
     async def make(**config: Any) -> tuple[Frontend, AsyncOpenAI]:
-        fe = Frontend(FrontendConfig(namespace=NS, port=0, **config), await make_runtime())
+        fe = Frontend(FrontendConfig(namespace=namespace, port=0, **config), await make_runtime())
         url = await fe.start()
         client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         made.append((fe, client))
@@ -352,16 +356,16 @@ async def test_the_frontend_honours_a_pin_and_passes_program_ids_to_affinity_pol
 # --- standalone routers ---------------------------------------------------------------------------------------------
 
 
-async def test_two_standalone_routers_share_their_in_flight_assignments(fleet, make_runtime):
+async def test_two_standalone_routers_share_their_in_flight_assignments(fleet, make_runtime, namespace):
     workers = await fleet.add(2)
     services = []
     for _ in range(2):
-        cfg = RouterServiceConfig(namespace=NS, router_policy="least_loaded", router_sync_interval_s=0.2)
+        cfg = RouterServiceConfig(namespace=namespace, router_policy="least_loaded", router_sync_interval_s=0.2)
         svc = RouterService(cfg, await make_runtime())
         await svc.start()
         services.append(svc)
     a, b = services
-    client = await RouterClient.connect(await make_runtime(), NS)
+    client = await RouterClient.connect(await make_runtime(), namespace)
     try:
         await eventually(lambda: len(client.instance_ids()) == 2)
         await eventually(lambda: all(len(s.router.members()) == 2 for s in services))
@@ -393,19 +397,19 @@ async def test_two_standalone_routers_share_their_in_flight_assignments(fleet, m
             await s.stop()
 
 
-async def test_kvmesh_router_command_serves_until_sigterm(fleet, make_runtime, runtime_config):
+async def test_kvmesh_router_command_serves_until_sigterm(fleet, make_runtime, runtime_config, namespace):
     await fleet.add(1)
     env = os.environ | {
         "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
         "KVMESH_NATS_URL": runtime_config.nats_url,
     }
-    cmd = [sys.executable, "-m", "components.cli.main", "router", "--namespace", NS, "--router-policy", "kv"]
+    cmd = [sys.executable, "-m", "components.cli.main", "router", "--namespace", namespace, "--router-policy", "kv"]
     cmd += ["--kv-overlap-score-weight", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
     try:
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)  # type: ignore[union-attr]
         assert line.startswith("READY "), line
-        client = await RouterClient.connect(await make_runtime(), NS)
+        client = await RouterClient.connect(await make_runtime(), namespace)
         try:
             d = None
             for _ in range(100):  # the router discovers the worker a moment after it is ready

@@ -42,10 +42,13 @@ async def stats_become(queue, timeout_s: float = 10.0, **expected: int) -> Queue
     return last[0]
 
 
-async def test_each_item_goes_to_exactly_one_of_two_concurrent_consumers(make_runtime):
+async def test_each_item_goes_to_exactly_one_of_two_concurrent_consumers(make_runtime, namespace):
     producer, rt_a, rt_b = await make_runtime(), await make_runtime(), await make_runtime()
-    q = await producer.namespace("t").work_queue("jobs")
-    consumers = {"a": await rt_a.namespace("t").work_queue("jobs"), "b": await rt_b.namespace("t").work_queue("jobs")}
+    q = await producer.namespace(namespace).work_queue("jobs")
+    consumers = {
+        "a": await rt_a.namespace(namespace).work_queue("jobs"),
+        "b": await rt_b.namespace(namespace).work_queue("jobs"),
+    }
     n = 40
     got: dict[str, list[int]] = {"a": [], "b": []}
     done = asyncio.Event()
@@ -72,10 +75,10 @@ async def test_each_item_goes_to_exactly_one_of_two_concurrent_consumers(make_ru
     assert await q.pop(timeout_s=0.2) is None
 
 
-async def test_nak_hands_the_item_back_with_delivered_two_and_a_delay_holds_it(make_runtime):
+async def test_nak_hands_the_item_back_with_delivered_two_and_a_delay_holds_it(make_runtime, namespace):
     rt_a, rt_b = await make_runtime(), await make_runtime()
-    qa = await rt_a.namespace("t").work_queue("jobs")
-    qb = await rt_b.namespace("t").work_queue("jobs")
+    qa = await rt_a.namespace(namespace).work_queue("jobs")
+    qb = await rt_b.namespace(namespace).work_queue("jobs")
     await qa.push(b"again")
     first = await qa.pop(timeout_s=POP_S)
     assert first is not None and first.data == b"again" and first.delivered == 1
@@ -95,11 +98,13 @@ async def test_nak_hands_the_item_back_with_delivered_two_and_a_delay_holds_it(m
     await stats_become(qa, waiting=0, in_flight=0)
 
 
-async def test_an_item_whose_consumer_disconnects_is_redelivered_to_the_other_after_the_ack_wait(make_runtime):
+async def test_an_item_whose_consumer_disconnects_is_redelivered_to_the_other_after_the_ack_wait(
+    make_runtime, namespace
+):
     producer, dying, survivor = await make_runtime(), await make_runtime(), await make_runtime()
-    q = await producer.namespace("t").work_queue("prefill", ack_wait_s=1.0)
-    q_dying = await dying.namespace("t").work_queue("prefill", ack_wait_s=1.0)
-    q_survivor = await survivor.namespace("t").work_queue("prefill", ack_wait_s=1.0)
+    q = await producer.namespace(namespace).work_queue("prefill", ack_wait_s=1.0)
+    q_dying = await dying.namespace(namespace).work_queue("prefill", ack_wait_s=1.0)
+    q_survivor = await survivor.namespace(namespace).work_queue("prefill", ack_wait_s=1.0)
     await q.push(b"prompt")
     item = await q_dying.pop(timeout_s=POP_S)
     assert item is not None and item.delivered == 1
@@ -118,11 +123,11 @@ async def test_an_item_whose_consumer_disconnects_is_redelivered_to_the_other_af
     await stats_become(q, waiting=0, in_flight=0)
 
 
-async def test_in_progress_holds_an_item_past_the_ack_wait_and_silence_releases_it(make_runtime):
+async def test_in_progress_holds_an_item_past_the_ack_wait_and_silence_releases_it(make_runtime, namespace):
     rt_a, rt_b = await make_runtime(), await make_runtime()
     ack_wait_s = 1.0
-    qa = await rt_a.namespace("t").work_queue("prefill", ack_wait_s=ack_wait_s)
-    qb = await rt_b.namespace("t").work_queue("prefill", ack_wait_s=ack_wait_s)
+    qa = await rt_a.namespace(namespace).work_queue("prefill", ack_wait_s=ack_wait_s)
+    qb = await rt_b.namespace(namespace).work_queue("prefill", ack_wait_s=ack_wait_s)
     await qa.push(b"long prompt")
     item = await qa.pop(timeout_s=POP_S)
     assert item is not None
@@ -146,9 +151,9 @@ async def test_in_progress_holds_an_item_past_the_ack_wait_and_silence_releases_
     await stats_become(qa, waiting=0, in_flight=0)
 
 
-async def test_term_drops_the_item_for_good(make_runtime):
+async def test_term_drops_the_item_for_good(make_runtime, namespace):
     rt = await make_runtime()
-    q = await rt.namespace("t").work_queue("prefill", ack_wait_s=1.0)
+    q = await rt.namespace(namespace).work_queue("prefill", ack_wait_s=1.0)
     await q.push(b"poison")
     await q.push(b"fine")
     item = await q.pop(timeout_s=POP_S)
@@ -163,9 +168,9 @@ async def test_term_drops_the_item_for_good(make_runtime):
     assert await q.pop(timeout_s=2.5) is None  # past two ack waits: the termed item does not come back
 
 
-async def test_an_item_past_max_deliveries_is_dropped(make_runtime):
+async def test_an_item_past_max_deliveries_is_dropped(make_runtime, namespace):
     rt = await make_runtime()
-    q = await rt.namespace("t").work_queue("prefill", max_deliveries=2)
+    q = await rt.namespace(namespace).work_queue("prefill", max_deliveries=2)
     await q.push(b"crashes workers")
     for delivered in (1, 2):
         item = await q.pop(timeout_s=POP_S)
@@ -175,17 +180,17 @@ async def test_an_item_past_max_deliveries_is_dropped(make_runtime):
     await stats_become(q, waiting=0, in_flight=0)
 
 
-async def test_a_full_queue_refuses_a_push_clearly_and_loses_nothing(make_runtime):
+async def test_a_full_queue_refuses_a_push_clearly_and_loses_nothing(make_runtime, namespace):
     rt = await make_runtime()
-    q = await rt.namespace("t").work_queue("prefill", max_items=3)
+    q = await rt.namespace(namespace).work_queue("prefill", max_items=3)
     for i in range(3):
         await q.push(f"item-{i}".encode())
     with pytest.raises(QueueFullError) as exc:
         await q.push(b"one too many")
     err = exc.value
     assert isinstance(err, RecoverableError)
-    assert err.queue == "t.prefill" and err.max_items == 3
-    assert "'t.prefill' is full" in str(err) and "3 items" in str(err) and "not enqueued" in str(err)
+    assert err.queue == f"{namespace}.prefill" and err.max_items == 3
+    assert f"'{namespace}.prefill' is full" in str(err) and "3 items" in str(err) and "not enqueued" in str(err)
     assert await q.size() == 3
 
     # An item in flight still takes its place (max_items bounds waiting + in flight).
@@ -202,23 +207,25 @@ async def test_a_full_queue_refuses_a_push_clearly_and_loses_nothing(make_runtim
     assert got == [b"item-1", b"item-2", b"item-3"]  # every stored item, in order; refused ones never appear
 
 
-async def test_reopening_a_queue_applies_its_new_limit_and_keeps_its_items(make_runtime):
+async def test_reopening_a_queue_applies_its_new_limit_and_keeps_its_items(make_runtime, namespace):
     rt, other = await make_runtime(), await make_runtime()
-    q = await rt.namespace("t").work_queue("prefill", max_items=1)
+    q = await rt.namespace(namespace).work_queue("prefill", max_items=1)
     await q.push(b"kept")
     with pytest.raises(QueueFullError):
         await q.push(b"refused")
-    wider = await other.namespace("t").work_queue("prefill", max_items=2)  # the stream's limit is updated in place
+    wider = await other.namespace(namespace).work_queue(
+        "prefill", max_items=2
+    )  # the stream's limit is updated in place
     await q.push(b"now fits")
     with pytest.raises(QueueFullError):
         await wider.push(b"refused again")
     assert [(await wider.pop(timeout_s=POP_S)).data for _ in range(2)] == [b"kept", b"now fits"]
 
 
-async def test_max_items_holds_when_two_producers_push_at_once(make_runtime):
+async def test_max_items_holds_when_two_producers_push_at_once(make_runtime, namespace):
     rt_a, rt_b = await make_runtime(), await make_runtime()
-    qa = await rt_a.namespace("t").work_queue("prefill", max_items=5)
-    qb = await rt_b.namespace("t").work_queue("prefill", max_items=5)
+    qa = await rt_a.namespace(namespace).work_queue("prefill", max_items=5)
+    qb = await rt_b.namespace(namespace).work_queue("prefill", max_items=5)
     pushes = [q.push(f"{who}-{i}".encode()) for i in range(8) for who, q in (("a", qa), ("b", qb))]
     results = await asyncio.gather(*pushes, return_exceptions=True)
     refused = [r for r in results if isinstance(r, QueueFullError)]
@@ -228,10 +235,10 @@ async def test_max_items_holds_when_two_producers_push_at_once(make_runtime):
     assert await qa.size() == 5
 
 
-async def test_stats_count_what_the_test_did(make_runtime):
+async def test_stats_count_what_the_test_did(make_runtime, namespace):
     rt_a, rt_b = await make_runtime(), await make_runtime()
-    qa = await rt_a.namespace("t").work_queue("prefill")
-    qb = await rt_b.namespace("t").work_queue("prefill")
+    qa = await rt_a.namespace(namespace).work_queue("prefill")
+    qb = await rt_b.namespace(namespace).work_queue("prefill")
     assert await qa.stats() == QueueStats(waiting=0, in_flight=0, oldest_age_s=0.0, pullers=0, redelivered=0)
 
     t_first = time.time()
@@ -276,9 +283,9 @@ async def test_stats_count_what_the_test_did(make_runtime):
     await item.ack()
 
 
-async def test_model_names_with_any_characters_get_queues_of_their_own(make_runtime):
+async def test_model_names_with_any_characters_get_queues_of_their_own(make_runtime, namespace):
     rt = await make_runtime()
-    ns, other_ns = rt.namespace("t"), rt.namespace("u")
+    ns, other_ns = rt.namespace(namespace), rt.namespace(namespace + "u")
     models = [
         "Qwen/Qwen2.5-7B-Instruct:latest",
         "Qwen/Qwen2.5-7B-Instruct_latest",  # the same readable part as the first: only the hash tells them apart
@@ -305,21 +312,21 @@ async def test_model_names_with_any_characters_get_queues_of_their_own(make_runt
         await ns.prefill_queue("")
 
 
-async def test_a_stream_made_for_another_name_is_never_shared(make_runtime, monkeypatch):
+async def test_a_stream_made_for_another_name_is_never_shared(make_runtime, monkeypatch, namespace):
     # A hash collision, forced: "y" is given the stream and subject of "x".
     rt = await make_runtime()
-    await rt.namespace("t").work_queue("x")
+    await rt.namespace(namespace).work_queue("x")
     real = bus_module.queue_names
-    monkeypatch.setattr(bus_module, "queue_names", lambda name: real("t.x"))
+    monkeypatch.setattr(bus_module, "queue_names", lambda name: real(f"{namespace}.x"))
     with pytest.raises(ConfigError, match="belongs to another queue"):
-        await rt.namespace("t").work_queue("y", max_items=7)
+        await rt.namespace(namespace).work_queue("y", max_items=7)
 
 
-async def test_closing_the_bus_after_a_pop_timed_out_takes_no_drain_timeout(make_runtime):
+async def test_closing_the_bus_after_a_pop_timed_out_takes_no_drain_timeout(make_runtime, namespace):
     # Regression: nats-py's drain waited for the pull subscription's queued messages (the server's expiry notice of a
     # pull request that timed out) to be marked done, which fetch never does: every close took the 5 s drain timeout.
     rt = await make_runtime()
-    q = await rt.namespace("t").work_queue("prefill")
+    q = await rt.namespace(namespace).work_queue("prefill")
     assert await q.pop(timeout_s=0.2) is None
     await stats_become(q, pullers=0)  # the request expired on the server: its notice is on its way, or queued
     t0 = time.monotonic()
@@ -337,18 +344,18 @@ def plain_nats(tmp_path):
         server.cleanup()
 
 
-async def test_a_nats_server_without_jetstream_is_said_so(make_runtime, plain_nats):
+async def test_a_nats_server_without_jetstream_is_said_so(make_runtime, plain_nats, namespace):
     rt = await make_runtime(nats_url=plain_nats.url)
     with pytest.raises(QueueUnavailableError) as exc:
-        await rt.namespace("t").work_queue("prefill")
-    assert exc.value.queue == "t.prefill" and exc.value.operation == "open"
+        await rt.namespace(namespace).work_queue("prefill")
+    assert exc.value.queue == f"{namespace}.prefill" and exc.value.operation == "open"
     assert "JetStream is not enabled" in str(exc.value) and "-js" in str(exc.value)
     assert plain_nats.url in str(exc.value)
 
 
-async def test_push_and_pop_say_so_when_jetstream_goes_away(make_runtime, nats_server, tmp_path):
+async def test_push_and_pop_say_so_when_jetstream_goes_away(make_runtime, nats_server, tmp_path, namespace):
     rt = await make_runtime()
-    q = await rt.namespace("t").work_queue("prefill")
+    q = await rt.namespace(namespace).work_queue("prefill")
     await q.push(b"before")
     # The server is replaced, on the same address, by one without JetStream; the bus reconnects to it.
     nats_server.stop()

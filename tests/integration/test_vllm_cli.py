@@ -18,8 +18,6 @@ from tests.support.vllm import MODEL_DIR, ROOT, check_weights, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, requires_vllm]
 
-NS = "vllm-cli"
-
 
 async def read_until(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str:
     """The first stdout line starting with ``prefix`` (vLLM logs to stderr; stdout is the worker's own)."""
@@ -33,14 +31,16 @@ async def read_until(proc: subprocess.Popen, prefix: str, timeout_s: float) -> s
             return line
 
 
-async def test_vllm_worker_process_serves_drains_on_sigterm_and_leaves_no_orphans(make_runtime, runtime_config):
+async def test_vllm_worker_process_serves_drains_on_sigterm_and_leaves_no_orphans(
+    make_runtime, runtime_config, namespace
+):
     psutil = pytest.importorskip("psutil")  # a vLLM dependency
     check_weights()
     env = os.environ | {
         "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
         "KVMESH_NATS_URL": runtime_config.nats_url,
     }
-    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--engine", "vllm", "--namespace", NS]
+    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--engine", "vllm", "--namespace", namespace]
     cmd += ["--model-path", str(MODEL_DIR.relative_to(ROOT)), "--kv-cache-memory-bytes", str(4 * 2**20)]
     cmd += ["--max-model-len", "1024"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
@@ -52,7 +52,7 @@ async def test_vllm_worker_process_serves_drains_on_sigterm_and_leaves_no_orphan
         assert len(children) >= 2  # at least VLLM::EngineCore and VLLM::Worker
 
         rt = await make_runtime()
-        client = await rt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        client = await rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(1, timeout_s=10)
         [meta] = [i.metadata for i in client.instances()]
         # --model-path was relative: announced absolute, and the directory name is the served model name.

@@ -27,17 +27,16 @@ from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, requires_vllm]
 
-NS = "vllm-failover"
 KV_CACHE_BYTES = 4 * 2**20  # 64 blocks of 32 tokens
 
 
-def vllm_worker(runtime_config: RuntimeConfig, tmp: Path) -> subprocess.Popen[str]:
+def vllm_worker(runtime_config: RuntimeConfig, namespace: str, tmp: Path) -> subprocess.Popen[str]:
     env = os.environ | {
         "KVMESH_ETCD_ENDPOINTS": runtime_config.etcd_endpoints[0],
         "KVMESH_NATS_URL": runtime_config.nats_url,
         "TMPDIR": str(tmp),  # where the worker's private ipc directory goes: checked below
     }
-    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--engine", "vllm", "--namespace", NS]
+    cmd = [sys.executable, "-m", "components.cli.main", "worker", "--engine", "vllm", "--namespace", namespace]
     cmd += ["--model-path", str(MODEL_DIR.relative_to(ROOT)), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
     cmd += ["--max-model-len", "1024"]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -59,12 +58,12 @@ def ipc_dirs(tmp: Path) -> list[Path]:
     return [p for p in tmp.iterdir() if p.name.startswith("kvmesh-vllm-")]
 
 
-async def test_sigkill_of_a_vllm_worker_under_load_fails_nothing_and_leaves_no_orphan(runtime_config):
+async def test_sigkill_of_a_vllm_worker_under_load_fails_nothing_and_leaves_no_orphan(runtime_config, namespace):
     psutil = pytest.importorskip("psutil")
     check_weights()
     # Short directories of their own under /tmp: an ipc:// path must fit 107 bytes (pytest's tmp_path is too long).
     tmps = [Path(tempfile.mkdtemp(prefix=f"kvm{i}-", dir="/tmp")) for i in range(2)]
-    procs = [vllm_worker(runtime_config, t) for t in tmps]
+    procs = [vllm_worker(runtime_config, namespace, t) for t in tmps]
     frontend: Frontend | None = None
     fe_rt: Runtime | None = None
     try:
@@ -73,7 +72,7 @@ async def test_sigkill_of_a_vllm_worker_under_load_fails_nothing_and_leaves_no_o
         assert len(doomed_tree) >= 2  # VLLM::EngineCore and VLLM::Worker (and a resource tracker)
         [ipc_dir] = ipc_dirs(tmps[0])
         fe_rt = await Runtime.connect(runtime_config)
-        frontend = Frontend(FrontendConfig(namespace=NS, port=0, migration_limit=3), fe_rt)
+        frontend = Frontend(FrontendConfig(namespace=namespace, port=0, migration_limit=3), fe_rt)
         url = await frontend.start()
         registry = frontend.registry
         await wait_until(lambda: "tiny-llama" in registry.models and len(registry.models["tiny-llama"].instances) == 2)
@@ -102,7 +101,7 @@ async def test_sigkill_of_a_vllm_worker_under_load_fails_nothing_and_leaves_no_o
         procs[0].send_signal(signal.SIGKILL)
         await asyncio.wait_for(load, 180)  # raises if any request failed
         # Every text is the survivor's greedy output for its prompt, asked directly (unmoved).
-        gen = await fe_rt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        gen = await fe_rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
         tok = await registry.models["tiny-llama"].tokenizer()
         for i, p in enumerate(prompts):
             req = GenerateRequest(f"x{i}", p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))

@@ -29,15 +29,15 @@ from components.workers.worker import Worker
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-NS = "wt"
 
-# `kvmesh worker` with mock engines at speedup 1 (~5 ms per decode step); the caller adds its own flags.
-MOCK_WORKER_FLAGS = ["--namespace", NS, "--speedup-ratio", "1", "--vocab-size", "1000", "--eos-token-id", "999"]
+# `kvmesh worker` with mock engines at speedup 1 (~5 ms per decode step); the caller adds its namespace and flags.
+MOCK_WORKER_FLAGS = ["--speedup-ratio", "1", "--vocab-size", "1000", "--eos-token-id", "999"]
 MOCK_WORKER_FLAGS += ["--num-gpu-blocks", "1024", "--max-model-len", "4096"]
 
 
-def worker_command(*flags: str, log_level: str = "WARNING") -> list[str]:
-    return [sys.executable, "-m", "components.cli.main", "--log-level", log_level, "worker", *MOCK_WORKER_FLAGS, *flags]
+def worker_command(namespace: str, *flags: str, log_level: str = "WARNING") -> list[str]:
+    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", log_level, "worker", "--namespace", namespace]
+    return [*cmd, *MOCK_WORKER_FLAGS, *flags]
 
 
 def worker_env(runtime_config, **extra: str) -> dict[str, str]:
@@ -67,10 +67,10 @@ async def tokens_of(stream) -> list[int]:
 
 
 @pytest.fixture
-async def fleet(make_runtime):
+async def fleet(make_runtime, namespace):
     """Four in-process workers on one runtime (each with its own lease), plus a client runtime."""
     rt = await make_runtime()
-    cfg = WorkerConfig(namespace=NS, model="mock-model", metrics_interval_ms=50, kv_events_batch_ms=5)
+    cfg = WorkerConfig(namespace=namespace, model="mock-model", metrics_interval_ms=50, kv_events_batch_ms=5)
     engine_cfg = MockEngineConfig(
         num_gpu_blocks=256,
         block_size=16,
@@ -88,9 +88,9 @@ async def fleet(make_runtime):
         await w.stop()
 
 
-async def test_workers_register_with_own_leases_and_serve(fleet):
+async def test_workers_register_with_own_leases_and_serve(fleet, namespace):
     workers, crt = fleet
-    client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+    client = await crt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
     await client.wait_for_instances(4, timeout_s=5)
     assert set(client.instance_ids()) == {w.instance_id for w in workers}
     assert len({w.lease for w in workers}) == 4
@@ -103,9 +103,9 @@ async def test_workers_register_with_own_leases_and_serve(fleet):
     assert all(o == outs[0] for o in outs)  # identical requests, identical tokens on every worker
 
 
-async def test_metrics_and_kv_events_reach_a_subscriber(fleet):
+async def test_metrics_and_kv_events_reach_a_subscriber(fleet, namespace):
     workers, crt = fleet
-    ns = crt.namespace(NS)
+    ns = crt.namespace(namespace)
     metrics = await ns.events.subscribe(TOPIC_LOAD_METRICS, decode=LoadSnapshot.from_dict)
     kv = await ns.events.subscribe(TOPIC_KV_EVENTS, decode=lambda p: [KvEvent.from_dict(e) for e in p])
     seen: set[int] = set()
@@ -141,9 +141,9 @@ async def test_metrics_and_kv_events_reach_a_subscriber(fleet):
     assert snap.last_event_id >= last_id
 
 
-async def test_engine_request_error_reaches_client_and_worker_keeps_serving(fleet):
+async def test_engine_request_error_reaches_client_and_worker_keeps_serving(fleet, namespace):
     workers, crt = fleet
-    client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+    client = await crt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
     await client.wait_for_instances(4)
     from components.runtime import RemoteHandlerError
 
@@ -153,10 +153,10 @@ async def test_engine_request_error_reaches_client_and_worker_keeps_serving(flee
     assert len(await tokens_of(await client.direct(request("ok", [1, 2, 3]), workers[0].instance_id))) == 8
 
 
-async def test_sigterm_drains_with_zero_failed_requests(make_runtime, runtime_config):
+async def test_sigterm_drains_with_zero_failed_requests(make_runtime, runtime_config, namespace):
     env = worker_env(runtime_config, KVMESH_LEASE_TTL_S="3")
     # Speedup 1 with the default step model: ~5 ms per decode step, so 200 tokens take about 1 s.
-    cmd = worker_command("--num-workers", "2", log_level="INFO")
+    cmd = worker_command(namespace, "--num-workers", "2", log_level="INFO")
     proc = subprocess.Popen(  # noqa: ASYNC220
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -164,7 +164,7 @@ async def test_sigterm_drains_with_zero_failed_requests(make_runtime, runtime_co
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
         assert line.startswith("READY 2 workers"), line
         crt = await make_runtime()
-        client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        client = await crt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(2, timeout_s=5)
         streams = [await client.generate(request(f"d{i}", [1, 2, 3, 4 + i], max_tokens=200)) for i in range(8)]
         first = [await s.__anext__() for s in streams]  # every request is running when the signal arrives
@@ -192,16 +192,17 @@ async def _eventually_empty(client) -> bool:
     return False
 
 
-async def test_sigkill_mid_stream_interrupts_only_that_workers_streams(make_runtime, runtime_config):
+async def test_sigkill_mid_stream_interrupts_only_that_workers_streams(make_runtime, runtime_config, namespace):
     """SIGKILL loses the process; its streams end with StreamInterruptedError, nothing hangs, others keep serving."""
     from components.runtime import StreamInterruptedError
 
     env = worker_env(runtime_config)
-    procs = [subprocess.Popen(worker_command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]  # noqa: ASYNC220
+    cmd = worker_command(namespace)
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]  # noqa: ASYNC220
     try:
         ids = [await ready_instance_id(p) for p in procs]
         crt = await make_runtime()
-        client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        client = await crt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(2, timeout_s=5)
         doomed = [await client.direct(request(f"k{i}", [1, 2, 3, i], max_tokens=2000), ids[0]) for i in range(3)]
         for s in doomed:
@@ -219,20 +220,22 @@ async def test_sigkill_mid_stream_interrupts_only_that_workers_streams(make_runt
             p.wait(5)
 
 
-async def test_a_worker_whose_engine_dies_leaves_the_fleet_and_its_process_exits_1(make_runtime, runtime_config):
+async def test_a_worker_whose_engine_dies_leaves_the_fleet_and_its_process_exits_1(
+    make_runtime, runtime_config, namespace
+):
     """The engine dies (fault injection: --fail-after-s); its worker deregisters within a check interval, the request
     it was serving fails (not hangs), a sibling whose engine lives keeps serving, and once every engine of the
     process has died the process exits 1 so its supervisor starts a fresh one."""
     from components.runtime import RemoteHandlerError, StreamInterruptedError
 
     env = worker_env(runtime_config)
-    cmd = worker_command("--engine-check-interval-ms", "100")
+    cmd = worker_command(namespace, "--engine-check-interval-ms", "100")
     healthy = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
     doomed = subprocess.Popen([*cmd, "--fail-after-s", "3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
     try:
         ids = [await ready_instance_id(p) for p in (healthy, doomed)]
         crt = await make_runtime()
-        client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        client = await crt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(2, timeout_s=5)
         # ~5 ms per decode step: 5000 tokens outlast the 3 s the doomed engine has left.
         stream = await client.direct(request("long", [1, 2, 3], max_tokens=5000), ids[1])
