@@ -16,7 +16,7 @@ from components.perf.profile import Profile
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.protocol.metadata import WorkerMetadata
 from components.workers.simulated import MockEngineConfig
-from tests.integration.test_worker import NS, ROOT, ready_instance_id, worker_command, worker_env
+from tests.integration.test_worker import ROOT, ready_instance_id, worker_command, worker_env
 
 pytestmark = pytest.mark.integration
 
@@ -46,18 +46,20 @@ def test_kvmesh_profile_writes_the_profile_and_its_png(tmp_path):
     assert profile.prefill[1].median_ms >= MockEngineConfig().step_time_model.prefill_ms(1024) * (1 - 1e-3)
 
 
-def test_a_malformed_profile_stops_the_worker_with_why(tmp_path, runtime_config):
+def test_a_malformed_profile_stops_the_worker_with_why(tmp_path, runtime_config, namespace):
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "kvmesh-profile", "version": 1, "max_num_batched_tokens": -3}')
     done = subprocess.run(
-        worker_command("--profile", str(bad)), cwd=ROOT, env=worker_env(runtime_config), capture_output=True,
+        worker_command(namespace, "--profile", str(bad)), cwd=ROOT, env=worker_env(runtime_config), capture_output=True,
         text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode != 0
     assert "bad profile field 'max_num_batched_tokens'" in done.stderr
 
 
-async def test_a_worker_started_with_a_profile_registers_its_coefficients(tmp_path, make_runtime, runtime_config):
+async def test_a_worker_started_with_a_profile_registers_its_coefficients(
+    tmp_path, make_runtime, runtime_config, namespace
+):
     # A profile with known numbers (not measured: what is tested is the announcement): prefill 10 ms + 0.05 ms a
     # token, decode 3 ms + 0.1 ms a sequence + 1e-4 ms a KV token, exactly on its grid, so the fit recovers them.
     true = StepTimeModel(10.0, 0.05, 0.0, 3.0, 0.1, 1e-4, 4096)
@@ -74,13 +76,16 @@ async def test_a_worker_started_with_a_profile_registers_its_coefficients(tmp_pa
     path = tmp_path / "profile.json"
     profile.save(path)
     proc = subprocess.Popen(  # noqa: ASYNC220
-        worker_command("--profile", str(path)), cwd=ROOT, env=worker_env(runtime_config), stdout=subprocess.PIPE,
+        worker_command(namespace, "--profile", str(path)),
+        cwd=ROOT,
+        env=worker_env(runtime_config),
+        stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     try:
         iid = await ready_instance_id(proc)
         crt = await make_runtime()
-        client = await crt.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE).client()
+        client = await crt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
         await client.wait_for_instances(1, timeout_s=5)
         (instance,) = [i for i in client.instances() if i.instance_id == iid]
         meta = WorkerMetadata.from_dict(instance.metadata)
