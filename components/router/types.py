@@ -111,7 +111,7 @@ _IDLE_DECODE_STEP_MS = DEFAULT_STEP_TIME.decode_ms(1, 0)
 # spreads the fixed cost over a full chunk (16.5 ms over 8,192 tokens: 0.002 ms a token), which misses it for the
 # queues of a few hundred to a few thousand tokens that a fleet below capacity has: there one step in progress,
 # 16.5 ms of fixed cost plus ~15 ms for 1,000 tokens, is most of the wait. 0.5 is the expected residual, not a fitted
-# value. Tried on scratch code over ``fleetsim.simulate`` (docs/router.md): 0.5 and 1.0 both bring ``kv``'s p99 on
+# value. Tried on scratch code over ``components.sim.replay`` (docs/router.md): 0.5 and 1.0 both bring ``kv``'s p99 on
 # short shared system prompts at 8x scale and 0.6x capacity within 1.1x of round-robin's; 0.35-0.8 keep conversations
 # at 8x scale and 1.2x capacity at 140-167 ms p99, and 1.0 (the whole step, as if every arrival came at its start)
 # tipped them into recomputing histories (2.4 s).

@@ -2,12 +2,12 @@
 stated fractions of the aggregated fleet's measured capacity.
 
 Fleets of ``VirtualEngine``s (the mock engine's own scheduler on a virtual clock, as in ``kvmesh bench routing``;
-``fleetsim``'s docstring says what that leaves out), same engines, same router policy (``--policy``, default
-``round_robin``: the policy the capacity is defined with, so that the comparison measures where prefills run and
-not where requests are placed), same workload, same seed:
+the docstring of ``components.sim.replay``, the one replay loop, says what that leaves out), same engines, same
+router policy (``--policy``, default ``round_robin``: the policy the capacity is defined with, so that the
+comparison measures where prefills run and not where requests are placed), same workload, same seed:
 
 * **aggregated**: ``N`` engines; the router places each request on one, which prefills and decodes it
-  (``fleetsim.simulate``'s fleet: ``simulate_fleet`` with no prefill workers reproduces it request for request);
+  (the routing benchmark's fleet: the same replay loop, ``components.sim.replay``, with no prefill workers);
 * **disaggregated**: ``P`` prefill + ``D`` decode engines, ``P + D = N``, with Dynamo's conditional
   disaggregation at the worker flags' defaults. As in ``components/workers/disagg.py``: the router places the
   request on a decode engine, which asks ``decide_prefill`` (its own prefix cache's hit, ``queue_size`` = items in
@@ -31,7 +31,7 @@ not where requests are placed), same workload, same seed:
 
 Per workload:
 
-1. **Capacity** of the aggregated fleet, as the routing benchmark measures it (``fleetsim.find_capacity``: the
+1. **Capacity** of the aggregated fleet, as the routing benchmark measures it (``sim.find_capacity``: the
    highest arrival rate at which round-robin still drains, found by bracketing and geometric bisection to 4%).
    The other fleets' capacities are searched the same way (same drain rule) and reported beside it.
 2. **Replays** of every fleet at each load (default 0.5, 0.7, 0.9 x the aggregated capacity; above 1.0 the
@@ -61,35 +61,25 @@ draws the TTFT and ITL CDFs of every fleet at each load, one row per workload.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
-import heapq
 import json
 import math
 import multiprocessing
 import os
-import random
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from components.cli.bench import fleetsim
-from components.cli.bench.fleetsim import MODEL, FleetSpec, RunResult, Workload
+from components import sim
 from components.cli.bench.routing import TRACE_DIR, _floats, _ms, _pct
-from components.cli.bench.workloads import from_trace
-from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
-from components.router import Router, RouterConfig, RouteRequest
 from components.router.names import POLICY_NAMES
-from components.router.policies.disagg import (
-    DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
-    DEFAULT_MAX_PREFILL_QUEUE_SIZE,
-    PrefillKind,
-    decide_prefill,
-)
-from components.workers.simulated import MockEngineConfig, StepOutput, VirtualEngine
+from components.router.policies.disagg import DEFAULT_MAX_LOCAL_PREFILL_LENGTH, DEFAULT_MAX_PREFILL_QUEUE_SIZE
+from components.sim import FleetSpec, RunResult, Workload, replay
+from components.sim.workloads import from_trace
+from components.workers.simulated import MockEngineConfig
 
 DEFAULT_TRACES = ("AzureLLMInferenceTrace_conv.csv", "mooncake_conversation_trace.jsonl")
 HELD_OUT_TRACES = ("sharegpt_v3_filtered_500.json",)
@@ -97,7 +87,6 @@ LOADS = (0.5, 0.7, 0.9)
 MIN_PROMPT_TOKENS = 512
 TARGET_ITL_P99_SPEEDUP = 1.5
 THROUGHPUT_TOLERANCE = 0.05  # "equal throughput": disaggregated output tokens/s within 5% of aggregated
-NO_ROOM = "no_room"  # a remote decision whose reservation the decode engine's cache could not hold: prefilled locally
 # Quantile levels the CDFs are drawn at: every percent, then the tail finer (on a logit axis, where p99 shows).
 CDF_LEVELS = (*(k / 100 for k in range(1, 100)), 0.995, 0.999)
 
@@ -128,248 +117,26 @@ class DisaggSpec:
     def decode_config(self) -> MockEngineConfig:
         return self.decode_engine if self.decode_engine is not None else self.engine
 
+    def fleet(self) -> FleetSpec:
+        """The simulator's description of this fleet: the router places requests on the ``decode`` engines."""
+        return FleetSpec(
+            workers=self.decode,
+            engine=self.engine,
+            metrics_interval_s=self.metrics_interval_s,
+            prefill=self.prefill,
+            decode_engine=self.decode_engine,
+            max_local_prefill_length=self.max_local_prefill_length,
+            max_prefill_queue_size=self.max_prefill_queue_size,
+        )
 
-@dataclasses.dataclass
-class DisaggResult(RunResult):
-    """``RunResult`` (its per-worker lists over the decode engines) plus what the prefill side did."""
 
-    prefill_kinds: dict[str, int]  # decide_prefill's kinds, plus NO_ROOM
-    remote: int  # prompts prefilled by a prefill engine
-    queue_wait_s: list[float]  # per remote prompt: pushed -> popped by a prefill engine
-    transfer_s: list[float]  # per remote prompt: the modelled KV transfer
-    prefill_busy_s: list[float]  # per prefill engine: time holding an item (prefill + transfer)
-    prefill_computed_tokens: list[int]  # per prefill engine
-    max_queue: int  # deepest the prefill queue got
-
-
-@dataclasses.dataclass(slots=True)
-class _Req:
-    arrival_s: float
-    prompt: tuple[int, ...]
-    max_tokens: int
-    worker: int  # decode engine
-    first_s: float = -1.0
-    last_s: float = -1.0
-    cached_tokens: int = 0
-    host_cached_tokens: int = 0
-    output_tokens: int = 0
-    enqueued_s: float = -1.0  # pushed on the prefill queue (remote prompts only)
+# The replay's result: with prefill engines its prefill fields say what the prefill side did.
+DisaggResult = RunResult
 
 
 def simulate_fleet(workload: Workload, spec: DisaggSpec, policy: str = "round_robin", seed: int = 0) -> DisaggResult:
-    """Replay ``workload`` on ``spec``'s fleet (module docstring); deterministic for a seed.
-
-    Events are (time, order, kind, payload) in one heap, ``order`` a counter, so events at one instant run in the
-    order they were scheduled; the kinds 0-2 and their scheduling order are ``fleetsim.simulate``'s, so that with no
-    prefill engine the replay is the same one."""
-    config = RouterConfig(router_policy=policy, router_seed=seed)
-    router = Router(config, rng=random.Random(seed))
-    engines = [VirtualEngine(spec.decode_config) for _ in range(spec.decode)]
-    prefillers = [VirtualEngine(spec.engine) for _ in range(spec.prefill)]
-    ids = list(range(1, spec.decode + 1))
-    meta = {
-        "model": MODEL,
-        "block_size": spec.engine.block_size,
-        "max_model_len": spec.engine.max_model_len,
-        "step_time": engines[0].step_time,
-    }
-    router.set_workers(MODEL, [(iid, dict(meta)) for iid in ids])
-    reqs: dict[str, _Req] = {}
-    ttft: list[float] = []
-    itl: list[float] = []
-    e2e: list[float] = []
-    kinds: dict[str, int] = {}
-    prefill_kinds: dict[str, int] = {}
-    queue_wait: list[float] = []
-    transfers: list[float] = []
-    busy = [False] * spec.decode
-    pending: list[StepOutput | None] = [None] * spec.decode
-    in_flight_sum = [0.0] * spec.decode
-    computed = [0] * spec.decode
-    samples = 0
-    queue: collections.deque[str] = collections.deque()  # the prefill queue: request ids, FIFO
-    max_queue = 0
-    holding: list[str | None] = [None] * spec.prefill  # the item each prefill engine holds
-    popped_at = [0.0] * spec.prefill
-    first_token = [0] * spec.prefill
-    pf_pending: list[StepOutput | None] = [None] * spec.prefill
-    pf_busy_s = [0.0] * spec.prefill
-    pf_computed = [0] * spec.prefill
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
-    for i, r in enumerate(workload.requests):
-        heap.append((r.arrival_s, seq, 1, i))
-        seq += 1
-    heapq.heapify(heap)
-    if workload.requests:
-        heapq.heappush(heap, (workload.requests[0].arrival_s, seq, 2, 0))
-        seq += 1
-    remaining = len(workload.requests)
-    last_finish = workload.requests[0].arrival_s if workload.requests else 0.0
-
-    def push(t: float, kind: int, payload: int) -> None:
-        nonlocal seq
-        heapq.heappush(heap, (t, seq, kind, payload))
-        seq += 1
-
-    def start_step(w: int, now: float) -> None:
-        out = engines[w].step(now)
-        if out.batch_size == 0:
-            if engines[w].num_reserved:
-                # Its cache is held by prompts being prefilled elsewhere: nothing fits until one is delivered (the
-                # delivery starts the next step) or finishes.
-                return
-            raise RuntimeError(f"simulated worker {w} has work but scheduled nothing at t={now:.3f}")
-        pending[w] = out
-        busy[w] = True
-        push(now + out.step_time_s, 0, w)
-
-    def start_prefill_step(p: int, now: float) -> None:
-        out = prefillers[p].step(now)
-        pf_pending[p] = out
-        push(now + out.step_time_s, 3, p)
-
-    def emit(rid: str, chunk: TokenChunk, now: float) -> None:
-        nonlocal remaining, last_finish
-        if fleetsim.account_chunk(reqs[rid], rid, chunk, now, router, ttft, itl, e2e):
-            remaining -= 1
-            last_finish = now
-
-    def dispatch(now: float) -> None:
-        """Idle prefill engines pop the queue's oldest items, one each."""
-        for p in range(spec.prefill):
-            if not queue:
-                return
-            if holding[p] is not None:
-                continue
-            rid = queue.popleft()
-            t = reqs[rid]
-            holding[p] = rid
-            popped_at[p] = now
-            queue_wait.append(now - t.enqueued_s)
-            sampling = SamplingParams(max_tokens=t.max_tokens, ignore_eos=True, temperature=0.0)
-            prefillers[p].add(GenerateRequest(f"{rid}@prefill", list(t.prompt), sampling), now)
-            start_prefill_step(p, now)
-
-    def prefill_step_ended(p: int, now: float) -> None:
-        out = pf_pending[p]
-        rid = holding[p]
-        assert out is not None and rid is not None
-        pf_pending[p] = None
-        pf_computed[p] += sum(out.num_scheduled_tokens.values())
-        prefillers[p].take_kv_events()  # nobody routes to a prefill engine: its cache events go nowhere
-        chunk = out.chunks.get(f"{rid}@prefill")
-        if chunk is None:  # one chunk of a prompt longer than a step's budget
-            start_prefill_step(p, now)
-            return
-        first_token[p] = chunk.token_ids[0]
-        if chunk.finish_reason is None:
-            prefillers[p].abort(f"{rid}@prefill")  # the first token is all a prefill engine produces
-        transfer = prefillers[p].kv_transfer_time_s(len(reqs[rid].prompt))  # the whole prompt, as the worker sends
-        transfers.append(transfer)
-        push(now + transfer, 4, p)
-
-    def deliver(p: int, now: float) -> None:
-        rid = holding[p]
-        assert rid is not None
-        holding[p] = None
-        pf_busy_s[p] += now - popped_at[p]
-        w = reqs[rid].worker
-        committed = engines[w].commit_remote_prefill(rid, first_token[p])
-        assert committed is not None, f"{rid} was not reserved on decode engine {w}"
-        emit(rid, committed, now)
-        events = engines[w].take_kv_events()  # the committed prompt's blocks are now in its prefix cache
-        if events:
-            router.apply_kv_events(ids[w], events)
-        if engines[w].has_work and not busy[w]:
-            start_step(w, now)
-        dispatch(now)
-
-    while heap:
-        now, _, kind, payload = heapq.heappop(heap)
-        if kind == 0:  # a decode (or aggregated) engine's step ends
-            w = payload
-            out = pending[w]
-            assert out is not None
-            pending[w] = None
-            busy[w] = False
-            computed[w] += sum(out.num_scheduled_tokens.values())
-            for rid, chunk in out.chunks.items():
-                emit(rid, chunk, now)
-            events = engines[w].take_kv_events()
-            if events:
-                router.apply_kv_events(ids[w], events)
-            if engines[w].has_work:
-                start_step(w, now)
-        elif kind == 1:  # an arrival: routed to a decode engine, which decides where its prompt is prefilled
-            r = workload.requests[payload]
-            rid = f"r{payload}"
-            req = router.prepare(RouteRequest(r.prompt, MODEL, now, program_id=r.program_id))
-            decision = router.select(req)
-            router.on_routed(rid, decision, req)
-            kinds[str(decision.kind)] = kinds.get(str(decision.kind), 0) + 1
-            w = ids.index(decision.instance_id) if decision.instance_id is not None else 0
-            reqs[rid] = t = _Req(now, r.prompt, r.max_tokens, w)
-            sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
-            request = GenerateRequest(rid, list(r.prompt), sampling)
-            where = decide_prefill(
-                len(r.prompt),
-                engines[w].cached_prefix_tokens(request.token_ids) if spec.prefill else 0,
-                queue_size=len(queue),
-                prefill_workers=spec.prefill,
-                max_local_prefill_length=spec.max_local_prefill_length,
-                max_prefill_queue_size=spec.max_prefill_queue_size,
-            )
-            what = str(where.kind)
-            if where.kind is PrefillKind.REMOTE and not engines[w].reserve_remote_prefill(request, now):
-                what = NO_ROOM
-            prefill_kinds[what] = prefill_kinds.get(what, 0) + 1
-            if what == str(PrefillKind.REMOTE):
-                t.enqueued_s = now
-                queue.append(rid)
-                max_queue = max(max_queue, len(queue))
-                dispatch(now)
-            else:
-                engines[w].add(request, now)
-                if not busy[w]:
-                    start_step(w, now)
-        elif kind == 2:  # every metrics interval: the decode engines' load reports
-            samples += 1
-            for w, e in enumerate(engines):
-                snap = e.snapshot(now)
-                in_flight_sum[w] += snap.num_running + snap.num_waiting
-                router.apply_load(ids[w], snap, now)
-            if remaining > 0:
-                push(now + spec.metrics_interval_s, 2, 0)
-        elif kind == 3:  # a prefill engine's step ends
-            prefill_step_ended(payload, now)
-        else:  # kind 4: a prefill engine delivers its item (KV and first token) to the decode engine, then pops
-            deliver(payload, now)
-    if remaining:
-        raise RuntimeError(f"{remaining} requests never finished")  # a simulator bug: every event chain ends
-    return DisaggResult(
-        ttft_s=ttft,
-        itl_s=itl,
-        e2e_s=e2e,
-        prompt_tokens=sum(len(t.prompt) for t in reqs.values()),
-        cached_tokens=sum(t.cached_tokens for t in reqs.values()),
-        host_cached_tokens=sum(t.host_cached_tokens for t in reqs.values()),
-        output_tokens=sum(t.output_tokens for t in reqs.values()),
-        first_arrival_s=workload.requests[0].arrival_s if workload.requests else 0.0,
-        last_arrival_s=workload.requests[-1].arrival_s if workload.requests else 0.0,
-        last_finish_s=last_finish,
-        in_flight_mean=[s / samples if samples else 0.0 for s in in_flight_sum],
-        computed_tokens=computed,
-        preemptions=sum(e.scheduler.num_preemptions for e in engines + prefillers),
-        decision_kinds=kinds,
-        prefill_kinds=prefill_kinds,
-        remote=prefill_kinds.get(str(PrefillKind.REMOTE), 0),
-        queue_wait_s=queue_wait,
-        transfer_s=transfers,
-        prefill_busy_s=pf_busy_s,
-        prefill_computed_tokens=pf_computed,
-        max_queue=max_queue,
-    )
+    """Replay ``workload`` on ``spec``'s fleet: the simulator's one replay loop (``components.sim.replay``)."""
+    return replay(workload, spec.fleet(), policy, seed)
 
 
 # --- workloads and fleets -----------------------------------------------------------------------------------------
@@ -468,7 +235,7 @@ def _capacity_task(ws: WorkloadSpec, spec: DisaggSpec, policy: str, seed: int) -
     t0 = time.process_time()
     fleet = FleetSpec(workers=spec.workers, engine=spec.decode_config, metrics_interval_s=spec.metrics_interval_s)
     simulator = functools.partial(_replay, spec=spec, policy=policy, seed=seed)
-    capacity, probes = fleetsim.find_capacity(w, fleet, seed, simulator=simulator)
+    capacity, probes = sim.find_capacity(w, fleet, seed, simulator=simulator)
     return {
         "capacity_rps": capacity,
         "probes": [
@@ -519,7 +286,7 @@ def _run_task(ws: WorkloadSpec, spec: DisaggSpec, policy: str, rate: float, seed
     t0 = time.process_time()
     res = simulate_fleet(w, spec, policy, seed)
     fleet = FleetSpec(workers=spec.workers, engine=spec.decode_config)
-    allowed = fleetsim.DRAIN_SLACK * w.span_s + fleetsim.isolated_service_s(w, fleet)
+    allowed = sim.DRAIN_SLACK * w.span_s + sim.isolated_service_s(w, fleet)
     out = summarize(res, rate, allowed)
     out["cpu_s"] = round(time.process_time() - t0, 1)
     out["_cdf"] = {"ttft_s": _quantiles(res.ttft_s), "itl_s": _quantiles(res.itl_s)}  # for the PNG, not the JSON

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from components.cli.bench.loadgen import LoadConfig, LoadgenError, run_load
+from components.cli.bench.loadgen import LoadConfig, LoadgenError, TraceFormatError, run_load
 from components.runtime.flags import add_model_arguments, model_from_args
 
 
@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"kvmesh bench load: invalid options:\n{e}", file=sys.stderr)
         return 2
-    except LoadgenError as e:
+    except (LoadgenError, TraceFormatError) as e:
         print(f"kvmesh bench load: {e}", file=sys.stderr)
         return 2
     line = json.dumps(result)

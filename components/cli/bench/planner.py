@@ -6,7 +6,7 @@ sin_synth generator at ``--request-rate-period 150 --time-duration 600``, rates 
 time t is ``peak * (0.625 - 0.375 * cos(2 pi t / 150 s))`` for 600 s, four periods starting at the trough, Poisson
 within it (``scaling.arrival_times``). Here ``peak`` is the measured capacity of the peak fleet: ``--peak-workers``
 (8, Dynamo's default ``--max-gpu-budget``) simulated workers, capacity found as ``kvmesh bench routing`` finds it
-(``fleetsim.find_capacity``: the highest rate at which round-robin still drains the trace's first
+(``sim.find_capacity``: the highest rate at which round-robin still drains the trace's first
 ``--capacity-requests`` rows at their own arrival shape). Requests take the trace's lengths in file order
 (``scaling.RequestSource``: Azure conversations by default, any Mooncake/Azure/ShareGPT file with ``--trace``; a trace
 shorter than the run is cycled, with fresh prompts on each pass).
@@ -95,10 +95,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from components.cli.bench import fleetsim
+from components import sim
 from components.cli.bench.clairvoyant import Oracle
-from components.cli.bench.fleetsim import FleetSpec, SimRequest, Workload
-from components.cli.bench.loadgen.traces import TraceRow
 from components.cli.bench.routing import TRACE_DIR
 from components.cli.bench.scaling import (
     RequestSource,
@@ -113,10 +111,12 @@ from components.cli.bench.scaling import (
     simulate,
     worker_seconds,
 )
-from components.cli.bench.workloads import from_trace
 from components.planner.config import PlannerConfig
 from components.router.names import POLICY_NAMES
 from components.runtime.flags import add_model_arguments, given_values
+from components.sim import FleetSpec, SimRequest, Workload
+from components.sim.traces import TraceRow
+from components.sim.workloads import from_trace
 from components.workers.simulated import MockEngineConfig
 
 DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"
@@ -714,7 +714,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         cap_workload = capacity_workload(source, args.capacity_requests, args.seed)
     t0 = time.process_time()
-    capacity, probes = fleetsim.find_capacity(cap_workload, FleetSpec(args.peak_workers, engine), args.seed)
+    capacity, probes = sim.find_capacity(cap_workload, FleetSpec(args.peak_workers, engine), args.seed)
     capacity_cpu = time.process_time() - t0
     print(
         f"bench planner: {source.name}: {args.peak_workers} workers drain up to {capacity:.3f} req/s "

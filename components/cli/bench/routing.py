@@ -1,14 +1,15 @@
 """``kvmesh bench routing``: routing quality that means the same on any trace, at stated fractions of the fleet's
 measured capacity.
 
-For each workload (a trace file of any supported format, or a synthetic prefix-sharing shape; ``workloads.py``):
+For each workload (a trace file of any supported format, or a synthetic prefix-sharing shape;
+``components/sim/workloads.py``):
 
 1. **Oracle reuse**: the fraction of prompt tokens an infinite prefix cache on one worker would have served
-   (``fleetsim.oracle_reuse``): what a hit rate is read against. Beside it, the same for one LRU cache as large as
+   (``sim.oracle_reuse``): what a hit rate is read against. Beside it, the same for one LRU cache as large as
    the whole fleet's KV memory (``oracle_reuse_lru``): what the fleet's memory allows a policy that never wastes a
    block; a hit rate above it means the policy partitioned the working set across the workers.
 2. **Capacity**: the arrival rate (requests/s) at which round-robin's queues stop draining, found by a short search
-   on the simulated fleet (``fleetsim.find_capacity``: bracket from the step-time model's estimate, then geometric
+   on the simulated fleet (``sim.find_capacity``: bracket from the step-time model's estimate, then geometric
    bisection to 4%). A replay at rate r drains when its last request finishes within 2% of the replay's length, plus
    the longest time any one of its requests takes alone, after its last arrival. The trace's own inter-arrival
    shape (bursts) is kept; only its time axis is scaled.
@@ -21,11 +22,11 @@ For each workload (a trace file of any supported format, or a synthetic prefix-s
    5%: below, a trace has no sharing to speak of and only "kv does not lose" applies); at every load ``kv``'s p99
    within 1.1x of the best load-only policy's (round_robin, power_of_two, least_loaded), its throughput within 5%.
 
-The fleet is simulated (``fleetsim``): the real ``Router`` places every request on engines that are the mock
+The fleet is simulated (``components.sim``): the real ``Router`` places every request on engines that are the mock
 engine's own scheduler on a virtual clock, so a sweep of seven policies at four loads over an hour of trace costs
 minutes of CPU, runs in parallel over ``--jobs`` processes, and gives the same numbers on every run. The engines take
 the trace's real lengths: ``max_model_len`` is raised to the workload's longest prompt plus output, which the mock
-engine allows (it needs no weights). What the simulation leaves out is said in ``fleetsim``'s docstring.
+engine allows (it needs no weights). What the simulation leaves out is said in ``components.sim.replay``'s docstring.
 
 The default fleet is 8 workers of the mock engine's defaults (an 8B model on an H100: its step-time fit, 16,384
 blocks of 16 tokens = 262,144 tokens of KV cache each); ``--num-gpu-blocks`` and ``--workers`` change it. With a
@@ -51,9 +52,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from components.cli.bench import fleetsim
-from components.cli.bench.fleetsim import FleetSpec, RunResult, Workload
-from components.cli.bench.workloads import SHAPES, from_trace, synthetic
+from components import sim
+from components.sim import FleetSpec, RunResult, Workload
+from components.sim.workloads import SHAPES, from_trace, synthetic
 from components.workers.simulated import MockEngineConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -115,8 +116,8 @@ def build(spec: WorkloadSpec) -> Workload:
 
 
 def oracle_reuse_lru(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: int) -> float:
-    """``fleetsim.oracle_reuse`` for one LRU cache of ``capacity_blocks`` blocks (the fleet's whole KV memory)."""
-    return fleetsim.oracle_reuse(prompts, block_size, capacity_blocks)
+    """``sim.oracle_reuse`` for one LRU cache of ``capacity_blocks`` blocks (the fleet's whole KV memory)."""
+    return sim.oracle_reuse(prompts, block_size, capacity_blocks)
 
 
 def fleet_for(
@@ -178,10 +179,10 @@ def summarize(res: RunResult, rate: float) -> dict[str, Any]:
 def _capacity_task(spec: WorkloadSpec, fleet: FleetSpec, seed: int) -> dict[str, Any]:
     w = build(spec)
     t0 = time.process_time()
-    capacity, probes = fleetsim.find_capacity(w, fleet, seed)
+    capacity, probes = sim.find_capacity(w, fleet, seed)
     return {
         "capacity_rps": capacity,
-        "model_estimate_rps": round(fleetsim.model_estimate(w, fleet), 4),
+        "model_estimate_rps": round(sim.model_estimate(w, fleet), 4),
         "probes": [
             {"rate_rps": round(p.rate, 4), "drain_s": round(p.drain_s, 2), "allowed_s": round(p.allowed_s, 2)}
             for p in probes
@@ -195,13 +196,13 @@ def _oracle_task(spec: WorkloadSpec, fleet: FleetSpec) -> dict[str, Any]:
     prompts = [r.prompt for r in w.requests]
     e = fleet.engine
     bs = e.block_size
-    blocks = fleetsim.PromptBlocks(prompts, bs)
+    blocks = sim.PromptBlocks(prompts, bs)
     lengths = sorted(len(p) for p in prompts)
     outs = sorted(r.max_tokens for r in w.requests)
     worker_memory = e.num_gpu_blocks + e.num_host_blocks
     fleet_memory = fleet.workers * worker_memory
     working_set = blocks.working_set()
-    floor = fleetsim.ttft_floor_s(w, fleet, blocks.hits_per_prompt())
+    floor = sim.ttft_floor_s(w, fleet, blocks.hits_per_prompt())
     return {
         "requests": len(prompts),
         "trace_rate_rps": round(w.rate, 4),
@@ -227,7 +228,7 @@ def _oracle_task(spec: WorkloadSpec, fleet: FleetSpec) -> dict[str, Any]:
 
 
 def regime(working_set: int, device: int, worker_memory: int, fleet_memory: int) -> str:
-    """Where a workload's reuse working set fits (``fleetsim.PromptBlocks.working_set``), which bounds what routing
+    """Where a workload's reuse working set fits (``sim.PromptBlocks.working_set``), which bounds what routing
     can do: in one worker's device cache, every worker can hold all of it and routing only saves each worker's first
     misses; in one worker's device cache and host tier, the same at the cost of loading from host memory; in the
     fleet's memory only if the workers split it between them, which only cache-aware routing does; beyond the fleet's
@@ -242,12 +243,12 @@ def regime(working_set: int, device: int, worker_memory: int, fleet_memory: int)
 
 
 def _causal_floor_task(spec: WorkloadSpec, fleet: FleetSpec, rates: Sequence[float]) -> list[dict[str, Any]]:
-    """``fleetsim.causal_ttft_floor_s``'s p50 and p99 at each replay rate (it depends on the arrival times)."""
+    """``sim.causal_ttft_floor_s``'s p50 and p99 at each replay rate (it depends on the arrival times)."""
     w = build(spec)
-    hashes = fleetsim.PromptBlocks([r.prompt for r in w.requests], fleet.engine.block_size).hashes
+    hashes = sim.PromptBlocks([r.prompt for r in w.requests], fleet.engine.block_size).hashes
     out = []
     for rate in rates:
-        floor = fleetsim.causal_ttft_floor_s(w.at_rate(rate), fleet, hashes)
+        floor = sim.causal_ttft_floor_s(w.at_rate(rate), fleet, hashes)
         out.append({"p50": _ms(_pct(floor, 0.5)), "p99": _ms(_pct(floor, 0.99))})
     return out
 
@@ -255,7 +256,7 @@ def _causal_floor_task(spec: WorkloadSpec, fleet: FleetSpec, rates: Sequence[flo
 def _run_task(spec: WorkloadSpec, fleet: FleetSpec, policy: str, rate: float, seed: int) -> dict[str, Any]:
     w = build(spec).at_rate(rate)
     t0 = time.process_time()
-    out = summarize(fleetsim.simulate(w, policy, fleet, seed), rate)
+    out = summarize(sim.simulate(w, policy, fleet, seed), rate)
     out["cpu_s"] = round(time.process_time() - t0, 1)
     return out
 
@@ -291,7 +292,7 @@ def check_targets(entry: dict[str, Any], loads: Sequence[float]) -> dict[str, An
                 "met": None if ratio is None else ratio >= TARGET_P99_SPEEDUP,
                 # round-robin's p99 over the p99 of TTFTs no router can beat: each request alone on an idle worker
                 # with the infinite cache ("bound"), and the same where a block exists only once an earlier request
-                # could have computed it ("causal_bound", fleetsim.causal_ttft_floor_s): the most any router could
+                # could have computed it ("causal_bound", sim.causal_ttft_floor_s): the most any router could
                 # gain here. Below the target, the target is out of every router's reach.
                 "bound": round(rr / floor_p99, 3) if rr and floor_p99 else None,
                 "causal_bound": round(rr / causal_p99, 3) if rr and causal_p99 else None,
@@ -493,7 +494,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["targets_met"] = None if any(m is None for m in all_met) else all(all_met)
     report["rules"] = {
         "load": "fractions of round-robin's capacity, the highest rate at which its queues drain (searched)",
-        "working_set": f"the fewest blocks one LRU cache needs to serve {fleetsim.WORKING_SET_FRACTION:g} of what the "
+        "working_set": f"the fewest blocks one LRU cache needs to serve {sim.WORKING_SET_FRACTION:g} of what the "
         "infinite one-worker cache serves; its regime is read against one worker's device cache, one worker's "
         "device cache and host tier, and the fleet's memory",
         "host_kv_blocks_per_worker": args.host_kv_blocks,

@@ -1,7 +1,8 @@
 """A fleet that the real planner resizes, on a virtual clock: what ``kvmesh bench planner`` measures.
 
-The engines and the router are ``fleetsim``'s (``VirtualEngine``: the mock engine's own scheduler and step-time model;
-``components.router.Router`` placing every request, fed load reports every 100 ms and KV events at each step's end).
+The engines and the router are the simulator library's (``components.sim``; ``VirtualEngine``: the mock engine's own
+scheduler and step-time model; ``components.router.Router`` placing every request, fed load reports every 100 ms and
+KV events at each step's end).
 On top of them, at every ``metric_pulling_interval``, the planner does what ``components/planner/loop.py``'s
 ``Planner.pull`` does, with the same pure functions:
 
@@ -42,8 +43,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from components.cli.bench.fleetsim import MODEL, account_chunk
-from components.cli.bench.loadgen.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
 from components.planner.config import PlannerConfig
 from components.planner.loop import (
     PendingChange,
@@ -65,6 +64,8 @@ from components.protocol.messages import GenerateRequest, LoadSnapshot, Sampling
 from components.protocol.metadata import WorkerMetadata, WorkerRole
 from components.router import Router, RouterConfig, RouteRequest
 from components.runtime import InstanceInfo
+from components.sim import MODEL, account_chunk
+from components.sim.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
 from components.workers.simulated import MockEngineConfig, StepOutput, VirtualEngine, step_time_of
 
 # --- the load ---------------------------------------------------------------------------------------------------------
@@ -683,7 +684,7 @@ _DISCARD = _Discard()
 
 @dataclasses.dataclass(slots=True)
 class _Track:
-    """``fleetsim.Timed``: one request's times while it runs."""
+    """``components.sim.Timed``: one request's times while it runs."""
 
     arrival_s: float
     first_s: float = -1.0

@@ -52,7 +52,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from components.cli.bench.loadgen import LoadConfig, LoadgenError, run_load
+from components.cli.bench.loadgen import LoadConfig, LoadgenError, TraceFormatError, run_load
 from components.runtime.flags import add_model_arguments, model_from_args
 from components.runtime.servers import EtcdServer, NatsServer, free_port
 from components.workers.config import vllm_reference
@@ -438,7 +438,7 @@ def main(args: argparse.Namespace) -> int:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-vs-vllm-")))
         try:
             result = asyncio.run(run(cfg, log_dir))
-        except LoadgenError as e:
+        except (LoadgenError, TraceFormatError) as e:
             print(f"kvmesh bench vs-vllm: {e}", file=sys.stderr)
             return 2
     line = json.dumps(result)

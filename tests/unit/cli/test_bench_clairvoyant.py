@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import pytest
 
 from components.cli.bench.clairvoyant import Oracle
-from components.cli.bench.loadgen.traces import TraceRow
 from components.cli.bench.planner import need_worker_seconds, share_within
 from components.cli.bench.scaling import RequestSource, ScalingSpec, Sinusoid, simulate
 from components.planner.config import PlannerConfig
 from components.planner.policy import NEW_DECODE_WORKER_GRACE_PERIOD
+from components.sim.traces import TraceRow
 from components.workers.simulated import MockEngineConfig
 
 pytestmark = pytest.mark.unit

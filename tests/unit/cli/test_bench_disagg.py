@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from components.cli.bench import fleetsim
-from components.cli.bench.disagg import NO_ROOM, DisaggSpec, compare, simulate_fleet
-from components.cli.bench.fleetsim import FleetSpec, SimRequest, Workload
-from components.cli.bench.workloads import from_trace, synthetic
+from components import sim
+from components.cli.bench.disagg import DisaggSpec, compare, simulate_fleet
 from components.protocol.messages import GenerateRequest, SamplingParams
+from components.sim import NO_ROOM, FleetSpec, SimRequest, Workload
+from components.sim.workloads import from_trace, synthetic
 from components.workers.simulated import MockEngineConfig, VirtualEngine
 
 pytestmark = pytest.mark.unit
@@ -65,7 +65,7 @@ def test_without_prefill_engines_the_fleet_is_the_routing_benchmarks_fleet():
     w = synthetic("system_prompts", 60, vocab_size=1000, seed=2).at_rate(4.0)
     engine = MockEngineConfig(num_gpu_blocks=512)
     ours = simulate_fleet(w, DisaggSpec(0, 3, engine), "kv", seed=1)
-    theirs = fleetsim.simulate(w, "kv", FleetSpec(workers=3, engine=engine), seed=1)
+    theirs = sim.simulate(w, "kv", FleetSpec(workers=3, engine=engine), seed=1)
     assert ours.ttft_s == theirs.ttft_s and ours.itl_s == theirs.itl_s and ours.e2e_s == theirs.e2e_s
     assert ours.cached_tokens == theirs.cached_tokens and ours.computed_tokens == theirs.computed_tokens
     assert ours.remote == 0 and ours.queue_wait_s == []
@@ -157,7 +157,7 @@ def test_what_the_decode_engine_caches_is_not_prefilled_again():
 def test_both_fleets_serve_every_request_and_the_same_tokens():
     w = synthetic("documents", 40, vocab_size=1000, seed=1)
     engine = MockEngineConfig(num_gpu_blocks=8192, max_model_len=65536)
-    w = w.at_rate(0.5 * fleetsim.model_estimate(w, FleetSpec(workers=4, engine=engine)))
+    w = w.at_rate(0.5 * sim.model_estimate(w, FleetSpec(workers=4, engine=engine)))
     agg = simulate_fleet(w, DisaggSpec(0, 4, engine))
     dis = simulate_fleet(w, DisaggSpec(2, 2, engine))
     assert len(agg.e2e_s) == len(dis.e2e_s) == 40

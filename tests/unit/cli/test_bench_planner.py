@@ -9,7 +9,6 @@ import random
 
 import pytest
 
-from components.cli.bench.loadgen.traces import TraceRow
 from components.cli.bench.planner import DYNAMO_SETTING, judge
 from components.cli.bench.scaling import (
     GapHistogram,
@@ -26,6 +25,7 @@ from components.cli.bench.scaling import (
     worker_seconds,
 )
 from components.planner.config import PlannerConfig
+from components.sim.traces import TraceRow
 from components.workers.simulated import MockEngineConfig
 
 pytestmark = pytest.mark.unit

@@ -14,22 +14,19 @@ from components.cli.bench.loadgen.client import _Stream, request_body
 from components.cli.bench.loadgen.config import base_url, is_loopback_host
 from components.cli.bench.loadgen.errors import LoadgenError
 from components.cli.bench.loadgen.stats import Aggregate, RequestResult, percentile, read_cpu_ticks, summarize_ms
-from components.cli.bench.loadgen.traces import (
+from components.cli.bench.loadgen.traces import RequestSpec, build_request, replay_schedule, select_rows
+from components.cli.main import main as cli_main
+from components.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeBlocks,
-    RequestSpec,
     TraceRow,
-    build_request,
     detect_format,
     read_azure,
     read_mooncake,
     read_sharegpt,
     read_trace,
-    replay_schedule,
-    select_rows,
     token_ids,
 )
-from components.cli.main import main as cli_main
 
 pytestmark = pytest.mark.unit
 

@@ -6,6 +6,12 @@ a benchmark keeps going.
 
 from __future__ import annotations
 
+# A trace file that cannot be read: raised by the trace readers, which the simulator library owns
+# (components.sim.traces).
+from components.sim.errors import TraceFormatError
+
+__all__ = ["LoadgenError", "RemoteTargetError", "TraceFormatError"]
+
 
 class LoadgenError(Exception):
     """Root of every error raised by ``components.cli.bench.loadgen``."""
@@ -21,14 +27,3 @@ class RemoteTargetError(LoadgenError):
         )
         self.url = url
         self.host = host
-
-
-class TraceFormatError(LoadgenError, ValueError):
-    """A trace file could not be read: unknown format, a missing column, a malformed row."""
-
-    def __init__(self, path: str, reason: str, line: int | None = None) -> None:
-        where = f"{path}:{line}" if line is not None else path
-        super().__init__(f"{where}: {reason}")
-        self.path = path
-        self.line = line
-        self.reason = reason

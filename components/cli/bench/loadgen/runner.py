@@ -23,21 +23,14 @@ from typing import IO, Any
 
 import aiohttp
 
+from components.sim.traces import MooncakeBlocks, TraceRow, detect_format, read_trace, synthetic_rows
+
 from .client import send_request
 from .config import DEFAULT_CONCURRENCY, LoadConfig, base_url
 from .errors import LoadgenError
 from .progress import make_progress
 from .stats import Aggregate, CpuMeter, summarize_ms
-from .traces import (
-    MooncakeBlocks,
-    TraceRow,
-    build_request,
-    detect_format,
-    read_trace,
-    replay_schedule,
-    select_rows,
-    synthetic_rows,
-)
+from .traces import build_request, replay_schedule, select_rows
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +131,9 @@ async def _finish(tasks: list[asyncio.Task[None]], hard_deadline: float) -> None
 async def run_load(config: LoadConfig | Mapping[str, Any], *, progress_stream: IO[str] | None = None) -> dict[str, Any]:
     """Run one load as configured and return the measurements (the dict ``kvmesh bench load`` prints as JSON).
 
-    Raises ``LoadgenError`` (a remote URL without ``allow_remote``, a bad trace) before sending anything, or when a
-    trace row turns out malformed while sending; errors of single requests are counted, never raised.
+    Raises ``LoadgenError`` (a remote URL without ``allow_remote``) or ``TraceFormatError`` (a bad trace) before
+    sending anything, or when a trace row turns out malformed while sending; errors of single requests are counted,
+    never raised.
     """
     cfg = config if isinstance(config, LoadConfig) else LoadConfig.model_validate(config)
     base = base_url(cfg.url, cfg.allow_remote)

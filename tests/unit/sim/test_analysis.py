@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from components.cli.bench import fleetsim
-from components.cli.bench.fleetsim import FleetSpec, SimRequest, Workload
+from components import sim
 from components.cli.bench.routing import check_targets, oracle_reuse_lru
-from components.cli.bench.workloads import SHAPES, from_trace, synthetic
 from components.protocol.messages import GenerateRequest, SamplingParams
+from components.sim import FleetSpec, SimRequest, Workload
+from components.sim.workloads import SHAPES, from_trace, synthetic
 from components.workers.simulated import MockEngineConfig, VirtualEngine
 
 BS = 16
@@ -33,7 +33,7 @@ def test_oracle_reuse_counts_the_longest_earlier_prefix_in_whole_blocks():
         a + b + c,  # 48: at most all but the last token -> 2 whole blocks of its 47 usable tokens (32)
     ]
     expected = (0 + 32 + 16 + 32) / (33 + 48 + 32 + 48)
-    assert fleetsim.oracle_reuse(prompts, BS) == pytest.approx(expected)
+    assert sim.oracle_reuse(prompts, BS) == pytest.approx(expected)
 
 
 def test_oracle_reuse_of_a_cache_too_small_to_hold_the_reuse_distance():
@@ -41,7 +41,7 @@ def test_oracle_reuse_of_a_cache_too_small_to_hold_the_reuse_distance():
     prompts = [(*a, 1), (*b, 1), (*c, 1), (*a, 1)]  # a comes back after two other blocks
     assert oracle_reuse_lru(prompts, BS, capacity_blocks=3) == pytest.approx(16 / 68)
     assert oracle_reuse_lru(prompts, BS, capacity_blocks=2) == 0.0  # a was evicted
-    assert oracle_reuse_lru(prompts, BS, capacity_blocks=10**6) == pytest.approx(fleetsim.oracle_reuse(prompts, BS))
+    assert oracle_reuse_lru(prompts, BS, capacity_blocks=10**6) == pytest.approx(sim.oracle_reuse(prompts, BS))
 
 
 def test_an_lru_oracle_evicts_a_prompts_last_blocks_before_its_first():
@@ -58,13 +58,13 @@ def test_the_working_set_is_the_smallest_lru_cache_that_serves_most_of_the_reuse
     # each second visit's 4 blocks... all 4: the question makes the prompt 65 tokens, so 4 whole blocks are usable.
     docs = [sum((block(10 * k + j) for j in range(4)), ()) for k in range(10)]
     prompts = [(*doc, 1) for doc in docs] * 2
-    blocks = fleetsim.PromptBlocks(prompts, BS)
+    blocks = sim.PromptBlocks(prompts, BS)
     assert blocks.reuse(None) == pytest.approx(10 * 64 / (20 * 65))
     # An LRU cache of 40 blocks holds all ten; with fewer, each document is evicted before it returns (LRU on a
     # cyclic pattern), so the working set for 90% of the reuse is 40 blocks exactly.
     assert blocks.reuse(40) == pytest.approx(blocks.reuse(None)) and blocks.reuse(39) < 0.9 * blocks.reuse(None)
     assert blocks.working_set(rel_tol=0.0) == 40
-    assert fleetsim.PromptBlocks([(1, 2, 3)], BS).working_set() == 0  # nothing reused
+    assert sim.PromptBlocks([(1, 2, 3)], BS).working_set() == 0  # nothing reused
     assert blocks.hits_per_prompt() == [0] * 10 + [64] * 10
 
 
@@ -75,7 +75,7 @@ def test_the_ttft_floor_is_each_requests_uncached_part_prefilled_alone():
     w = Workload("w", (SimRequest(0.0, tuple(range(2500)), 4), SimRequest(1.0, tuple(range(300)), 4)))
     # 2500 - 100 cached = 2400 tokens: two full 1000-token chunks (510 ms each) and 400 (210 ms); 300 - 300 cached:
     # at least one token is computed (10.5 ms).
-    floor = fleetsim.ttft_floor_s(w, fleet, [100, 300])
+    floor = sim.ttft_floor_s(w, fleet, [100, 300])
     assert floor == pytest.approx([(2 * 510 + 210) / 1000, 10.5 / 1000])
 
 
@@ -93,11 +93,11 @@ def test_the_causal_floor_waits_for_a_shared_prefix_only_once_someone_could_have
         SimRequest(1.0, (*block(50), *block(51), 5), 4),  # nothing shared: alone, 33 tokens
     )
     w = Workload("w", reqs)
-    hashes = fleetsim.PromptBlocks([r.prompt for r in reqs], BS).hashes
-    floor = fleetsim.causal_ttft_floor_s(w, fleet, hashes)
+    hashes = sim.PromptBlocks([r.prompt for r in reqs], BS).hashes
+    floor = sim.causal_ttft_floor_s(w, fleet, hashes)
     assert floor == pytest.approx([0.0805, 0.0405, 0.0015, 0.0005, 0.0165])
     # Without causality every repeat found the document cached: the old floor is below the causal one.
-    plain = fleetsim.ttft_floor_s(w, fleet, fleetsim.PromptBlocks([r.prompt for r in reqs], BS).hits_per_prompt())
+    plain = sim.ttft_floor_s(w, fleet, sim.PromptBlocks([r.prompt for r in reqs], BS).hits_per_prompt())
     assert plain == pytest.approx([0.0805, 0.0005, 0.0005, 0.0005, 0.0165])
     assert all(p <= c + 1e-12 for p, c in zip(plain, floor, strict=True))
 
@@ -112,16 +112,16 @@ def test_the_causal_floor_lets_a_request_compute_a_prefix_itself_when_waiting_is
     doc = sum((block(k) for k in range(10)), ())
     tail = tuple(range(500_000, 500_100))
     reqs = (SimRequest(0.0, (*doc, 1), 4), SimRequest(0.001, (*block(0), *tail), 4))
-    hashes = fleetsim.PromptBlocks([r.prompt for r in reqs], BS).hashes
-    floor = fleetsim.causal_ttft_floor_s(Workload("w", reqs), fleet, hashes)
+    hashes = sim.PromptBlocks([r.prompt for r in reqs], BS).hashes
+    floor = sim.causal_ttft_floor_s(Workload("w", reqs), fleet, hashes)
     assert floor == pytest.approx([0.0805, 0.057])
     # The second request's own blocks (the tail's 6 whole ones) exist from the earliest it could have computed them:
     # after block 0 (8 ms), 8 ms a block, so block 6 of its prompt at 56 ms. A third request with the same 7 blocks
     # arriving at 60 ms finds them all and computes its one remaining token (0.5 ms).
     third = SimRequest(0.060, (*block(0), *tail[:96], 7), 4)  # 113 tokens: 7 whole blocks
     reqs3 = (*reqs, third)
-    hashes3 = fleetsim.PromptBlocks([r.prompt for r in reqs3], BS).hashes
-    floor3 = fleetsim.causal_ttft_floor_s(Workload("w", reqs3), fleet, hashes3)
+    hashes3 = sim.PromptBlocks([r.prompt for r in reqs3], BS).hashes
+    floor3 = sim.causal_ttft_floor_s(Workload("w", reqs3), fleet, hashes3)
     assert floor3[2] == pytest.approx(0.0005)
 
 
@@ -138,9 +138,9 @@ def test_the_causal_floor_is_never_below_the_plain_floor_and_equals_it_once_ever
     reqs = tuple(SimRequest(0.01 * i, p, 4) for i, p in enumerate(prompts))
     later = tuple(SimRequest(1000.0 + 0.01 * i, p, 4) for i, p in enumerate(prompts))
     w = Workload("w", reqs + later)
-    blocks = fleetsim.PromptBlocks([r.prompt for r in w.requests], BS)
-    causal = fleetsim.causal_ttft_floor_s(w, fleet, blocks.hashes)
-    plain = fleetsim.ttft_floor_s(w, fleet, blocks.hits_per_prompt())
+    blocks = sim.PromptBlocks([r.prompt for r in w.requests], BS)
+    causal = sim.causal_ttft_floor_s(w, fleet, blocks.hashes)
+    plain = sim.ttft_floor_s(w, fleet, blocks.hits_per_prompt())
     assert all(p <= c + 1e-12 for p, c in zip(plain, causal, strict=True))
     assert causal[len(reqs) :] == pytest.approx(plain[len(reqs) :])
     assert sum(causal[: len(reqs)]) > sum(plain[: len(reqs)])  # some first pass request waited for a prefix
@@ -165,7 +165,7 @@ def test_programs_are_derived_from_shared_history_not_from_a_block_position():
         (system, 30),  # a new one
         (system, 10, 99, 98, 97, 96),  # shares 2 of 6 blocks with A: less than half, a new program
     ]
-    p = fleetsim.derive_programs(rows)
+    p = sim.derive_programs(rows)
     assert p[0] == p[2] and p[1] == p[3]
     assert len({p[0], p[1], p[4], p[5]}) == 4
 
@@ -215,7 +215,7 @@ def distinct_requests(n: int, length: int = 512) -> Workload:
 def test_the_capacity_search_finds_a_capacity_known_by_construction():
     fleet, capacity = uniform_fleet()
     w = distinct_requests(400)
-    found, probes = fleetsim.find_capacity(w, fleet)
+    found, probes = sim.find_capacity(w, fleet)
     assert capacity * 0.9 <= found <= capacity * 1.04, (found, capacity, probes)
     assert len(probes) <= 14
 
@@ -223,28 +223,28 @@ def test_the_capacity_search_finds_a_capacity_known_by_construction():
 def test_a_replay_below_capacity_drains_and_one_above_does_not():
     fleet, capacity = uniform_fleet()
     w = distinct_requests(400)
-    assert fleetsim.probe(w, fleet, 0.8 * capacity).drained
-    assert not fleetsim.probe(w, fleet, 1.25 * capacity).drained
+    assert sim.probe(w, fleet, 0.8 * capacity).drained
+    assert not sim.probe(w, fleet, 1.25 * capacity).drained
 
 
 def test_a_simulation_is_deterministic_and_accounts_for_every_request():
     fleet = FleetSpec(workers=3, engine=MockEngineConfig(num_gpu_blocks=512))
     w = synthetic("system_prompts", 60, vocab_size=1000, seed=3).at_rate(5.0)
-    a = fleetsim.simulate(w, "kv", fleet, seed=1)
-    b = fleetsim.simulate(w, "kv", fleet, seed=1)
+    a = sim.simulate(w, "kv", fleet, seed=1)
+    b = sim.simulate(w, "kv", fleet, seed=1)
     assert a.ttft_s == b.ttft_s and a.cached_tokens == b.cached_tokens
     assert len(a.ttft_s) == len(a.e2e_s) == 60
     assert a.output_tokens == sum(r.max_tokens for r in w.requests)
     assert sum(a.decision_kinds.values()) == 60
-    assert 0 < a.hit_rate <= fleetsim.oracle_reuse([r.prompt for r in w.requests], BS) + 1e-9
+    assert 0 < a.hit_rate <= sim.oracle_reuse([r.prompt for r in w.requests], BS) + 1e-9
 
 
 def test_kv_reuses_shared_documents_that_round_robin_recomputes():
     fleet = FleetSpec(workers=4, engine=MockEngineConfig(num_gpu_blocks=4096, max_model_len=65536))
     w = synthetic("documents", 80, vocab_size=1000, seed=0)
-    w = w.at_rate(0.5 * fleetsim.model_estimate(w, fleet))
-    rr = fleetsim.simulate(w, "round_robin", fleet)
-    kv = fleetsim.simulate(w, "kv", fleet)
+    w = w.at_rate(0.5 * sim.model_estimate(w, fleet))
+    rr = sim.simulate(w, "round_robin", fleet)
+    kv = sim.simulate(w, "kv", fleet)
     assert kv.hit_rate > rr.hit_rate
     assert kv.decision_kinds.get("cache_hit", 0) > 0
 
@@ -259,7 +259,7 @@ def test_synthetic_shapes_share_prefixes_and_are_seeded(shape):
     assert a != synthetic(shape, 50, vocab_size=5000, seed=2)
     assert len(a.requests) == 50 and all(r.max_tokens >= 1 for r in a.requests)
     assert [r.arrival_s for r in a.requests] == sorted(r.arrival_s for r in a.requests)
-    assert fleetsim.oracle_reuse([r.prompt for r in a.requests], BS) > 0.2
+    assert sim.oracle_reuse([r.prompt for r in a.requests], BS) > 0.2
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -270,8 +270,8 @@ def test_a_synthetic_shape_at_a_larger_scale_has_a_larger_working_set_and_its_ow
     base = synthetic(shape, n, vocab_size=128256, seed=1)
     wide = synthetic(shape, n, vocab_size=128256, seed=1, scale=4)
     assert (base.name, wide.name) == (f"synthetic_{shape}", f"synthetic_{shape}_x4")
-    a = fleetsim.PromptBlocks([r.prompt for r in base.requests], BS).working_set()
-    b = fleetsim.PromptBlocks([r.prompt for r in wide.requests], BS).working_set()
+    a = sim.PromptBlocks([r.prompt for r in base.requests], BS).working_set()
+    b = sim.PromptBlocks([r.prompt for r in wide.requests], BS).working_set()
     assert b > a
     if shape == "conversations":
         # Think times 4x longer, starts as frequent: more conversations are under way at the last arrival.
@@ -316,7 +316,7 @@ def test_every_trace_format_becomes_a_workload(tmp_path):
     w = from_trace(azure, 10, vocab_size=100)
     assert [len(r.prompt) for r in w.requests] == [30, 40] and [r.max_tokens for r in w.requests] == [4, 6]
     assert w.requests[1].arrival_s == pytest.approx(1.5)
-    assert fleetsim.oracle_reuse([r.prompt for r in w.requests], 4) == 0.0
+    assert sim.oracle_reuse([r.prompt for r in w.requests], 4) == 0.0
 
     share = tmp_path / "s.json"
     share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "héllo"}]}] * 3))

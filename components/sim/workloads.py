@@ -1,11 +1,11 @@
 """Workloads for the fleet simulator (``kvmesh bench routing``): a public trace file, or a synthetic prefix-sharing
-shape, turned into ``fleetsim.Workload`` (token-id prompts, output lengths, arrival times, program ids).
+shape, turned into ``Workload`` (token-id prompts, output lengths, arrival times, program ids).
 
 Traces (format detected from the file's first bytes, as ``kvmesh bench load`` reads them):
 
 * **Mooncake** jsonl: each hash id becomes one 512-token block of pseudo-random ids seeded by the id (equal ids,
   equal prefixes), the last block cut to ``input_length``; ``output_length`` and the timestamps as given. Program
-  (conversation) ids are derived from the hash ids alone (``fleetsim.derive_programs``): nothing is assumed about
+  (conversation) ids are derived from the hash ids alone (``analysis.derive_programs``): nothing is assumed about
   which block is a system prompt or a conversation id, so any file of this format works without settings.
 * **Azure** csv: ``ContextTokens`` distinct pseudo-random ids per row (the trace has no prefix information, so no two
   prompts share one), ``GeneratedTokens``, the timestamps as given.
@@ -40,8 +40,9 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from components.cli.bench.fleetsim import SimRequest, Workload, derive_programs
-from components.cli.bench.loadgen.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
+from .analysis import derive_programs
+from .traces import MooncakeBlocks, TraceRow, read_trace, token_ids
+from .workload import SimRequest, Workload
 
 SHAREGPT_OUTPUT_TOKENS = 256
 SHAPES = ("system_prompts", "documents", "conversations")

@@ -1,0 +1,306 @@
+"""Properties of a workload on a fleet, shared by the benchmarks that replay it (and by anything asking what no
+router could do better): they are properties of the workload and the engine's performance model, not of a policy.
+
+* ``oracle_reuse``: the fraction of prompt tokens an infinite prefix cache on one worker would have served (at the
+  engine's block granularity, at most all but one token of a prompt): the ceiling a hit rate is read against;
+* ``ttft_floor_s`` and ``causal_ttft_floor_s``: each request's TTFT alone on an idle worker holding the infinite
+  cache's prefix, and the same where a block exists only once an earlier request could have computed it: floors no
+  router can beat, so a target above their bound is out of every router's reach. Both price a prefill with the
+  engine's performance model (``components.perf``, the model the simulated engines and the router's cost use);
+* ``derive_programs``: program (conversation) ids from Mooncake hash ids alone, for the affinity policies;
+* ``find_capacity``: the arrival rate at which round-robin's queues stop draining (``replay``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from components.protocol.kv_hashing import block_hashes
+
+from .replay import FleetSpec, RunResult, simulate
+from .workload import Workload
+
+# The share of the infinite cache's reuse that defines a workload's working set (``PromptBlocks.working_set``).
+WORKING_SET_FRACTION = 0.9
+DRAIN_SLACK = (
+    0.02  # backlog left at the last arrival, as a fraction of the replay's length, that still counts as drained
+)
+
+
+# --- the cache oracles ----------------------------------------------------------------------------------------
+
+
+def oracle_reuse(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: int | None = None) -> float:
+    """The fraction of prompt tokens a prefix cache on one worker would have served, prompts taken in order: each
+    prompt hits the longest prefix of whole blocks in the cache (at most all but its last token, as an engine must
+    compute one), then its blocks become the most recently used. ``capacity_blocks`` None: an infinite cache (every
+    earlier prompt's blocks); otherwise one LRU cache of that many blocks."""
+    return PromptBlocks(prompts, block_size).reuse(capacity_blocks)
+
+
+class PromptBlocks:
+    """A workload's prompts as block hashes, hashed once, for the cache oracles (``reuse``, ``working_set``)."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], block_size: int) -> None:
+        self.block_size = block_size
+        self.hashes = [block_hashes(list(p), block_size) for p in prompts]
+        self.lengths = [len(p) for p in prompts]
+
+    def reuse(self, capacity_blocks: int | None = None) -> float:
+        """``oracle_reuse`` of these prompts."""
+        bs = self.block_size
+        cache: OrderedDict[int, None] = OrderedDict()
+        hit = total = 0
+        for hashes, n in zip(self.hashes, self.lengths, strict=True):
+            usable = (n - 1) // bs
+            k = 0
+            while k < usable and hashes[k] in cache:
+                k += 1
+            hit += k * bs
+            total += n
+            if capacity_blocks is None:
+                cache.update(dict.fromkeys(hashes))
+                continue
+            move = cache.move_to_end
+            for h in reversed(hashes):  # a prefix's first blocks most recent: evicted last, as engines do
+                cache[h] = None
+                move(h)
+            while len(cache) > capacity_blocks:
+                cache.popitem(last=False)
+        return hit / total if total else 0.0
+
+    def hits_per_prompt(self) -> list[int]:
+        """Tokens of each prompt the infinite one-worker cache serves (``reuse(None)``'s per-prompt counts)."""
+        bs = self.block_size
+        seen: set[int] = set()
+        out = []
+        for hashes, n in zip(self.hashes, self.lengths, strict=True):
+            usable = (n - 1) // bs
+            k = 0
+            while k < usable and hashes[k] in seen:
+                k += 1
+            out.append(k * bs)
+            seen.update(hashes)
+        return out
+
+    def working_set(self, fraction: float = WORKING_SET_FRACTION, rel_tol: float = 1 / 16) -> int:
+        """The reuse working set: the fewest blocks one LRU cache needs to serve ``fraction`` of what the infinite
+        cache serves (``reuse``), found by doubling then bisecting to ``rel_tol``; 0 where nothing is reused. Cache
+        memory smaller than this loses reuse to evictions whatever the routing; a fleet holds it only if its
+        workers' caches split it between them."""
+        target = fraction * self.reuse(None)
+        if target <= 0:
+            return 0
+        hi = 64
+        while self.reuse(hi) < target:
+            hi *= 2
+        lo = hi // 2 if hi > 64 else 0
+        while hi - lo > max(1, int(rel_tol * hi)):
+            mid = (lo + hi) // 2
+            if self.reuse(mid) >= target:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+
+def derive_programs(rows: Sequence[Sequence[int]], min_share: float = 0.5) -> list[str]:
+    """A program id per Mooncake row from its hash ids alone: a row continues the program of the earlier row it shares
+    its longest prefix with, when that prefix is more than ``min_share`` of its blocks (a conversation's next turn
+    carries its whole history); otherwise it starts a program. No block position is assumed to be a system prompt or
+    a conversation id, so a prefix every row shares (a system prompt) joins nothing by itself."""
+    owner: dict[int, int] = {}  # chained prefix key -> program number of the latest row that had that prefix
+    out: list[str] = []
+    programs = 0
+    for ids in rows:
+        key = 0
+        best_len, best = 0, -1
+        keys = []
+        for k, h in enumerate(ids, 1):
+            key = hash((key, h))
+            keys.append(key)
+            p = owner.get(key)
+            if p is None:
+                break
+            best_len, best = k, p
+        if best >= 0 and best_len > min_share * len(ids):
+            program = best
+        else:
+            program = programs
+            programs += 1
+        key = keys[-1] if keys else 0
+        for k in keys:
+            owner[k] = program
+        for h in ids[len(keys) :]:
+            key = hash((key, h))
+            owner[key] = program
+        out.append(f"p{program}")
+    return out
+
+
+# --- capacity --------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Probe:
+    rate: float
+    drain_s: float
+    allowed_s: float
+
+    @property
+    def drained(self) -> bool:
+        return self.drain_s <= self.allowed_s
+
+
+def isolated_service_s(workload: Workload, fleet: FleetSpec) -> float:
+    """The longest time any one request of the workload takes alone on an idle worker (its prefill in full chunks,
+    then one decode step per output token): the part of a drain that no rate can shorten."""
+    m = fleet.engine.step_time_model
+    worst = 0.0
+    for r in workload.requests:
+        n = len(r.prompt)
+        ms = m.chunked_prefill_ms(n)
+        ms += (r.max_tokens - 1) * m.decode_ms(1, n + r.max_tokens)  # an upper bound: the longest context
+        worst = max(worst, ms / 1000.0)
+    return worst
+
+
+def ttft_floor_s(workload: Workload, fleet: FleetSpec, cached_tokens: Sequence[int]) -> list[float]:
+    """Each request's time to first token alone on an idle worker that caches ``cached_tokens[i]`` of its prompt
+    (``PromptBlocks.hits_per_prompt``: the infinite one-worker cache's): the rest prefilled in full chunks. No policy
+    can beat these; their p99 against round-robin's says how much better than round-robin any router could be."""
+    m = fleet.engine.step_time_model
+    return [
+        m.chunked_prefill_ms(len(r.prompt) - cached) / 1000.0
+        for r, cached in zip(workload.requests, cached_tokens, strict=True)
+    ]
+
+
+def causal_ttft_floor_s(workload: Workload, fleet: FleetSpec, hashes: Sequence[Sequence[int]]) -> list[float]:
+    """``ttft_floor_s`` with causality: a cached block exists only once some earlier request has computed it.
+
+    ``ttft_floor_s`` lets each request find the infinite cache's blocks ready, including the first requests of a
+    document that nobody has computed yet; at a cold start (a few long shared documents) that makes its p99 the
+    p99 of the cached case, which no fleet reaches. Here every request still runs alone on an idle worker of its own
+    (infinitely many: no queueing, no eviction), but a block is *available* only from the earliest time any request
+    could have finished computing it, and a request either waits for the first ``k`` blocks of its prompt to be
+    available and computes the rest, or computes all of it, whichever gives the earlier first token. A block first
+    appears in request ``r`` (``hashes[r]``, its prompt's chained block hashes); ``r`` computes blocks ``u..`` (those
+    no earlier request had) after waiting for ``k <= u`` available ones, so block ``i >= u`` is available from
+    ``min_k ready_k + prefill(blocks k..i)``, where ``ready_k`` is ``r``'s arrival or the latest availability of its
+    first ``k`` blocks. Every later request containing the block arrives later, so it cannot make it earlier.
+
+    ``prefill(x tokens)`` for availability is taken at the lowest per-token rate any chunk of at most
+    ``max_num_batched_tokens`` tokens reaches (``min_n prefill_ms(n) / n``): a lower bound on the time of any
+    chunked prefill of ``x`` tokens, which keeps the availability times lower bounds and this a floor that no router
+    on any fleet of these engines can beat. A request's own remaining prefill is the chunked one of ``ttft_floor_s``.
+    """
+    c = fleet.engine
+    m = c.step_time_model
+    bs = c.block_size
+    slope_s = min(m.prefill_ms(n) / n for n in range(1, m.max_num_batched_tokens + 1)) / 1000.0
+
+    def own_s(n: int) -> float:
+        return m.chunked_prefill_ms(n) / 1000.0
+
+    avail: dict[int, float] = {}  # block hash -> the earliest time it can exist
+    out = []
+    for r, hs in zip(workload.requests, hashes, strict=True):
+        n = len(r.prompt)
+        a = r.arrival_s
+        usable = (n - 1) // bs  # at most all but the last token from a cache, as ``PromptBlocks``
+        best = own_s(n)
+        ready = a
+        # min over k of ready_k - slope * k * bs: where r's own computation of later blocks can start from
+        start = a
+        k = 0
+        while k < len(hs):
+            t = avail.get(hs[k])
+            if t is None:
+                break
+            if t > ready:
+                ready = t
+            k += 1
+            start = min(start, ready - slope_s * k * bs)
+            if k <= usable:
+                best = min(best, ready - a + own_s(n - k * bs))
+        out.append(best)
+        for i in range(k, len(hs)):  # first computed by r: available from its earliest possible computation
+            avail[hs[i]] = start + slope_s * (i + 1) * bs
+    return out
+
+
+# Replays a workload (already at its rate) on some fleet: ``kvmesh bench disagg`` passes its disaggregated fleet's.
+Simulator = Callable[[Workload], RunResult]
+
+
+def probe(
+    workload: Workload,
+    fleet: FleetSpec,
+    rate: float,
+    seed: int = 0,
+    policy: str = "round_robin",
+    *,
+    simulator: Simulator | None = None,
+) -> Probe:
+    """Replay at ``rate`` with ``policy`` (or with ``simulator``, which then replaces ``simulate``; ``fleet`` still
+    sizes the isolated-request allowance): drained when the last request finished within ``DRAIN_SLACK`` of the
+    replay's length (plus the longest isolated request) after the last arrival."""
+    w = workload.at_rate(rate)
+    res = simulator(w) if simulator is not None else simulate(w, policy, fleet, seed)
+    allowed = DRAIN_SLACK * w.span_s + isolated_service_s(w, fleet)
+    return Probe(rate, res.drain_s, allowed)
+
+
+def model_estimate(workload: Workload, fleet: FleetSpec) -> float:
+    """A first guess of the fleet's capacity in requests/s from the step-time model: every prompt token computed in
+    full chunks, every output token in a decode step shared by a batch of 64."""
+    c = fleet.engine
+    n = len(workload.requests)
+    prompt = sum(len(r.prompt) for r in workload.requests) / n
+    out = sum(r.max_tokens for r in workload.requests) / n
+    m = c.step_time_model
+    per_token_ms = m.prefill_ms(m.max_num_batched_tokens) / m.max_num_batched_tokens
+    ms = prompt * per_token_ms + out * m.decode_ms(64, 64 * int(prompt)) / 64
+    return fleet.workers * 1000.0 / ms
+
+
+def find_capacity(
+    workload: Workload,
+    fleet: FleetSpec,
+    seed: int = 0,
+    rel_tol: float = 0.04,
+    max_probes: int = 14,
+    *,
+    simulator: Simulator | None = None,
+) -> tuple[float, list[Probe]]:
+    """The highest arrival rate (requests per second) at which round-robin still drains the workload (``probe``),
+    by bracketing from the step-time model's estimate and bisecting geometrically to ``rel_tol``. ``simulator``:
+    the same search for another fleet (``probe``)."""
+    probes: list[Probe] = []
+    guess = model_estimate(workload, fleet)
+    lo = hi = None
+    rate = guess
+    while len(probes) < max_probes and (lo is None or hi is None):
+        p = probe(workload, fleet, rate, seed, simulator=simulator)
+        probes.append(p)
+        if p.drained:
+            lo = rate
+            rate *= 2.0
+        else:
+            hi = rate
+            rate /= 2.0
+    if lo is None or hi is None:
+        raise RuntimeError(f"capacity not bracketed in {max_probes} probes: {probes}")
+    while hi / lo > 1 + rel_tol and len(probes) < max_probes:
+        mid = math.sqrt(lo * hi)
+        p = probe(workload, fleet, mid, seed, simulator=simulator)
+        probes.append(p)
+        if p.drained:
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
