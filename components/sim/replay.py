@@ -157,6 +157,9 @@ class RunResult:
     prefill_busy_s: list[float] = dataclasses.field(default_factory=list)  # per prefill engine: holding an item
     prefill_computed_tokens: list[int] = dataclasses.field(default_factory=list)  # per prefill engine
     max_queue: int = 0  # deepest the prefill queue got
+    # Each request's TTFT in the workload's order (``ttft_s`` is in the order the first tokens came): what a per-request
+    # comparison (against ``ttft_floor_s``, say) reads.
+    ttft_by_request_s: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def drain_s(self) -> float:
@@ -375,6 +378,7 @@ def replay(
         raise RuntimeError(f"{remaining} requests never finished")  # a simulator bug: every event chain ends
     return RunResult(
         ttft_s=ttft,
+        ttft_by_request_s=[reqs[f"r{i}"].first_s - reqs[f"r{i}"].arrival_s for i in range(len(workload.requests))],
         itl_s=itl,
         e2e_s=e2e,
         prompt_tokens=sum(len(t.prompt) for t in reqs.values()),
