@@ -43,6 +43,9 @@ COMMANDS = (
     Command("router", "components.router.main", "a standalone router: serves 'route'/'report' for a namespace"),
     Command("planner", "components.planner.main", "scale prefill/decode pools on KV use and the prefill queue"),
     Command("profile", "components.cli.profile", "measure an engine's step times into a profile (JSON + PNG)"),
+    Command(
+        "simulate", "components.cli.simulate", "what-if: a graph's fleet and router replayed on a trace, simulated"
+    ),
 )
 
 BENCHMARKS = (

@@ -24,7 +24,7 @@ from .analysis import (
     probe,
     ttft_floor_s,
 )
-from .replay import MODEL, NO_ROOM, FleetSpec, RunResult, Sink, Timed, account_chunk, replay, simulate
+from .replay import MODEL, NO_ROOM, FleetSpec, RunResult, Sample, Sink, Timed, account_chunk, replay, simulate
 from .workload import SimRequest, Workload
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "Probe",
     "PromptBlocks",
     "RunResult",
+    "Sample",
     "SimRequest",
     "Simulator",
     "Sink",

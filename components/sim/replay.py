@@ -32,9 +32,10 @@ import collections
 import dataclasses
 import heapq
 import random
+from collections.abc import Callable
 from typing import Protocol
 
-from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
+from components.protocol.messages import GenerateRequest, LoadSnapshot, SamplingParams, TokenChunk
 from components.router import Router, RouterConfig, RouteRequest
 from components.router.policies.disagg import (
     DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
@@ -160,6 +161,8 @@ class RunResult:
     # Each request's TTFT in the workload's order (``ttft_s`` is in the order the first tokens came): what a per-request
     # comparison (against ``ttft_floor_s``, say) reads.
     ttft_by_request_s: list[float] = dataclasses.field(default_factory=list)
+    # Each request's mean inter-token latency (first to last token over its gaps), None with one output token.
+    mean_itl_by_request_s: list[float | None] = dataclasses.field(default_factory=list)
 
     @property
     def drain_s(self) -> float:
@@ -181,10 +184,30 @@ class RunResult:
         return self.last_finish_s - self.first_arrival_s
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    """The fleet at one load-report tick (every ``metrics_interval_s``), as ``replay``'s observer sees it: what the
+    workers publish (their ``LoadSnapshot``s, the routed engines' then the prefill engines'), the prefill queue's
+    length, and how many requests have arrived and finished so far."""
+
+    now_s: float
+    loads: tuple[LoadSnapshot, ...]
+    prefill_loads: tuple[LoadSnapshot, ...]
+    queue_len: int
+    arrived: int
+    finished: int
+
+
 def replay(
-    workload: Workload, fleet: FleetSpec, policy: RouterConfig | str = "round_robin", seed: int = 0
+    workload: Workload,
+    fleet: FleetSpec,
+    policy: RouterConfig | str = "round_robin",
+    seed: int = 0,
+    *,
+    observer: Callable[[Sample], None] | None = None,
 ) -> RunResult:
-    """Replay ``workload`` on ``fleet`` with ``policy`` (module docstring); deterministic for a seed.
+    """Replay ``workload`` on ``fleet`` with ``policy`` (module docstring); deterministic for a seed. ``observer``
+    (read-only: it changes nothing of the replay) is called at every load-report tick with the fleet's ``Sample``.
 
     Events are (time, order, kind, payload) in one heap, ``order`` a counter, so events at one instant run in the
     order they were scheduled: at one instant step ends (0) before arrivals (1) before load reports (2), as they
@@ -364,10 +387,16 @@ def replay(
                     start_step(w, now)
         elif kind == 2:  # every metrics interval: the decode engines' load reports
             samples += 1
+            snaps = []
             for w, e in enumerate(engines):
                 snap = e.snapshot(now)
+                snaps.append(snap)
                 in_flight_sum[w] += snap.num_running + snap.num_waiting
                 router.apply_load(ids[w], snap, now)
+            if observer is not None:
+                done = len(workload.requests) - remaining
+                pf = tuple(p.snapshot(now) for p in prefillers)
+                observer(Sample(now, tuple(snaps), pf, len(queue), len(reqs), done))
             if remaining > 0:
                 push(now + spec.metrics_interval_s, 2, 0)
         elif kind == 3:  # a prefill engine's step ends
@@ -379,6 +408,7 @@ def replay(
     return RunResult(
         ttft_s=ttft,
         ttft_by_request_s=[reqs[f"r{i}"].first_s - reqs[f"r{i}"].arrival_s for i in range(len(workload.requests))],
+        mean_itl_by_request_s=[_mean_itl(reqs[f"r{i}"]) for i in range(len(workload.requests))],
         itl_s=itl,
         e2e_s=e2e,
         prompt_tokens=sum(len(t.prompt) for t in reqs.values()),
@@ -405,3 +435,7 @@ def replay(
 def simulate(workload: Workload, policy: RouterConfig | str, fleet: FleetSpec, seed: int = 0) -> RunResult:
     """``replay`` with the arguments in the routing benchmark's order."""
     return replay(workload, fleet, policy, seed)
+
+
+def _mean_itl(t: _Track) -> float | None:
+    return (t.last_s - t.first_s) / (t.output_tokens - 1) if t.output_tokens > 1 else None

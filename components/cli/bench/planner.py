@@ -100,14 +100,10 @@ from components.cli.bench.clairvoyant import Oracle
 from components.cli.bench.routing import TRACE_DIR
 from components.cli.bench.scaling import (
     RequestSource,
-    RequestTimes,
     ScalingResult,
     ScalingSpec,
     Sinusoid,
-    Slo,
     arrival_times,
-    attainment,
-    percentile,
     simulate,
     worker_seconds,
 )
@@ -115,6 +111,7 @@ from components.planner.config import PlannerConfig
 from components.router.names import POLICY_NAMES
 from components.runtime.flags import add_model_arguments, given_values
 from components.sim import FleetSpec, SimRequest, Workload
+from components.sim.report import RequestTimes, Slo, attainment, percentile
 from components.sim.traces import TraceRow
 from components.sim.workloads import from_trace
 from components.workers.simulated import MockEngineConfig

@@ -30,7 +30,7 @@ workload, configuration and seed always give the same numbers.
 
 Also here, pure and tested on their own: the sinusoidal arrival schedule (``Sinusoid``, ``arrival_times``), the
 request stream of a trace cycled past its end (``RequestSource``), worker-seconds (``worker_seconds``), SLO
-attainment (``Slo``, ``attainment``), and a fixed-resolution histogram for the inter-token gaps (``GapHistogram``).
+attainment (``components.sim.report``), and a fixed-resolution histogram for the inter-token gaps (``GapHistogram``).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from components.protocol.metadata import WorkerMetadata, WorkerRole
 from components.router import Router, RouterConfig, RouteRequest
 from components.runtime import InstanceInfo
 from components.sim import MODEL, account_chunk
+from components.sim.report import RequestTimes
 from components.sim.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
 from components.workers.simulated import MockEngineConfig, StepOutput, VirtualEngine, step_time_of
 
@@ -192,47 +193,6 @@ def worker_seconds(spans: Iterable[tuple[float, float | None]], t0: float, t1: f
         end = t1 if stop is None else min(stop, t1)
         total += max(0.0, end - max(start, t0))
     return total
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Slo:
-    """A request meets its SLO when its time to first token is at most ``ttft_s`` and its mean inter-token latency
-    (time from its first to its last token over its gaps) is at most ``itl_s``."""
-
-    ttft_s: float
-    itl_s: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestTimes:
-    """What the SLO is judged on, per finished request."""
-
-    arrival_s: float
-    ttft_s: float
-    mean_itl_s: float | None  # None: one output token, no gap
-    worker_id: int = 0  # the worker that served it
-
-
-def attainment(requests: Sequence[RequestTimes], slo: Slo) -> dict[str, float | None]:
-    """Fractions of ``requests`` that met the TTFT bound, the ITL bound (a request without a gap meets it), both."""
-    if not requests:
-        return {"ttft": None, "itl": None, "both": None}
-    ttft = [r.ttft_s <= slo.ttft_s for r in requests]
-    itl = [r.mean_itl_s is None or r.mean_itl_s <= slo.itl_s for r in requests]
-    n = len(requests)
-    return {
-        "ttft": sum(ttft) / n,
-        "itl": sum(itl) / n,
-        "both": sum(a and b for a, b in zip(ttft, itl, strict=True)) / n,
-    }
-
-
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    """The smallest value with at least ``q`` of ``xs`` at or below it (routing.py's rule)."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 class GapHistogram:

@@ -14,17 +14,14 @@ from components.cli.bench.scaling import (
     GapHistogram,
     ModelledConnector,
     RequestSource,
-    RequestTimes,
     ScalingSpec,
     Sinusoid,
-    Slo,
     arrival_times,
-    attainment,
-    percentile,
     simulate,
     worker_seconds,
 )
 from components.planner.config import PlannerConfig
+from components.sim.report import RequestTimes, Slo, attainment, percentile
 from components.sim.traces import TraceRow
 from components.workers.simulated import MockEngineConfig
 

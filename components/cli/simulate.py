@@ -1,0 +1,251 @@
+"""``kvmesh simulate --graph GRAPH --trace TRACE --out DIR``: the operator's what-if. The graph's workers and router,
+simulated on the trace (``components.sim.replay``: the real router over the mock engine's own scheduler on a virtual
+clock), before serving it.
+
+Writes into ``--out``: ``summary.json`` (also the last line on stdout: TTFT, inter-token and end-to-end percentiles,
+SLO attainment against ``--ttft-ms``/``--itl-ms``, output tokens/s, worker-seconds, prefix hit rate, requests refused
+for being longer than the engines' ``max_model_len``, as the live frontend refuses them), ``simulate.png`` (offered
+load, the fleet's running and waiting requests with its pool sizes, and TTFT over time) and TensorBoard event files
+under ``tensorboard/`` with the live planner's ``pull/*`` tags (``kv_usage``, ``running_requests``,
+``waiting_requests``, ``decode_workers``, ``prefill_workers``; step = load-report tick), so a simulated and a live
+run open side by side. A progress line on a terminal (``--no-progress`` turns it off).
+
+The graph's ``planner:`` section is not simulated yet: such a graph is refused unless ``--without-planner`` says to
+replay its fleet as it starts, without scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from components.deploy.errors import DeployError
+from components.deploy.graph import load_graph
+from components.deploy.whatif import SimulatedDeployment, WhatIfError, simulated_deployment
+from components.sim import Sample, SimRequest, Workload, replay
+from components.sim.errors import TraceFormatError
+from components.sim.report import Slo, summarize
+from components.sim.workloads import from_trace
+
+# Dynamo's SLA planner defaults for its TTFT and ITL targets.
+DEFAULT_TTFT_MS = 500.0
+DEFAULT_ITL_MS = 50.0
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--graph", required=True, help="graph file (YAML) to simulate, e.g. graphs/mock_agg.yaml")
+    p.add_argument("--trace", required=True, help="request trace: Mooncake jsonl, Azure csv or ShareGPT json")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a graph field, as for kvmesh serve (e.g. --set workers[0].replicas=4); repeatable",
+    )
+    p.add_argument("--out", required=True, help="directory for summary.json, simulate.png and tensorboard/")
+    p.add_argument("--requests", type=int, default=0, help="replay the trace's first N rows (default 0: all of them)")
+    p.add_argument(
+        "--time-scale",
+        type=_positive,
+        default=1.0,
+        help="multiply the trace's arrival times by S (0.5 replays it twice as fast; default 1: as recorded)",
+    )
+    p.add_argument("--ttft-ms", type=_positive, default=DEFAULT_TTFT_MS, help="TTFT target in ms (default 500)")
+    p.add_argument(
+        "--itl-ms", type=_positive, default=DEFAULT_ITL_MS, help="mean inter-token latency target in ms (default 50)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the router and of the trace's token ids (default 0)")
+    p.add_argument(
+        "--without-planner",
+        action="store_true",
+        help="replay a graph that has a planner: section with its fleet as it starts (the planner is not simulated)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--no-png", action="store_true", help="do not draw simulate.png")
+    p.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard event files")
+
+
+class _Series:
+    """The fleet over time, one entry per load-report tick (``replay``'s observer), and the progress line."""
+
+    def __init__(self, deployment: SimulatedDeployment, total: int, span_s: float, stream: IO[str] | None) -> None:
+        self.deployment = deployment
+        self.total = total
+        self.span_s = span_s
+        self.stream = stream
+        self.t: list[float] = []
+        self.kv_usage: list[float] = []
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self.queue: list[int] = []
+        self._last_draw = 0.0
+        self._t0 = time.process_time()
+
+    def __call__(self, s: Sample) -> None:
+        self.t.append(s.now_s)
+        loads = s.loads
+        self.kv_usage.append(sum(x.kv_usage for x in loads) / len(loads) if loads else 0.0)
+        self.running.append(sum(x.num_running for x in loads))
+        self.waiting.append(sum(x.num_waiting for x in loads))
+        self.queue.append(s.queue_len)
+        if self.stream is not None:
+            now = time.monotonic()
+            if now - self._last_draw >= 0.5:
+                self._last_draw = now
+                self._draw(s)
+
+    def _draw(self, s: Sample) -> None:
+        assert self.stream is not None
+        self.stream.write(
+            f"\rsimulate: {s.now_s:9.1f}/{self.span_s:.0f} s of trace  {s.finished:>7}/{self.total} requests done  "
+            f"{time.process_time() - self._t0:6.1f} s CPU"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> tuple[Workload, int]:
+    """The trace as a workload at ``--time-scale``, and how many of its requests are longer than the engines take
+    (dropped here: the live frontend answers them 400 before routing)."""
+    w = from_trace(args.trace, args.requests if args.requests > 0 else 10**9, vocab_size=vocab_size, seed=args.seed)
+    kept: list[SimRequest] = []
+    t0 = w.requests[0].arrival_s
+    for r in w.requests:
+        if len(r.prompt) > max_model_len:
+            continue
+        kept.append(SimRequest((r.arrival_s - t0) * args.time_scale, r.prompt, r.max_tokens, r.program_id))
+    if not kept:
+        raise WhatIfError(f"every request of {args.trace} is longer than the engines' max_model_len {max_model_len}")
+    return Workload(w.name, tuple(kept)), len(w.requests) - len(kept)
+
+
+def _tensorboard(series: _Series, log_dir: Path) -> None:
+    from tensorboardX import SummaryWriter  # imported here: only a run that writes event files needs it
+
+    fleet = series.deployment.fleet
+    with SummaryWriter(logdir=str(log_dir)) as writer:
+        for step, t in enumerate(series.t):
+            scalars = {
+                "pull/kv_usage": series.kv_usage[step],
+                "pull/running_requests": series.running[step],
+                "pull/waiting_requests": series.waiting[step],
+                "pull/decode_workers": fleet.workers,
+                "pull/prefill_workers": fleet.prefill,
+                "pull/prefill_queue_size": series.queue[step],
+            }
+            for tag, v in scalars.items():
+                writer.add_scalar(tag, v, step, walltime=t)
+
+
+def _draw(path: Path, workload: Workload, ttft_by_request: list[float], series: _Series, slo: Slo) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    arrivals = [r.arrival_s for r in workload.requests]
+    span = max(arrivals[-1], series.t[-1] if series.t else 0.0, 1e-9)
+    window = max(span / 100, 1.0)
+    edges = [k * window for k in range(int(span / window) + 2)]
+    counts = [bisect.bisect_left(arrivals, b) - bisect.bisect_left(arrivals, a) for a, b in itertools.pairwise(edges)]
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    axes[0].step(edges[:-1], [c / window for c in counts], where="post")
+    axes[0].set_ylabel("offered load (requests/s)")
+    fleet = series.deployment.fleet
+    axes[1].plot(series.t, series.running, label="running")
+    axes[1].plot(series.t, series.waiting, label="waiting")
+    axes[1].axhline(fleet.workers, color="k", linestyle=":", label=f"routed workers ({fleet.workers})")
+    if fleet.prefill:
+        axes[1].axhline(fleet.prefill, color="grey", linestyle=":", label=f"prefill workers ({fleet.prefill})")
+    axes[1].set_ylabel("requests / workers")
+    axes[1].legend(loc="upper right", fontsize=8)
+    axes[2].scatter(arrivals, [1000 * t for t in ttft_by_request], s=2, alpha=0.4)
+    axes[2].axhline(slo.ttft_s * 1000, color="r", linestyle="--", label=f"TTFT target {slo.ttft_s * 1000:g} ms")
+    axes[2].set_yscale("log")
+    axes[2].set_ylabel("TTFT (ms), by arrival")
+    axes[2].set_xlabel("trace time (s)")
+    axes[2].legend(loc="upper right", fontsize=8)
+    fig.suptitle(f"kvmesh simulate: {workload.name}, {fleet.workers} routed + {fleet.prefill} prefill workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
+    graph = load_graph(args.graph, list(args.overrides))
+    if graph.planner is not None and not args.without_planner:
+        raise WhatIfError(
+            f"{args.graph} has a planner: section, which kvmesh simulate does not run yet; pass --without-planner to "
+            "replay its fleet as it starts, without scaling"
+        )
+    deployment = simulated_deployment(graph)
+    fleet = deployment.fleet
+    max_len = min(fleet.engine.max_model_len, fleet.decode_config.max_model_len)
+    workload, refused = _workload(args, deployment.vocab_size, max_len)
+    slo = Slo(args.ttft_ms / 1000.0, args.itl_ms / 1000.0)
+    series = _Series(deployment, len(workload.requests), workload.span_s, progress)
+    cpu0 = time.process_time()
+    try:
+        res = replay(workload, fleet, deployment.router, args.seed, observer=series)
+    finally:
+        series.close()
+    cpu_s = time.process_time() - cpu0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "graph": str(args.graph),
+        "trace": str(args.trace),
+        "time_scale": args.time_scale,
+        "seed": args.seed,
+        "router_policy": str(deployment.router.router_policy),
+        "groups": deployment.groups,
+        "refused_too_long": refused,
+        **summarize(res, workload, fleet, slo),
+        "planner": None,
+        "scaling_actions": [],
+        "simulation_cpu_s": round(cpu_s, 2),
+    }
+    if not args.no_tensorboard:
+        _tensorboard(series, out / "tensorboard")
+        report["tensorboard"] = str(out / "tensorboard")
+    if not args.no_png:
+        png = out / "simulate.png"
+        report["png"] = str(png) if _draw(png, workload, res.ttft_by_request_s, series, slo) else None
+    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    progress = None if args.no_progress or not sys.stderr.isatty() else sys.stderr
+    try:
+        report = run(args, progress)
+    except (DeployError, TraceFormatError) as e:
+        print(f"kvmesh simulate: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    except OSError as e:
+        print(f"kvmesh simulate: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report))
+    return 0

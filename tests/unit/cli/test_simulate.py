@@ -1,0 +1,138 @@
+"""``kvmesh simulate``: a graph's fleet and router replayed on a trace, and what it refuses (with the reason)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from components.cli.main import main as cli_main
+from components.deploy.graph import load_graph
+from components.deploy.whatif import WhatIfError, simulated_deployment
+from components.sim import replay
+from components.sim.report import percentile
+from components.sim.workloads import from_trace
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[3]
+GRAPHS = ROOT / "graphs"
+# Small engines so the short trace below loads them: 16 mock engines of the default graph, speed irrelevant here.
+SMALL = ["--set", "workers[0].replicas=1", "--set", "workers[0].num_workers=2"]
+
+
+def mooncake(path: Path, rows: int, input_length: int = 700, gap_ms: int = 250) -> Path:
+    """``rows`` Mooncake rows, every other one sharing its first block with the row before it."""
+    with path.open("w") as f:
+        for i in range(rows):
+            first = i // 2
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": i * gap_ms,
+                        "input_length": input_length,
+                        "output_length": 20 + i % 7,
+                        "hash_ids": [first, 10_000 + i],
+                    }
+                )
+                + "\n"
+            )
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli_main(["simulate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_writes_the_summary_png_and_tensorboard_of_the_graphs_fleet(tmp_path, capsys):
+    trace = mooncake(tmp_path / "t.jsonl", 40)
+    out = tmp_path / "out"
+    code, stdout, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *SMALL,
+                            "--out", str(out), "--no-progress")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report == json.loads((out / "summary.json").read_text())
+    assert report["requests"] == 40 and report["refused_too_long"] == 0
+    assert report["workers"] == {"routed": 2, "prefill": 0} and report["router_policy"] == "round_robin"
+    assert report["groups"] == {"mock": {"role": "aggregated", "engines": 2}}
+    for k in ("ttft", "itl", "both"):
+        assert 0.0 <= report["slo_attainment"][k] <= 1.0
+    assert report["slo"] == {"ttft_ms": 500.0, "itl_ms": 50.0}
+    # Worker-seconds of a static fleet: every engine held over the makespan.
+    assert report["worker_seconds"] == pytest.approx(2 * report["makespan_s"], abs=0.2)
+    assert (out / "simulate.png").stat().st_size > 10_000
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
+
+    # The command replays exactly what the library does with the graph's fleet and router on the same trace.
+    deployment = simulated_deployment(load_graph(GRAPHS / "mock_agg.yaml", SMALL[1::2]))
+    w = from_trace(trace, 10**9, vocab_size=deployment.vocab_size)
+    res = replay(w, deployment.fleet, deployment.router, 0)
+    assert report["ttft_ms"]["p50"] == pytest.approx(1000 * percentile(res.ttft_s, 0.5), abs=1e-3)
+    assert report["output_tokens_per_s"] == pytest.approx(res.output_tokens / res.makespan_s, abs=0.1)
+
+
+def test_time_scale_compresses_the_arrivals(tmp_path, capsys):
+    trace = mooncake(tmp_path / "t.jsonl", 20)
+    rates = []
+    for scale in ("1", "0.5"):
+        code, stdout, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *SMALL,
+                                "--out", str(tmp_path / scale), "--time-scale", scale, "--no-png", "--no-tensorboard",
+                                "--no-progress")  # fmt: skip
+        assert code == 0, err
+        rates.append(json.loads(stdout.strip().splitlines()[-1])["offered_rps"])
+    # 20 rows 250 ms apart: 19 gaps over 4.75 s, 4 requests/s; at half the time scale, 8.
+    assert rates == [pytest.approx(4.0), pytest.approx(8.0)]
+
+
+def test_prompts_longer_than_the_engines_take_are_refused_and_counted(tmp_path, capsys):
+    trace = mooncake(tmp_path / "t.jsonl", 10, input_length=900)
+    code, stdout, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *SMALL,
+                            "--set", "workers[0].max_model_len=800", "--out", str(tmp_path / "o"), "--no-png",
+                            "--no-tensorboard", "--no-progress")  # fmt: skip
+    assert code == 1 and "longer than the engines' max_model_len 800" in err
+    trace2 = tmp_path / "t2.jsonl"
+    trace2.write_text(trace.read_text() + mooncake(tmp_path / "short.jsonl", 3, input_length=300).read_text())
+    code, stdout, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace2), *SMALL,
+                            "--set", "workers[0].max_model_len=800", "--out", str(tmp_path / "o2"), "--no-png",
+                            "--no-tensorboard", "--no-progress")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["refused_too_long"] == 10 and report["requests"] == 3
+
+
+def test_a_graph_with_a_planner_is_refused_unless_its_fleet_is_asked_for_without_it(tmp_path, capsys):
+    trace = mooncake(tmp_path / "t.jsonl", 10)
+    argv = ["--graph", str(GRAPHS / "mock_planner.yaml"), "--trace", str(trace), "--out", str(tmp_path / "o")]
+    code, _, err = run(capsys, *argv, "--no-png", "--no-tensorboard", "--no-progress")
+    assert code != 0 and "has a planner: section" in err and "--without-planner" in err
+    code, stdout, err = run(capsys, *argv, "--without-planner", "--no-png", "--no-tensorboard", "--no-progress")
+    assert code == 0, err
+    assert json.loads(stdout.strip().splitlines()[-1])["router_policy"] == "kv"
+
+
+def test_a_vllm_group_and_a_missing_trace_are_clear_errors(tmp_path, capsys):
+    trace = mooncake(tmp_path / "t.jsonl", 5)
+    code, _, err = run(capsys, "--graph", str(GRAPHS / "agg.yaml"), "--trace", str(trace), "--out", str(tmp_path))
+    assert code != 0 and "runs the vllm engine" in err and "engine: mock" in err
+    code, _, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(tmp_path / "nope.jsonl"),
+                       "--out", str(tmp_path))  # fmt: skip
+    assert code == 2 and "no such file" in err
+
+
+def test_the_disaggregated_graph_becomes_prefill_and_decode_engines_with_its_thresholds():
+    d = simulated_deployment(load_graph(GRAPHS / "mock_disagg.yaml"))
+    assert (d.fleet.workers, d.fleet.prefill) == (2, 2)  # decode: 1 replica x 2 workers; prefill: 2 x 1
+    assert (d.fleet.max_local_prefill_length, d.fleet.max_prefill_queue_size) == (1000, 3)
+    assert d.model == "tiny-llama" and d.vocab_size == 384
+
+
+def test_groups_of_one_role_with_different_engines_are_refused():
+    graph = load_graph(
+        GRAPHS / "mock_disagg.yaml", ["workers[1].role=aggregated", "workers[0].role=aggregated",
+                                      "workers[0].num_gpu_blocks=200"],
+    )  # fmt: skip
+    with pytest.raises(WhatIfError, match="different engine settings"):
+        simulated_deployment(graph)
