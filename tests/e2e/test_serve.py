@@ -296,6 +296,10 @@ def test_logs_prints_a_watchers_output_and_names_the_known_logs_otherwise(mock_a
 # -- lifecycle -------------------------------------------------------------------------------------------------
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigterm_drains_the_workers_and_leaves_no_process_behind(tmp_path):
     with serving(tmp_path, *SMALL) as serve:
         serve.wait_ready()
@@ -309,7 +313,11 @@ def test_sigterm_drains_the_workers_and_leaves_no_process_behind(tmp_path):
             env=clean_env(),
             stdout=subprocess.PIPE,
             text=True,
+            # Ctrl-C ends `logs -f`; a test run started in the background of a non-interactive shell has SIGINT
+            # ignored, which every child would inherit (and the follower would outlive the test): reset it.
+            preexec_fn=_default_sigint,
         )
+        followed = ""
         try:
             serve.proc.send_signal(signal.SIGTERM)
             assert serve.proc.wait(60) == 0
@@ -317,7 +325,12 @@ def test_sigterm_drains_the_workers_and_leaves_no_process_behind(tmp_path):
             followed = read_until(follower, "STOPPED", 10)  # -f sees the worker's last line, whenever it polls
         finally:
             follower.send_signal(signal.SIGINT)
-            followed += follower.communicate(timeout=10)[0]
+            try:
+                followed += follower.communicate(timeout=10)[0]
+            finally:
+                if follower.poll() is None:
+                    follower.kill()
+                    follower.wait()
         assert "draining 2 workers" in followed and "STOPPED" in followed  # the worker drained, and -f saw it
         assert follower.returncode == 0
         assert serve.state().status == "stopped"
