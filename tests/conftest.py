@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
@@ -28,24 +29,26 @@ from components.runtime.servers import EtcdServer, NatsServer
 _namespaces = itertools.count(1)
 
 
-@pytest.fixture(scope="session")
-def session_etcd(tmp_path_factory) -> Iterator[EtcdServer]:
-    server = EtcdServer(data_dir=tmp_path_factory.mktemp("session-etcd"))
+S = TypeVar("S", EtcdServer, NatsServer)
+
+
+def _running(server: S) -> Iterator[S]:
+    """Start ``server``, hand it over, clean it up (its process and data directory) however the user ends."""
     server.start()
     try:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def session_etcd(tmp_path_factory) -> Iterator[EtcdServer]:
+    yield from _running(EtcdServer(data_dir=tmp_path_factory.mktemp("session-etcd")))
 
 
 @pytest.fixture(scope="session")
 def session_nats(tmp_path_factory) -> Iterator[NatsServer]:
-    server = NatsServer(data_dir=tmp_path_factory.mktemp("session-nats"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from _running(NatsServer(data_dir=tmp_path_factory.mktemp("session-nats")))
 
 
 @pytest.fixture
@@ -56,22 +59,12 @@ def namespace() -> str:
 
 @pytest.fixture
 def etcd_server(tmp_path) -> Iterator[EtcdServer]:
-    server = EtcdServer(data_dir=tmp_path / "etcd")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from _running(EtcdServer(data_dir=tmp_path / "etcd"))
 
 
 @pytest.fixture
 def nats_server(tmp_path) -> Iterator[NatsServer]:
-    server = NatsServer(data_dir=tmp_path / "nats")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from _running(NatsServer(data_dir=tmp_path / "nats"))
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from components.cli.overrides import add_override_argument
 from components.deploy.circus import rotate_log
 from components.deploy.errors import (
     DeployError,
@@ -57,15 +58,7 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("graph", help="graph file (YAML), e.g. graphs/mock_agg.yaml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="override a graph field before validation, e.g. --set frontend.port=0 --set workers[0].replicas=1 "
-        "(VALUE is YAML); repeatable",
-    )
+    add_override_argument(p)
     add_model_arguments(p, ServeConfig)
     # The detached child records where its own output goes; not for people.
     p.add_argument("--serve-log", default=None, help=argparse.SUPPRESS)

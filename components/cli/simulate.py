@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from components.cli.overrides import add_override_argument
 from components.deploy.errors import DeployError
 from components.deploy.graph import load_graph
 from components.deploy.whatif import SimulatedDeployment, WhatIfError, simulated_deployment
@@ -49,14 +50,7 @@ def _positive(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", required=True, help="graph file (YAML) to simulate, e.g. graphs/mock_agg.yaml")
     p.add_argument("--trace", required=True, help="request trace: Mooncake jsonl, Azure csv or ShareGPT json")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="override a graph field, as for kvmesh serve (e.g. --set workers[0].replicas=4); repeatable",
-    )
+    add_override_argument(p)
     p.add_argument("--out", required=True, help="directory for summary.json, simulate.png and tensorboard/")
     p.add_argument("--requests", type=int, default=0, help="replay the trace's first N rows (default 0: all of them)")
     p.add_argument(
