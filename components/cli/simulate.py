@@ -88,6 +88,7 @@ class _Series:
         self.waiting: list[int] = []
         self.queue: list[int] = []
         self._last_draw = 0.0
+        self._last: Sample | None = None
         self._t0 = time.process_time()
 
     def __call__(self, s: Sample) -> None:
@@ -97,6 +98,7 @@ class _Series:
         self.running.append(sum(x.num_running for x in loads))
         self.waiting.append(sum(x.num_waiting for x in loads))
         self.queue.append(s.queue_len)
+        self._last = s
         if self.stream is not None:
             now = time.monotonic()
             if now - self._last_draw >= 0.5:
@@ -113,6 +115,8 @@ class _Series:
 
     def close(self) -> None:
         if self.stream is not None:
+            if self._last is not None:
+                self._draw(self._last)  # where the replay ended
             self.stream.write("\n")
             self.stream.flush()
 

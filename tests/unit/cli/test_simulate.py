@@ -136,3 +136,22 @@ def test_groups_of_one_role_with_different_engines_are_refused():
     )  # fmt: skip
     with pytest.raises(WhatIfError, match="different engine settings"):
         simulated_deployment(graph)
+
+
+def test_the_progress_line_ends_where_the_replay_ended(tmp_path):
+    import io
+
+    from components.cli.simulate import _Series
+    from components.sim import Sample
+
+    d = simulated_deployment(load_graph(GRAPHS / "mock_agg.yaml", SMALL[1::2]))
+    stream = io.StringIO()
+    series = _Series(d, total=300, span_s=60.0, stream=stream)
+    series(Sample(0.0, (), (), 0, 1, 0))
+    series(Sample(0.1, (), (), 0, 2, 0))  # within 0.5 s of wall time of the first: not drawn
+    series(Sample(60.4, (), (), 0, 300, 300))
+    series.close()
+    lines = stream.getvalue().replace("\r", "\n").split("\n")
+    drawn = [line for line in lines if line.startswith("simulate:")]
+    assert "0/300 requests done" in drawn[0] and "300/300 requests done" in drawn[-1] and "60.4/60 s" in drawn[-1]
+    assert stream.getvalue().endswith("\n")
