@@ -21,7 +21,7 @@ its metadata when it registers.
 Prefill queues (disaggregated serving) are heard in the same window, from the ``PrefillQueueReport``s prefill workers
 publish on ``prefill_queue`` (every 100 ms by default): one line per model under the instance table, ``NS: prefill
 queue MODEL: W waiting, F in flight, oldest A s, N prefill workers, R redelivered``, with the numbers of the freshest
-report that read the queue and the workers alive by ``components.router.prefill_queue``'s rule (the one frontends'
+report that read the queue and the workers alive by ``components.fleet.queues``'s rule (the one frontends'
 ``/metrics`` use). A model with prefill workers registered and no report heard says so. In ``--json`` (a list of
 instance rows, as before) a worker row of a model with a prefill queue carries ``prefill_queue`` (the model's line as
 a mapping), and a prefill worker's row ``prefill_report`` (its own last report: ``busy``, ``items_done``, ...).
@@ -48,11 +48,11 @@ from typing import Any
 
 from components.deploy.errors import DeployError
 from components.deploy.state import ServeState, live_states, resolve_state_dir
+from components.fleet.queues import PrefillQueues, PrefillQueueView, parse_report
 from components.planner.status import status_prefix
 from components.protocol.endpoints import TOPIC_LOAD_METRICS, TOPIC_PREFILL_QUEUE
 from components.protocol.messages import LoadSnapshot
 from components.protocol.metadata import RemotePrefillMode, WorkerMetadata, WorkerRole
-from components.router.prefill_queue import PrefillQueues, PrefillQueueView, parse_report
 from components.runtime import EventSubscription, InstanceInfo, Runtime, RuntimeConfig, RuntimeMeshError
 
 

@@ -66,8 +66,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, expo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from components.fleet.queues import PrefillQueues, PrefillQueueView
 from components.frontend.migration_counters import MigrationCounters, WorkerCounters
-from components.router.prefill_queue import PrefillQueues, PrefillQueueView
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -1,6 +1,6 @@
 """``PrefillQueueFeed``: the frontend's subscription to ``TOPIC_PREFILL_QUEUE``, feeding a ``PrefillQueues`` that
 ``/metrics`` renders at scrape time (components/frontend/metrics.py). All of its I/O is here; what counts as alive
-and which report gives a model's numbers is the pure ``components.router.prefill_queue``.
+and which report gives a model's numbers is the pure ``components.fleet.queues``.
 
 The frontend does not use these numbers to route: clients go to decode (or aggregated) workers, and a decode worker
 decides itself whether a prompt goes to the queue (components/workers/disagg.py). They are here for the operator and
@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from components.fleet.queues import PrefillQueues, parse_report
 from components.frontend.report_feed import ReportFeed
 from components.protocol.endpoints import TOPIC_PREFILL_QUEUE
 from components.protocol.messages import PrefillQueueReport
-from components.router.prefill_queue import PrefillQueues, parse_report
 from components.runtime import Runtime
 
 

@@ -54,6 +54,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from components.fleet.queues import PrefillQueues
 from components.protocol.endpoints import ENDPOINT_PREFILL_RESULT, TOPIC_PREFILL_QUEUE
 from components.protocol.messages import (
     GenerateRequest,
@@ -64,7 +65,6 @@ from components.protocol.messages import (
 )
 from components.protocol.metadata import RemotePrefillMode, WorkerRole
 from components.router.policies.disagg import PrefillDecision, decide_prefill
-from components.router.prefill_queue import PrefillQueues
 from components.runtime import (
     Client,
     EventSubscription,
@@ -98,7 +98,7 @@ def supports_remote_decode(engine: object) -> bool:
 
 class PrefillWorkers:
     """The prefill workers alive for one model, as a decode worker hears their ``PrefillQueueReport``s: the one rule
-    frontend and status use too (``components.router.prefill_queue.PrefillQueues``), for this model only."""
+    frontend and status use too (``components.fleet.queues.PrefillQueues``), for this model only."""
 
     def __init__(self, model: str) -> None:
         self.model = model

@@ -19,9 +19,9 @@ from components.cli.status import (
     render_table,
     rows_of,
 )
+from components.fleet.queues import PrefillQueues, PrefillQueueView
 from components.protocol.messages import PrefillQueueReport
 from components.protocol.metadata import WorkerMetadata, WorkerRole
-from components.router.prefill_queue import PrefillQueues, PrefillQueueView
 from components.runtime import InstanceInfo
 
 pytestmark = pytest.mark.unit

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from components.fleet.queues import PrefillQueues, PrefillQueueView
 from components.frontend.config import FrontendConfig
 from components.frontend.metrics import PREFILL_QUEUE_GAUGES, FrontendMetrics, prefill_queue_families
 from components.frontend.prefill_queue import PrefillQueueFeed
 from components.frontend.server import Frontend
 from components.protocol.endpoints import TOPIC_PREFILL_QUEUE
 from components.protocol.messages import PrefillQueueReport
-from components.router.prefill_queue import PrefillQueues, PrefillQueueView
 from tests.support.mesh import Mesh
 from tests.support.waiting import wait_until
 

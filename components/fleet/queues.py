@@ -6,12 +6,12 @@ are not workers (the frontend's ``/metrics``, ``kvmesh status``, later the plann
 that stream: how many prefill workers are alive, and how deep the queue is now. This module answers both from the
 reports alone, with the time passed in (STYLE.md habits 1 and 2); the caller subscribes and calls ``apply``.
 
-Alive: the rule decode workers use to count prefill workers (``components.workers.disagg.PrefillWorkers``, which
-this package may not import: workers ranks above router, tests/unit/test_layering.py). A reporter counts until
-``REPORT_STALE_INTERVALS`` (3) of its own observed intervals have passed without a report, and never less than
-``REPORT_STALE_MIN_S`` (1 s) after its last one; a reporter heard once has no interval yet and gets the 1 s. The
-interval is smoothed (a step of 0.3 towards each new gap, a gap counted at most twice the current estimate), so one
-late report does not stretch the window, and a worker that stops reporting is dropped within ~3 intervals.
+Alive: the fleet's one staleness rule with the queue stream's numbers (``components.fleet.rules.QUEUE_REPORTS``),
+which decode workers use to count prefill workers (``components.workers.disagg.PrefillWorkers``) too. A reporter
+counts until 3 of its own observed intervals have passed without a report, and never less than 1 s after its last
+one; a reporter heard once has no interval yet and gets the 1 s. The interval is smoothed (a step of 0.3 towards each
+new gap, a gap counted at most twice the current estimate), so one late report does not stretch the window, and a
+worker that stops reporting is dropped within ~3 intervals.
 
 Depth: the freshest report among the model's alive reporters that read the queue (``stats_error`` empty): every
 prefill worker of a model reads the same JetStream stream, so the newest reading is the best one, and adding or
@@ -23,7 +23,9 @@ A model stays known once heard (a few strings per namespace), so a model whose p
 them rather than vanishing; a reporter silent for ``FORGET_AFTER_S`` is dropped, which bounds memory over a long
 life of churning instance ids.
 
-Imports: the standard library and ``components.protocol``.
+Moved here from ``components/fleet/queues.py`` (the fleet owns the queue's state; the router never read it).
+
+Imports: the standard library, ``components.protocol`` and this package's ``rules``.
 """
 
 from __future__ import annotations
@@ -33,28 +35,21 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from components.fleet.rules import QUEUE_REPORTS, is_fresh, next_interval, stale_at
 from components.protocol.messages import PrefillQueueReport
-from components.protocol.metadata import stale_after
 
 __all__ = [
     "FORGET_AFTER_S",
-    "REPORT_STALE_INTERVALS",
-    "REPORT_STALE_MIN_S",
     "PrefillQueueView",
     "PrefillQueues",
     "parse_report",
 ]
 
-# The decode workers' rule (components/workers/disagg.py): alive for 3 of its intervals, at least 1 s.
-REPORT_STALE_INTERVALS = 3.0
-REPORT_STALE_MIN_S = 1.0
 # A reporter silent this long is forgotten (bounded memory). Long after it stopped counting: 300 s is 3,000 of the
 # default 100 ms intervals.
 FORGET_AFTER_S = 300.0
-# How far one new gap moves the smoothed interval, and the most one gap may count for (times the estimate).
+# How often silent reporters are looked for (one pass over the reporters).
 _SWEEP_EVERY_S = 10.0
-_SMOOTHING = 0.3
-_MAX_GAP_FACTOR = 2.0
 
 
 def parse_report(payload: Any) -> PrefillQueueReport | None:
@@ -113,14 +108,7 @@ class PrefillQueues:
         """A report from prefill worker ``source_id``, received at ``now_s`` (a monotonic clock)."""
         self._models.add(report.model)
         prev = self._reporters.get(source_id)
-        interval: float | None = None
-        if prev is not None:
-            gap = max(1e-3, now_s - prev.received_s)
-            if prev.interval_s is None:
-                interval = gap
-            else:
-                gap = min(gap, _MAX_GAP_FACTOR * prev.interval_s)
-                interval = prev.interval_s + _SMOOTHING * (gap - prev.interval_s)
+        interval = None if prev is None else next_interval(prev.received_s, prev.interval_s, now_s, QUEUE_REPORTS)
         self._seq += 1
         self._reporters[source_id] = _Reporter(now_s, interval, report, self._seq)
         self._forget_silent(now_s)
@@ -190,6 +178,4 @@ def _freshness(r: _Reporter) -> tuple[float, int]:
 
 
 def _alive(r: _Reporter, now_s: float) -> bool:
-    # A single report has no interval yet: the minimum window, rather than forever (stale_after's None rule).
-    until = stale_after(r.received_s, r.interval_s if r.interval_s is not None else 0.0, REPORT_STALE_INTERVALS, 0.0)
-    return now_s <= max(until, r.received_s + REPORT_STALE_MIN_S)
+    return is_fresh(now_s, stale_at(r.received_s, r.interval_s, QUEUE_REPORTS))

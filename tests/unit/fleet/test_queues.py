@@ -1,4 +1,4 @@
-"""The prefill queues as their reports tell them (components/router/prefill_queue.py): which prefill workers count as
+"""The prefill queues as their reports tell them (components/fleet/queues.py): which prefill workers count as
 alive (the decode workers' rule), which report gives a model's numbers, and what "no data" looks like. Explicit
 clock throughout."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from components.fleet.queues import FORGET_AFTER_S, PrefillQueues, PrefillQueueView, parse_report
 from components.protocol.messages import PrefillQueueReport
-from components.router.prefill_queue import FORGET_AFTER_S, PrefillQueues, PrefillQueueView, parse_report
 from components.workers.disagg import PrefillWorkers
 
 pytestmark = pytest.mark.unit
