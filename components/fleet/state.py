@@ -173,7 +173,7 @@ class FleetState:
 
     def _notify_members(self, model: str, joined: set[int], left: set[int]) -> None:
         if joined or left:
-            logger.info(
+            logger.debug(
                 "model %s: %d instances (joined: %s; left: %s)",
                 model or "-",
                 len(self._by_model.get(model, ())),
@@ -182,6 +182,11 @@ class FleetState:
             )
         for cb in self._listeners:
             cb.fleet_members(model, joined, left)
+
+    def registration(self, instance_id: int) -> FleetInstance | None:
+        """The instance as registered (its metadata, role, domains), without its current load and schedulability:
+        cheaper than ``instance`` for a reader that keeps those itself (the router, from the listener calls)."""
+        return self._base.get(instance_id)
 
     def members(self, model: str) -> Mapping[int, Mapping[str, Any]]:
         """``model``'s instances and their registration metadata (read-only)."""
@@ -204,7 +209,7 @@ class FleetState:
         or more before (``rules``)."""
         if instance_id in self._departed:
             return
-        down = self._down.get(instance_id)
+        down = self._down.get(instance_id) if self._down else None
         if down is not None and report_clears_down(down[0], now_s):
             logger.info(
                 "worker %x reports again %.1f s after it was marked down: routable", instance_id, now_s - down[0]
@@ -223,6 +228,10 @@ class FleetState:
 
     def load(self, instance_id: int) -> LoadRecord | None:
         return self._loads.get(instance_id)
+
+    def loads(self) -> Mapping[int, LoadRecord]:
+        """Every load record kept (members' and not-yet-registered instances'), read-only."""
+        return MappingProxyType(self._loads)
 
     # --- schedulability ---------------------------------------------------------------------------------------------
 
@@ -259,7 +268,8 @@ class FleetState:
         return self._blocked
 
     def is_schedulable(self, instance_id: int) -> bool:
-        return instance_id not in self._blocked
+        """Not blocked, and not departed (a worker that left takes no requests, whatever it said before)."""
+        return instance_id not in self._blocked and instance_id not in self._departed
 
     def unschedulable(self) -> dict[int, str]:
         """The blocked instances and why: the ``WorkerStatus`` reason, or "down"."""

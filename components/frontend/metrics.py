@@ -18,12 +18,13 @@ included (so it is at least the number of requests placed); ``kind`` is ``Decisi
 a word, never the free-text reason.
 
 Prefill queues (disaggregated serving), per model, from the ``PrefillQueueReport``s prefill workers publish on
-``TOPIC_PREFILL_QUEUE`` (``components.frontend.prefill_queue`` follows them into a ``PrefillQueues``, whose module
-says which reporters count as alive and which report the numbers come from): ``kvmesh_frontend_prefill_queue_*``
-gauges ``waiting``, ``in_flight``, ``oldest_age_seconds`` and ``redelivered`` (the queue, as of the freshest report
-that read it: absent while no alive prefill worker could read it) and ``prefill_workers`` (alive reporters; 0 once
-they all went silent). They are computed at scrape time from the reports (a collector, not gauges set on every
-report), so a silent worker stops counting without a timer, and a queue nobody reads is not shown as empty.
+``TOPIC_PREFILL_QUEUE`` (the frontend's live fleet view, ``components.fleet.live.LiveFleet``, follows them into a
+``PrefillQueues``, whose module says which reporters count as alive and which report the numbers come from):
+``kvmesh_frontend_prefill_queue_*`` gauges ``waiting``, ``in_flight``, ``oldest_age_seconds`` and ``redelivered`` (the
+queue, as of the freshest report that read it: absent while no alive prefill worker could read it) and
+``prefill_workers`` (alive reporters; 0 once they all went silent). They are computed at scrape time from the reports (a
+collector, not gauges set on every report), so a silent worker stops counting without a timer, and a queue nobody reads
+is not shown as empty.
 
 Several processes (``kvmesh frontend --replicas N``, components/frontend/replicas.py): with prometheus_client's
 ``PROMETHEUS_MULTIPROC_DIR`` set in the environment before it is imported, every process writes its counters,

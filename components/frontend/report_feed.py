@@ -1,5 +1,6 @@
 """``ReportFeed``: the frontend's subscription to one event-plane topic of workers' periodic reports, each parsed and
-handed to a pure keeper that ``/metrics`` reads at scrape time (``PrefillQueueFeed``, ``MigrationCountersFeed``).
+handed to a pure keeper that ``/metrics`` reads at scrape time (``MigrationCountersFeed``; the prefill queue's
+reports are the fleet view's, ``components.fleet.live``).
 
 A report that does not parse (a peer of another version) is counted and logged, the first and then every 1000th, not
 at the rate such peers publish. Events wait unread up to ``MAX_PENDING`` when the loop is starved; the oldest are

@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from components.fleet.live import LiveFleet
 from components.frontend.app import FrontendApp
 from components.frontend.config import FrontendConfig
 from components.frontend.metrics import FrontendMetrics
 from components.frontend.migration_counters import MigrationCountersFeed
 from components.frontend.models import ModelRegistry
-from components.frontend.prefill_queue import PrefillQueueFeed
 from components.frontend.service import FrontendService
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
 from components.router import Router
@@ -41,15 +41,17 @@ class Frontend:
         self.config = config
         self.runtime = runtime
         self.router = Router(config)
-        # Load metrics, KV events (KV policies) and replica sync; membership comes from the registry below.
-        self.feed = RouterFeed(runtime, self.router, config.namespace, config.components)
+        # The fleet view the router reads: load reports, worker statuses and the prefill workers' queue reports (the
+        # prefill-queue gauges of /metrics read its queues); membership comes from the registry below.
+        self.fleet = LiveFleet(runtime, config.namespace, state=self.router.fleet, watch_membership=False)
+        # The fleet view (started and stopped with it), KV events (KV policies) and replica sync.
+        self.feed = RouterFeed(runtime, self.router, config.namespace, config.components, fleet=self.fleet)
         self.metrics = FrontendMetrics(
             policy=self.router.policy.name,
             worker_metadata=self.router.worker_metadata,
             router_view=self.router.load_view,
+            prefill_queues=self.fleet.state.queues,
         )
-        # Prefill workers' queue reports -> the prefill-queue gauges of /metrics (disaggregated serving).
-        self.prefill_queue = PrefillQueueFeed(runtime, config.namespace, self.metrics.prefill_queues)
         # Workers' migration counters -> kvmesh_worker_migrations_total and friends.
         self.migration_counters = MigrationCountersFeed(runtime, config.namespace, self.metrics.migration_counters)
         self.registry = ModelRegistry(runtime, config.namespace, config.components, self.router, tokenizer_loader)
@@ -61,7 +63,6 @@ class Frontend:
     async def start(self) -> str:
         """Follow the workers, then listen; returns the base URL (``http://host:port``, the real port if 0)."""
         await self.feed.start()  # first: workers the registry announces get their KV state fetched as they appear
-        await self.prefill_queue.start()
         await self.migration_counters.start()
         await self.registry.start()
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request upstream.
@@ -96,8 +97,5 @@ class Frontend:
                 try:
                     await self.feed.stop()
                 finally:
-                    try:
-                        await self.prefill_queue.stop()
-                    finally:
-                        await self.migration_counters.stop()
-                        logger.info("frontend stopped in %.1f s", time.monotonic() - t0)
+                    await self.migration_counters.stop()
+                    logger.info("frontend stopped in %.1f s", time.monotonic() - t0)

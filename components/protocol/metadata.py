@@ -5,10 +5,9 @@ router, planner, rescheduler and ``kvmesh status`` (``from_dict``), instead of e
 key. Reading is tolerant: a field a peer of another version did not send takes its default, a field it sent that
 this version does not know is ignored.
 
-The rules here are the ones several components must agree on, so they live once:
-
-- ``is_routable``: which workers take client requests (not prefill workers: they serve decode workers);
-- ``stale_after``: when a worker's last load report means it is presumed dead.
+The rule here is one several components must agree on, so it lives once: ``is_routable``, which workers take
+client requests (not prefill workers: they serve decode workers). When a worker's last load report means it is
+presumed dead is the fleet view's rule (``components.fleet.rules``).
 
 Imports: the standard library only.
 """
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,15 +114,3 @@ class WorkerMetadata:
 def is_routable(meta: WorkerMetadata) -> bool:
     """Whether clients' requests may be routed to this worker: it names a model and is not a prefill worker."""
     return bool(meta.model) and meta.role != WorkerRole.PREFILL
-
-
-def stale_after(received_s: float | None, interval_s: float | None, intervals: float, min_s: float) -> float:
-    """When a worker's last load report goes stale: ``received + max(min_s, intervals * interval)``.
-
-    No report, or a single one (no interval observed yet), never goes stale: a worker that just started is not
-    presumed dead before it has shown how often it reports. Router, planner and rescheduler use this one rule, so
-    they agree on which workers are alive.
-    """
-    if received_s is None or interval_s is None:
-        return math.inf
-    return received_s + max(min_s, intervals * interval_s)

@@ -2,14 +2,21 @@
 sent to each, builds ``WorkerSnapshot``s and asks a pure policy (``components.router.policies``, chosen by readable
 name) where to go.
 
-Fed by its owner, with no I/O of its own (``feed.RouterFeed`` does the I/O: event plane, discovery, resyncs):
+Membership, load reports, staleness and schedulability are the fleet view's (``components.fleet``): the router
+reads a ``FleetState`` (its own, or one it is given: the frontend shares its live view's) and keeps no copy of them.
+It keeps only what is its own: its routing decisions (requests in flight per worker, its own and its replicas'), the
+KV index, and the per-model tables its policies read, rebuilt from the fleet's listener calls
+(``fleet_members``/``fleet_load``/``fleet_schedulability``) as changes arrive, never on the decision's path.
 
-- membership: ``set_workers(model, [(instance id, metadata)])`` from discovery. A worker in no model any more is
-  forgotten: its KV blocks leave the index and its metrics are dropped; its events that still arrive (a draining
-  worker) are ignored until it registers again;
-- load: ``apply_load(instance id, LoadSnapshot, now_s)`` from the ``load_metrics`` topic. The router also learns each
-  worker's publishing interval from the arrivals, so a worker whose reports stop is presumed dead after a few of its
-  own intervals (``types.stale_after``; the policies skip it);
+Fed by its owner, with no I/O of its own (``feed.RouterFeed`` and ``components.fleet.live.LiveFleet`` do the I/O:
+event plane, discovery, resyncs):
+
+- membership: ``set_workers(model, [(instance id, metadata)])`` from discovery, handed to the fleet
+  (``FleetState.set_members``). A worker in no model any more is forgotten: its KV blocks leave the index and the
+  fleet drops its metrics; its events that still arrive (a draining worker) are ignored until it registers again;
+- load: ``apply_load(instance id, LoadSnapshot, now_s)`` from the ``load_metrics`` topic, into the fleet, which
+  learns each worker's publishing interval from the arrivals, so a worker whose reports stop is presumed dead after
+  a few of its own intervals (``components.fleet.rules``, the one staleness rule; the policies skip it);
 - KV cache: ``apply_kv_events`` / ``begin_resync`` / ``load_kv_state`` into a ``KvIndex``. ``apply_kv_events``
   returns False on an event-id gap: the owner fetches the worker's ``kv_state`` snapshot. With ``router_kv_events``
   off (approximate mode) the index is predicted from the router's own assignments instead, for ``router_ttl_s``;
@@ -18,11 +25,12 @@ Fed by its owner, with no I/O of its own (``feed.RouterFeed`` does the I/O: even
   the prefill part leaves at its first token, the rest at its end;
 - replicas: every assignment change is offered to ``sync_listeners`` (as a ``protocol`` sync message) and
   ``apply_sync`` applies other replicas' messages, so several routers count each other's requests;
-- schedulability: ``set_schedulable`` from the ``worker_status`` topic (a worker whose engine died or that drains
-  says so before its registration goes), ``mark_down`` from the owner (the frontend saw the worker's process gone:
-  no responders, a stream cut). Either keeps ``select`` off the worker at once; a worker marked down is taken back
-  only by a load report received ``DOWN_HOLD_S`` after the mark (a dead process sends none; a report already in
-  flight when it died arrives sooner), or when it registers again; one that left is forgotten with the rest;
+- schedulability (the fleet's one rule): ``set_schedulable`` from the ``worker_status`` topic (a worker whose engine
+  died or that drains says so before its registration goes), ``mark_down`` from the owner (the frontend saw the
+  worker's process gone: no responders, a stream cut). Either keeps ``select`` off the worker at once; a worker
+  marked down is taken back only by a load report received ``DOWN_HOLD_S`` after the mark (a dead process sends
+  none; a report already in flight when it died arrives sooner), or when it registers again; one that left is
+  forgotten with the rest;
 - ``on_migrated``: a running request moved to another worker; its load goes with it.
 
 Snapshots are kept ready: every method that changes a worker's counts or report (``apply_load``, ``on_routed``,
@@ -60,9 +68,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from components.fleet.model import LoadRecord
+from components.fleet.rules import DOWN_HOLD_S, LOAD_REPORTS, StaleRule
+from components.fleet.state import FleetState
 from components.protocol.kv_hashing import HASH_SCHEME_VERSION, HashMemo, PromptHashes
 from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
-from components.protocol.metadata import WorkerMetadata, stale_after
+from components.protocol.metadata import WorkerMetadata, WorkerRole
+from components.protocol.migration import WorkerStatus
 from components.router.config import RouterConfig
 from components.router.errors import NoWorkersError, RouterProtocolError, UnknownPolicyError
 from components.router.kv_index import KvIndex
@@ -84,14 +96,7 @@ logger = logging.getLogger(__name__)
 SyncListener = Callable[[dict[str, Any]], None]
 MembershipListener = Callable[[set[int], set[int]], None]
 
-# Workers that left are remembered (so their late events are ignored) up to this many; the oldest are forgotten first.
-_MAX_DEPARTED = 4096
-# A worker the owner marked down is routable again only after a load report received this long after the mark: a
-# report published just before the process died may still be on its way, a live worker reports every 0.1 s.
-DOWN_HOLD_S = 1.0
-# Robust estimate of a worker's publishing interval: an exponential average whose samples are capped at twice the
-# estimate, so one long pause (a GC, a reconnect) moves it by at most 10% instead of making the worker look slow.
-_INTERVAL_ALPHA = 0.1
+__all__ = ["DOWN_HOLD_S", "Router", "RouterStats", "make_policy"]  # DOWN_HOLD_S: the fleet's rule, named here too
 # A worker's snapshot fields from kv_usage to metrics_stale_after_s, in WorkerSnapshot's order (``_Load.report``):
 # kv_usage, num_running, num_waiting, num_waiting_prefill_tokens, metrics_received_s, metrics_interval_s,
 # metrics_stale_after_s; and their values before a first report.
@@ -141,14 +146,14 @@ def make_policy(config: RouterConfig | str) -> RoutingPolicy[Any]:
 
 
 class _Load:
-    """One worker's counters (from assignments, local and remote) and its last load report.
+    """One worker's counters (from assignments, local and remote), and the fleet's record of its last load report
+    (``record``: the fleet's own object, not a copy; set by ``set_report`` from the fleet's listener call).
 
     Also what ``Router._snapshot`` derives from them, kept until its inputs change (a snapshot is rebuilt at every
     change of the worker, ~5 times per decision at 256 workers, see ``Router._flush``): ``report``, the snapshot
-    fields that come from the last report (set by ``set_report``, the only writer of ``metrics``/``received_s``/
-    ``interval_s``), and the two step-time rates for the ``rates_at`` (StepTime, requests, prompt tokens) they were
-    computed at. A load report or a first token leaves the rates as they were; only ``on_routed``/``on_finished``
-    move them.
+    fields that come from the record, and the two step-time rates for the ``rates_at`` (StepTime, requests, prompt
+    tokens) they were computed at. A load report or a first token leaves the rates as they were; only
+    ``on_routed``/``on_finished`` move them.
     """
 
     __slots__ = (
@@ -157,11 +162,9 @@ class _Load:
         "active_prompt_tokens",
         "active_requests",
         "decode_step_ms",
-        "interval_s",
-        "metrics",
         "prefill_ms_per_token",
         "rates_at",
-        "received_s",
+        "record",
         "report",
     )
 
@@ -170,36 +173,29 @@ class _Load:
         self.active_prompt_tokens = 0
         self.active_prefill_tokens = 0
         self.active_blocks = 0
-        self.metrics: LoadSnapshot | None = None
-        self.received_s: float | None = None
-        self.interval_s: float | None = None
+        self.record: LoadRecord | None = None
         self.report: _Report = _NO_REPORT
         self.rates_at: tuple[StepTime, int, int] | None = None
         self.prefill_ms_per_token = 0.0
         self.decode_step_ms = 0.0
 
     def idle(self) -> bool:
-        return self.active_requests == 0 and self.metrics is None
+        return self.active_requests == 0 and self.record is None
 
-    def set_report(
-        self, metrics: LoadSnapshot | None, received_s: float | None, interval_s: float | None, cfg: RouterConfig
-    ) -> None:
-        self.metrics = metrics
-        self.received_s = received_s
-        self.interval_s = interval_s
-        stale_s = stale_after(received_s, interval_s, cfg.metrics_stale_intervals, cfg.metrics_stale_min_s)
-        if metrics is None:
-            self.report = (None, None, None, None, received_s, interval_s, stale_s)
+    def set_report(self, record: LoadRecord | None) -> None:
+        self.record = record
+        if record is None:
+            self.report = _NO_REPORT
         else:
-            m = metrics
+            m = record.snapshot
             self.report = (
                 m.kv_usage,
                 m.num_running,
                 m.num_waiting,
                 m.num_waiting_prefill_tokens,
-                received_s,
-                interval_s,
-                stale_s,
+                record.received_s,
+                record.interval_s,
+                record.stale_at_s,
             )
 
 
@@ -246,7 +242,10 @@ class Router:
         *,
         rng: random.Random | None = None,
         replica_id: int | None = None,
+        fleet: FleetState | None = None,
     ) -> None:
+        """``fleet``: the fleet view to read (shared with its live feed, or with a simulator); None: a new one,
+        with ``config``'s staleness numbers (``metrics_stale_intervals``, ``metrics_stale_min_s``)."""
         if config is None:
             config = RouterConfig()
         self.policy = make_policy(config)
@@ -264,6 +263,8 @@ class Router:
         self.stats = RouterStats()
         self.sync_listeners: list[SyncListener] = []
         self.membership_listeners: list[MembershipListener] = []
+        # The per-model tables the policies read (derived from the fleet's members and this router's bookkeeping),
+        # and which of those models each worker is in.
         self._models: dict[str, _ModelState] = {}
         self._member_of: dict[int, set[str]] = {}
         self._loads: dict[int, _Load] = {}
@@ -271,27 +272,51 @@ class Router:
         self._inflight: dict[str, Assignment] = {}
         self._remote: dict[int, dict[str, Assignment]] = {}
         self._remote_seen: dict[int, float] = {}
-        self._departed: dict[int, None] = {}  # an insertion-ordered set
         # Workers announcing another KV hash scheme (``kv_hash_scheme`` in their metadata): their events could
         # never match this router's prompt hashes, so they are not indexed.
         self._foreign_hashes: set[int] = set()
         self._step_time: dict[int, StepTime] = {}  # instance id -> its announced step-time model, parsed
-        # Workers select() must not choose: they said they take no new requests (reason), or were seen dead (since).
-        self._unschedulable: dict[int, str] = {}
-        self._down: dict[int, float] = {}
-        self._blocked: frozenset[int] = frozenset()  # the union of both, for select's hot path
         # Block size -> the hashes of recently seen prompt chunks (``prepare``); one per block size a model uses.
         self._hash_memos: dict[int, HashMemo] = {}
+        if fleet is None:
+            rule = StaleRule(
+                intervals=config.metrics_stale_intervals,
+                floor_s=config.metrics_stale_min_s,
+                first_report_s=LOAD_REPORTS.first_report_s,
+                smoothing=LOAD_REPORTS.smoothing,
+            )
+            fleet = FleetState(rule)
+        self.fleet = fleet
+        # The fleet's unschedulable workers (its own frozenset, replaced at each change), for select's hot path.
+        self._blocked: frozenset[int] = fleet.blocked
+        fleet.add_listener(self)
+        for iid, record in fleet.loads().items():  # a shared fleet that already knows workers
+            self._load(iid).set_report(record)
+        for model in fleet.models():
+            self.fleet_members(model, set(fleet.members(model)), set())
 
     # --- membership -------------------------------------------------------------------------------------------------
 
     def set_workers(self, model: str, workers: Iterable[tuple[int, Mapping[str, Any]]]) -> None:
         """Replace the set of workers that serve ``model`` ((instance id, metadata) pairs); empty removes the model.
+        Handed to the fleet (``FleetState.set_members``), whose listener call rebuilds this router's table.
 
         Counts of requests still in flight on a worker that left are kept until those requests finish, so a worker
         that re-registers under the same id is not seen as idle while it still serves them.
         """
-        meta = dict(workers)
+        self.fleet.set_members(model, workers)
+
+    # --- the fleet's listener calls (components.fleet.state.FleetListener) ------------------------------------------
+
+    def fleet_members(self, model: str, joined: set[int], left: set[int]) -> None:
+        """``model``'s workers changed in the fleet: rebuild its table from the fleet's members (prefill workers
+        left out: clients' requests never go to them)."""
+        fleet = self.fleet
+        meta: dict[int, Mapping[str, Any]] = {}
+        for iid, md in fleet.members(model).items():
+            reg = fleet.registration(iid)
+            if reg is None or reg.role != WorkerRole.PREFILL:
+                meta[iid] = md
         old = self._models.get(model)
         for iid, md in meta.items():
             self._step_time[iid] = StepTime.from_mapping(md.get("step_time"))
@@ -336,8 +361,6 @@ class Router:
                 models.add(model)
         for iid in removed:
             self._forget(iid)
-        for iid in added:
-            self._departed.pop(iid, None)
         if added or removed:
             logger.info(
                 "model %s: %d workers (joined: %s; left: %s)",
@@ -349,22 +372,33 @@ class Router:
             for cb in self.membership_listeners:
                 cb(added, removed)
 
+    def fleet_load(self, instance_id: int, record: LoadRecord | None) -> None:
+        """A worker's load record changed in the fleet (None: it left; its report is dropped)."""
+        if record is None:
+            load = self._loads.get(instance_id)
+            if load is not None:
+                load.set_report(None)
+                if load.idle() and instance_id not in self._member_of:
+                    del self._loads[instance_id]
+                self._dirty.add(instance_id)
+            return
+        self._load(instance_id).set_report(record)
+        self._dirty.add(instance_id)
+        self._flush()
+
+    def fleet_schedulability(self, instance_id: int) -> None:
+        self._blocked = self.fleet.blocked
+
     def _forget(self, iid: int) -> None:
-        if self._unschedulable.pop(iid, None) is not None or self._down.pop(iid, None) is not None:
-            self._update_blocked()
+        """What the router itself keeps of a worker that left: its KV blocks, its parsed step-time model."""
         self.index.remove_worker(iid)
         if self.host_index is not None:
             self.host_index.remove_worker(iid)
         self._step_time.pop(iid, None)
         self._foreign_hashes.discard(iid)
         load = self._loads.get(iid)
-        if load is not None:
-            load.set_report(None, None, None, self.config)
-            if load.idle():
-                del self._loads[iid]
-        self._departed[iid] = None
-        if len(self._departed) > _MAX_DEPARTED:
-            del self._departed[next(iter(self._departed))]
+        if load is not None and load.idle():
+            del self._loads[iid]
 
     def models(self) -> list[str]:
         return sorted(self._models)
@@ -397,41 +431,26 @@ class Router:
     # --- schedulability ---------------------------------------------------------------------------------------------
 
     def set_schedulable(self, instance_id: int, schedulable: bool, reason: str = "") -> None:
-        """A worker says whether it takes new requests (``WorkerStatus``); False keeps ``select`` off it."""
-        if schedulable:
-            if self._unschedulable.pop(instance_id, None) is not None:
-                logger.info("worker %x takes requests again", instance_id)
-                self._update_blocked()
-        elif instance_id not in self._unschedulable and instance_id not in self._departed:
-            logger.info("worker %x takes no new requests: %s", instance_id, reason or "(no reason given)")
-            self._unschedulable[instance_id] = reason
-            self._update_blocked()
+        """A worker says whether it takes new requests (``WorkerStatus``); False keeps ``select`` off it. Into the
+        fleet, whose rule decides."""
+        self.fleet.apply_status(instance_id, WorkerStatus(schedulable, reason))
 
     def mark_down(self, instance_id: int, now_s: float, reason: str = "") -> bool:
         """The owner saw the worker's process gone: keep ``select`` off it (class docstring). True when newly
-        marked."""
-        if instance_id in self._down or instance_id in self._departed:
-            return False
-        logger.warning("worker %x marked down: %s", instance_id, reason or "(no reason given)")
-        self._down[instance_id] = now_s
-        self._update_blocked()
-        return True
+        marked. Into the fleet (``FleetState.mark_down``)."""
+        return self.fleet.mark_down(instance_id, now_s, reason)
 
     def down_since(self, instance_id: int) -> float | None:
         """When the owner marked the worker down (its ``now_s``), None if it is not marked."""
-        return self._down.get(instance_id)
+        return self.fleet.down_since(instance_id)
 
     def is_schedulable(self, instance_id: int) -> bool:
-        return instance_id not in self._blocked
+        """Whether ``select`` may choose it: not blocked (``unschedulable``), and not a worker that left."""
+        return self.fleet.is_schedulable(instance_id)
 
     def unschedulable(self) -> dict[int, str]:
         """Workers ``select`` avoids now and why (``worker_status``'s reason, or "down")."""
-        out = {iid: "down" for iid in self._down}
-        out.update(self._unschedulable)
-        return out
-
-    def _update_blocked(self) -> None:
-        self._blocked = frozenset(self._unschedulable) | frozenset(self._down)
+        return self.fleet.unschedulable()
 
     # --- snapshots --------------------------------------------------------------------------------------------------
 
@@ -703,31 +722,16 @@ class Router:
     # --- event plane ------------------------------------------------------------------------------------------------
 
     def apply_load(self, instance_id: int, snapshot: LoadSnapshot, now_s: float) -> None:
-        """A worker's load report arrived at ``now_s`` (the router's monotonic clock)."""
-        if instance_id in self._departed:
-            return
-        down = self._down.get(instance_id)
-        if down is not None and now_s - down >= DOWN_HOLD_S:
-            logger.info("worker %x reports again %.1f s after it was marked down: routable", instance_id, now_s - down)
-            del self._down[instance_id]
-            self._update_blocked()
-        load = self._load(instance_id)
-        interval_s = load.interval_s
-        if load.received_s is not None:
-            gap = now_s - load.received_s
-            if gap > 0:
-                est = interval_s
-                interval_s = gap if est is None else est + _INTERVAL_ALPHA * (min(gap, 2 * est) - est)
-        load.set_report(snapshot, now_s, interval_s, self.config)
-        self._dirty.add(instance_id)
-        self._flush()
+        """A worker's load report arrived at ``now_s`` (the router's monotonic clock): into the fleet, whose listener
+        call refreshes the worker's snapshot here."""
+        self.fleet.apply_load(instance_id, snapshot, now_s)
 
     def apply_kv_events(self, instance_id: int, events: list[KvEvent]) -> bool:
         """Apply a batch of a worker's KV events; False: a gap, fetch its ``kv_state`` and call ``load_kv_state``.
 
         Events of a host-memory tier (``KvEvent.is_host``) go to ``host_index``, made at the first one; from then on
         it sees every event, so that it counts the ids of the device's too (``KvIndex``'s media)."""
-        if instance_id in self._departed or instance_id in self._foreign_hashes:
+        if instance_id in self._foreign_hashes or self.fleet.has_departed(instance_id):
             return True
         host = self.host_index
         if host is None and any(e.is_host for e in events):
@@ -747,7 +751,7 @@ class Router:
     def load_kv_state(self, instance_id: int, snapshot: KvStateSnapshot) -> bool:
         """Replace the worker's blocks with its snapshot and replay the events buffered since; False when those
         events had a gap of their own (fetch again)."""
-        if instance_id in self._departed or instance_id in self._foreign_hashes:
+        if instance_id in self._foreign_hashes or self.fleet.has_departed(instance_id):
             return True
         if self.host_index is None and snapshot.host_block_hashes:
             self.host_index = KvIndex(approx_ttl_s=self.config.router_ttl_s, host=True)

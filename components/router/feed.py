@@ -1,8 +1,10 @@
-"""``RouterFeed``: keeps a ``Router``'s view of the fleet current from the mesh. All of the router's I/O lives here.
+"""``RouterFeed``: keeps a ``Router``'s inputs current from the mesh. All of the router's I/O lives here.
 
-- ``load_metrics`` topic -> ``Router.apply_load`` (every policy: it is how a dead worker is noticed within ~0.5 s);
-- ``worker_status`` topic -> ``Router.set_schedulable`` (a worker whose engine died, or that drains, is chosen no
-  more from the moment it says so, while its registration stays until its requests are gone);
+- the fleet view: a ``components.fleet.live.LiveFleet`` over the router's ``FleetState`` (the owner's, when it
+  passes one: the frontend's follows the prefill queue too), following the ``load_metrics`` topic (every policy: it
+  is how a dead worker is noticed within ~0.5 s) and the ``worker_status`` topic (a worker whose engine died, or
+  that drains, is chosen no more from the moment it says so, while its registration stays until its requests are
+  gone);
 - ``kv_events`` topic -> ``Router.apply_kv_events`` (KV policies with events on). On an event-id gap, and for every
   worker that joins (its earlier events were never seen), a named task fetches the worker's ``kv_state`` snapshot
   straight from that instance and loads it; events that race the fetch are buffered and replayed after it. A fetch
@@ -28,16 +30,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from components.protocol.endpoints import (
-    ENDPOINT_GENERATE,
-    ENDPOINT_KV_STATE,
-    TOPIC_KV_EVENTS,
-    TOPIC_LOAD_METRICS,
-    TOPIC_WORKER_STATUS,
-)
-from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
+from components.fleet.live import LiveFleet
+from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS
+from components.protocol.messages import KvEvent, KvStateSnapshot
 from components.protocol.metadata import WorkerMetadata, is_routable
-from components.protocol.migration import WorkerStatus
 from components.router.adapter import Router
 from components.router.errors import RouterProtocolError
 from components.router.protocol import TOPIC_ROUTER_SYNC
@@ -65,7 +61,17 @@ class RouterFeed:
         components: Sequence[str],
         *,
         watch_workers: bool = False,
+        fleet: LiveFleet | None = None,
     ) -> None:
+        """``fleet``: the live view over ``router.fleet`` to start and stop with the feed (the owner's, or None: one
+        of the feed's own, following loads and statuses)."""
+        if fleet is not None and fleet.state is not router.fleet:
+            raise ValueError("the live fleet view must feed the router's own FleetState")
+        self.fleet = (
+            fleet
+            if fleet is not None
+            else LiveFleet(runtime, namespace, state=router.fleet, watch_membership=False, follow_queues=False)
+        )
         self.runtime = runtime
         self.router = router
         self.namespace = namespace
@@ -89,12 +95,7 @@ class RouterFeed:
         ns = rt.namespace(self.namespace)
         spawn = rt.supervisor.spawn
         router = self.router
-        metrics: EventSubscription[Any] = await ns.events.subscribe(TOPIC_LOAD_METRICS)
-        self._subs.append(metrics)
-        self._tasks.append(spawn(self._consume_metrics(metrics), name=f"router-metrics:{self.namespace}"))
-        status: EventSubscription[Any] = await ns.events.subscribe(TOPIC_WORKER_STATUS)
-        self._subs.append(status)
-        self._tasks.append(spawn(self._consume_status(status), name=f"router-worker-status:{self.namespace}"))
+        await self.fleet.start()
         if router.uses_kv and not router.approximate:
             for comp in self.components:
                 self._kv_state_clients.append(await ns.component(comp).endpoint(ENDPOINT_KV_STATE).client())
@@ -126,6 +127,12 @@ class RouterFeed:
         )
 
     async def stop(self) -> None:
+        try:
+            await self._stop()
+        finally:
+            await self.fleet.stop()
+
+    async def _stop(self) -> None:
         router = self.router
         if self._sync:
             with contextlib.suppress(ValueError):
@@ -183,28 +190,6 @@ class RouterFeed:
                 task.cancel()
         for iid in added:
             self._schedule_resync(iid)
-
-    # --- load metrics -----------------------------------------------------------------------------------------------
-
-    async def _consume_metrics(self, sub: EventSubscription[Any]) -> None:
-        router = self.router
-        async for ev in sub:
-            try:
-                snap = LoadSnapshot.from_dict(ev.payload)
-            except (KeyError, TypeError) as e:
-                logger.warning("load metrics from %x do not parse: %r", ev.source_id, e)
-                continue
-            router.apply_load(ev.source_id, snap, time.monotonic())
-
-    async def _consume_status(self, sub: EventSubscription[Any]) -> None:
-        router = self.router
-        async for ev in sub:
-            try:
-                status = WorkerStatus.from_dict(ev.payload)
-            except (KeyError, TypeError, ValueError) as e:
-                logger.warning("worker status from %x does not parse: %r", ev.source_id, e)
-                continue
-            router.set_schedulable(ev.source_id, status.schedulable, status.reason)
 
     # --- KV events and resyncs --------------------------------------------------------------------------------------
 

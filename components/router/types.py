@@ -146,7 +146,7 @@ class WorkerSnapshot(NamedTuple):
     ``kv_usage`` (0..1), ``num_running``, ``num_waiting``, ``num_waiting_prefill_tokens``.
     ``metrics_received_s`` is when the last report arrived (router's clock), ``metrics_interval_s`` the worker's
     observed publishing interval, ``metrics_stale_after_s`` the instant from which the report counts as stale
-    (``components.protocol.metadata.stale_after``; ``inf`` while there is no report or no interval yet).
+    (the fleet's one rule, ``components.fleet.rules.stale_at``; ``inf`` while there is no report).
 
     Derived once per change of the worker (not per decision: a decision may read them for every worker), from its
     ``StepTime`` and the counts above:

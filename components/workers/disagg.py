@@ -38,8 +38,8 @@ What can go wrong, and what happens:
 
 Queue metrics: each prefill worker publishes a ``PrefillQueueReport`` every ``metrics_interval_ms`` on
 ``TOPIC_PREFILL_QUEUE``; decode workers count the prefill workers alive from who reports (a report older than
-``stale_after``'s rule, 3 intervals, no longer counts); the planner and the frontend's ``/metrics`` read the same
-reports.
+the fleet's staleness rule for queue reports allows, ``components.fleet.rules.QUEUE_REPORTS``, no longer counts);
+the planner and the frontend's ``/metrics`` read the same reports.
 
 Imports: the runtime, the protocol, the pure ``decide_prefill`` rule, and this package's config and engine contract.
 """

@@ -1,16 +1,16 @@
-"""The frontend's prefill-queue gauges (components/frontend/metrics.py, prefill_queue.py): per model, rendered at
-scrape time from the prefill workers' reports, with an explicit clock; and the feed that follows the reports on the
-event plane (in-memory twins)."""
+"""The frontend's prefill-queue gauges (components/frontend/metrics.py): per model, rendered at scrape time from the
+prefill workers' reports, with an explicit clock; and the frontend's live fleet view (components/fleet/live.py),
+which follows the reports on the event plane (in-memory twins)."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from components.fleet.live import LiveFleet
 from components.fleet.queues import PrefillQueues, PrefillQueueView
 from components.frontend.config import FrontendConfig
 from components.frontend.metrics import PREFILL_QUEUE_GAUGES, FrontendMetrics, prefill_queue_families
-from components.frontend.prefill_queue import PrefillQueueFeed
 from components.frontend.server import Frontend
 from components.protocol.endpoints import TOPIC_PREFILL_QUEUE
 from components.protocol.messages import PrefillQueueReport
@@ -93,13 +93,13 @@ def test_no_report_means_no_series_and_help_lines_still_there():
     assert f"# HELP {WAITING} " in text and f"\n{WAITING}{{" not in text
 
 
-async def test_the_feed_applies_the_reports_published_on_the_event_plane():
+async def test_the_live_fleet_view_applies_the_reports_published_on_the_event_plane():
     mesh = Mesh()
     try:
         worker_rt, frontend_rt = await mesh.runtime(), await mesh.runtime()
         clock = Clock()
-        queues = PrefillQueues()
-        feed = PrefillQueueFeed(frontend_rt, NS, queues, clock=clock)
+        feed = LiveFleet(frontend_rt, NS, clock=clock, watch_membership=False)
+        queues = feed.state.queues
         await feed.start()
         try:
             events = worker_rt.namespace(NS).events
@@ -109,13 +109,13 @@ async def test_the_feed_applies_the_reports_published_on_the_event_plane():
             await worker_rt.namespace("other").events.publish(  # another namespace's queue is not ours
                 TOPIC_PREFILL_QUEUE, report("x", 9).to_dict(), source_id=0xD
             )
-            await wait_until(lambda: _count(queues) == 2 and feed.num_unparsed == 1, timeout_s=5)
+            await wait_until(lambda: _count(queues) == 2 and feed.unparsed[TOPIC_PREFILL_QUEUE] == 1, timeout_s=5)
             view = queues.view("m", clock.now_s)
             assert (view.prefill_workers, view.waiting, view.in_flight) == (2, 1, 0)  # 0xC's report is the newer
             assert queues.models() == ["m"]
         finally:
             await feed.stop()
-        assert "frontend-prefill-queue:ns" not in " ".join(frontend_rt.supervisor.task_names)
+        assert "fleet-prefill_queue:ns" not in " ".join(frontend_rt.supervisor.task_names)
     finally:
         await mesh.shutdown()
 
@@ -128,9 +128,10 @@ async def test_the_frontend_renders_what_its_feed_hears():
     mesh = Mesh()
     try:
         frontend = Frontend(FrontendConfig(namespace=NS), await mesh.runtime())
-        # Wired to one PrefillQueues: what the feed applies is what /metrics renders.
-        assert frontend.prefill_queue.queues is frontend.metrics.prefill_queues
-        await frontend.prefill_queue.start()
+        # Wired to one PrefillQueues, the fleet view's: what the view applies is what /metrics renders.
+        assert frontend.fleet.state.queues is frontend.metrics.prefill_queues
+        assert frontend.fleet.state is frontend.router.fleet
+        await frontend.fleet.start()
         try:
             worker_rt = await mesh.runtime()
             await worker_rt.namespace(NS).events.publish(
@@ -140,6 +141,6 @@ async def test_the_frontend_renders_what_its_feed_hears():
             got = samples(frontend.metrics)
             assert (got[(WAITING, "m")], got[(OLDEST, "m")], got[(WORKERS, "m")]) == (5, 1.5, 1)
         finally:
-            await frontend.prefill_queue.stop()
+            await frontend.fleet.stop()
     finally:
         await mesh.shutdown()

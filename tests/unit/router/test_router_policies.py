@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from components.protocol.metadata import stale_after
 from components.router import POLICIES, RouterConfig, RouteRequest, WorkerSnapshot, make_policy
 from components.router.policies import autellix, common, kv
 from components.router.policies.autellix import AutellixPolicy, AutellixState
@@ -144,14 +143,6 @@ def test_same_inputs_and_seed_give_the_same_decisions(name):
         return out
 
     assert run(7) == run(7)
-
-
-def test_stale_after_is_a_few_of_the_workers_own_intervals_never_less_than_the_floor():
-    assert stale_after(None, None, 5, 0.5) == math.inf  # never reported
-    assert stale_after(10.0, None, 5, 0.5) == math.inf  # one report: its interval is not known yet
-    assert stale_after(10.0, 0.1, 5, 0.5) == pytest.approx(10.5)  # 5 x 0.1 s = the 0.5 s floor
-    assert stale_after(10.0, 0.05, 5, 0.5) == pytest.approx(10.5)  # 5 x 0.05 = 0.25 s: the floor wins
-    assert stale_after(10.0, 1.0, 5, 0.5) == pytest.approx(15.0)  # a slow publisher is given 5 s
 
 
 def test_ties_break_uniformly_with_the_given_rng():

@@ -68,6 +68,20 @@ def test_a_worker_that_leaves_is_forgotten_with_its_marks():
     assert r.down_since(2) is None and r.unschedulable() == {1: "draining"}
 
 
+def test_a_worker_that_said_no_and_was_marked_down_and_left_is_not_schedulable():
+    # Regression: the router's own bookkeeping forgot only one of the two marks when such a worker left (an ``or``
+    # that stopped at the first), so is_schedulable said False by accident; now the fleet forgets both and says
+    # False because the worker left (test_migration_frontend's dead-engine test asks exactly this).
+    r = router(1, 2)
+    r.set_schedulable(2, False, "its engine died")
+    r.mark_down(2, 0.0, "no responders")
+    r.set_workers("m", [(1, meta())])
+    assert r.unschedulable() == {} and r.down_since(2) is None
+    assert not r.is_schedulable(2) and r.is_schedulable(1)
+    r.set_workers("m", [(1, meta()), (2, meta())])  # registered again: schedulable, nothing of its past
+    assert r.is_schedulable(2)
+
+
 def test_a_moved_request_takes_its_load_to_the_new_worker():
     r = router(1, 2)
     req = RouteRequest(list(range(64)), "m", 0.0)
