@@ -1,22 +1,18 @@
-"""``Planner``: the planner's adapter. It does all of the planner's I/O around the pure policy (policy.py):
+"""``Planner``: the planner's adapter. It does all of the planner's I/O around the controller (controller.py, the
+pull as a function of the fleet view, which the simulator runs too) and the pure policy (policy.py):
 
-- every ``metric_pulling_interval`` it builds an ``Observation`` and calls ``decide``:
-  * pools from discovery: the decode pool is every ``generate`` instance of the served model whose role is decode
-    or aggregated; the prefill pool is every instance of the model whose role is prefill (a prefill worker serves
-    only ``kv_state``). Read with one etcd listing per pull (``Namespace.list_instances``) rather than a watch per
-    component: the planner does not know which components a graph put its workers under, and one listing a second
-    is nothing to etcd;
-  * a deployment is disaggregated (``Observation.prefill`` is not None) when any worker of the model is a prefill
-    or decode worker; otherwise its aggregated workers are the decode pool;
-  * loads: the latest ``LoadSnapshot`` (``load_metrics`` topic) of each decode-pool worker, stamped with the
-    planner's receive time (the policy leaves out those older than 3 pulls);
-  * queue: the freshest ``PrefillQueueReport`` (``prefill_queue`` topic) for the model that read the queue;
-  * changes in progress: a pool whose ``Connector.set_pool_size`` has not returned counts the difference asked for
-    as ``starting`` (or ``leaving``), which pauses the policy's intervals (connectors/base.py);
+- every ``metric_pulling_interval`` it hands ``PlannerController.pull`` a snapshot of its fleet view
+  (``components.fleet.live.LiveFleet``: membership watched in etcd, the ``load_metrics``, ``worker_status`` and
+  ``prefill_queue`` topics, stamped with the planner's clock). The pools, loads (fresh by the fleet's one staleness
+  rule), the prefill queue and the changes in progress become the policy's ``Observation`` there. Before each pull
+  one etcd listing checks that discovery answers: with etcd unreachable the pull is skipped rather than decided on a
+  membership that may be stale;
   * GPUs per worker: ``Connector.gpus_per_worker`` (the local connector: the graph group's gpus_per_replica, from
     the state file), else the config's ``*_engine_num_gpu``;
-- applies each ``Adjustment`` (``apply``): one named task per pool change, through the connector; a failed change is
-  logged and the next interval decides again;
+- applies each ``Adjustment`` (``apply``): one named task per pool change, through the connector, announced to the
+  controller (``change_started``/``change_ended``: a pool whose ``Connector.set_pool_size`` has not returned counts
+  the difference asked for as starting or leaving, which pauses the policy's intervals); a failed change is logged
+  and the next interval decides again;
 - logs one INFO line per adjustment with its reasons, writes TensorBoard scalars at every pull and adjustment and
   each decision as text (``PlannerBoard``, with ``--log-dir``), keeps the same figures and counters of decisions for
   Prometheus (``metrics.PlannerMetrics``, served on ``GET /metrics`` when a metrics host is given), keeps
@@ -25,153 +21,41 @@
   ``kvmesh/<ns>/planner/status/<model>`` under the planner's lease for ``kvmesh status``: at start, at every
   adjustment and when a change starts or ends.
 
-The wire-to-policy conversions (``fleet_from_instances``, ``pool_view``, ``queue_reading``, ``build_observation``,
-``request_totals``) are pure functions with unit tests (tests/unit/planner/test_loop.py).
-
-Owns: its two subscriptions, its tasks (``planner-*``, in the runtime's supervisor), the connector and the
-TensorBoard writer, all released by ``stop()``, each in its own try.
+Owns: its fleet view, its tasks (``planner-*``, in the runtime's supervisor), the connector and the TensorBoard
+writer, all released by ``stop()``, each in its own try.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from components.fleet.live import LiveFleet
 from components.planner.config import PlannerConfig
 from components.planner.connectors.base import Connector, ConnectorError
+from components.planner.controller import PendingChange, PlannerController
 from components.planner.metrics import MetricsServer, PlannerMetrics
 from components.planner.policy import (
-    STALE_AFTER_PULLS,
     Adjustment,
     Direction,
     Observation,
-    PlannerState,
     Pool,
-    PoolView,
     PullFigures,
-    QueueReading,
-    WorkerLoad,
-    decide,
-    pull_figures,
 )
 from components.planner.status import status_key
-from components.protocol.endpoints import ENDPOINT_GENERATE, TOPIC_LOAD_METRICS, TOPIC_PREFILL_QUEUE
-from components.protocol.messages import LoadSnapshot, PrefillQueueReport
-from components.protocol.metadata import WorkerMetadata, WorkerRole
-from components.runtime import EventSubscription, InstanceInfo, Runtime
+from components.runtime import Runtime
 from components.runtime.errors import ConnectError, RuntimeMeshError
 
 logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Pure: wire types -> the policy's observation
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Fleet:
-    """The model's workers as discovery lists them now."""
-
-    decode: frozenset[int]  # decode or aggregated workers (instance ids)
-    prefill: frozenset[int]
-    disaggregated: bool  # any prefill or decode worker: the prefill pool exists (maybe empty)
-
-
-def fleet_from_instances(instances: Iterable[InstanceInfo], model: str) -> Fleet:
-    """Group one discovery listing into pools. A worker registers once per endpoint it serves: counted once."""
-    decode: set[int] = set()
-    prefill: set[int] = set()
-    disaggregated = False
-    for info in instances:
-        meta = WorkerMetadata.from_dict(info.metadata)
-        if meta.model != model:
-            continue
-        if meta.role == WorkerRole.PREFILL:
-            prefill.add(info.instance_id)
-            disaggregated = True
-        elif info.endpoint == ENDPOINT_GENERATE:
-            decode.add(info.instance_id)
-            disaggregated = disaggregated or meta.role == WorkerRole.DECODE
-    return Fleet(frozenset(decode), frozenset(prefill), disaggregated)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PendingChange:
-    """A ``set_pool_size`` that has not returned: the pool had ``before`` workers when ``target`` was asked for."""
-
-    before: int
-    target: int
-
-
-def pool_view(workers: int, pending: PendingChange | None) -> PoolView:
-    """A pool as the policy sees it: registered workers, and the change asked for that has not finished (at least
-    one starting or leaving while it runs, even when discovery already shows the new count: the connector has not
-    said it is done)."""
-    if pending is None or pending.target == pending.before:
-        return PoolView(workers=workers)
-    if pending.target > pending.before:
-        return PoolView(workers=workers, starting=max(1, pending.target - workers))
-    return PoolView(workers=workers, leaving=max(1, workers - pending.target))
-
-
-def queue_reading(reports: Mapping[int, tuple[PrefillQueueReport, float]], model: str) -> QueueReading | None:
-    """The freshest report of ``model``'s prefill queue (every prefill worker reports the same queue), leaving out
-    reports whose worker could not read the queue (``stats_error``: their counts are 0, not a measurement)."""
-    best: tuple[PrefillQueueReport, float] | None = None
-    for report, received_s in reports.values():
-        if report.model != model or report.stats_error:
-            continue
-        if best is None or received_s > best[1]:
-            best = (report, received_s)
-    if best is None:
-        return None
-    return QueueReading(waiting=best[0].waiting, in_flight=best[0].in_flight, received_s=best[1])
-
-
-def build_observation(
-    now_s: float,
-    fleet: Fleet,
-    loads: Mapping[int, tuple[LoadSnapshot, float]],
-    queue: QueueReading | None,
-    pending: Mapping[Pool, PendingChange],
-    gpus_per_worker: Mapping[Pool, int | None] | None = None,
-) -> Observation:
-    """One pull's ``Observation``: ``loads`` maps an instance id to its latest snapshot and the planner-clock time
-    it arrived; only the decode pool's workers count (a prefill worker's KV use is not the decode pool's).
-    ``gpus_per_worker``: what the deployment says a pool's worker uses (None or absent: the config's figure)."""
-    worker_loads = tuple(
-        WorkerLoad(worker_id=iid, kv_usage=snap.kv_usage, received_s=received_s)
-        for iid, (snap, received_s) in sorted(loads.items())
-        if iid in fleet.decode
-    )
-    gpus = gpus_per_worker or {}
-
-    def view(pool: Pool, workers: int) -> PoolView:
-        return dataclasses.replace(pool_view(workers, pending.get(pool)), gpus_per_worker=gpus.get(pool))
-
-    prefill = view(Pool.PREFILL, len(fleet.prefill)) if fleet.disaggregated else None
-    return Observation(
-        now_s=now_s,
-        decode=view(Pool.DECODE, len(fleet.decode)),
-        prefill=prefill,
-        loads=worker_loads,
-        queue=queue if fleet.disaggregated else None,
-    )
-
-
-def request_totals(
-    loads: Mapping[int, tuple[LoadSnapshot, float]], fleet: Fleet, now_s: float, config: PlannerConfig
-) -> tuple[int, int]:
-    """(running, waiting) requests over the decode pool's workers with a fresh snapshot, by the policy's rule."""
-    oldest_s = now_s - STALE_AFTER_PULLS * config.metric_pulling_interval
-    fresh = [snap for iid, (snap, received_s) in loads.items() if iid in fleet.decode and received_s >= oldest_s]
-    return sum(s.num_running for s in fresh), sum(s.num_waiting for s in fresh)
+# Pure: status and logs
 
 
 def adjustment_to_dict(adj: Adjustment) -> dict[str, Any]:
@@ -333,11 +217,12 @@ class Planner:
         self.log_dir = log_dir
         self.board: PlannerBoard | None = None
         self.clock = clock
-        self.state = PlannerState()
+        # The policy and its changes in progress (no I/O: the simulator runs the same class), and the fleet view it
+        # reads: membership from discovery, load reports and prefill queue reports, stamped with ``clock``.
+        self.controller = PlannerController(config, model)
+        self.fleet = LiveFleet(runtime, namespace, clock=clock)
         self.last_decision: Adjustment | None = None
         self.last_observation: Observation | None = None
-        self.num_pulls = 0
-        self.num_adjustments = 0
         self.num_changes_applied = 0
         self.num_change_failures = 0
         self.last_change_error = ""
@@ -346,11 +231,7 @@ class Planner:
         self.metrics.in_progress = self.changes_in_progress
         self._metrics_server = None if metrics_host is None else MetricsServer(self.metrics, metrics_host, metrics_port)
         self.metrics_url = ""
-        self._loads: dict[int, tuple[LoadSnapshot, float]] = {}
-        self._queue_reports: dict[int, tuple[PrefillQueueReport, float]] = {}
-        self._pending: dict[Pool, PendingChange] = {}
         self._change_tasks: dict[Pool, asyncio.Task[None]] = {}
-        self._subs: list[EventSubscription[Any]] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -374,15 +255,8 @@ class Planner:
             await self.connector.start()
         except ConnectorError as e:
             logger.warning("%s; the planner runs on", e)
-        ns = self.runtime.namespace(self.namespace)
-        spawn = self.runtime.supervisor.spawn
-        loads: EventSubscription[Any] = await ns.events.subscribe(TOPIC_LOAD_METRICS)
-        self._subs.append(loads)
-        self._tasks.append(spawn(self._consume_loads(loads), name=f"planner-loads:{self.namespace}"))
-        queue: EventSubscription[Any] = await ns.events.subscribe(TOPIC_PREFILL_QUEUE)
-        self._subs.append(queue)
-        self._tasks.append(spawn(self._consume_queue(queue), name=f"planner-queue:{self.namespace}"))
-        self._loop_task = spawn(self._run(), name=f"planner-loop:{self.namespace}")
+        await self.fleet.start()
+        self._loop_task = self.runtime.supervisor.spawn(self._run(), name=f"planner-loop:{self.namespace}")
         self._tasks.append(self._loop_task)
         cfg = self.config
         logger.info(
@@ -417,12 +291,10 @@ class Planner:
             t.cancel()
         # gather, not "await t" under suppress(CancelledError): a stop() that is itself cancelled stays cancelled.
         await asyncio.gather(*tasks, return_exceptions=True)
-        for sub in self._subs:
-            try:
-                await sub.close()
-            except Exception as e:  # noqa: BLE001 - release the rest
-                logger.warning("closing subscription %s: %s", sub.topic, e)
-        self._subs.clear()
+        try:
+            await self.fleet.stop()
+        except Exception as e:  # noqa: BLE001 - release the rest
+            logger.warning("stopping the fleet view: %s", e)
         try:
             await self.connector.close()
         except Exception as e:  # noqa: BLE001 - release the rest
@@ -439,26 +311,6 @@ class Planner:
                 logger.warning("stopping the metrics server: %s", e)
         return code, last
 
-    # --- inputs -----------------------------------------------------------------------------------------------------
-
-    async def _consume_loads(self, sub: EventSubscription[Any]) -> None:
-        async for ev in sub:
-            try:
-                snap = LoadSnapshot.from_dict(ev.payload)
-            except (KeyError, TypeError) as e:
-                logger.warning("load metrics from %x do not parse: %r", ev.source_id, e)
-                continue
-            self._loads[ev.source_id] = (snap, self.clock())
-
-    async def _consume_queue(self, sub: EventSubscription[Any]) -> None:
-        async for ev in sub:
-            try:
-                report = PrefillQueueReport.from_dict(ev.payload)
-            except (KeyError, TypeError) as e:
-                logger.warning("prefill queue report from %x does not parse: %r", ev.source_id, e)
-                continue
-            self._queue_reports[ev.source_id] = (report, self.clock())
-
     # --- pull, decide, apply ----------------------------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -474,39 +326,39 @@ class Planner:
                 next_at += math.ceil((now - next_at) / interval) * interval
             await asyncio.sleep(next_at - now)
 
+    @property
+    def num_pulls(self) -> int:
+        return self.controller.num_pulls
+
+    @property
+    def num_adjustments(self) -> int:
+        return self.controller.num_adjustments
+
+    @property
+    def _pending(self) -> dict[Pool, PendingChange]:
+        return self.controller.pending
+
     async def pull(self) -> Adjustment | None:
         """One pull: observe, decide, and apply the decision if one is due. Returns the adjustment, if any."""
         try:
-            instances = await self.runtime.namespace(self.namespace).list_instances()
+            # Not for its answer (the fleet view's watch keeps membership): with etcd unreachable the pool sizes
+            # may be stale, so no observation. Not fatal to the planner: etcd is expected back, and the next pull
+            # tries again (its interval restarts on the fleet it sees).
+            await self.runtime.namespace(self.namespace).list_instances()
         except ConnectError as e:
-            # etcd unreachable for connect_timeout_s: no pool sizes, so no observation. Not fatal to the planner:
-            # etcd is expected back, and the next pull tries again (its interval restarts on the fleet it sees).
             logger.warning("planner pull skipped: %s", e)
             return None
-        now = self.clock()
-        fleet = fleet_from_instances(instances, self.model)
-        # Forget the snapshots of workers that left the pool, and reports of prefill workers long silent.
-        for iid in [i for i in self._loads if i not in fleet.decode]:
-            del self._loads[iid]
-        oldest_s = now - STALE_AFTER_PULLS * self.config.metric_pulling_interval
-        for iid in [i for i, (_, t) in self._queue_reports.items() if t < oldest_s and i not in fleet.prefill]:
-            del self._queue_reports[iid]
         gpus = {pool: self.connector.gpus_per_worker(pool) for pool in Pool}
-        obs = build_observation(
-            now, fleet, self._loads, queue_reading(self._queue_reports, self.model), dict(self._pending), gpus
-        )
-        figures = pull_figures(obs, self.config)
-        self.num_pulls += 1
+        out = self.controller.pull(self.fleet.snapshot(self.clock()), gpus)
+        obs, figures = out.observation, out.figures
         self.last_observation = obs
         walltime = time.time()
-        running, waiting = request_totals(self._loads, fleet, now, self.config)
-        self.metrics.pull(obs, figures, running, waiting)
+        self.metrics.pull(obs, figures, out.running, out.waiting)
         if self.board is not None:
-            self.board.pull(self.num_pulls, obs, figures, running, waiting, walltime)
-        adj, self.state = decide(self.state, obs, self.config)
+            self.board.pull(self.num_pulls, obs, figures, out.running, out.waiting, walltime)
+        adj = out.adjustment
         if adj is None:
             return None
-        self.num_adjustments += 1
         self.last_decision = adj
         self.last_decision_walltime = walltime
         self.metrics.adjustment(adj)
@@ -535,7 +387,7 @@ class Planner:
             if d.pool in self._change_tasks:
                 logger.warning("%s pool: a change is still in progress; not applying %s", d.pool, d.summary())
                 continue
-            self._pending[d.pool] = PendingChange(before=d.current, target=d.target)
+            self.controller.change_started(d.pool, d.current, d.target)
             self._change_tasks[d.pool] = self.runtime.supervisor.spawn(
                 self._change(d.pool, d.target, str(d.direction)), name=f"planner-scale:{d.pool}"
             )
@@ -555,14 +407,14 @@ class Planner:
             self.last_change_error = f"{pool} pool to {target} workers: {e}"
             logger.warning("%s pool to %d workers: %s; the planner decides again later", pool, target, e)
         finally:
-            self._pending.pop(pool, None)
+            self.controller.change_ended(pool)
             if self._change_tasks.get(pool) is asyncio.current_task():
                 del self._change_tasks[pool]
         self.metrics.change(pool, direction, ok)
         await self._publish_status()
 
     def changes_in_progress(self) -> dict[Pool, PendingChange]:
-        return dict(self._pending)
+        return self.controller.in_progress()
 
     def status(self) -> dict[str, Any]:
         return status_payload(

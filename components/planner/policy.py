@@ -14,13 +14,15 @@ its own cadence. ``PlannerState`` is immutable; every function returns a new one
 
 What is measured (every pull)
 -----------------------------
-* Decode (or aggregated) KV-cache use: the mean ``kv_usage`` of the pool's workers whose latest snapshot arrived at
-  most ``STALE_AFTER_PULLS`` (3) pulls ago (``WorkerLoad.received_s``, on the planner's clock; an engine's own
+* Decode (or aggregated) KV-cache use: the mean ``kv_usage`` of the pool's workers whose latest snapshot is fresh by
+  the fleet's one staleness rule (``components.fleet.rules``: 5 of the worker's observed report intervals, at least
+  0.5 s, 10 s after a single report), i.e. ``now_s < WorkerLoad.stale_at_s`` (on the planner's clock; an engine's own
   ``LoadSnapshot.now_s`` is another process's monotonic clock and cannot be compared). A worker left out (stale, or a
   non-finite value) is named in the interval's decision. A pull where no worker is fresh adds no sample.
-* Prefill queue size: the items *waiting* in the prefill queue (``PrefillQueueReport.waiting``), from a report at
-  most 3 pulls old; none fresh: no sample. Items in flight (in a prefill worker's hands) are not counted: a busy
-  worker is not a backlog, and counting it would make any busy fleet look overloaded.
+* Prefill queue size: the items *waiting* in the prefill queue (``PrefillQueueReport.waiting``), as the fleet view
+  reads it from its alive prefill workers' reports (the queue rule: silent for 3 intervals, at least 1 s, a reporter
+  stops counting); no alive reporter read it: no sample. Items in flight (in a prefill worker's hands) are not
+  counted: a busy worker is not a backlog, and counting it would make any busy fleet look overloaded.
 
 Prefill queue utilisation, as Dynamo's load planner defines it
 --------------------------------------------------------------
@@ -90,10 +92,6 @@ from components.planner.config import PlannerConfig
 # Dynamo's names and values (examples/llm/components/planner.py); see the module docstring for how each is used.
 NEW_DECODE_WORKER_GRACE_PERIOD = 3  # adjustments without a decode scale-down after a decode worker is added
 NEW_PREFILL_WORKER_QUEUE_BUFFER_PERIOD = 3  # adjustment intervals the prefill queue's trend is projected ahead
-# A worker's snapshot (or the queue's report) older than this many pulls is left out. Workers publish every 100 ms
-# (WorkerConfig.metrics_interval_ms) and the planner pulls every 1 s, so 3 pulls is ~30 missed reports: a worker that
-# stopped reporting, not one that is late.
-STALE_AFTER_PULLS = 3
 # Float slack when comparing elapsed time with the interval: pulls at 0, 1, ..., 30 s must make 30 s, not 29.999...
 _TIME_EPS_S = 1e-9
 
@@ -134,11 +132,12 @@ class WorkerLoad:
     worker_id: int
     kv_usage: float  # LoadSnapshot.kv_usage: active blocks / total blocks
     received_s: float  # when the planner received it, on the planner's clock (the one Observation.now_s is on)
+    stale_at_s: float  # from when it counts as stale, by the fleet's rule (components.fleet.rules.stale_at)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QueueReading:
-    """The latest prefill queue report (PrefillQueueReport)."""
+    """The prefill queue as the freshest alive reporter read it (PrefillQueueReport); absent when none did."""
 
     waiting: int  # items not yet handed to a prefill worker: the queue size
     in_flight: int  # items in a prefill worker's hands (reported, not used by the rule)
@@ -191,13 +190,13 @@ def gpus_in_use(obs: Observation, config: PlannerConfig) -> int:
 
 
 def pull_figures(obs: Observation, config: PlannerConfig) -> PullFigures:
-    oldest_s = obs.now_s - STALE_AFTER_PULLS * config.metric_pulling_interval
-    fresh = [w.kv_usage for w in obs.loads if w.received_s >= oldest_s and math.isfinite(w.kv_usage)]
+    # Fresh strictly before stale_at_s: components.fleet.rules.is_fresh, inline (this module imports no package).
+    fresh = [w.kv_usage for w in obs.loads if obs.now_s < w.stale_at_s and math.isfinite(w.kv_usage)]
     left_out = tuple(
-        sorted(w.worker_id for w in obs.loads if not (w.received_s >= oldest_s and math.isfinite(w.kv_usage)))
+        sorted(w.worker_id for w in obs.loads if not (obs.now_s < w.stale_at_s and math.isfinite(w.kv_usage)))
     )
     waiting: int | None = None
-    if obs.prefill is not None and obs.queue is not None and obs.queue.received_s >= oldest_s:
+    if obs.prefill is not None and obs.queue is not None:
         waiting = obs.queue.waiting
     utilisation = None
     if waiting is not None and obs.prefill is not None and obs.prefill.workers > 0:
@@ -345,7 +344,7 @@ def _decode_proposal(state: PlannerState, obs: Observation, config: PlannerConfi
         "workers": obs.decode.workers,
         "workers_left_out": len(state.left_out),
     }
-    left = f"; left out (snapshot older than {STALE_AFTER_PULLS} pulls): workers {sorted(state.left_out)}"
+    left = f"; left out (stale snapshot by the fleet's staleness rule): workers {sorted(state.left_out)}"
     left = left if state.left_out else ""
     if not state.kv:
         return _Proposal(

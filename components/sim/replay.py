@@ -31,11 +31,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from components.protocol.messages import GenerateRequest, LoadSnapshot, SamplingParams, TokenChunk
+from components.protocol.messages import (
+    GenerateRequest,
+    LoadSnapshot,
+    PrefillQueueReport,
+    SamplingParams,
+    TokenChunk,
+)
+from components.protocol.metadata import WorkerRole
 from components.router import Router, RouterConfig, RouteRequest
 from components.router.policies.disagg import (
     DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
@@ -43,8 +51,20 @@ from components.router.policies.disagg import (
     PrefillKind,
     decide_prefill,
 )
-from components.workers.simulated import MockEngineConfig, StepOutput, VirtualEngine
+from components.workers.simulated import MockEngineConfig, StepOutput, VirtualEngine, step_time_of
 
+from .dynamics import (
+    DECODE,
+    PREFILL,
+    Action,
+    ModelledConnector,
+    PoolState,
+    Rescheduler,
+    Resize,
+    RunningRequest,
+    Scaler,
+    WorkerSpan,
+)
 from .workload import Workload
 
 MODEL = "sim"
@@ -66,6 +86,10 @@ class FleetSpec:
     decode_engine: MockEngineConfig | None = None
     max_local_prefill_length: int = DEFAULT_MAX_LOCAL_PREFILL_LENGTH
     max_prefill_queue_size: int = DEFAULT_MAX_PREFILL_QUEUE_SIZE
+    # With a scaler (components/sim/dynamics.py): from a worker being asked for until it registers, and from a
+    # scaler's decision until the connector acts on it.
+    startup_s: float = 30.0
+    connector_delay_s: float = 0.0
 
     @property
     def decode_config(self) -> MockEngineConfig:
@@ -75,15 +99,17 @@ class FleetSpec:
 @dataclasses.dataclass(slots=True)
 class _Track:
     arrival_s: float
-    prompt: tuple[int, ...]
+    prompt: tuple[int, ...]  # emptied once the request finished
+    prompt_len: int
     max_tokens: int
-    worker: int  # the engine the request was routed to
+    worker: int  # the engine the request runs on: routed to, or migrated to
     first_s: float = -1.0
     last_s: float = -1.0
     cached_tokens: int = 0
     host_cached_tokens: int = 0
     output_tokens: int = 0
     enqueued_s: float = -1.0  # pushed on the prefill queue (remote prompts only)
+    landing: GenerateRequest | None = None  # migrating: the request as its destination takes it
 
 
 class Sink(Protocol):
@@ -163,6 +189,12 @@ class RunResult:
     ttft_by_request_s: list[float] = dataclasses.field(default_factory=list)
     # Each request's mean inter-token latency (first to last token over its gaps), None with one output token.
     mean_itl_by_request_s: list[float | None] = dataclasses.field(default_factory=list)
+    # The worker each request finished on (the routed one, or where a migration took it), in the workload's order.
+    worker_by_request: list[int] = dataclasses.field(default_factory=list)
+    # With a scaler: each resize as carried out, and every worker's (asked for, exited) span by pool.
+    actions: list[Action] = dataclasses.field(default_factory=list)
+    spans: dict[str, list[tuple[float, float | None]]] = dataclasses.field(default_factory=dict)
+    migrations: int = 0  # requests moved by the rescheduler
 
     @property
     def drain_s(self) -> float:
@@ -198,6 +230,43 @@ class Sample:
     finished: int
 
 
+class _Worker:
+    """One simulated worker of either pool, keyed by its instance id."""
+
+    __slots__ = (
+        "busy",
+        "busy_s",
+        "computed",
+        "engine",
+        "first_token",
+        "holding",
+        "iid",
+        "in_flight_sum",
+        "pending",
+        "popped_at",
+        "samples",
+        "span",
+    )
+
+    def __init__(self, iid: int, engine: VirtualEngine, span: WorkerSpan) -> None:
+        self.iid = iid
+        self.engine = engine
+        self.span = span
+        self.busy = False
+        self.pending: StepOutput | None = None
+        self.in_flight_sum = 0.0
+        self.samples = 0
+        self.computed = 0
+        self.holding: str | None = None  # prefill workers: the item held
+        self.popped_at = 0.0
+        self.first_token = 0
+        self.busy_s = 0.0
+
+
+# Event kinds. At one instant events run in the order they were scheduled (the heap's second key is a counter).
+_STEP, _ARRIVAL, _REPORT, _PF_STEP, _DELIVER, _READY, _PULL, _RESIZE, _RESCHEDULE, _LAND = range(10)
+
+
 def replay(
     workload: Workload,
     fleet: FleetSpec,
@@ -205,175 +274,334 @@ def replay(
     seed: int = 0,
     *,
     observer: Callable[[Sample], None] | None = None,
+    scaler: Scaler | None = None,
+    rescheduler: Rescheduler | None = None,
+    itl_sink: Sink | None = None,
+    itl_from_s: float = -math.inf,
 ) -> RunResult:
     """Replay ``workload`` on ``fleet`` with ``policy`` (module docstring); deterministic for a seed. ``observer``
     (read-only: it changes nothing of the replay) is called at every load-report tick with the fleet's ``Sample``.
+    ``scaler`` resizes the pools and ``rescheduler`` moves running requests (components/sim/dynamics.py).
+    ``itl_sink``: where inter-token gaps go instead of ``RunResult.itl_s`` (a histogram for long runs); gaps of
+    requests that arrived before ``itl_from_s`` (a warm-up) are not recorded.
 
     Events are (time, order, kind, payload) in one heap, ``order`` a counter, so events at one instant run in the
-    order they were scheduled: at one instant step ends (0) before arrivals (1) before load reports (2), as they
-    were scheduled; prefill engines' step ends (3) and deliveries (4) interleave by the same rule."""
+    order they were scheduled: at one instant step ends before arrivals before load reports, as they were scheduled;
+    prefill engines' step ends and deliveries, workers registering, scaler pulls and rescheduler cycles interleave by
+    the same rule."""
     spec = fleet
     config = policy if isinstance(policy, RouterConfig) else RouterConfig(router_policy=policy)
     config = config.model_copy(update={"router_seed": seed})
     router = Router(config, rng=random.Random(seed))
-    engines = [VirtualEngine(spec.decode_config) for _ in range(spec.workers)]
-    prefillers = [VirtualEngine(spec.engine) for _ in range(spec.prefill)]
-    ids = list(range(1, spec.workers + 1))
-    meta = {
+    requests = workload.requests
+    n_requests = len(requests)
+    disagg = spec.prefill > 0
+    next_id = [1]
+
+    def new_id() -> int:
+        next_id[0] += 1
+        return next_id[0] - 1
+
+    connectors = {
+        DECODE: ModelledConnector(spec.startup_s, new_id=new_id),
+        PREFILL: ModelledConnector(spec.startup_s, new_id=new_id),
+    }
+    workers: dict[int, _Worker] = {}  # routed workers (aggregated or decode), every one ever started
+    prefillers: dict[int, _Worker] = {}
+    for span in connectors[DECODE].start_fleet(spec.workers, 0.0):
+        workers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(spec.decode_config), span)
+    for span in connectors[PREFILL].start_fleet(spec.prefill, 0.0):
+        prefillers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(spec.engine), span)
+    step_time = step_time_of(spec.decode_config)
+    meta: dict[str, object] = {
         "model": MODEL,
         "block_size": spec.engine.block_size,
         "max_model_len": spec.engine.max_model_len,
-        "step_time": engines[0].step_time,
+        "step_time": step_time,
     }
-    router.set_workers(MODEL, [(iid, dict(meta)) for iid in ids])
+    if disagg:
+        meta["role"] = str(WorkerRole.DECODE)
+    prefill_meta = {**meta, "role": str(WorkerRole.PREFILL), "step_time": step_time_of(spec.engine)}
+    # The routed workers that take requests now, and the prefill workers that pop the queue now, in id order.
+    routed: list[_Worker] = list(workers.values())
+    serving_prefill: list[_Worker] = list(prefillers.values())
+
+    def membership_changed(now: float) -> None:
+        nonlocal routed, serving_prefill
+        routed = [w for w in workers.values() if w.span.registered(now)]
+        serving_prefill = [p for p in prefillers.values() if p.span.registered(now)]
+        members: list[tuple[int, Mapping[str, object]]] = [(w.iid, dict(meta)) for w in routed]
+        if disagg:
+            members += [(p.iid, dict(prefill_meta)) for p in serving_prefill]
+        router.set_workers(MODEL, members)
+
+    membership_changed(0.0)
     reqs: dict[str, _Track] = {}
     ttft: list[float] = []
     itl: list[float] = []
+    gaps: Sink = itl if itl_sink is None else itl_sink
     e2e: list[float] = []
     kinds: dict[str, int] = {}
     prefill_kinds: dict[str, int] = {}
     queue_wait: list[float] = []
     transfers: list[float] = []
-    busy = [False] * spec.workers
-    pending: list[StepOutput | None] = [None] * spec.workers
-    in_flight_sum = [0.0] * spec.workers
-    computed = [0] * spec.workers
-    samples = 0
     queue: collections.deque[str] = collections.deque()  # the prefill queue: request ids, FIFO
     max_queue = 0
-    holding: list[str | None] = [None] * spec.prefill  # the item each prefill engine holds
-    popped_at = [0.0] * spec.prefill
-    first_token = [0] * spec.prefill
-    pf_pending: list[StepOutput | None] = [None] * spec.prefill
-    pf_busy_s = [0.0] * spec.prefill
-    pf_computed = [0] * spec.prefill
+    migrating: dict[str, int] = {}  # request id -> destination, stopped at its worker's next step end
+    migrations = 0
     heap: list[tuple[float, int, int, int]] = []
     seq = 0
-    for i, r in enumerate(workload.requests):
-        heap.append((r.arrival_s, seq, 1, i))
+    for i in range(n_requests):
+        heap.append((requests[i].arrival_s, seq, _ARRIVAL, i))
         seq += 1
     heapq.heapify(heap)
-    if workload.requests:
-        heapq.heappush(heap, (workload.requests[0].arrival_s, seq, 2, 0))
+    if n_requests:
+        heapq.heappush(heap, (requests[0].arrival_s, seq, _REPORT, 0))
         seq += 1
-    remaining = len(workload.requests)
-    last_finish = workload.requests[0].arrival_s if workload.requests else 0.0
+    remaining = n_requests
+    last_finish = requests[0].arrival_s if n_requests else 0.0
+    until_s = -math.inf
+    if scaler is not None:
+        until_s = scaler.until_s
+        heapq.heappush(heap, (scaler.start_s, seq, _PULL, 0))
+        seq += 1
+        if not n_requests:
+            heapq.heappush(heap, (0.0, seq, _REPORT, 0))
+            seq += 1
+    if rescheduler is not None and n_requests:
+        heapq.heappush(heap, (requests[0].arrival_s + rescheduler.interval_s, seq, _RESCHEDULE, 0))
+        seq += 1
+    # Scaler bookkeeping: pools with a change in progress, resizes waiting for the connector, actions taken.
+    changing: set[str] = set()
+    delayed: list[Resize] = []
+    actions: list[tuple[Action, list[WorkerSpan]]] = []
 
     def push(t: float, kind: int, payload: int) -> None:
         nonlocal seq
         heapq.heappush(heap, (t, seq, kind, payload))
         seq += 1
 
-    def start_step(w: int, now: float) -> None:
-        out = engines[w].step(now)
+    def start_step(w: _Worker, now: float) -> None:
+        out = w.engine.step(now)
         if out.batch_size == 0:
-            if engines[w].num_reserved:
+            if w.engine.num_reserved:
                 # Its cache is held by prompts being prefilled elsewhere: nothing fits until one is delivered (the
                 # delivery starts the next step) or finishes.
                 return
-            raise RuntimeError(f"simulated worker {w} has work but scheduled nothing at t={now:.3f}")
-        pending[w] = out
-        busy[w] = True
-        push(now + out.step_time_s, 0, w)
+            raise RuntimeError(f"simulated worker {w.iid} has work but scheduled nothing at t={now:.3f}")
+        w.pending = out
+        w.busy = True
+        push(now + out.step_time_s, _STEP, w.iid)
 
-    def start_prefill_step(p: int, now: float) -> None:
-        out = prefillers[p].step(now)
-        pf_pending[p] = out
-        push(now + out.step_time_s, 3, p)
+    def start_prefill_step(p: _Worker, now: float) -> None:
+        out = p.engine.step(now)
+        p.pending = out
+        push(now + out.step_time_s, _PF_STEP, p.iid)
 
     def emit(rid: str, chunk: TokenChunk, now: float) -> None:
         nonlocal remaining, last_finish
-        if account_chunk(reqs[rid], rid, chunk, now, router, ttft, itl, e2e):
+        t = reqs[rid]
+        sink = gaps if t.arrival_s >= itl_from_s else _DISCARD
+        if account_chunk(t, rid, chunk, now, router, ttft, sink, e2e):
             remaining -= 1
             last_finish = now
+            t.prompt = ()  # its tokens are no longer needed (a long replay would hold every prompt)
 
     def dispatch(now: float) -> None:
         """Idle prefill engines pop the queue's oldest items, one each."""
-        for p in range(spec.prefill):
+        for p in serving_prefill:
             if not queue:
                 return
-            if holding[p] is not None:
+            if p.holding is not None:
                 continue
             rid = queue.popleft()
             t = reqs[rid]
-            holding[p] = rid
-            popped_at[p] = now
+            p.holding = rid
+            p.popped_at = now
             queue_wait.append(now - t.enqueued_s)
             sampling = SamplingParams(max_tokens=t.max_tokens, ignore_eos=True, temperature=0.0)
-            prefillers[p].add(GenerateRequest(f"{rid}@prefill", list(t.prompt), sampling), now)
+            p.engine.add(GenerateRequest(f"{rid}@prefill", list(t.prompt), sampling), now)
             start_prefill_step(p, now)
 
-    def prefill_step_ended(p: int, now: float) -> None:
-        out = pf_pending[p]
-        rid = holding[p]
+    def prefill_step_ended(p: _Worker, now: float) -> None:
+        out = p.pending
+        rid = p.holding
         assert out is not None and rid is not None
-        pf_pending[p] = None
-        pf_computed[p] += sum(out.num_scheduled_tokens.values())
-        prefillers[p].take_kv_events()  # nobody routes to a prefill engine: its cache events go nowhere
+        p.pending = None
+        p.computed += sum(out.num_scheduled_tokens.values())
+        p.engine.take_kv_events()  # nobody routes to a prefill engine: its cache events go nowhere
         chunk = out.chunks.get(f"{rid}@prefill")
         if chunk is None:  # one chunk of a prompt longer than a step's budget
             start_prefill_step(p, now)
             return
-        first_token[p] = chunk.token_ids[0]
+        p.first_token = chunk.token_ids[0]
         if chunk.finish_reason is None:
-            prefillers[p].abort(f"{rid}@prefill")  # the first token is all a prefill engine produces
-        transfer = prefillers[p].kv_transfer_time_s(len(reqs[rid].prompt))  # the whole prompt, as the worker sends
+            p.engine.abort(f"{rid}@prefill")  # the first token is all a prefill engine produces
+        transfer = p.engine.kv_transfer_time_s(reqs[rid].prompt_len)  # the whole prompt, as the worker sends
         transfers.append(transfer)
-        push(now + transfer, 4, p)
+        push(now + transfer, _DELIVER, p.iid)
 
-    def deliver(p: int, now: float) -> None:
-        rid = holding[p]
+    def leave_if_drained(w: _Worker, pool: str, now: float) -> None:
+        """A worker asked to leave exits once it holds nothing."""
+        span = w.span
+        if span.left_s is not None and span.exited_s is None and not w.busy and not w.engine.has_work:
+            if w.holding is None:
+                connectors[pool].exited(w.iid, now)
+                settle(now)
+
+    def deliver(p: _Worker, now: float) -> None:
+        rid = p.holding
         assert rid is not None
-        holding[p] = None
-        pf_busy_s[p] += now - popped_at[p]
-        w = reqs[rid].worker
-        committed = engines[w].commit_remote_prefill(rid, first_token[p])
-        assert committed is not None, f"{rid} was not reserved on decode engine {w}"
+        p.holding = None
+        p.busy_s += now - p.popped_at
+        w = workers[reqs[rid].worker]
+        committed = w.engine.commit_remote_prefill(rid, p.first_token)
+        assert committed is not None, f"{rid} was not reserved on decode engine {w.iid}"
         emit(rid, committed, now)
-        events = engines[w].take_kv_events()  # the committed prompt's blocks are now in its prefix cache
+        events = w.engine.take_kv_events()  # the committed prompt's blocks are now in its prefix cache
         if events:
-            router.apply_kv_events(ids[w], events)
-        if engines[w].has_work and not busy[w]:
+            router.apply_kv_events(w.iid, events)
+        if w.engine.has_work and not w.busy:
             start_step(w, now)
+        leave_if_drained(p, PREFILL, now)
         dispatch(now)
+
+    # --- scaling -------------------------------------------------------------------------------------------------
+
+    def pools(now: float) -> dict[str, PoolState]:
+        out = {}
+        for pool, c in connectors.items():
+            active = c.active()
+            out[pool] = PoolState(
+                active=len(active),
+                registered=len(c.registered(now)),
+                held=c.held(now),
+                starting_ready_s=tuple(w.ready_s for w in active if w.ready_s > now),
+                settled=pool not in changing and c.change_done(now),
+            )
+        return out
+
+    def settle(now: float) -> None:
+        """Pools whose change finished: the scaler hears it, as a live connector's set_pool_size returns."""
+        for pool in sorted(changing):
+            if connectors[pool].change_done(now):
+                changing.discard(pool)
+                if scaler is not None:
+                    scaler.resize_done(pool, now)
+
+    def busy(iid: int) -> bool:
+        w = workers.get(iid) or prefillers[iid]
+        return w.busy or w.engine.has_work or w.holding is not None
+
+    def resize(r: Resize, now: float) -> None:
+        """The connector's call, and what the fleet does about it."""
+        pool_workers = workers if r.pool == DECODE else prefillers
+        config = spec.decode_config if r.pool == DECODE else spec.engine
+        added, leaving = connectors[r.pool].set_pool_size(r.target, now, busy)
+        for span in added:
+            pool_workers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(config), span)
+            push(span.ready_s, _READY, span.worker_id)
+        if leaving:
+            membership_changed(now)
+        actions.append((Action(r.pool, now, None, r.direction, r.current, r.target, r.reason), added + leaving))
+        changing.add(r.pool)
+        settle(now)
+
+    def report_queue(now: float) -> None:
+        """Every serving prefill worker reports the queue, as components/workers/disagg.py does."""
+        holding = sum(1 for p in serving_prefill if p.holding is not None)
+        for p in serving_prefill:
+            rep = PrefillQueueReport(MODEL, len(queue), holding, 0.0, 0, 0, p.holding is not None)
+            router.fleet.apply_queue(p.iid, rep, now)
+
+    # --- rescheduling --------------------------------------------------------------------------------------------
+
+    def running_requests() -> dict[int, list[RunningRequest]]:
+        out: dict[int, list[RunningRequest]] = {w.iid: [] for w in routed}
+        for rid, t in reqs.items():
+            if t.first_s >= 0 and t.output_tokens < t.max_tokens and t.worker in out and rid not in migrating:
+                out[t.worker].append(RunningRequest(rid, t.worker, t.prompt_len, t.output_tokens, t.max_tokens))
+        return out
+
+    def stop_migrating(w: _Worker, now: float) -> None:
+        """At a step boundary: the worker's requests marked for migration leave it, their KV in transit."""
+        for rid in [r for r, dst in migrating.items() if reqs[r].worker == w.iid]:
+            t = reqs[rid]
+            dst = migrating.pop(rid)
+            if t.output_tokens >= t.max_tokens or not w.engine.abort(rid):
+                continue  # it finished in this step
+            context = t.prompt_len + t.output_tokens
+            t.worker = dst
+            t.landing = GenerateRequest(
+                rid,
+                [*t.prompt, *([0] * t.output_tokens)],
+                SamplingParams(max_tokens=t.max_tokens - t.output_tokens, ignore_eos=True, temperature=0.0),
+            )
+            push(now + w.engine.kv_transfer_time_s(context), _LAND, int(rid[1:]))
+
+    def land(rid: str, now: float) -> None:
+        nonlocal migrations
+        t = reqs[rid]
+        request = t.landing
+        assert request is not None
+        t.landing = None
+        w = workers[t.worker]
+        migrations += 1
+        if w.engine.reserve_remote_prefill(request, now):
+            chunk = w.engine.commit_remote_prefill(rid, 0)
+            assert chunk is not None
+            emit(rid, chunk, now)
+        else:  # no room for its KV: the destination recomputes it
+            w.engine.add(request, now)
+        events = w.engine.take_kv_events()
+        if events:
+            router.apply_kv_events(w.iid, events)
+        if w.engine.has_work and not w.busy:
+            start_step(w, now)
 
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
-        if kind == 0:  # a decode (or aggregated) engine's step ends
-            w = payload
-            out = pending[w]
+        if kind == _STEP:  # a decode (or aggregated) engine's step ends
+            w = workers[payload]
+            out = w.pending
             assert out is not None
-            pending[w] = None
-            busy[w] = False
-            computed[w] += sum(out.num_scheduled_tokens.values())
+            w.pending = None
+            w.busy = False
+            w.computed += sum(out.num_scheduled_tokens.values())
             for rid, chunk in out.chunks.items():
                 emit(rid, chunk, now)
-            events = engines[w].take_kv_events()
+            if migrating:
+                stop_migrating(w, now)
+            events = w.engine.take_kv_events()
             if events:
-                router.apply_kv_events(ids[w], events)
-            if engines[w].has_work:
+                router.apply_kv_events(w.iid, events)
+            if w.engine.has_work:
                 start_step(w, now)
-        elif kind == 1:  # an arrival: routed to a decode engine, which decides where its prompt is prefilled
-            r = workload.requests[payload]
+            elif w.span.left_s is not None:
+                leave_if_drained(w, DECODE, now)
+        elif kind == _ARRIVAL:  # routed to a decode engine, which decides where its prompt is prefilled
+            r = requests[payload]
             rid = f"r{payload}"
             req = router.prepare(RouteRequest(r.prompt, MODEL, now, program_id=r.program_id))
             decision = router.select(req)
             router.on_routed(rid, decision, req)
             kinds[str(decision.kind)] = kinds.get(str(decision.kind), 0) + 1
-            w = ids.index(decision.instance_id) if decision.instance_id is not None else 0
-            reqs[rid] = t = _Track(now, r.prompt, r.max_tokens, w)
+            if decision.instance_id is None:
+                raise RuntimeError(f"no worker to route request {payload} to at t={now:.3f}: {decision.reason}")
+            w = workers[decision.instance_id]
+            reqs[rid] = t = _Track(now, r.prompt, len(r.prompt), r.max_tokens, w.iid)
             sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
             request = GenerateRequest(rid, list(r.prompt), sampling)
             where = decide_prefill(
                 len(r.prompt),
-                engines[w].cached_prefix_tokens(request.token_ids) if spec.prefill else 0,
+                w.engine.cached_prefix_tokens(request.token_ids) if disagg else 0,
                 queue_size=len(queue),
-                prefill_workers=spec.prefill,
+                prefill_workers=len(serving_prefill),
                 max_local_prefill_length=spec.max_local_prefill_length,
                 max_prefill_queue_size=spec.max_prefill_queue_size,
             )
             what = str(where.kind)
-            if where.kind is PrefillKind.REMOTE and not engines[w].reserve_remote_prefill(request, now):
+            if where.kind is PrefillKind.REMOTE and not w.engine.reserve_remote_prefill(request, now):
                 what = NO_ROOM
             prefill_kinds[what] = prefill_kinds.get(what, 0) + 1
             if what == str(PrefillKind.REMOTE):
@@ -382,54 +610,113 @@ def replay(
                 max_queue = max(max_queue, len(queue))
                 dispatch(now)
             else:
-                engines[w].add(request, now)
-                if not busy[w]:
+                w.engine.add(request, now)
+                if not w.busy:
                     start_step(w, now)
-        elif kind == 2:  # every metrics interval: the decode engines' load reports
-            samples += 1
+        elif kind == _REPORT:  # every metrics interval: the routed engines' load reports
             snaps = []
-            for w, e in enumerate(engines):
-                snap = e.snapshot(now)
+            for w in routed:
+                snap = w.engine.snapshot(now)
                 snaps.append(snap)
-                in_flight_sum[w] += snap.num_running + snap.num_waiting
-                router.apply_load(ids[w], snap, now)
+                w.in_flight_sum += snap.num_running + snap.num_waiting
+                w.samples += 1
+                router.apply_load(w.iid, snap, now)
+            if scaler is not None and disagg:
+                report_queue(now)
             if observer is not None:
-                done = len(workload.requests) - remaining
-                pf = tuple(p.snapshot(now) for p in prefillers)
+                done = n_requests - remaining
+                pf = tuple(p.engine.snapshot(now) for p in serving_prefill)
                 observer(Sample(now, tuple(snaps), pf, len(queue), len(reqs), done))
+            if remaining > 0 or now < until_s:
+                push(now + spec.metrics_interval_s, _REPORT, 0)
+        elif kind == _PF_STEP:
+            prefill_step_ended(prefillers[payload], now)
+        elif kind == _DELIVER:  # a prefill engine delivers its item (KV and first token), then pops the next
+            deliver(prefillers[payload], now)
+        elif kind == _READY:  # a started worker registers: it joins routing (or the prefill queue's pollers)
+            membership_changed(now)
+            settle(now)
+            if payload in prefillers:
+                dispatch(now)
+        elif kind == _PULL:
+            assert scaler is not None
+            for rs in scaler.pull(now, router.fleet.snapshot(now), pools(now)):
+                if rs.pool not in connectors:
+                    raise ValueError(f"a scaler resized an unknown pool {rs.pool!r}")
+                if rs.target == rs.current:
+                    continue
+                if spec.connector_delay_s > 0:
+                    changing.add(rs.pool)
+                    delayed.append(rs)
+                    push(now + spec.connector_delay_s, _RESIZE, len(delayed) - 1)
+                else:
+                    resize(rs, now)
+            if now + scaler.interval_s < until_s:
+                push(now + scaler.interval_s, _PULL, 0)
+        elif kind == _RESIZE:  # the connector acts on a decision connector_delay_s old
+            resize(delayed[payload], now)
+        elif kind == _RESCHEDULE:
+            assert rescheduler is not None
+            for m in rescheduler.cycle(now, router.fleet.snapshot(now), running_requests()):
+                mt = reqs.get(m.request_id)
+                if mt is None or mt.worker != m.src or m.dst not in workers or not workers[m.dst].span.registered(now):
+                    raise ValueError(f"bad migration {m}: the request does not run on {m.src}, or {m.dst} is no worker")
+                if m.request_id not in migrating and mt.output_tokens < mt.max_tokens:
+                    migrating[m.request_id] = m.dst
             if remaining > 0:
-                push(now + spec.metrics_interval_s, 2, 0)
-        elif kind == 3:  # a prefill engine's step ends
-            prefill_step_ended(payload, now)
-        else:  # kind 4: a prefill engine delivers its item (KV and first token) to the decode engine, then pops
-            deliver(payload, now)
+                push(now + rescheduler.interval_s, _RESCHEDULE, 0)
+        else:  # _LAND: a migrated request's KV arrived at its destination
+            land(f"r{payload}", now)
     if remaining:
         raise RuntimeError(f"{remaining} requests never finished")  # a simulator bug: every event chain ends
+    ids = sorted(workers)
+    pf_ids = sorted(prefillers)
+    order = [reqs[f"r{i}"] for i in range(n_requests)]
     return RunResult(
         ttft_s=ttft,
-        ttft_by_request_s=[reqs[f"r{i}"].first_s - reqs[f"r{i}"].arrival_s for i in range(len(workload.requests))],
-        mean_itl_by_request_s=[_mean_itl(reqs[f"r{i}"]) for i in range(len(workload.requests))],
-        itl_s=itl,
+        ttft_by_request_s=[t.first_s - t.arrival_s for t in order],
+        mean_itl_by_request_s=[_mean_itl(t) for t in order],
+        worker_by_request=[t.worker for t in order],
+        itl_s=itl if itl_sink is None else [],
         e2e_s=e2e,
-        prompt_tokens=sum(len(t.prompt) for t in reqs.values()),
-        cached_tokens=sum(t.cached_tokens for t in reqs.values()),
-        host_cached_tokens=sum(t.host_cached_tokens for t in reqs.values()),
-        output_tokens=sum(t.output_tokens for t in reqs.values()),
-        first_arrival_s=workload.requests[0].arrival_s if workload.requests else 0.0,
-        last_arrival_s=workload.requests[-1].arrival_s if workload.requests else 0.0,
+        prompt_tokens=sum(t.prompt_len for t in order),
+        cached_tokens=sum(t.cached_tokens for t in order),
+        host_cached_tokens=sum(t.host_cached_tokens for t in order),
+        output_tokens=sum(t.output_tokens for t in order),
+        first_arrival_s=requests[0].arrival_s if n_requests else 0.0,
+        last_arrival_s=requests[-1].arrival_s if n_requests else 0.0,
         last_finish_s=last_finish,
-        in_flight_mean=[s / samples if samples else 0.0 for s in in_flight_sum],
-        computed_tokens=computed,
-        preemptions=sum(e.scheduler.num_preemptions for e in engines + prefillers),
+        in_flight_mean=[workers[i].in_flight_sum / workers[i].samples if workers[i].samples else 0.0 for i in ids],
+        computed_tokens=[workers[i].computed for i in ids],
+        preemptions=sum(w.engine.scheduler.num_preemptions for w in [*workers.values(), *prefillers.values()]),
         decision_kinds=kinds,
         prefill_kinds=prefill_kinds,
         remote=prefill_kinds.get(str(PrefillKind.REMOTE), 0),
         queue_wait_s=queue_wait,
         transfer_s=transfers,
-        prefill_busy_s=pf_busy_s,
-        prefill_computed_tokens=pf_computed,
+        prefill_busy_s=[prefillers[i].busy_s for i in pf_ids],
+        prefill_computed_tokens=[prefillers[i].computed for i in pf_ids],
         max_queue=max_queue,
+        actions=[dataclasses.replace(a, done_s=_done_s(a, spans)) for a, spans in actions],
+        spans={DECODE: connectors[DECODE].spans(), PREFILL: connectors[PREFILL].spans()},
+        migrations=migrations,
     )
+
+
+def _done_s(a: Action, spans: list[WorkerSpan]) -> float | None:
+    """When a resize finished: the added workers registered, or the removed ones drained (None: not by the end)."""
+    if not spans:
+        return a.decided_s
+    ends = [s.ready_s if a.direction == "up" else s.exited_s for s in spans]
+    return None if any(e is None for e in ends) else max(e for e in ends if e is not None)
+
+
+class _Discard:
+    def append(self, x: float, /) -> None:
+        pass
+
+
+_DISCARD = _Discard()
 
 
 def simulate(workload: Workload, policy: RouterConfig | str, fleet: FleetSpec, seed: int = 0) -> RunResult:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -23,7 +24,8 @@ class SimRequest:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Workload:
     name: str
-    requests: tuple[SimRequest, ...]
+    # A tuple, or any sequence that builds its requests when read (a long replay's prompts are not all kept).
+    requests: Sequence[SimRequest]
 
     @property
     def span_s(self) -> float:

@@ -1,27 +1,22 @@
-"""A fleet that the real planner resizes, on a virtual clock: what ``kvmesh bench planner`` measures.
+"""A fleet that the real planner resizes, on a virtual clock: what ``kvmesh bench planner`` measures. A thin driver
+over the simulator library's one replay loop (``components.sim.replay``: ``VirtualEngine``s, the mock engine's own
+scheduler and step-time model, behind ``components.router.Router``, fed load reports every 100 ms and KV events at
+each step's end), with a scaler:
 
-The engines and the router are the simulator library's (``components.sim``; ``VirtualEngine``: the mock engine's own
-scheduler and step-time model; ``components.router.Router`` placing every request, fed load reports every 100 ms and
-KV events at each step's end).
-On top of them, at every ``metric_pulling_interval``, the planner does what ``components/planner/loop.py``'s
-``Planner.pull`` does, with the same pure functions:
+* the planner: ``components.planner.simulated.SimulatedPlanner``, the live planner's controller
+  (``components/planner/controller.py``, what ``Planner.pull`` calls) over the replay's fleet view on the virtual
+  clock; each applied decision goes to the replay's modelled connector (``components.sim.dynamics``), and the change
+  is in progress until the connector says it is done, which pauses the policy exactly as the live loop's change task
+  does;
+* or a ``Controller`` (``ScalingSpec.controller``: the clairvoyant fleet, ``clairvoyant.Oracle``), through
+  ``ControllerScaler``: it resizes the pool in the policy's place through the same connector, with the planner's
+  cadence and optionally its loop's pause and grace period.
 
-* the pool from discovery: ``fleet_from_instances`` over the registered workers' ``InstanceInfo`` (as etcd lists them);
-* each worker's latest ``LoadSnapshot`` stamped with its arrival time (a worker that left is forgotten), the pool's
-  change in progress (``PendingChange``), ``build_observation``, ``pull_figures``, ``request_totals``;
-* ``decide`` (components/planner/policy.py, the policy the live planner runs) with a ``PlannerConfig``; each applied
-  decision becomes a ``PendingChange`` and a call of the modelled connector below, and the change is in progress
-  until the connector says it is done, which pauses the policy exactly as the live loop's change task does.
-
-``ModelledConnector`` is the local connector's behaviour (components/planner/connectors/local.py) with its delays made
-explicit: a new worker is asked for at once, holds its GPU from that moment, and registers (joins routing and the
-planner's pool) ``startup_s`` later; a removed worker is the pool's most recently added one (never the first), leaves
-routing and the pool at the decision, finishes every request it holds, and exits when it has none left, which is
-when its worker-seconds stop and the change is done.
-
-A ``Controller`` (``ScalingSpec.controller``: the clairvoyant fleet, ``clairvoyant.Oracle``) can resize the pool
-in the policy's place through the same connector, with the planner's cadence and optionally its loop's pause and
-grace period.
+``ModelledConnector`` (``components.sim.dynamics``) is the local connector's behaviour with its delays made explicit:
+a new worker is asked for at once, holds its GPU from that moment, and registers ``startup_s`` later; a removed
+worker is the pool's most recently added one (never the first), leaves routing and the pool at the decision,
+finishes every request it holds, and exits when it has none left, which is when its worker-seconds stop and the
+change is done.
 
 What is left out: the network and the frontend (load reports and KV events arrive when sent), the time circus and
 etcd take (a few ms to a few hundred ms against seconds of start-up), a worker that fails to start, and the
@@ -29,45 +24,54 @@ planner's own CPU time. Time is virtual, so a run's cost is the work it simulate
 workload, configuration and seed always give the same numbers.
 
 Also here, pure and tested on their own: the sinusoidal arrival schedule (``Sinusoid``, ``arrival_times``), the
-request stream of a trace cycled past its end (``RequestSource``), worker-seconds (``worker_seconds``), SLO
-attainment (``components.sim.report``), and a fixed-resolution histogram for the inter-token gaps (``GapHistogram``).
+request stream of a trace cycled past its end (``RequestSource``), SLO attainment (``components.sim.report``), and a
+fixed-resolution histogram for the inter-token gaps (``GapHistogram``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, overload
 
+from components.fleet.model import FleetSnapshot
 from components.planner.config import PlannerConfig
-from components.planner.loop import (
-    PendingChange,
-    build_observation,
-    fleet_from_instances,
-    request_totals,
+from components.planner.controller import build_observation, request_totals
+from components.planner.policy import NEW_DECODE_WORKER_GRACE_PERIOD, pull_figures
+from components.planner.simulated import PlannerPull, SimulatedPlanner
+from components.sim import MODEL, FleetSpec, replay
+from components.sim.dynamics import (
+    DECODE,
+    Action,
+    ModelledConnector,
+    PoolState,
+    Resize,
+    WorkerSpan,
+    worker_seconds,
 )
-from components.planner.policy import (
-    NEW_DECODE_WORKER_GRACE_PERIOD,
-    Adjustment,
-    Direction,
-    PlannerState,
-    Pool,
-    decide,
-    pull_figures,
-)
-from components.protocol.endpoints import ENDPOINT_GENERATE
-from components.protocol.messages import GenerateRequest, LoadSnapshot, SamplingParams
-from components.protocol.metadata import WorkerMetadata, WorkerRole
-from components.router import Router, RouterConfig, RouteRequest
-from components.runtime import InstanceInfo
-from components.sim import MODEL, account_chunk
 from components.sim.report import RequestTimes
 from components.sim.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
-from components.workers.simulated import MockEngineConfig, StepOutput, VirtualEngine, step_time_of
+from components.sim.workload import SimRequest, Workload
+from components.workers.simulated import MockEngineConfig
+
+__all__ = [
+    "Action",
+    "ControllerScaler",
+    "GapHistogram",
+    "ModelledConnector",
+    "RequestSource",
+    "ScalingResult",
+    "ScalingSpec",
+    "Sinusoid",
+    "SourceRequests",
+    "WorkerSpan",
+    "arrival_times",
+    "simulate",
+    "worker_seconds",
+]
 
 # --- the load ---------------------------------------------------------------------------------------------------------
 
@@ -186,15 +190,6 @@ class RequestSource:
 # --- accounting ---------------------------------------------------------------------------------------------------
 
 
-def worker_seconds(spans: Iterable[tuple[float, float | None]], t0: float, t1: float) -> float:
-    """Worker-seconds held within [t0, t1]: each span (start, stop; None = still held) counts its overlap."""
-    total = 0.0
-    for start, stop in spans:
-        end = t1 if stop is None else min(stop, t1)
-        total += max(0.0, end - max(start, t0))
-    return total
-
-
 class GapHistogram:
     """Inter-token gaps in bins of ``bin_s`` (0.05 ms) up to ``max_s`` (10 s; longer ones kept exactly): a 600 s run
     has millions of gaps, too many to keep as Python floats. A percentile is exact to within one bin."""
@@ -224,96 +219,6 @@ class GapHistogram:
             if seen >= rank:
                 return (i + 0.5) * self.bin_s
         return sorted(self.over)[rank - seen - 1]
-
-
-# --- the connector, modelled ------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(slots=True)
-class WorkerSpan:
-    """One worker's life: asked for (holds its GPU from then), registered, left routing, exited."""
-
-    worker_id: int
-    requested_s: float
-    ready_s: float
-    left_s: float | None = None
-    exited_s: float | None = None
-
-    def registered(self, now: float) -> bool:
-        return self.ready_s <= now and self.left_s is None
-
-
-class ModelledConnector:
-    """The local connector's behaviour with its delays stated (module docstring). ``set_pool_size`` is the call the
-    loop makes; the simulation tells it when a worker's start-up delay has passed (nothing to do: ``ready_s`` is
-    known) and when a leaving worker ran out of work (``exited``); ``change_done`` is when ``set_pool_size`` would
-    have returned."""
-
-    def __init__(self, startup_s: float, first_id: int = 1) -> None:
-        if startup_s < 0:
-            raise ValueError(f"startup_s must be >= 0, got {startup_s}")
-        self.startup_s = startup_s
-        self.workers: list[WorkerSpan] = []
-        self._next_id = first_id
-
-    def start_fleet(self, n: int, now: float) -> list[WorkerSpan]:
-        """The fleet the run starts with: registered at ``now``."""
-        return [self._new(now, now) for _ in range(n)]
-
-    def _new(self, now: float, ready_s: float) -> WorkerSpan:
-        span = WorkerSpan(self._next_id, now, ready_s)
-        self._next_id += 1
-        self.workers.append(span)
-        return span
-
-    def active(self) -> list[WorkerSpan]:
-        """Workers starting or registered (not asked to leave), oldest first: the pool as the connector counts it."""
-        return [w for w in self.workers if w.left_s is None]
-
-    def registered(self, now: float) -> list[WorkerSpan]:
-        return [w for w in self.workers if w.registered(now)]
-
-    def held(self, now: float) -> int:
-        """Workers holding a GPU at ``now``: asked for and not exited."""
-        return sum(1 for w in self.workers if w.requested_s <= now and (w.exited_s is None or w.exited_s > now))
-
-    def set_pool_size(
-        self, count: int, now: float, busy: Callable[[int], bool]
-    ) -> tuple[list[WorkerSpan], list[WorkerSpan]]:
-        """Make the pool ``count`` workers: (workers added, workers asked to leave). Added ones register
-        ``startup_s`` later; leaving ones are the most recently added (never the first), leave routing now, and
-        exit now if ``busy(worker_id)`` is False, else when ``exited`` is called. Unchanged: nothing."""
-        if count < 1:
-            raise ValueError(f"a pool keeps at least one worker, asked for {count}")
-        active = self.active()
-        added: list[WorkerSpan] = []
-        leaving: list[WorkerSpan] = []
-        if count > len(active):
-            added = [self._new(now, now + self.startup_s) for _ in range(count - len(active))]
-        elif count < len(active):
-            for span in reversed(active[count:]):  # never active[0]: count >= 1
-                span.left_s = now
-                if not busy(span.worker_id):
-                    span.exited_s = now
-                leaving.append(span)
-        return added, leaving
-
-    def exited(self, worker_id: int, now: float) -> None:
-        """A leaving worker finished its last request and exits."""
-        span = next(w for w in self.workers if w.worker_id == worker_id)
-        if span.left_s is None:
-            raise ValueError(f"worker {worker_id} was not asked to leave")
-        if span.exited_s is None:
-            span.exited_s = now
-
-    def change_done(self, now: float) -> bool:
-        """No worker still starting, none left routing without having exited."""
-        return all(w.ready_s <= now for w in self.active()) and all(
-            w.exited_s is not None for w in self.workers if w.left_s is not None
-        )
-
-    def spans(self) -> list[tuple[float, float | None]]:
-        return [(w.requested_s, w.exited_s) for w in self.workers]
 
 
 # --- the simulation ---------------------------------------------------------------------------------------------------
@@ -365,18 +270,6 @@ class Sample:
     waiting: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Action:
-    """One applied scaling decision: when it was decided, when the connector finished it, and why."""
-
-    decided_s: float
-    done_s: float | None
-    direction: str
-    before: int
-    target: int
-    reason: str
-
-
 @dataclasses.dataclass
 class ScalingResult:
     requests: list[RequestTimes]
@@ -391,7 +284,92 @@ class ScalingResult:
     output_tokens: int
 
 
-_STEP, _READY, _ARRIVAL, _REPORT, _PULL = range(5)  # event kinds, in their order at one instant
+class SourceRequests(Sequence[SimRequest]):
+    """Request ``k`` of ``source`` arriving at ``arrivals[k]``, built when the replay reads it (a 600 s run is tens of
+    thousands of prompts: not kept)."""
+
+    def __init__(self, source: RequestSource, arrivals: Sequence[float]) -> None:
+        self.source = source
+        self.arrivals = arrivals
+
+    def __len__(self) -> int:
+        return len(self.arrivals)
+
+    @overload
+    def __getitem__(self, k: int) -> SimRequest: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[SimRequest]: ...
+
+    def __getitem__(self, k: int | slice) -> SimRequest | Sequence[SimRequest]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        k = k + len(self) if k < 0 else k
+        prompt, max_tokens = self.source.request(k)
+        return SimRequest(self.arrivals[k], tuple(prompt), max_tokens)
+
+
+class ControllerScaler:
+    """A ``Controller`` (the clairvoyant schedule) as the simulator's scaler of the decode pool, with the planner's
+    cadence and, with ``loop_rules``, its loop's pause while a change is in progress and its grace period (the
+    ``Controller`` docstring). Its pulls sample the fleet as the planner's would (``pulls``)."""
+
+    def __init__(self, control: Controller, config: PlannerConfig, start_s: float, until_s: float) -> None:
+        self.control = control
+        self.config = config
+        self._start_s = start_s
+        self._until_s = until_s
+        self.next_decision_s: float | None = start_s
+        self.grace = 0
+        self.adjustments = 0
+        self.samples: list[Sample] = []
+
+    @property
+    def interval_s(self) -> float:
+        return self.config.metric_pulling_interval
+
+    @property
+    def start_s(self) -> float:
+        return self._start_s
+
+    @property
+    def until_s(self) -> float:
+        return self._until_s
+
+    def pull(self, now_s: float, fleet: FleetSnapshot, pools: Mapping[str, PoolState]) -> Sequence[Resize]:
+        self.samples.append(_sample(now_s, fleet, pools, self.config))
+        pool = pools[DECODE]
+        control = self.control
+        if control.loop_rules:
+            if not pool.settled:
+                self.next_decision_s = None
+                return ()
+            if self.next_decision_s is None:
+                self.next_decision_s = now_s + control.interval_s
+        if self.next_decision_s is None or now_s < self.next_decision_s - 1e-9:
+            return ()
+        self.next_decision_s = (now_s if control.loop_rules else self.next_decision_s) + control.interval_s
+        self.adjustments += 1
+        target, reason = control.decide(now_s, pool.active, pool.starting_ready_s, may_remove=self.grace == 0)
+        self.grace = max(0, self.grace - 1)
+        if target == pool.active:
+            return ()
+        if abs(target - pool.active) != 1:
+            raise ValueError(f"a controller changes the pool by one worker at a time, asked {pool.active} -> {target}")
+        if target > pool.active and control.loop_rules:
+            self.grace = NEW_DECODE_WORKER_GRACE_PERIOD
+        return (Resize(DECODE, pool.active, target, reason),)
+
+    def resize_done(self, pool: str, now_s: float) -> None:
+        pass
+
+
+def _sample(now_s: float, fleet: FleetSnapshot, pools: Mapping[str, PoolState], config: PlannerConfig) -> Sample:
+    """The fleet at one pull, with the planner's figures (its KV-use mean, its request totals)."""
+    obs = build_observation(fleet, MODEL, {})
+    running, waiting = request_totals(fleet, MODEL)
+    decode = pools[DECODE]
+    return Sample(now_s, pull_figures(obs, config).kv_usage, decode.registered, decode.held, running, waiting)
 
 
 def simulate(
@@ -403,252 +381,49 @@ def simulate(
     planner_until_s: float,
     seed: int = 0,
 ) -> ScalingResult:
-    """Replay request ``k`` of ``source`` at ``arrivals[k]`` (sorted) on ``spec``'s fleet, the planner pulling every
-    ``metric_pulling_interval`` from ``planner_from_s`` until before ``planner_until_s`` (module docstring);
-    deterministic for a seed. Before ``planner_from_s`` the fleet serves what arrives (a warm-up) unwatched."""
-    cfg = spec.planner
-    router = Router(RouterConfig(router_policy=spec.policy, router_seed=seed), rng=random.Random(seed))
-    connector = ModelledConnector(spec.startup_s)
-    engines: dict[int, VirtualEngine] = {}
-    busy: dict[int, bool] = {}
-    pending_out: dict[int, StepOutput] = {}
-    meta = WorkerMetadata(
-        model=MODEL,
-        role=WorkerRole.AGGREGATED,
-        engine="mock",
-        block_size=spec.engine.block_size,
-        max_model_len=spec.engine.max_model_len,
-        step_time=step_time_of(spec.engine),
-    ).to_dict()
-    route_meta = {
-        "model": MODEL,
-        "block_size": spec.engine.block_size,
-        "max_model_len": spec.engine.max_model_len,
-        "step_time": step_time_of(spec.engine),
-    }
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
-
-    def push(t: float, kind: int, payload: int) -> None:
-        nonlocal seq
-        heapq.heappush(heap, (t, kind, seq, payload))
-        seq += 1
-
-    def routing_changed(now: float) -> None:
-        router.set_workers(MODEL, [(w.worker_id, dict(route_meta)) for w in connector.registered(now)])
-
-    for span in connector.start_fleet(spec.initial_workers, 0.0):
-        engines[span.worker_id] = VirtualEngine(spec.engine)
-        busy[span.worker_id] = False
-    routing_changed(0.0)
-
-    tracks: dict[str, _Track] = {}
-    ttft_sink: list[float] = []
-    e2e_sink: list[float] = []
+    """Replay request ``k`` of ``source`` at ``arrivals[k]`` (sorted) on ``spec``'s fleet with ``components.sim``'s
+    one replay loop, the planner (``components.planner.simulated``, the live planner's controller) or the
+    ``spec.controller`` pulling every ``metric_pulling_interval`` from ``planner_from_s`` until before
+    ``planner_until_s`` (module docstring); deterministic for a seed. Before ``planner_from_s`` the fleet serves what
+    arrives (a warm-up) unwatched, and its requests' inter-token gaps are not measured."""
+    fleet = FleetSpec(
+        workers=spec.initial_workers,
+        engine=spec.engine,
+        metrics_interval_s=spec.metrics_interval_s,
+        startup_s=spec.startup_s,
+    )
+    scaler: SimulatedPlanner | ControllerScaler
+    if spec.controller is not None:
+        scaler = ControllerScaler(spec.controller, spec.planner, planner_from_s, planner_until_s)
+    else:
+        scaler = SimulatedPlanner(spec.planner, start_s=planner_from_s, until_s=planner_until_s)
     gaps = GapHistogram()
-    done: list[RequestTimes] = []
-    output_tokens = 0
-    for k, arrival_s in enumerate(arrivals):
-        push(arrival_s, _ARRIVAL, k)
-    push(0.0, _REPORT, 0)
-    push(planner_from_s, _PULL, 0)
-    remaining = len(arrivals)
-    last_finish = 0.0
-    loads: dict[int, tuple[LoadSnapshot, float]] = {}
-    state = PlannerState()
-    pending: dict[Pool, PendingChange] = {}
-    samples: list[Sample] = []
-    actions: list[Action] = []
-    open_action: Action | None = None
-    would: dict[str, int] = {"up": 0, "down": 0}
-    adjustments = 0
-
-    def start_step(wid: int, now: float) -> None:
-        out = engines[wid].step(now)
-        if out.batch_size == 0:
-            raise RuntimeError(f"simulated worker {wid} has work but scheduled nothing at t={now:.3f}")
-        pending_out[wid] = out
-        busy[wid] = True
-        push(now + out.step_time_s, _STEP, wid)
-
-    def settle(now: float) -> None:
-        """The connector's change finished: the loop's change task returns, the pool counts as settled."""
-        nonlocal open_action
-        if pending and connector.change_done(now):
-            pending.clear()
-            if open_action is not None:
-                actions.append(dataclasses.replace(open_action, done_s=now))
-                open_action = None
-
-    def apply(adj: Adjustment, now: float) -> None:
-        nonlocal open_action
-        for d in adj.decisions:
-            if d.direction != Direction.HOLD and d.no_operation:
-                would[str(d.direction)] += 1
-        for d in adj.changes():
-            if d.pool != Pool.DECODE:
-                continue
-            pending[d.pool] = PendingChange(before=d.current, target=d.target)
-            resize(d.target, now)
-            open_action = Action(now, None, str(d.direction), d.current, d.target, d.reason)
-            settle(now)
-
-    def resize(target: int, now: float) -> list[WorkerSpan]:
-        """The connector's call, and what the fleet does about it: the spans added or asked to leave."""
-        added, leaving = connector.set_pool_size(target, now, lambda wid: engines[wid].has_work or busy[wid])
-        for span in added:
-            engines[span.worker_id] = VirtualEngine(spec.engine)
-            busy[span.worker_id] = False
-            push(span.ready_s, _READY, span.worker_id)
-        if leaving:
-            for span in leaving:
-                loads.pop(span.worker_id, None)
-            routing_changed(now)
-        return added + leaving
-
-    # The controller's cadence (Controller): the next decision's time; None while the loop rules wait for a settled
-    # pool. Its changes run side by side (step rules), so each is recorded with its own span.
-    control = spec.controller
-    next_decision_s: float | None = planner_from_s
-    grace = 0
-    controlled: list[tuple[Action, WorkerSpan]] = []
-
-    def control_step(now: float) -> None:
-        nonlocal next_decision_s, grace, adjustments
-        assert control is not None
-        if control.loop_rules:
-            if not connector.change_done(now):
-                next_decision_s = None
-                return
-            if next_decision_s is None:
-                next_decision_s = now + control.interval_s
-        if next_decision_s is None or now < next_decision_s - 1e-9:
-            return
-        next_decision_s = (now if control.loop_rules else next_decision_s) + control.interval_s
-        adjustments += 1
-        active = connector.active()
-        starting = [w.ready_s for w in active if w.ready_s > now]
-        target, reason = control.decide(now, len(active), starting, may_remove=grace == 0)
-        grace = max(0, grace - 1)
-        if target == len(active):
-            return
-        if abs(target - len(active)) != 1:
-            raise ValueError(f"a controller changes the pool by one worker at a time, asked {len(active)} -> {target}")
-        direction = Direction.UP if target > len(active) else Direction.DOWN
-        if direction == Direction.UP and control.loop_rules:
-            grace = NEW_DECODE_WORKER_GRACE_PERIOD
-        (span,) = resize(target, now)
-        controlled.append((Action(now, None, str(direction), len(active), target, reason), span))
-
-    while heap:
-        now, kind, _, payload = heapq.heappop(heap)
-        if kind == _STEP:
-            wid = payload
-            out = pending_out.pop(wid)
-            busy[wid] = False
-            for rid, chunk in out.chunks.items():
-                track = tracks[rid]
-                # Gaps of warm-up requests are not measured (nor is anything else of them: the caller filters).
-                sink = gaps if track.arrival_s >= planner_from_s else _DISCARD
-                if account_chunk(track, rid, chunk, now, router, ttft_sink, sink, e2e_sink):
-                    del tracks[rid]
-                    gap_n = track.output_tokens - 1
-                    mean_itl = (track.last_s - track.first_s) / gap_n if gap_n > 0 else None
-                    done.append(RequestTimes(track.arrival_s, track.first_s - track.arrival_s, mean_itl, wid))
-                    output_tokens += track.output_tokens
-                    remaining -= 1
-                    last_finish = now
-            events = engines[wid].take_kv_events()
-            if events:
-                router.apply_kv_events(wid, events)
-            if engines[wid].has_work:
-                start_step(wid, now)
-            else:
-                span = next(w for w in connector.workers if w.worker_id == wid)
-                if span.left_s is not None and span.exited_s is None:
-                    connector.exited(wid, now)
-                    settle(now)
-        elif kind == _READY:
-            routing_changed(now)
-            settle(now)
-        elif kind == _ARRIVAL:
-            k = payload
-            prompt, max_tokens = source.request(k)
-            rid = f"r{k}"
-            req = router.prepare(RouteRequest(tuple(prompt), MODEL, now))
-            decision = router.select(req)
-            if decision.instance_id is None:
-                raise RuntimeError(f"no worker to route request {k} to at t={now:.3f}: {decision.reason}")
-            router.on_routed(rid, decision, req)
-            wid = decision.instance_id
-            tracks[rid] = _Track(now)
-            sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-            engines[wid].add(GenerateRequest(rid, prompt, sampling), now)
-            if not busy[wid]:
-                start_step(wid, now)
-        elif kind == _REPORT:
-            for span in connector.registered(now):
-                snap = engines[span.worker_id].snapshot(now)
-                router.apply_load(span.worker_id, snap, now)
-                loads[span.worker_id] = (snap, now)
-            if remaining > 0 or now < planner_until_s:
-                push(now + spec.metrics_interval_s, _REPORT, 0)
-        else:  # _PULL: Planner.pull, on the virtual clock
-            instances = [
-                InstanceInfo("sim", "backend", ENDPOINT_GENERATE, w.worker_id, "sim.backend.generate", meta)
-                for w in connector.registered(now)
-            ]
-            fleet = fleet_from_instances(instances, MODEL)
-            for iid in [i for i in loads if i not in fleet.decode]:
-                del loads[iid]
-            obs = build_observation(now, fleet, loads, None, dict(pending), {Pool.DECODE: None, Pool.PREFILL: None})
-            figures = pull_figures(obs, cfg)
-            running, waiting = request_totals(loads, fleet, now, cfg)
-            samples.append(Sample(now, figures.kv_usage, len(fleet.decode), connector.held(now), running, waiting))
-            if control is not None:
-                if now >= planner_from_s:
-                    control_step(now)
-            else:
-                adj, state = decide(state, obs, cfg)
-                if adj is not None:
-                    adjustments += 1
-                    apply(adj, now)
-            if now + cfg.metric_pulling_interval < planner_until_s:
-                push(now + cfg.metric_pulling_interval, _PULL, 0)
+    workload = Workload(source.name, SourceRequests(source, arrivals))
+    res = replay(workload, fleet, spec.policy, seed, scaler=scaler, itl_sink=gaps, itl_from_s=planner_from_s)
+    if isinstance(scaler, SimulatedPlanner):
+        samples = [_planner_sample(p) for p in scaler.pulls]
+        adjustments, would = len(scaler.adjustments), dict(scaler.would)
+    else:
+        samples, adjustments, would = scaler.samples, scaler.adjustments, {"up": 0, "down": 0}
     return ScalingResult(
-        requests=done,
+        requests=[
+            RequestTimes(arrivals[k], ttft, itl, wid)
+            for k, (ttft, itl, wid) in enumerate(
+                zip(res.ttft_by_request_s, res.mean_itl_by_request_s, res.worker_by_request, strict=True)
+            )
+        ],
         gaps=gaps,
         samples=samples,
-        actions=actions
-        + ([open_action] if open_action is not None else [])
-        + [
-            dataclasses.replace(a, done_s=span.exited_s if a.direction == "down" else span.ready_s)
-            for a, span in controlled
-        ],
+        actions=res.actions,
         would=would,
-        spans=connector.spans(),
+        spans=res.spans[DECODE],
         adjustments=adjustments,
-        end_s=last_finish,
-        preemptions=sum(e.scheduler.num_preemptions for e in engines.values()),
-        output_tokens=output_tokens,
+        end_s=res.last_finish_s,
+        preemptions=res.preemptions,
+        output_tokens=res.output_tokens,
     )
 
 
-class _Discard:
-    def append(self, x: float, /) -> None:
-        pass
-
-
-_DISCARD = _Discard()
-
-
-@dataclasses.dataclass(slots=True)
-class _Track:
-    """``components.sim.Timed``: one request's times while it runs."""
-
-    arrival_s: float
-    first_s: float = -1.0
-    last_s: float = -1.0
-    cached_tokens: int = 0
-    host_cached_tokens: int = 0
-    output_tokens: int = 0
+def _planner_sample(p: PlannerPull) -> Sample:
+    out, decode = p.outcome, p.pools[DECODE]
+    return Sample(p.now_s, out.figures.kv_usage, decode.registered, decode.held, out.running, out.waiting)

@@ -1,24 +1,24 @@
-"""The planner adapter's pure parts: discovery listing -> pools, wire reports -> the policy's observation, the
-TensorBoard writer (its files read back with tensorboard's own event reader), the Prometheus exposition of the same
-figures, the status ``kvmesh status`` reads, and the command line (every flag's help states its unit)."""
+"""The planner's pure parts: the controller's conversions from the fleet view (a ``MemoryFleet`` fed with explicit
+times) to the policy's observation, the controller's pull and its changes in progress, the TensorBoard writer (its
+files read back with tensorboard's own event reader), the Prometheus exposition of the same figures, the status
+``kvmesh status`` reads, and the command line (every flag's help states its unit)."""
 
 from __future__ import annotations
 
 import pytest
 
+from components.fleet import MemoryFleet
+from components.fleet.model import FleetSnapshot
 from components.planner.config import PlannerConfig
-from components.planner.loop import (
-    Fleet,
+from components.planner.controller import (
     PendingChange,
-    PlannerBoard,
-    adjustment_to_dict,
+    PlannerController,
     build_observation,
-    fleet_from_instances,
     pool_view,
     queue_reading,
     request_totals,
-    status_payload,
 )
+from components.planner.loop import PlannerBoard, adjustment_to_dict, status_payload
 from components.planner.policy import (
     Adjustment,
     Direction,
@@ -29,25 +29,11 @@ from components.planner.policy import (
     WorkerLoad,
     pull_figures,
 )
-from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE
 from components.protocol.messages import LoadSnapshot, PrefillQueueReport
 from components.protocol.metadata import WorkerMetadata, WorkerRole
-from components.runtime import InstanceInfo
 
 pytestmark = pytest.mark.unit
 MODEL = "m"
-
-
-def instance(iid: int, endpoint: str, role: WorkerRole, model: str = MODEL) -> InstanceInfo:
-    meta = WorkerMetadata(model=model, role=role).to_dict()
-    return InstanceInfo("ns", "backend", endpoint, iid, f"s.{iid}", meta)
-
-
-def worker(iid: int, role: WorkerRole, model: str = MODEL) -> list[InstanceInfo]:
-    """The registrations one worker makes: prefill workers serve kv_state only, the others generate and kv_state."""
-    if role == WorkerRole.PREFILL:
-        return [instance(iid, ENDPOINT_KV_STATE, role, model)]
-    return [instance(iid, ENDPOINT_GENERATE, role, model), instance(iid, ENDPOINT_KV_STATE, role, model)]
 
 
 def load(kv: float, running: int = 0, waiting: int = 0) -> LoadSnapshot:
@@ -69,35 +55,57 @@ def report(waiting: int, in_flight: int = 0, model: str = MODEL, error: str = ""
     return PrefillQueueReport(model, waiting, in_flight, 0.0, 1, 0, False, stats_error=error)
 
 
-# --- discovery -> pools -----------------------------------------------------------------------------------------------
+def fleet(
+    workers: dict[int, WorkerRole],
+    loads: dict[int, tuple[LoadSnapshot, float]] | None = None,
+    queues: dict[int, tuple[PrefillQueueReport, float]] | None = None,
+    other_model: dict[int, WorkerRole] | None = None,
+) -> MemoryFleet:
+    """A fleet view as the live one would hold it: ``workers`` of MODEL (and ``other_model``'s of "other")
+    registered, each load report applied at its time (one report each: stale 10 s after it, by the rule)."""
+    f = MemoryFleet()
+    for iid, role in workers.items():
+        f.add_instance(iid, WorkerMetadata(model=MODEL, role=role).to_dict())
+    for iid, role in (other_model or {}).items():
+        f.add_instance(iid, WorkerMetadata(model="other", role=role).to_dict())
+    for iid, (snap, t) in (loads or {}).items():
+        f.apply_load(iid, snap, t)
+    for iid, (rep, t) in (queues or {}).items():
+        f.apply_queue(iid, rep, t)
+    return f
 
 
-def test_aggregated_workers_are_the_decode_pool_counted_once_each():
-    listing = worker(1, WorkerRole.AGGREGATED) + worker(2, WorkerRole.AGGREGATED)
-    assert fleet_from_instances(listing, MODEL) == Fleet(frozenset({1, 2}), frozenset(), disaggregated=False)
+def snap(f: MemoryFleet, now: float) -> FleetSnapshot:
+    return f.snapshot(now)
+
+
+# --- fleet view -> pools ----------------------------------------------------------------------------------------------
+
+
+def test_aggregated_workers_are_the_decode_pool():
+    f = fleet({1: WorkerRole.AGGREGATED, 2: WorkerRole.AGGREGATED})
+    obs = build_observation(snap(f, 0.0), MODEL, {})
+    assert obs.decode == PoolView(workers=2) and obs.prefill is None and obs.aggregated
 
 
 def test_disaggregated_pools_by_role_and_other_models_ignored():
-    listing = (
-        worker(1, WorkerRole.DECODE)
-        + worker(2, WorkerRole.DECODE)
-        + worker(3, WorkerRole.PREFILL)
-        + worker(4, WorkerRole.AGGREGATED, model="other")
-        + worker(5, WorkerRole.PREFILL, model="other")
+    f = fleet(
+        {1: WorkerRole.DECODE, 2: WorkerRole.DECODE, 3: WorkerRole.PREFILL},
+        other_model={4: WorkerRole.AGGREGATED, 5: WorkerRole.PREFILL},
     )
-    assert fleet_from_instances(listing, MODEL) == Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
+    obs = build_observation(snap(f, 0.0), MODEL, {})
+    assert (obs.decode, obs.prefill) == (PoolView(workers=2), PoolView(workers=1))
 
 
 def test_decode_workers_without_prefill_workers_still_make_a_disaggregated_fleet():
     # The prefill pool exists with 0 workers: the policy holds it ("no prefill worker registered"), not aggregated.
-    fleet = fleet_from_instances(worker(1, WorkerRole.DECODE), MODEL)
-    assert fleet.disaggregated and fleet.prefill == frozenset()
-    obs = build_observation(0.0, fleet, {}, None, {})
+    obs = build_observation(snap(fleet({1: WorkerRole.DECODE}), 0.0), MODEL, {})
     assert obs.prefill == PoolView(workers=0)
 
 
 def test_no_workers_at_all():
-    assert fleet_from_instances([], MODEL) == Fleet(frozenset(), frozenset(), disaggregated=False)
+    obs = build_observation(snap(fleet({}), 0.0), MODEL, {})
+    assert obs.decode == PoolView(workers=0) and obs.aggregated and obs.loads == ()
 
 
 # --- changes in progress ----------------------------------------------------------------------------------------------
@@ -119,51 +127,99 @@ def test_pool_view_settled_and_in_progress():
 # --- reports -> observation -------------------------------------------------------------------------------------------
 
 
-def test_queue_reading_takes_the_freshest_readable_report_of_the_model():
-    reports = {
-        1: (report(4, 1), 10.0),
-        2: (report(7, 2), 11.0),
-        3: (report(0, error="stream gone"), 12.0),  # newest, but its counts are not a measurement
-        4: (report(99, model="other"), 13.0),
-    }
-    assert queue_reading(reports, MODEL) == QueueReading(waiting=7, in_flight=2, received_s=11.0)
-    assert queue_reading({3: reports[3], 4: reports[4]}, MODEL) is None
+def test_queue_reading_takes_the_freshest_readable_report_of_the_alive_reporters():
+    f = fleet(
+        {1: WorkerRole.DECODE, 11: WorkerRole.PREFILL, 12: WorkerRole.PREFILL, 13: WorkerRole.PREFILL},
+        queues={
+            11: (report(4, 1), 10.0),
+            12: (report(7, 2), 10.5),
+            13: (report(0, error="stream gone"), 10.8),  # newest, but its counts are not a measurement
+            14: (report(99, model="other"), 10.9),
+        },
+    )
+    # At 11.0 every reporter heard is alive (one report each: the queue rule's first-report window is 1 s); the
+    # freshest readable one (12, 0.5 s old) gives the reading.
+    assert queue_reading(snap(f, 11.0), MODEL) == QueueReading(waiting=7, in_flight=2, received_s=10.5)
+    # At 11.6 only 13's report (10.8 + 1 s) is alive, and it read nothing.
+    assert queue_reading(snap(f, 11.6), MODEL) is None
 
 
-def test_observation_keeps_only_decode_pool_loads_with_the_planner_receive_time():
-    fleet = Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
-    loads = {1: (load(0.5), 9.0), 2: (load(0.7), 9.5), 3: (load(0.9), 9.5), 8: (load(1.0), 9.5)}
-    queue = QueueReading(3, 0, 9.8)
-    obs = build_observation(10.0, fleet, loads, queue, {Pool.DECODE: PendingChange(2, 3)})
-    assert obs.loads == (WorkerLoad(1, 0.5, 9.0), WorkerLoad(2, 0.7, 9.5))
+def test_observation_keeps_only_decode_pool_loads_with_their_receive_and_stale_times():
+    f = fleet(
+        {1: WorkerRole.DECODE, 2: WorkerRole.DECODE, 3: WorkerRole.PREFILL},
+        loads={1: (load(0.5), 9.0), 2: (load(0.7), 9.5), 3: (load(0.9), 9.5), 8: (load(1.0), 9.5)},
+        queues={3: (report(3), 9.8)},
+    )
+    obs = build_observation(snap(f, 10.0), MODEL, {Pool.DECODE: PendingChange(2, 3)})
+    # One report each: stale 10 s after it (the fleet's first-report window).
+    assert obs.loads == (WorkerLoad(1, 0.5, 9.0, 19.0), WorkerLoad(2, 0.7, 9.5, 19.5))
     assert obs.decode == PoolView(workers=2, starting=1)
     assert obs.prefill == PoolView(workers=1)
-    assert obs.queue == queue
+    assert obs.queue == QueueReading(3, 0, 9.8)
     # Pull figures as the policy computes them: mean KV (0.5 + 0.7) / 2 = 0.6; queue 3 items over 1 prefill worker.
     figures = pull_figures(obs, PlannerConfig())
     assert figures.kv_usage == pytest.approx(0.6)
     assert figures.queue_waiting == 3 and figures.queue_utilisation == 3.0
 
 
+def test_a_worker_stale_by_the_fleet_rule_is_left_out_and_named():
+    # Worker 1 reports every 0.1 s until 5.0 (stale from 5.0 + max(0.5, 5 x 0.1) = 5.5); worker 2 until 6.0.
+    f = fleet({1: WorkerRole.AGGREGATED, 2: WorkerRole.AGGREGATED})
+    for k in range(41):
+        f.apply_load(1, load(0.9), 1.0 + k * 0.1)
+    for k in range(51):
+        f.apply_load(2, load(0.3), 1.0 + k * 0.1)
+    fresh = pull_figures(build_observation(snap(f, 5.499), MODEL, {}), PlannerConfig())
+    assert fresh.kv_usage == pytest.approx(0.6) and fresh.left_out == ()  # (0.9 + 0.3) / 2
+    stale = pull_figures(build_observation(snap(f, 5.5), MODEL, {}), PlannerConfig())
+    assert stale.kv_usage == pytest.approx(0.3) and stale.left_out == (1,)
+
+
 def test_aggregated_observation_has_no_prefill_pool_and_no_queue():
-    fleet = Fleet(frozenset({1}), frozenset(), disaggregated=False)
-    obs = build_observation(1.0, fleet, {1: (load(0.2), 1.0)}, QueueReading(5, 0, 1.0), {})
+    f = fleet({1: WorkerRole.AGGREGATED}, loads={1: (load(0.2), 1.0)}, queues={9: (report(5), 1.0)})
+    obs = build_observation(snap(f, 1.0), MODEL, {})
     assert obs.aggregated and obs.queue is None
 
 
 def test_request_totals_count_fresh_decode_workers_only():
-    # Pull every 1 s: snapshots older than 3 pulls (received before 7.0 at now 10.0) are stale.
-    fleet = Fleet(frozenset({1, 2, 3}), frozenset({4}), disaggregated=True)
-    loads = {
-        1: (load(0.1, running=3, waiting=1), 9.0),
-        2: (load(0.1, running=5, waiting=2), 7.0),  # exactly 3 pulls old: still fresh, as in the policy
-        3: (load(0.1, running=100, waiting=100), 6.9),  # stale
-        4: (load(0.1, running=50, waiting=50), 9.0),  # a prefill worker
-    }
-    assert request_totals(loads, fleet, 10.0, PlannerConfig()) == (8, 3)
+    f = fleet(
+        {1: WorkerRole.DECODE, 2: WorkerRole.DECODE, 3: WorkerRole.DECODE, 4: WorkerRole.PREFILL},
+        loads={
+            1: (load(0.1, running=3, waiting=1), 9.0),
+            2: (load(0.1, running=5, waiting=2), 0.5),  # one report: stale from 10.5, fresh at 10.0
+            3: (load(0.1, running=100, waiting=100), -0.5),  # stale from 9.5
+            4: (load(0.1, running=50, waiting=50), 9.0),  # a prefill worker
+        },
+    )
+    assert request_totals(snap(f, 10.0), MODEL) == (8, 3)
+
+
+def test_the_controller_counts_a_change_in_progress_until_it_ends():
+    cfg = PlannerConfig(metric_pulling_interval=1.0, adjustment_interval=2.0)
+    ctl = PlannerController(cfg, MODEL)
+    f = fleet({1: WorkerRole.AGGREGATED})
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0):
+        f.apply_load(1, load(0.95), t)
+    assert ctl.pull(snap(f, 0.0)).adjustment is None  # the interval starts
+    assert ctl.pull(snap(f, 1.0)).adjustment is None
+    adj = ctl.pull(snap(f, 2.0)).adjustment  # 2 s later: due; KV 0.95 > 0.9 up-threshold
+    assert adj is not None and [(d.direction, d.target) for d in adj.changes()] == [(Direction.UP, 2)]
+    ctl.change_started(Pool.DECODE, 1, 2)
+    out = ctl.pull(snap(f, 3.0))
+    assert out.observation.decode == PoolView(workers=1, starting=1) and ctl.num_pulls == 4
+    ctl.change_ended(Pool.DECODE)
+    assert ctl.in_progress() == {} and ctl.num_adjustments == 1
 
 
 # --- TensorBoard ------------------------------------------------------------------------------------------------------
+
+
+def two_decode_one_prefill() -> MemoryFleet:
+    return fleet(
+        {1: WorkerRole.DECODE, 2: WorkerRole.DECODE, 3: WorkerRole.PREFILL},
+        loads={1: (load(0.8, running=4, waiting=1), 1.0), 2: (load(0.6, running=2, waiting=0), 1.0)},
+        queues={3: (report(2, 1), 1.0)},
+    )
 
 
 def adjustment(no_operation: bool = False) -> Adjustment:
@@ -191,12 +247,11 @@ def read_events(log_dir: str):
 
 
 def test_board_writes_pull_and_adjustment_scalars_and_decision_text(tmp_path):
-    fleet = Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
-    loads = {1: (load(0.8, running=4, waiting=1), 1.0), 2: (load(0.6, running=2, waiting=0), 1.0)}
-    obs = build_observation(1.0, fleet, loads, QueueReading(2, 1, 1.0), {})
+    s = snap(two_decode_one_prefill(), 1.0)
+    obs = build_observation(s, MODEL, {})
     cfg = PlannerConfig()
     board = PlannerBoard(str(tmp_path))
-    board.pull(1, obs, pull_figures(obs, cfg), *request_totals(loads, fleet, 1.0, cfg), walltime=100.0)
+    board.pull(1, obs, pull_figures(obs, cfg), *request_totals(s, MODEL), walltime=100.0)
     board.adjustment(1, adjustment(), walltime=100.0)
     board.close()
 
@@ -229,8 +284,7 @@ def test_board_writes_pull_and_adjustment_scalars_and_decision_text(tmp_path):
 
 
 def test_board_leaves_out_unknown_figures_and_marks_no_operation(tmp_path):
-    fleet = Fleet(frozenset({1}), frozenset(), disaggregated=False)
-    obs = build_observation(1.0, fleet, {}, None, {})  # no snapshot yet: KV use unknown
+    obs = build_observation(snap(fleet({1: WorkerRole.AGGREGATED}), 1.0), MODEL, {})  # no report yet: KV unknown
     board = PlannerBoard(str(tmp_path))
     board.pull(1, obs, pull_figures(obs, PlannerConfig()), 0, 0, walltime=100.0)
     board.adjustment(2, adjustment(no_operation=True), walltime=101.0)
@@ -252,8 +306,8 @@ def test_adjustment_to_dict_is_json_ready():
 
 
 def test_the_deployments_gpus_per_worker_reach_the_pool_views():
-    fleet = Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
-    obs = build_observation(1.0, fleet, {}, None, {}, {Pool.DECODE: 2, Pool.PREFILL: None})
+    f = fleet({1: WorkerRole.DECODE, 2: WorkerRole.DECODE, 3: WorkerRole.PREFILL})
+    obs = build_observation(snap(f, 1.0), MODEL, {}, {Pool.DECODE: 2, Pool.PREFILL: None})
     assert (obs.decode.gpus_per_worker, obs.prefill and obs.prefill.gpus_per_worker) == (2, None)
     # 2 decode workers x 2 GPUs + 1 prefill worker x prefill_engine_num_gpu (1) = 5
     assert pull_figures(obs, PlannerConfig()).gpus == 5
@@ -279,10 +333,9 @@ def test_metrics_show_the_tensorboard_figures_and_count_decisions_by_pool_and_di
     before = samples(m.render().decode())
     assert before['kvmesh_planner_no_operation{model="m"}'] == 0.0
     assert not any(k.startswith("kvmesh_planner_kv_usage") for k in before)  # no pull yet: absent, not 0
-    fleet = Fleet(frozenset({1, 2}), frozenset({3}), disaggregated=True)
-    loads = {1: (load(0.8, running=4, waiting=1), 1.0), 2: (load(0.6, running=2, waiting=0), 1.0)}
-    obs = build_observation(1.0, fleet, loads, QueueReading(2, 1, 1.0), {})
-    m.pull(obs, pull_figures(obs, PlannerConfig()), *request_totals(loads, fleet, 1.0, PlannerConfig()))
+    s = snap(two_decode_one_prefill(), 1.0)
+    obs = build_observation(s, MODEL, {})
+    m.pull(obs, pull_figures(obs, PlannerConfig()), *request_totals(s, MODEL))
     m.adjustment(adjustment())
     m.adjustment(adjustment())
     m.change(Pool.DECODE, "up", ok=True)
@@ -337,8 +390,8 @@ async def test_the_metrics_server_answers_on_a_free_loopback_port():
 def test_status_payload_says_pools_last_decision_changes_and_failures():
     import json
 
-    fleet = Fleet(frozenset({1, 2}), frozenset(), disaggregated=False)
-    obs = build_observation(1.0, fleet, {}, None, {Pool.DECODE: PendingChange(2, 3)})
+    f = fleet({1: WorkerRole.AGGREGATED, 2: WorkerRole.AGGREGATED})
+    obs = build_observation(snap(f, 1.0), MODEL, {Pool.DECODE: PendingChange(2, 3)})
     payload = status_payload(
         model=MODEL,
         connector="local",

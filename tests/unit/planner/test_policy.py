@@ -20,7 +20,6 @@ from components.planner.config import PlannerConfig
 from components.planner.policy import (
     NEW_DECODE_WORKER_GRACE_PERIOD,
     NEW_PREFILL_WORKER_QUEUE_BUFFER_PERIOD,
-    STALE_AFTER_PULLS,
     Adjustment,
     Direction,
     Observation,
@@ -68,10 +67,11 @@ def obs(
     decode_gpus: int | None = None,
     prefill_gpus: int | None = None,
 ) -> Observation:
-    """One pull at ``t``: every decode worker reports ``kv`` fresh (received now) unless ``loads`` is given."""
+    """One pull at ``t``: every decode worker reports ``kv`` fresh (received now, stale 0.5 s later as the fleet's
+    rule has it for a worker reporting every 100 ms) unless ``loads`` is given."""
     k = _at(kv, t)
     if loads is None:
-        loads = () if k is None else tuple(WorkerLoad(i, k, t) for i in range(decode))
+        loads = () if k is None else tuple(WorkerLoad(i, k, t, t + 0.5) for i in range(decode))
     q = _at(waiting, t)
     return Observation(
         now_s=t,
@@ -193,7 +193,7 @@ def test_default_thresholds_on_an_interval_average():
 
 
 def test_the_per_pull_average_is_over_the_workers_of_that_pull():
-    loads = (WorkerLoad(1, 1.0, 0.0), WorkerLoad(2, 0.5, 0.0))
+    loads = (WorkerLoad(1, 1.0, 0.0, 0.5), WorkerLoad(2, 0.5, 0.0, 0.5))
     assert pull_figures(obs(0.0, loads=loads), CFG).kv_usage == 0.75
 
 
@@ -398,11 +398,11 @@ def test_missing_metrics_hold_with_a_reason():
 
 
 def test_a_stale_worker_is_left_out_and_named():
-    limit = STALE_AFTER_PULLS * CFG.metric_pulling_interval  # 3 s
+    limit = 0.5  # worker 2's last report arrived at 0 and, by the fleet's rule, goes stale at 0.5 s
 
     def loads(t: float) -> tuple[WorkerLoad, ...]:
-        # Worker 1 fresh at 0.375; worker 2's last snapshot arrived at t = 0 at 1.0, so it is stale after 3 s.
-        return (WorkerLoad(1, 0.375, t), WorkerLoad(2, 1.0, 0.0))
+        # Worker 1 fresh at 0.375; worker 2's last snapshot arrived at t = 0 at 1.0, stale from 0.5 s.
+        return (WorkerLoad(1, 0.375, t, t + 0.5), WorkerLoad(2, 1.0, 0.0, limit))
 
     state = PlannerState()
     for t in range(30):
@@ -411,18 +411,20 @@ def test_a_stale_worker_is_left_out_and_named():
     adj, _ = decide(state, obs(30.0, loads=loads(30.0)), CFG)
     assert adj is not None
     d = pool(adj, Pool.DECODE)
-    # Pulls at t = 0..3 average both (worker 2 is exactly 3 s old at t = 3: still fresh): 0.6875; 27 pulls: 0.375.
-    expected = (4 * (0.375 + 1.0) / 2 + 27 * 0.375) / 31
+    # The pull at t = 0 averages both: 0.6875; the 30 pulls at t = 1..30 have worker 1 only: 0.375.
+    expected = ((0.375 + 1.0) / 2 + 30 * 0.375) / 31
     assert d.metrics["kv_usage"] == pytest.approx(expected)
     assert d.metrics["workers_left_out"] == 1 and "workers [2]" in d.reason
-    assert d.direction == Direction.DOWN  # 0.415 < 0.5
-    assert pull_figures(obs(limit, loads=loads(limit)), CFG).left_out == ()
-    assert pull_figures(obs(limit + 0.001, loads=loads(limit + 0.001)), CFG).left_out == (2,)
+    assert d.direction == Direction.DOWN  # 0.385 < 0.5
+    # Fresh strictly before its stale_at_s, stale from that instant on.
+    assert pull_figures(obs(limit - 0.001, loads=loads(limit - 0.001)), CFG).left_out == ()
+    assert pull_figures(obs(limit, loads=loads(limit)), CFG).left_out == (2,)
 
 
-def test_non_finite_kv_is_left_out_and_a_stale_queue_report_is_missing():
-    o = obs(10.0, prefill=1, loads=(WorkerLoad(1, float("nan"), 10.0), WorkerLoad(2, 0.5, 10.0)))
-    o = dataclasses.replace(o, queue=QueueReading(4, 0, 6.0))  # 4 s old
+def test_non_finite_kv_is_left_out_and_no_queue_reading_is_missing():
+    # Which queue report still counts is the fleet view's rule (tests/unit/planner/test_loop.py): no reading, no size.
+    o = obs(10.0, prefill=1, loads=(WorkerLoad(1, float("nan"), 10.0, 10.5), WorkerLoad(2, 0.5, 10.0, 10.5)))
+    o = dataclasses.replace(o, queue=None)
     figures = pull_figures(o, CFG)
     assert (figures.kv_usage, figures.left_out, figures.queue_waiting) == (0.5, (1,), None)
 

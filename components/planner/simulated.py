@@ -1,0 +1,89 @@
+"""The planner inside the simulator: ``PlannerController`` (controller.py, the function the live planner's loop calls)
+as a ``components.sim.dynamics.Scaler``. ``components.sim.replay`` calls ``pull`` every ``metric_pulling_interval``
+with its fleet view's snapshot (fed on the virtual clock by the same calls the live view makes) and carries out the
+pool sizes it returns through its modelled connector, which says when a change is done (``resize_done``), as a
+live connector's ``set_pool_size`` returns.
+
+Every pull is kept (``pulls``: the figures a live planner writes to TensorBoard at every pull), and every adjustment
+with its wall of reasons (``adjustments``), so that ``kvmesh simulate`` and ``kvmesh bench planner`` report what the
+planner saw and decided. Imports the simulator (rank 6) and this package's controller: its imports point down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from components.fleet.model import FleetSnapshot
+from components.planner.config import PlannerConfig
+from components.planner.controller import PlannerController, PullOutcome
+from components.planner.policy import Adjustment, Direction, Pool
+from components.sim.dynamics import DECODE, PoolState, Resize
+from components.sim.replay import MODEL
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlannerPull:
+    """One simulated pull: what the controller saw and decided, and the pools as the connector counted them."""
+
+    now_s: float
+    outcome: PullOutcome
+    pools: Mapping[str, PoolState]
+
+
+class SimulatedPlanner:
+    """The load planner as the simulator's scaler (module docstring). ``start_s``/``until_s``: the pulls' span on
+    the simulation's clock; ``gpus_per_worker``: what the deployment says a pool's worker uses (None: the config's)."""
+
+    def __init__(
+        self,
+        config: PlannerConfig,
+        *,
+        start_s: float = 0.0,
+        until_s: float = math.inf,
+        model: str = MODEL,
+        gpus_per_worker: Mapping[Pool, int | None] | None = None,
+    ) -> None:
+        self.config = config
+        self.controller = PlannerController(config, model)
+        self._start_s = start_s
+        self._until_s = until_s
+        self.gpus_per_worker = dict(gpus_per_worker or {})
+        self.pulls: list[PlannerPull] = []
+        self.adjustments: list[Adjustment] = []
+        self.would: dict[str, int] = {"up": 0, "down": 0}  # under no_operation: changes it would have made
+
+    @property
+    def interval_s(self) -> float:
+        return self.config.metric_pulling_interval
+
+    @property
+    def start_s(self) -> float:
+        return self._start_s
+
+    @property
+    def until_s(self) -> float:
+        return self._until_s
+
+    def pull(self, now_s: float, fleet: FleetSnapshot, pools: Mapping[str, PoolState]) -> Sequence[Resize]:
+        out = self.controller.pull(fleet, self.gpus_per_worker)
+        self.pulls.append(PlannerPull(now_s, out, dict(pools)))
+        adj = out.adjustment
+        if adj is None:
+            return ()
+        self.adjustments.append(adj)
+        for d in adj.decisions:
+            if d.direction != Direction.HOLD and d.no_operation:
+                self.would[str(d.direction)] += 1
+        resizes = []
+        for d in adj.changes():
+            self.controller.change_started(d.pool, d.current, d.target)
+            resizes.append(Resize(str(d.pool), d.current, d.target, d.reason))
+        return resizes
+
+    def resize_done(self, pool: str, now_s: float) -> None:
+        self.controller.change_ended(Pool(pool))
+
+
+__all__ = ["DECODE", "PlannerPull", "SimulatedPlanner"]
