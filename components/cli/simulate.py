@@ -6,18 +6,25 @@ Writes into ``--out``: ``summary.json`` (also the last line on stdout: TTFT, int
 SLO attainment against ``--ttft-ms``/``--itl-ms``, output tokens/s, worker-seconds, prefix hit rate, requests refused
 for being longer than the engines' ``max_model_len``, as the live frontend refuses them), ``simulate.png`` (offered
 load, the fleet's running and waiting requests with its pool sizes, and TTFT over time) and TensorBoard event files
-under ``tensorboard/`` with the live planner's ``pull/*`` tags (``kv_usage``, ``running_requests``,
-``waiting_requests``, ``decode_workers``, ``prefill_workers``; step = load-report tick), so a simulated and a live
-run open side by side. A progress line on a terminal (``--no-progress`` turns it off).
+under ``tensorboard/``, so a simulated and a live run open side by side. A progress line on a terminal
+(``--no-progress`` turns it off).
 
-The graph's ``planner:`` section is not simulated yet: such a graph is refused unless ``--without-planner`` says to
-replay its fleet as it starts, without scaling.
+The graph's ``planner:`` section runs in the simulation: the live planner's controller
+(``components.planner.simulated.SimulatedPlanner``, the function ``kvmesh planner`` calls at every pull) with the
+section's config, pulling every ``metric_pulling_interval`` from the first arrival until one interval after the
+last; its resizes go through the simulator's modelled connector (a new worker registers ``--startup-s`` after it is
+asked for, ``--connector-delay-s`` after the decision; a removed one leaves routing at once and exits when drained).
+The report then lists every scaling action with its reason, worker-seconds come from each worker's span, and the
+TensorBoard files are the live planner's own (``PlannerBoard``: ``pull/*`` at every pull, ``adjustment/*`` and the
+decisions' text at every adjustment). Without a planner (or with ``--without-planner``) the fleet is static and the
+files hold the ``pull/*`` tags at every load-report tick.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import itertools
 import json
 import math
@@ -30,7 +37,10 @@ from components.cli.overrides import add_override_argument
 from components.deploy.errors import DeployError
 from components.deploy.graph import load_graph
 from components.deploy.whatif import SimulatedDeployment, WhatIfError, simulated_deployment
+from components.planner.config import PlannerConfig
+from components.planner.simulated import SimulatedPlanner
 from components.sim import Sample, SimRequest, Workload, replay
+from components.sim.dynamics import DECODE, PREFILL
 from components.sim.errors import TraceFormatError
 from components.sim.report import Slo, summarize
 from components.sim.workloads import from_trace
@@ -69,6 +79,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replay a graph that has a planner: section with its fleet as it starts (the planner is not simulated)",
     )
+    p.add_argument(
+        "--startup-s",
+        type=float,
+        default=30.0,
+        help="seconds from the planner asking for a worker until it takes requests (default 30: a vLLM worker "
+        "loading its weights; a simulated worker under kvmesh serve takes a few)",
+    )
+    p.add_argument(
+        "--connector-delay-s",
+        type=float,
+        default=0.0,
+        help="seconds from a planner decision until the connector acts on it (default 0)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--no-png", action="store_true", help="do not draw simulate.png")
     p.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard event files")
@@ -87,6 +110,8 @@ class _Series:
         self.running: list[int] = []
         self.waiting: list[int] = []
         self.queue: list[int] = []
+        self.routed: list[int] = []
+        self.prefill: list[int] = []
         self._last_draw = 0.0
         self._last: Sample | None = None
         self._t0 = time.process_time()
@@ -98,6 +123,8 @@ class _Series:
         self.running.append(sum(x.num_running for x in loads))
         self.waiting.append(sum(x.num_waiting for x in loads))
         self.queue.append(s.queue_len)
+        self.routed.append(len(loads))
+        self.prefill.append(len(s.prefill_loads))
         self._last = s
         if self.stream is not None:
             now = time.monotonic()
@@ -139,19 +166,33 @@ def _workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> 
 def _tensorboard(series: _Series, log_dir: Path) -> None:
     from tensorboardX import SummaryWriter  # imported here: only a run that writes event files needs it
 
-    fleet = series.deployment.fleet
     with SummaryWriter(logdir=str(log_dir)) as writer:
         for step, t in enumerate(series.t):
             scalars = {
                 "pull/kv_usage": series.kv_usage[step],
                 "pull/running_requests": series.running[step],
                 "pull/waiting_requests": series.waiting[step],
-                "pull/decode_workers": fleet.workers,
-                "pull/prefill_workers": fleet.prefill,
+                "pull/decode_workers": series.routed[step],
+                "pull/prefill_workers": series.prefill[step],
                 "pull/prefill_queue_size": series.queue[step],
             }
             for tag, v in scalars.items():
                 writer.add_scalar(tag, v, step, walltime=t)
+
+
+def _planner_board(planner: SimulatedPlanner, log_dir: Path) -> None:
+    """The live planner's TensorBoard files (``PlannerBoard``), pull by pull; wall time = simulated time."""
+    from components.planner.board import PlannerBoard
+
+    board = PlannerBoard(str(log_dir))
+    try:
+        for step, p in enumerate(planner.pulls, start=1):
+            out = p.outcome
+            board.pull(step, out.observation, out.figures, out.running, out.waiting, p.now_s)
+            if out.adjustment is not None:
+                board.adjustment(step, out.adjustment, p.now_s)
+    finally:
+        board.close()
 
 
 def _draw(path: Path, workload: Workload, ttft_by_request: list[float], series: _Series, slo: Slo) -> bool:
@@ -173,9 +214,9 @@ def _draw(path: Path, workload: Workload, ttft_by_request: list[float], series: 
     fleet = series.deployment.fleet
     axes[1].plot(series.t, series.running, label="running")
     axes[1].plot(series.t, series.waiting, label="waiting")
-    axes[1].axhline(fleet.workers, color="k", linestyle=":", label=f"routed workers ({fleet.workers})")
+    axes[1].step(series.t, series.routed, where="post", color="k", linestyle=":", label="routed workers")
     if fleet.prefill:
-        axes[1].axhline(fleet.prefill, color="grey", linestyle=":", label=f"prefill workers ({fleet.prefill})")
+        axes[1].step(series.t, series.prefill, where="post", color="grey", linestyle=":", label="prefill workers")
     axes[1].set_ylabel("requests / workers")
     axes[1].legend(loc="upper right", fontsize=8)
     axes[2].scatter(arrivals, [1000 * t for t in ttft_by_request], s=2, alpha=0.4)
@@ -184,7 +225,7 @@ def _draw(path: Path, workload: Workload, ttft_by_request: list[float], series: 
     axes[2].set_ylabel("TTFT (ms), by arrival")
     axes[2].set_xlabel("trace time (s)")
     axes[2].legend(loc="upper right", fontsize=8)
-    fig.suptitle(f"kvmesh simulate: {workload.name}, {fleet.workers} routed + {fleet.prefill} prefill workers")
+    fig.suptitle(f"kvmesh simulate: {workload.name}, {fleet.workers} routed + {fleet.prefill} prefill workers at start")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -193,20 +234,29 @@ def _draw(path: Path, workload: Workload, ttft_by_request: list[float], series: 
 
 def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
     graph = load_graph(args.graph, list(args.overrides))
-    if graph.planner is not None and not args.without_planner:
-        raise WhatIfError(
-            f"{args.graph} has a planner: section, which kvmesh simulate does not run yet; pass --without-planner to "
-            "replay its fleet as it starts, without scaling"
-        )
+    if not (args.startup_s >= 0 and args.connector_delay_s >= 0):
+        raise WhatIfError("--startup-s and --connector-delay-s must be >= 0")
     deployment = simulated_deployment(graph)
-    fleet = deployment.fleet
+    fleet = dataclasses.replace(deployment.fleet, startup_s=args.startup_s, connector_delay_s=args.connector_delay_s)
     max_len = min(fleet.engine.max_model_len, fleet.decode_config.max_model_len)
     workload, refused = _workload(args, deployment.vocab_size, max_len)
     slo = Slo(args.ttft_ms / 1000.0, args.itl_ms / 1000.0)
+    planner: SimulatedPlanner | None = None
+    planner_config: PlannerConfig | None = None
+    if graph.planner is not None and not args.without_planner:
+        planner_config = PlannerConfig.model_validate(
+            {k: getattr(graph.planner, k) for k in PlannerConfig.model_fields}
+        )
+        last = workload.requests[-1].arrival_s
+        planner = SimulatedPlanner(
+            planner_config,
+            start_s=workload.requests[0].arrival_s,
+            until_s=last + planner_config.metric_pulling_interval,
+        )
     series = _Series(deployment, len(workload.requests), workload.span_s, progress)
     cpu0 = time.process_time()
     try:
-        res = replay(workload, fleet, deployment.router, args.seed, observer=series)
+        res = replay(workload, fleet, deployment.router, args.seed, observer=series, scaler=planner)
     finally:
         series.close()
     cpu_s = time.process_time() - cpu0
@@ -221,12 +271,32 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         "groups": deployment.groups,
         "refused_too_long": refused,
         **summarize(res, workload, fleet, slo),
-        "planner": None,
-        "scaling_actions": [],
+        "planner": None if planner_config is None else planner_config.model_dump(mode="json"),
+        "startup_s": args.startup_s,
+        "connector_delay_s": args.connector_delay_s,
+        "adjustments": None if planner is None else len(planner.adjustments),
+        "scaling_actions": [
+            {
+                "pool": a.pool,
+                "decided_s": round(a.decided_s, 3),
+                "done_s": None if a.done_s is None else round(a.done_s, 3),
+                "direction": a.direction,
+                "from": a.before,
+                "to": a.target,
+                "reason": a.reason,
+            }
+            for a in res.actions
+        ],
+        "most_workers": {
+            pool: max(series.routed if pool == DECODE else series.prefill, default=0) for pool in (DECODE, PREFILL)
+        },
         "simulation_cpu_s": round(cpu_s, 2),
     }
     if not args.no_tensorboard:
-        _tensorboard(series, out / "tensorboard")
+        if planner is not None:
+            _planner_board(planner, out / "tensorboard")
+        else:
+            _tensorboard(series, out / "tensorboard")
         report["tensorboard"] = str(out / "tensorboard")
     if not args.no_png:
         png = out / "simulate.png"

@@ -355,8 +355,13 @@ def replay(
         heap.append((requests[i].arrival_s, seq, _ARRIVAL, i))
         seq += 1
     heapq.heapify(heap)
-    if n_requests:
-        heapq.heappush(heap, (requests[0].arrival_s, seq, _REPORT, 0))
+    # Load reports start with the run: at the first arrival for a static fleet (nothing to report before it), at 0
+    # with a scaler (the fleet it watches serves from 0, and its first pulls may come before any arrival).
+    if n_requests or scaler is not None:
+        first_report_s = requests[0].arrival_s if n_requests else 0.0
+        if scaler is not None:
+            first_report_s = min(0.0, first_report_s)
+        heapq.heappush(heap, (first_report_s, seq, _REPORT, 0))
         seq += 1
     remaining = n_requests
     last_finish = requests[0].arrival_s if n_requests else 0.0
@@ -365,9 +370,6 @@ def replay(
         until_s = scaler.until_s
         heapq.heappush(heap, (scaler.start_s, seq, _PULL, 0))
         seq += 1
-        if not n_requests:
-            heapq.heappush(heap, (0.0, seq, _REPORT, 0))
-            seq += 1
     if rescheduler is not None and n_requests:
         heapq.heappush(heap, (requests[0].arrival_s + rescheduler.interval_s, seq, _RESCHEDULE, 0))
         seq += 1

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from .dynamics import worker_seconds
 from .replay import FleetSpec, RunResult
 from .workload import Workload
 
@@ -75,12 +76,14 @@ def _quantiles_ms(xs: Sequence[float]) -> dict[str, float | None]:
 def summarize(res: RunResult, workload: Workload, fleet: FleetSpec, slo: Slo) -> dict[str, Any]:
     """The replay's figures: TTFT and inter-token percentiles (ms; ITL over every gap between two tokens of a
     request), SLO attainment (fractions of requests meeting the TTFT target, the mean-ITL target, both), output
-    tokens/s over the makespan, requests/s offered, and worker-seconds (every engine, prefill ones included, held
-    from the first arrival to the last finish: the fleet is static)."""
+    tokens/s over the makespan, requests/s offered, and worker-seconds (every engine, prefill ones included, over
+    its span within first arrival to last finish: asked for until exited, the whole makespan in a static fleet)."""
     times = request_times(res, workload)
     makespan = res.makespan_s
     n = len(workload.requests)
-    workers = fleet.workers + fleet.prefill
+    t0, t1 = res.first_arrival_s, res.last_finish_s
+    spans = [span for pool in res.spans.values() for span in pool]
+    held = worker_seconds(spans, t0, t1) if spans else (fleet.workers + fleet.prefill) * makespan
     return {
         "requests": n,
         "offered_rps": round(workload.rate, 4) if math.isfinite(workload.rate) else None,
@@ -93,7 +96,7 @@ def summarize(res: RunResult, workload: Workload, fleet: FleetSpec, slo: Slo) ->
         "makespan_s": round(makespan, 3),
         "drain_s": round(res.drain_s, 3),
         "workers": {"routed": fleet.workers, "prefill": fleet.prefill},
-        "worker_seconds": round(workers * makespan, 1),
+        "worker_seconds": round(held, 1),
         "prefix_hit_rate": round(res.hit_rate, 4),
         "preemptions": res.preemptions,
         "prefill_remote": res.remote,

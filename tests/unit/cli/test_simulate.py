@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -103,14 +104,64 @@ def test_prompts_longer_than_the_engines_take_are_refused_and_counted(tmp_path, 
     assert report["refused_too_long"] == 10 and report["requests"] == 3
 
 
-def test_a_graph_with_a_planner_is_refused_unless_its_fleet_is_asked_for_without_it(tmp_path, capsys):
-    trace = mooncake(tmp_path / "t.jsonl", 10)
-    argv = ["--graph", str(GRAPHS / "mock_planner.yaml"), "--trace", str(trace), "--out", str(tmp_path / "o")]
-    code, _, err = run(capsys, *argv, "--no-png", "--no-tensorboard", "--no-progress")
-    assert code != 0 and "has a planner: section" in err and "--without-planner" in err
-    code, stdout, err = run(capsys, *argv, "--without-planner", "--no-png", "--no-tensorboard", "--no-progress")
+def heavy(path: Path, rows: int, gap_ms: int = 100) -> Path:
+    """``rows`` Mooncake rows of 700 prompt and 400 output tokens, ``gap_ms`` apart, no shared blocks: each holds up
+    to 1,100 tokens of cache, so the ~15 running at once that 16k tokens (mock_planner.yaml's one worker: 1024
+    blocks of 16) hold fill it: at 10 a second, that is 1.5 s of each request's decode time."""
+    with path.open("w") as f:
+        for i in range(rows):
+            row = {"timestamp": i * gap_ms, "input_length": 700, "output_length": 400, "hash_ids": [2 * i, 2 * i + 1]}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def test_a_graph_with_a_planner_runs_its_planner_and_reports_each_scaling_action(tmp_path, capsys):
+    from components.planner.config import PlannerConfig
+    from components.planner.simulated import SimulatedPlanner
+
+    trace = heavy(tmp_path / "t.jsonl", 400)
+    out = tmp_path / "o"
+    argv = ["--graph", str(GRAPHS / "mock_planner.yaml"), "--trace", str(trace), "--startup-s", "2", "--no-progress"]
+    code, stdout, err = run(capsys, *argv, "--out", str(out), "--no-png")
     assert code == 0, err
-    assert json.loads(stdout.strip().splitlines()[-1])["router_policy"] == "kv"
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["planner"]["adjustment_interval"] == 10 and report["planner"]["max_gpu_budget"] == 4
+    ups = [a for a in report["scaling_actions"] if a["direction"] == "up"]
+    # The one worker's cache fills (KV use above the 0.9 up-threshold): the planner adds workers, each taking
+    # requests 2 s (--startup-s) after its decision, decisions at least one adjustment interval apart.
+    assert ups and ups[0]["from"] == 1 and ups[0]["to"] == 2 and "> up-threshold 0.9" in ups[0]["reason"]
+    assert all(a["done_s"] == pytest.approx(a["decided_s"] + 2.0, abs=1e-3) for a in ups)
+    assert report["most_workers"]["decode"] >= 2 and report["adjustments"] >= 2
+    # Worker-seconds from each worker's span: more than one worker's makespan, fewer than the budget's four.
+    assert report["makespan_s"] < report["worker_seconds"] < 4 * report["makespan_s"]
+    # The live planner's TensorBoard layout: pull/* scalars and the decisions as text.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    assert {"pull/kv_usage", "pull/decode_workers", "adjustment/decode_workers"} <= set(acc.Tags()["scalars"])
+    texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("adjustment/decisions/text_summary")]
+    assert any("decode: scale up 1 -> 2" in t for t in texts)
+
+    # The command's actions are the library's: the graph's planner config as SimulatedPlanner over sim.replay.
+    graph = load_graph(GRAPHS / "mock_planner.yaml", [])
+    deployment = simulated_deployment(graph)
+    w = from_trace(trace, 10**9, vocab_size=deployment.vocab_size)
+    cfg = PlannerConfig.model_validate({k: getattr(graph.planner, k) for k in PlannerConfig.model_fields})
+    planner = SimulatedPlanner(cfg, start_s=0.0, until_s=w.requests[-1].arrival_s + cfg.metric_pulling_interval)
+    fleet = dataclasses.replace(deployment.fleet, startup_s=2.0)
+    res = replay(w, fleet, deployment.router, 0, scaler=planner)
+    assert [(a.decided_s, a.direction, a.reason) for a in res.actions] == [
+        (pytest.approx(a["decided_s"], abs=1e-3), a["direction"], a["reason"]) for a in report["scaling_actions"]
+    ]
+
+    # --without-planner: the fleet as it starts, never resized.
+    code, stdout, err = run(capsys, *argv, "--out", str(tmp_path / "o2"), "--without-planner", "--no-png",
+                            "--no-tensorboard")  # fmt: skip
+    assert code == 0, err
+    static = json.loads(stdout.strip().splitlines()[-1])
+    assert static["scaling_actions"] == [] and static["planner"] is None and static["most_workers"]["decode"] == 1
+    assert static["ttft_ms"]["p99"] > report["ttft_ms"]["p99"]  # the planner's workers took load off the one
 
 
 def test_a_vllm_group_and_a_missing_trace_are_clear_errors(tmp_path, capsys):
