@@ -47,24 +47,14 @@ class SimulatedPlanner:
     ) -> None:
         self.config = config
         self.controller = PlannerController(config, model)
-        self._start_s = start_s
-        self._until_s = until_s
+        # The Scaler's cadence (components.sim.dynamics): a pull every interval_s from start_s until before until_s.
+        self.interval_s = config.metric_pulling_interval
+        self.start_s = start_s
+        self.until_s = until_s
         self.gpus_per_worker = dict(gpus_per_worker or {})
         self.pulls: list[PlannerPull] = []
         self.adjustments: list[Adjustment] = []
         self.would: dict[str, int] = {"up": 0, "down": 0}  # under no_operation: changes it would have made
-
-    @property
-    def interval_s(self) -> float:
-        return self.config.metric_pulling_interval
-
-    @property
-    def start_s(self) -> float:
-        return self._start_s
-
-    @property
-    def until_s(self) -> float:
-        return self._until_s
 
     def pull(self, now_s: float, fleet: FleetSnapshot, pools: Mapping[str, PoolState]) -> Sequence[Resize]:
         out = self.controller.pull(fleet, self.gpus_per_worker)

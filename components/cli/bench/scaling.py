@@ -317,24 +317,14 @@ class ControllerScaler:
     def __init__(self, control: Controller, config: PlannerConfig, start_s: float, until_s: float) -> None:
         self.control = control
         self.config = config
-        self._start_s = start_s
-        self._until_s = until_s
+        # The Scaler's cadence (components.sim.dynamics): a pull every interval_s from start_s until before until_s.
+        self.interval_s = config.metric_pulling_interval
+        self.start_s = start_s
+        self.until_s = until_s
         self.next_decision_s: float | None = start_s
         self.grace = 0
         self.adjustments = 0
         self.samples: list[Sample] = []
-
-    @property
-    def interval_s(self) -> float:
-        return self.config.metric_pulling_interval
-
-    @property
-    def start_s(self) -> float:
-        return self._start_s
-
-    @property
-    def until_s(self) -> float:
-        return self._until_s
 
     def pull(self, now_s: float, fleet: FleetSnapshot, pools: Mapping[str, PoolState]) -> Sequence[Resize]:
         self.samples.append(_sample(now_s, fleet, pools, self.config))
