@@ -63,6 +63,9 @@ BENCHMARKS = (
     ),
     Command("migration", "components.cli.bench.migration", "migration downtime (live vs recompute) and failover"),
     Command("planner", "components.cli.bench.planner", "planner vs fixed fleets under a sinusoidal load, simulated"),
+    Command(
+        "planner-live", "components.cli.bench.planner_live", "the planner live and simulated on one sinusoid, compared"
+    ),
 )
 
 

@@ -49,7 +49,14 @@ class SimulatedDeployment:
 
 def _engine_config(group: Any) -> MockEngineConfig:
     values = group.component_values()
-    return MockEngineConfig.model_validate({k: v for k, v in values.items() if k in MockEngineConfig.model_fields})
+    config = MockEngineConfig.model_validate({k: v for k, v in values.items() if k in MockEngineConfig.model_fields})
+    if config.is_infinitely_fast:
+        raise WhatIfError(
+            f"worker group {group.name!r} runs at speedup_ratio inf: its engines never sleep, so their time is the "
+            "host's CPU, not a model the simulator can replay; set a finite speedup_ratio (1 = the modelled GPU in "
+            "real time) to simulate it"
+        )
+    return config
 
 
 def _one(configs: dict[str, Any], what: str) -> Any:

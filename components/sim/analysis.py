@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from components.protocol.kv_hashing import block_hashes
+from components.workers.simulated import MockEngineConfig
 
 from .replay import FleetSpec, RunResult, simulate
 from .workload import Workload
@@ -155,16 +156,23 @@ class Probe:
         return self.drain_s <= self.allowed_s
 
 
+def _ms_per_s(engine: MockEngineConfig) -> float:
+    """Modelled milliseconds per second of the simulation's time: 1000 at ``speedup_ratio`` 1; an engine at 0.2x
+    takes five times as long for the same modelled work (``VirtualEngine`` divides by the ratio)."""
+    return 1000.0 * engine.speedup_ratio
+
+
 def isolated_service_s(workload: Workload, fleet: FleetSpec) -> float:
     """The longest time any one request of the workload takes alone on an idle worker (its prefill in full chunks,
     then one decode step per output token): the part of a drain that no rate can shorten."""
     m = fleet.engine.step_time_model
+    per_s = _ms_per_s(fleet.engine)
     worst = 0.0
     for r in workload.requests:
         n = len(r.prompt)
         ms = m.chunked_prefill_ms(n)
         ms += (r.max_tokens - 1) * m.decode_ms(1, n + r.max_tokens)  # an upper bound: the longest context
-        worst = max(worst, ms / 1000.0)
+        worst = max(worst, ms / per_s)
     return worst
 
 
@@ -173,8 +181,9 @@ def ttft_floor_s(workload: Workload, fleet: FleetSpec, cached_tokens: Sequence[i
     (``PromptBlocks.hits_per_prompt``: the infinite one-worker cache's): the rest prefilled in full chunks. No policy
     can beat these; their p99 against round-robin's says how much better than round-robin any router could be."""
     m = fleet.engine.step_time_model
+    per_s = _ms_per_s(fleet.engine)
     return [
-        m.chunked_prefill_ms(len(r.prompt) - cached) / 1000.0
+        m.chunked_prefill_ms(len(r.prompt) - cached) / per_s
         for r, cached in zip(workload.requests, cached_tokens, strict=True)
     ]
 
@@ -201,10 +210,11 @@ def causal_ttft_floor_s(workload: Workload, fleet: FleetSpec, hashes: Sequence[S
     c = fleet.engine
     m = c.step_time_model
     bs = c.block_size
-    slope_s = min(m.prefill_ms(n) / n for n in range(1, m.max_num_batched_tokens + 1)) / 1000.0
+    per_s = _ms_per_s(c)
+    slope_s = min(m.prefill_ms(n) / n for n in range(1, m.max_num_batched_tokens + 1)) / per_s
 
     def own_s(n: int) -> float:
-        return m.chunked_prefill_ms(n) / 1000.0
+        return m.chunked_prefill_ms(n) / per_s
 
     avail: dict[int, float] = {}  # block hash -> the earliest time it can exist
     out = []
@@ -265,7 +275,7 @@ def model_estimate(workload: Workload, fleet: FleetSpec) -> float:
     m = c.step_time_model
     per_token_ms = m.prefill_ms(m.max_num_batched_tokens) / m.max_num_batched_tokens
     ms = prompt * per_token_ms + out * m.decode_ms(64, 64 * int(prompt)) / 64
-    return fleet.workers * 1000.0 / ms
+    return fleet.workers * _ms_per_s(c) / ms
 
 
 def find_capacity(

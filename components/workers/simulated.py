@@ -10,7 +10,12 @@ reads a clock or does I/O.
 For disaggregated fleets (``kvmesh bench disagg``) it also exposes the scheduler's remote-prefill primitives as a
 decode engine uses them (``reserve_remote_prefill``, ``commit_remote_prefill``, ``cancel_remote_prefill``,
 ``cached_prefix_tokens``), ``abort`` (a prefill engine drops a request after its first token) and the modelled KV
-transfer time (``kv_transfer_time_s``, as ``MockEngine`` charges it, without ``speedup_ratio``: time is virtual).
+transfer time (``kv_transfer_time_s``).
+
+Time is the deployment's: a step modelled at ``t`` takes ``t / speedup_ratio`` (and a KV transfer likewise), as
+``MockEngine`` sleeps it, so a graph whose workers run at 0.2x is simulated at 0.2x. At the default ratio of 1 nothing
+is divided. A ratio of ``inf`` (``MockEngine`` never sleeps, so its time is the host's CPU, not a model) has no
+modelled time: ``VirtualEngine`` refuses it.
 
 The public face of the private ``engines`` package for the command line (tests/unit/test_layering.py: only
 ``components.workers`` imports its engines).
@@ -35,7 +40,13 @@ class VirtualEngine:
     """One simulated engine whose time the caller advances (module docstring)."""
 
     def __init__(self, config: MockEngineConfig) -> None:
+        if config.is_infinitely_fast:
+            raise ValueError(
+                "speedup_ratio inf has no modelled time (the engine then runs as fast as the host's CPU): simulate "
+                "it with a finite speedup_ratio"
+            )
         self.config = config
+        self._ratio = config.speedup_ratio
         self.scheduler = Scheduler(config)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
@@ -50,8 +61,12 @@ class VirtualEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self, now_s: float) -> StepOutput:
-        """Run one step starting at ``now_s``; its tokens and finishes belong to ``now_s + step_time_s``."""
-        return self.scheduler.step(now_s)
+        """Run one step starting at ``now_s``; its tokens and finishes belong to ``now_s + step_time_s`` (the modelled
+        time divided by ``speedup_ratio``)."""
+        out = self.scheduler.step(now_s)
+        if self._ratio != 1.0:
+            out.step_time_s = out.step_time_s / self._ratio
+        return out
 
     def take_kv_events(self) -> list[KvEvent]:
         return self.scheduler.take_kv_events()
@@ -89,11 +104,13 @@ class VirtualEngine:
         return self.scheduler.cancel_remote_prefill(request_id)
 
     def kv_transfer_time_s(self, num_tokens: int) -> float:
-        """Modelled time to send the KV of ``num_tokens`` prompt tokens (whole blocks) to another engine."""
+        """Modelled time to send the KV of ``num_tokens`` prompt tokens (whole blocks) to another engine, divided by
+        ``speedup_ratio`` as ``MockEngine`` charges it."""
         cfg = self.config
-        return transfer_time_s(
+        s = transfer_time_s(
             -(-num_tokens // cfg.block_size),
             bytes_per_block=cfg.kv_bytes_per_block,
             bandwidth_gbps=cfg.kv_transfer_bandwidth_gbps,
             latency_ms=cfg.kv_transfer_latency_ms,
         )
+        return s if self._ratio == 1.0 else s / self._ratio

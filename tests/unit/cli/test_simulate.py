@@ -164,8 +164,11 @@ def test_a_graph_with_a_planner_runs_its_planner_and_reports_each_scaling_action
     assert static["ttft_ms"]["p99"] > report["ttft_ms"]["p99"]  # the planner's workers took load off the one
 
 
-def test_a_vllm_group_and_a_missing_trace_are_clear_errors(tmp_path, capsys):
+def test_a_vllm_group_an_infinitely_fast_group_and_a_missing_trace_are_clear_errors(tmp_path, capsys):
     trace = mooncake(tmp_path / "t.jsonl", 5)
+    code, _, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *SMALL,
+                       "--set", "workers[0].speedup_ratio=inf", "--out", str(tmp_path))  # fmt: skip
+    assert code != 0 and "speedup_ratio inf" in err and "finite speedup_ratio" in err
     code, _, err = run(capsys, "--graph", str(GRAPHS / "agg.yaml"), "--trace", str(trace), "--out", str(tmp_path))
     assert code != 0 and "runs the vllm engine" in err and "engine: mock" in err
     code, _, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(tmp_path / "nope.jsonl"),

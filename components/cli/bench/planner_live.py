@@ -1,0 +1,401 @@
+"""``kvmesh bench planner-live``: the planner run live and simulated on one compressed sinusoid, decision by decision.
+
+1. A trace (Mooncake jsonl, written into ``--out``): arrivals of a Poisson process whose rate follows Dynamo's
+   sinusoid shape (``scaling.Sinusoid``: ``--low`` to ``--high`` of ``--peak-rps`` over ``--period-s``, for
+   ``--duration-s``), each a prompt of ``--prompt-tokens`` unique tokens and ``--output-tokens`` outputs. The first
+   arrival is shifted to t = 0, so the live and the simulated clock start together.
+2. Live: ``kvmesh serve GRAPH --detach`` (default ``graphs/mock_planner.yaml``: simulated workers in real time, the
+   planner as one more watcher with the local connector) with the planner's intervals, budget and the workers' KV
+   cache set by flags, the planner's TensorBoard files written into ``--out``; the load generator replays the trace
+   on its timestamps (open loop, loopback only); ``kvmesh stop``. The live planner's decisions are read back from
+   its TensorBoard files (``adjustment/decisions``, wall time of each), its pool sizes from ``pull/decode_workers``.
+3. The live workers' start-up, measured: from each scale-up decision to the first pull that counts the new worker.
+4. Simulated: ``kvmesh simulate`` on the same graph and settings and the same trace, ``--startup-s`` set to the
+   measured start-up (the median; the simulator's default of 30 s is a vLLM worker's, not a mock worker's).
+5. The two sequences of scaling actions (pool, direction, from, to), decided within the load's span plus one
+   adjustment interval, compared pair by pair: the same sequence, each pair within one adjustment interval of each
+   other (the live planner's intervals start when it starts, before the load; the simulated one's at the first
+   arrival, so their phases differ by up to one interval by construction).
+
+JSON on stdout's last line (the load relative to one worker's KV capacity, both action lists, the pairs with their
+time differences, the verdict, the live run's request outcomes); ``--png``: the decode pool over time, live and
+simulated, over the offered load.
+
+What the simulation leaves out, and can make the two differ: the frontend and NATS (a few ms per request), the
+load generator's own timing on a busy host, and the start-up's spread (one median for every worker). The live side
+runs in real time on this machine: other work on it delays the mock engines' steps and moves the live KV use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from components.cli.bench.loadgen import LoadConfig, run_load
+from components.cli.bench.scaling import Sinusoid, arrival_times
+from components.deploy.graph import load_graph
+from components.deploy.state import read_state, resolve_state_dir
+from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.runtime import Runtime, RuntimeConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+BLOCK_TOKENS = 512  # tokens per Mooncake hash id (components.sim.traces.MooncakeBlocks)
+_DECISION = re.compile(r"^(decode|prefill): scale (up|down) (\d+) -> (\d+) \((.*)\)$")
+
+
+def _kvmesh(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "components.cli.main", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write_trace(path: Path, arrivals: list[float], prompt_tokens: int, output_tokens: int) -> int:
+    """Mooncake rows at ``arrivals`` (shifted so the first is at 0), unique blocks each; returns the row count."""
+    t0 = arrivals[0] if arrivals else 0.0
+    blocks = math.ceil(prompt_tokens / BLOCK_TOKENS)
+    with path.open("w") as f:
+        for i, t in enumerate(arrivals):
+            row = {
+                "timestamp": round((t - t0) * 1000),
+                "input_length": prompt_tokens,
+                "output_length": output_tokens,
+                "hash_ids": list(range(i * blocks, (i + 1) * blocks)),
+            }
+            f.write(json.dumps(row) + "\n")
+    return len(arrivals)
+
+
+def overrides(args: argparse.Namespace, log_dir: Path | None) -> list[str]:
+    sets = [
+        "frontend.port=0",
+        f"workers[0].num_gpu_blocks={args.num_gpu_blocks}",
+        f"workers[0].speedup_ratio={args.speedup_ratio}",
+        f"planner.adjustment_interval={args.adjustment_interval}",
+        f"planner.metric_pulling_interval={args.metric_pulling_interval}",
+        f"planner.max_gpu_budget={args.max_gpu_budget}",
+    ]
+    if log_dir is not None:
+        sets.append(f"planner.log_dir={log_dir}")
+    return [x for s in sets for x in ("--set", s)]
+
+
+def parse_decisions(texts: list[tuple[float, str]], t0: float) -> list[dict[str, Any]]:
+    """The applied scaling actions in a planner's ``adjustment/decisions`` texts (wall time, text), times relative to
+    ``t0``; holds and no-operation lines ("would scale") are not actions."""
+    out = []
+    for wall, text in texts:
+        for line in text.split("  \n"):
+            m = _DECISION.match(line.strip())
+            if m:
+                pool, direction, before, target, reason = m.groups()
+                out.append(
+                    {
+                        "pool": pool,
+                        "direction": direction,
+                        "from": int(before),
+                        "to": int(target),
+                        "decided_s": round(wall - t0, 3),
+                        "reason": reason,
+                    }
+                )
+    return out
+
+
+def startup_delays(actions: list[dict[str, Any]], pool_series: list[tuple[float, float]]) -> list[float]:
+    """For each scale-up, the time from its decision to the first pull whose pool counts its target (an upper bound,
+    by at most one pulling interval)."""
+    out = []
+    for a in actions:
+        if a["direction"] != "up":
+            continue
+        seen = [t for t, n in pool_series if t > a["decided_s"] and n >= a["to"]]
+        if seen:
+            out.append(round(seen[0] - a["decided_s"], 3))
+    return out
+
+
+def compare(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: float) -> dict[str, Any]:
+    """Pair the two action lists in order: the same (pool, direction, from, to) and decided within ``tolerance_s``."""
+    pairs = []
+    for k in range(max(len(live), len(sim))):
+        a = live[k] if k < len(live) else None
+        b = sim[k] if k < len(sim) else None
+        same = (
+            a is not None
+            and b is not None
+            and all(a[f] == b[f] for f in ("pool", "direction", "from", "to"))
+            and abs(a["decided_s"] - b["decided_s"]) <= tolerance_s + 1e-9
+        )
+        pairs.append(
+            {
+                "live": None if a is None else {f: a[f] for f in ("pool", "direction", "from", "to", "decided_s")},
+                "sim": None if b is None else {f: b[f] for f in ("pool", "direction", "from", "to", "decided_s")},
+                "dt_s": None if a is None or b is None else round(b["decided_s"] - a["decided_s"], 3),
+                "match": same,
+            }
+        )
+    return {
+        "pairs": pairs,
+        "tolerance_s": tolerance_s,
+        "same_sequence": len(live) == len(sim) and all(p["match"] for p in pairs),
+        "matched": sum(1 for p in pairs if p["match"]),
+    }
+
+
+def _read_board(log_dir: Path) -> tuple[list[tuple[float, str]], list[tuple[float, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    texts = []
+    if "adjustment/decisions/text_summary" in tags.get("tensors", []):
+        texts = [
+            (e.wall_time, e.tensor_proto.string_val[0].decode())
+            for e in acc.Tensors("adjustment/decisions/text_summary")
+        ]
+    pools = (
+        [(e.wall_time, e.value) for e in acc.Scalars("pull/decode_workers")]
+        if "pull/decode_workers" in tags.get("scalars", [])
+        else []
+    )
+    return texts, pools
+
+
+async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> dict[str, Any]:
+    state_dir = resolve_state_dir(out / "state")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = out / "live-tensorboard"
+    started = await asyncio.to_thread(
+        _kvmesh, "serve", str(ROOT / args.graph), "--detach", "--state-dir", str(state_dir), *overrides(args, log_dir)
+    )
+    if started.returncode != 0:
+        raise RuntimeError(f"kvmesh serve failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
+    namespace = ""
+    try:
+        state = read_state(next(state_dir.glob("*.json")))
+        namespace = state.namespace
+        if not state.frontend_url:
+            raise RuntimeError("the graph has no running frontend")
+        rt = await Runtime.connect(
+            RuntimeConfig(etcd_endpoints=state.etcd_endpoints, nats_url=state.nats_url), name="bench-planner-live"
+        )
+        try:
+            client = await rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
+            await client.wait_for_instances(1, timeout_s=60)
+        finally:
+            await rt.shutdown(drain_timeout_s=1)
+        vocab = load_graph(ROOT / args.graph, overrides(args, None)[1::2]).workers[0]
+        t0 = time.time()
+        load = await run_load(
+            LoadConfig(
+                url=state.frontend_url,
+                model=args.model,
+                trace=str(trace),
+                max_requests=rows,
+                duration_s=args.duration_s + 5,
+                drain_timeout_s=120,
+                request_timeout_s=args.duration_s + 120,
+                vocab_size=min(256, int(getattr(vocab, "vocab_size", 256))),
+                seed=args.seed,
+                pids=[p.pid for p in state.all_processes()],
+                progress=False,
+            )
+        )
+        # The planner decides on: give it one more adjustment interval after the load to make its last decision.
+        await asyncio.sleep(args.adjustment_interval + args.metric_pulling_interval)
+    finally:
+        if namespace:
+            stopped = await asyncio.to_thread(_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
+            if stopped.returncode != 0:
+                print(f"bench planner-live: kvmesh stop {namespace}: {stopped.stderr[-1000:]}", file=sys.stderr)
+    texts, pools = _read_board(log_dir)
+    return {"t0": t0, "load": load, "texts": texts, "pools": [(round(w - t0, 3), n) for w, n in pools]}
+
+
+def _simulate(args: argparse.Namespace, trace: Path, startup_s: float, out: Path) -> dict[str, Any]:
+    done = _kvmesh(
+        "simulate", "--graph", str(ROOT / args.graph), "--trace", str(trace), *overrides(args, None),
+        "--startup-s", str(startup_s), "--seed", str(args.seed), "--out", str(out), "--no-progress", "--no-png",
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"kvmesh simulate failed: {done.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    _, pools = _read_board(out / "tensorboard")
+    return {"summary": summary, "pools": pools}
+
+
+def _draw(path: Path, arrivals: list[float], live_pools: list[tuple[float, float]], sim_pools, actions) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    span = max(arrivals[-1] if arrivals else 1.0, 1.0)
+    bins = max(10, int(span / 5))
+    ax0.hist(arrivals, bins=bins, weights=[bins / span] * len(arrivals), histtype="step")
+    ax0.set_ylabel("offered load (requests/s)")
+    if live_pools:
+        ax1.step(*zip(*live_pools, strict=True), where="post", label="live (kvmesh serve)")
+    if sim_pools:
+        ax1.step(*zip(*sim_pools, strict=True), where="post", linestyle="--", label="simulated (kvmesh simulate)")
+    for a in actions:
+        ax1.axvline(a["decided_s"], color="grey", alpha=0.3)
+    ax1.set_ylabel("decode workers")
+    ax1.set_xlabel("seconds since the load started")
+    ax1.legend(loc="upper right", fontsize=8)
+    fig.suptitle("planner live vs simulated, one compressed sinusoid")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _alone_s(args: argparse.Namespace) -> float:
+    """One request's time from arrival to last token on an idle simulated worker of the graph (as configured)."""
+    from components.deploy.whatif import simulated_deployment
+    from components.sim import FleetSpec, SimRequest, Workload, replay
+
+    deployment = simulated_deployment(load_graph(ROOT / args.graph, overrides(args, None)[1::2]))
+    fleet = FleetSpec(workers=1, engine=deployment.fleet.decode_config)
+    one = Workload("one", (SimRequest(0.0, tuple(i % 256 for i in range(args.prompt_tokens)), args.output_tokens),))
+    return replay(one, fleet).e2e_s[0]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    sin = Sinusoid(args.period_s, args.duration_s, args.low, args.high)
+    arrivals = arrival_times(sin, args.peak_rps, args.seed)
+    if not arrivals:
+        raise ValueError("the sinusoid produced no arrival: raise --peak-rps or --duration-s")
+    trace = out / "trace.jsonl"
+    rows = write_trace(trace, arrivals, args.prompt_tokens, args.output_tokens)
+    shifted = [t - arrivals[0] for t in arrivals]
+    alone_s = _alone_s(args)  # before the live run: a graph the simulator refuses fails here, in a second
+    t_start = time.perf_counter()
+    live = asyncio.run(_live(args, trace, rows, out))
+    live_actions = parse_decisions(live["texts"], live["t0"])
+    window_end = shifted[-1] + args.adjustment_interval
+    live_in = [a for a in live_actions if 0.0 <= a["decided_s"] <= window_end]
+    delays = startup_delays(live_in, live["pools"])
+    startup_s = statistics.median(delays) if delays else args.startup_s
+    sim = _simulate(args, trace, startup_s, out / "sim")
+    sim_actions = [
+        {f: a[f] for f in ("pool", "direction", "from", "to", "decided_s", "reason")}
+        for a in sim["summary"]["scaling_actions"]
+        if a["decided_s"] <= window_end
+    ]
+    verdict = compare(live_in, sim_actions, args.adjustment_interval)
+    # One worker's KV capacity in requests at once, and the requests in flight the peak offers by Little's law with
+    # the simulated request time: the load relative to what one worker's cache holds.
+    per_request_tokens = args.prompt_tokens + args.output_tokens
+    cache_requests = args.num_gpu_blocks * 16 / per_request_tokens
+    load = live["load"]
+    report: dict[str, Any] = {
+        "bench": "planner-live",
+        "graph": args.graph,
+        "trace": str(trace),
+        "sinusoid": {"period_s": args.period_s, "duration_s": args.duration_s, "low": args.low, "high": args.high},
+        "peak_rps": args.peak_rps,
+        "requests": rows,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "one_worker_cache_requests": round(cache_requests, 2),
+        "one_request_alone_s": round(alone_s, 3),
+        "peak_in_flight_offered": round(args.peak_rps * args.high * alone_s, 2),
+        "trough_in_flight_offered": round(args.peak_rps * args.low * alone_s, 2),
+        "planner": {
+            "adjustment_interval": args.adjustment_interval,
+            "metric_pulling_interval": args.metric_pulling_interval,
+            "max_gpu_budget": args.max_gpu_budget,
+        },
+        "startup_s": {"measured": delays, "used": startup_s},
+        "live": {
+            "actions": live_in,
+            "actions_outside_window": len(live_actions) - len(live_in),
+            "requests_completed": load.get("requests_completed"),
+            "errors": load.get("errors"),
+            "ttft_ms": load.get("ttft_ms"),
+        },
+        "simulated": {"actions": sim_actions, "ttft_ms": sim["summary"].get("ttft_ms")},
+        "comparison": verdict,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    if args.png:
+        png = out / "planner-live.png"
+        report["png"] = str(png) if _draw(png, shifted, live["pools"], sim["pools"], live_in) else None
+    (out / "planner-live.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--graph", default="graphs/mock_planner.yaml", help="graph with a planner: section to serve")
+    p.add_argument("--model", default="tiny-llama", help="model name the graph serves")
+    p.add_argument("--out", default="runs/planner-live", help="directory for the trace, TensorBoard files and JSON")
+    p.add_argument("--period-s", type=float, default=120.0, help="sinusoid period, seconds (default 120)")
+    p.add_argument("--duration-s", type=float, default=240.0, help="load duration, seconds (default 240)")
+    p.add_argument("--low", type=float, default=0.25, help="trough as a fraction of --peak-rps (default 0.25)")
+    p.add_argument("--high", type=float, default=1.0, help="peak as a fraction of --peak-rps (default 1.0)")
+    p.add_argument(
+        "--peak-rps",
+        type=float,
+        default=8.0,
+        help="arrival rate at the sinusoid's peak, requests/s (default 8; the JSON states the requests in flight it "
+        "offers, by Little's law with one request's simulated time, against one worker's cache)",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=700, help="prompt tokens per request (default 700)")
+    p.add_argument("--output-tokens", type=int, default=100, help="output tokens per request (default 100)")
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=1024,
+        help="KV blocks of 16 tokens per worker (default 1024, the graph's: 16,384 tokens, 20 requests of the "
+        "defaults)",
+    )
+    p.add_argument(
+        "--speedup-ratio",
+        type=float,
+        default=0.2,
+        help="the mock engines' speed (default 0.2: five times slower than the modelled H100, so that a request "
+        "lives seconds and a few requests/s fill a cache without making this host's frontend the bottleneck)",
+    )
+    p.add_argument("--adjustment-interval", type=float, default=10.0, help="planner decisions every S s (default 10)")
+    p.add_argument("--metric-pulling-interval", type=float, default=1.0, help="planner pulls every S s (default 1)")
+    p.add_argument("--max-gpu-budget", type=int, default=4, help="most workers the planner may run (default 4)")
+    p.add_argument(
+        "--startup-s",
+        type=float,
+        default=3.0,
+        help="worker start-up for the simulation when the live run measured none (no scale-up), seconds (default 3)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts (default 0)")
+    p.add_argument("--png", action=argparse.BooleanOptionalAction, default=True, help="write planner-live.png")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        report = run(args)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"kvmesh bench planner-live: {e}", file=sys.stderr)
+        return 1
+    v = report["comparison"]
+    print(
+        f"live {len(report['live']['actions'])} actions, simulated {len(report['simulated']['actions'])}: "
+        f"{v['matched']} matched within {v['tolerance_s']:g} s; same sequence: {v['same_sequence']}",
+        file=sys.stderr,
+    )
+    print(json.dumps(report))
+    return 0
