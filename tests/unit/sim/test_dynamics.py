@@ -170,3 +170,22 @@ def test_the_planner_controller_scales_a_saturated_fleet_up_with_its_reason():
     [first_up] = [a for a in planner.adjustments if a.changes()][:1]
     assert first_up.now_s == up[0].decided_s and first_up.decisions[0].reason == up[0].reason
     assert all(p.outcome.figures.kv_usage is not None for p in planner.pulls[1:4])
+
+
+def test_the_planner_grows_the_prefill_pool_when_the_queue_backs_up():
+    # Disaggregated: one decode and one prefill worker; 60 prompts of 1,500 tokens (over the decode worker's
+    # 1,000-token local limit, and a queue cap of 100 instead of the default 3: all queued) within 0.3 s, far
+    # faster than one prefill worker empties the queue (a prefill step and a KV transfer per prompt), so items
+    # wait for seconds: the queue per prefill worker averages far above the 0.5 up-threshold over the first 2 s
+    # interval, and the planner adds a prefill worker. The decision reads the queue the replay reports into the
+    # fleet view, as prefill workers do.
+    engine = ENGINE.model_copy(update={"max_num_batched_tokens": 2048, "max_model_len": 8192, "num_gpu_blocks": 8192})
+    reqs = tuple(SimRequest(0.005 * k, prompt(k % 12, 1500), 2) for k in range(60))
+    cfg = PlannerConfig(metric_pulling_interval=0.5, adjustment_interval=2.0)
+    planner = SimulatedPlanner(cfg, until_s=8.0)
+    fleet = FleetSpec(workers=1, engine=engine, prefill=1, startup_s=0.5, max_prefill_queue_size=100)
+    res = replay(Workload("w", reqs), fleet, scaler=planner)
+    up = [a for a in res.actions if a.pool == PREFILL and a.direction == "up"]
+    assert up and (up[0].before, up[0].target) == (1, 2) and "prefill queue" in up[0].reason
+    assert planner.pulls[3].outcome.figures.queue_waiting is not None  # the queue was read from the fleet view
+    assert len(res.spans[PREFILL]) >= 2 and res.remote == 60
