@@ -382,9 +382,15 @@ class Router:
                     del self._loads[instance_id]
                 self._dirty.add(instance_id)
             return
-        self._load(instance_id).set_report(record)
-        self._dirty.add(instance_id)
-        self._flush()
+        load = self._loads.get(instance_id)
+        if load is None:
+            load = self._loads[instance_id] = _Load()
+        load.set_report(record)
+        if self._dirty:
+            self._dirty.add(instance_id)
+            self._flush()
+        else:  # what _flush does with this one worker dirty, without the set (a load report: ~1 per 100 ms a worker)
+            self._refresh(instance_id)
 
     def fleet_schedulability(self, instance_id: int) -> None:
         self._blocked = self.fleet.blocked
@@ -502,11 +508,15 @@ class Router:
             return
         dirty, self._dirty = self._dirty, set()
         for iid in dirty:
-            for model in self._member_of.get(iid, ()):
-                state = self._models[model]
-                state.workers.replace(state.position[iid], self._snapshot(iid, state.metadata[iid]))
-                if self.uses_kv:
-                    state.workers.settle()
+            self._refresh(iid)
+
+    def _refresh(self, iid: int) -> None:
+        """Rebuild worker ``iid``'s snapshot in the table of each model it serves."""
+        for model in self._member_of.get(iid, ()):
+            state = self._models[model]
+            state.workers.replace(state.position[iid], self._snapshot(iid, state.metadata[iid]))
+            if self.uses_kv:
+                state.workers.settle()
 
     def _load(self, iid: int) -> _Load:
         load = self._loads.get(iid)

@@ -72,7 +72,7 @@ from components.protocol.migration import MigratingRequest
 from ..base import EngineError, EngineRequestError
 from .block_pool import BlockPool
 from .config import MockEngineConfig
-from .perf_model import step_time_ms, transfer_time_s
+from .perf_model import transfer_time_s
 
 __all__ = [
     "DuplicateRequestError",
@@ -213,6 +213,13 @@ class Scheduler:
         self._last_batch_size = 0
         self._last_decode_kv_tokens = 0
         self._host_loading = 0  # blocks the step being scheduled loads from the host tier
+        # The config is frozen: what every step reads of it, read once (a simulated fleet runs ~180 steps a second
+        # of CPU per engine, and each pydantic attribute read or cached_property lookup is ~50 ns).
+        self._model = config.step_time_model
+        self._caching = config.enable_prefix_caching
+        self._vocab_size = config.vocab_size
+        self._max_model_len = config.max_model_len
+        self._eos_token_id = config.eos_token_id
 
     # --- requests in and out ----------------------------------------------------------------------------------------
 
@@ -525,15 +532,15 @@ class Scheduler:
         """Schedule one batch, account its modelled time, and apply its results (tokens, stored blocks, finishes)."""
         scheduled, preempted = self._schedule()
         num_prefill = num_decode = kv_tokens = 0
+        num_scheduled: dict[str, int] = {}
         for req, n, is_decode in scheduled:
+            num_scheduled[req.request_id] = n
             if is_decode:
                 num_decode += 1
-                kv_tokens += req.num_tokens  # the context it attends to, the token being computed included
+                kv_tokens += len(req.all_token_ids)  # the context it attends to, the token being computed included
             else:
                 num_prefill += n
-        ms = step_time_ms(
-            self.config, num_prefill_tokens=num_prefill, num_decode_seqs=num_decode, num_decode_kv_tokens=kv_tokens
-        )
+        ms = self._model.step_ms(num_prefill, num_decode, kv_tokens)  # perf_model.step_time_ms, without 2 lookups
         loaded, self._host_loading = self._host_loading, 0
         if loaded:
             cfg = self.config
@@ -545,11 +552,13 @@ class Scheduler:
             )
         chunks: dict[str, TokenChunk] = {}
         any_finished = False
+        caching = self._caching
+        bs = self.block_size
         for req, n, _ in scheduled:
-            req.num_computed_tokens += n
-            if self.pool.enable_caching:
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            if caching and computed // bs > req.num_stored_blocks:  # _store_full_blocks' own test, not to call it
                 self._store_full_blocks(req)
-            if req.num_computed_tokens < req.num_tokens:
+            if computed < len(req.all_token_ids):
                 continue  # a prefill chunk that does not reach the end of the prompt samples nothing
             chunk = self._sample(req)
             chunks[req.request_id] = chunk
@@ -565,7 +574,7 @@ class Scheduler:
         return StepOutput(
             now_s=now_s,
             step_time_s=ms / 1000.0,
-            num_scheduled_tokens={req.request_id: n for req, n, _ in scheduled},
+            num_scheduled_tokens=num_scheduled,
             num_prefill_tokens=num_prefill,
             num_decode_seqs=num_decode,
             num_decode_kv_tokens=kv_tokens,
@@ -584,17 +593,29 @@ class Scheduler:
         cap = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
 
         # 1. Running requests, oldest first.
+        running = self.running  # the list itself: preemption pops from it
+        bs = self.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = req.num_tokens - req.num_computed_tokens
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens = len(req.all_token_ids)
+            computed = req.num_computed_tokens
+            n = num_tokens - computed
             if 0 < cap < n:
                 n = cap
-            n = min(n, budget)
-            is_decode = req.is_decoding
+            if n > budget:
+                n = budget
+            is_decode = computed == num_tokens - 1 and bool(req.output_token_ids)  # req.is_decoding
+            if -(-(computed + n) // bs) <= len(req.block_ids):
+                # Its blocks already hold the new tokens (a decode between block boundaries): what _allocate_slots
+                # would find, without its call.
+                scheduled.append((req, n, is_decode))
+                budget -= n
+                i += 1
+                continue
             got_blocks = True
             while not self._allocate_slots(req, n):
-                victim = self.running.pop()  # the newest running request
+                victim = running.pop()  # the newest running request
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -609,7 +630,6 @@ class Scheduler:
         # 2. Waiting requests, first come first served; none in a step that had to preempt (memory is short).
         if preempted:
             return scheduled, preempted
-        bs = self.block_size
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             hits = self._prefix_hits(req)
@@ -714,31 +734,34 @@ class Scheduler:
 
     def _sample(self, req: Request, token: int | None = None) -> TokenChunk:
         """Sample ``req``'s next token (or take ``token``, sampled by the engine that prefilled it remotely)."""
-        cfg = self.config
+        sampler = req.sampler
         if token is None:
-            token = req.sampler.intdigest() % cfg.vocab_size
-        req.sampler.update(token.to_bytes(4, "little"))
+            token = sampler.intdigest() % self._vocab_size
+        sampler.update(token.to_bytes(4, "little"))
         req.all_token_ids.append(token)
-        req.output_token_ids.append(token)
-        position = len(req.output_token_ids) - 1
-        first = position == 0
+        outputs = req.output_token_ids
+        outputs.append(token)
+        position = len(outputs) - 1
+        if position:
+            # Positional, in TokenChunk's field order (token_ids, finish_reason): one per output token.
+            return TokenChunk([token], self._stop_reason(req, token), 0, 0, position, 0)
         return TokenChunk(
             token_ids=[token],
             finish_reason=self._stop_reason(req, token),
-            num_prompt_tokens=req.num_prompt_tokens if first else 0,
-            num_cached_tokens=(req.num_cached_tokens or 0) if first else 0,
-            position=position,
-            num_host_cached_tokens=req.num_host_cached_tokens if first else 0,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
+            position=0,
+            num_host_cached_tokens=req.num_host_cached_tokens,
         )
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         # vLLM V1's check_stop order: length caps first, then EOS, then stop token ids.
         sp = req.sampling
-        if req.num_tokens >= self.config.max_model_len or len(req.output_token_ids) >= sp.max_tokens:
+        if len(req.all_token_ids) >= self._max_model_len or len(req.output_token_ids) >= sp.max_tokens:
             return FinishReason.LENGTH
-        if not sp.ignore_eos and token == self.config.eos_token_id:
+        if not sp.ignore_eos and token == self._eos_token_id:
             return FinishReason.STOP
-        if token in sp.stop_token_ids:
+        if sp.stop_token_ids and token in sp.stop_token_ids:
             return FinishReason.STOP
         return None
 
@@ -755,19 +778,27 @@ class Scheduler:
 
     def snapshot(self, now_s: float) -> LoadSnapshot:
         pool = self.pool
-        idle = not self.requests  # the last step's batch says nothing about an engine that has gone idle
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        pending += sum(r.num_pending_prefill_tokens for r in self.running)
+        active = pool.num_active_blocks
+        total = pool.num_blocks
+        if not self.requests:
+            # Idle: nothing waits or runs, and the last step's batch says nothing about an engine that has gone idle.
+            # Positional, in LoadSnapshot's field order: an idle engine reports every 100 ms as a busy one does.
+            return LoadSnapshot(now_s, active / total, total, active, 0, 0, 0, self.num_preemptions, 0, 0)
+        pending = 0
+        for r in self.waiting:
+            pending += len(r.all_token_ids) - r.num_computed_tokens
+        for r in self.running:
+            pending += r.num_pending_prefill_tokens
         return LoadSnapshot(
             now_s=now_s,
-            kv_usage=pool.usage,
-            num_total_blocks=pool.num_blocks,
-            num_active_blocks=pool.num_active_blocks,
+            kv_usage=active / total,  # pool.usage
+            num_total_blocks=total,
+            num_active_blocks=active,
             # A reserved request decodes here next; a suspended one still holds its blocks here.
             num_running=len(self.running) + len(self.remote) + len(self.suspended),
             num_waiting=len(self.waiting),
             num_waiting_prefill_tokens=pending,
             num_preemptions=self.num_preemptions,
-            batch_size=0 if idle else self._last_batch_size,
-            num_kv_tokens=0 if idle else self._last_decode_kv_tokens,
+            batch_size=self._last_batch_size,
+            num_kv_tokens=self._last_decode_kv_tokens,
         )
