@@ -345,7 +345,7 @@ def replay(
             assert out is not None
             pending[w] = None
             busy[w] = False
-            computed[w] += sum(out.num_scheduled_tokens.values())
+            computed[w] += out.num_prefill_tokens + out.num_decode_seqs  # a decode computes one token
             for rid, chunk in out.chunks.items():
                 emit(rid, chunk, now)
             events = engines[w].take_kv_events()

@@ -579,7 +579,7 @@ class Scheduler:
             num_decode_seqs=num_decode,
             num_decode_kv_tokens=kv_tokens,
             chunks=chunks,
-            preempted_ids=[r.request_id for r in preempted],
+            preempted_ids=[r.request_id for r in preempted] if preempted else [],
             num_host_loaded_blocks=loaded,
         )
 
