@@ -220,6 +220,8 @@ class Scheduler:
         self._vocab_size = config.vocab_size
         self._max_model_len = config.max_model_len
         self._eos_token_id = config.eos_token_id
+        self._budget = config.max_num_batched_tokens
+        self._long_prefill_cap = config.long_prefill_token_threshold
 
     # --- requests in and out ----------------------------------------------------------------------------------------
 
@@ -530,16 +532,7 @@ class Scheduler:
 
     def step(self, now_s: float) -> StepOutput:
         """Schedule one batch, account its modelled time, and apply its results (tokens, stored blocks, finishes)."""
-        scheduled, preempted = self._schedule()
-        num_prefill = num_decode = kv_tokens = 0
-        num_scheduled: dict[str, int] = {}
-        for req, n, is_decode in scheduled:
-            num_scheduled[req.request_id] = n
-            if is_decode:
-                num_decode += 1
-                kv_tokens += len(req.all_token_ids)  # the context it attends to, the token being computed included
-            else:
-                num_prefill += n
+        scheduled, preempted, num_prefill, num_decode, kv_tokens = self._schedule()
         ms = self._model.step_ms(num_prefill, num_decode, kv_tokens)  # perf_model.step_time_ms, without 2 lookups
         loaded, self._host_loading = self._host_loading, 0
         if loaded:
@@ -550,20 +543,22 @@ class Scheduler:
                 bandwidth_gbps=cfg.host_kv_bandwidth_gbps,
                 latency_ms=cfg.host_kv_latency_ms,
             )
+        num_scheduled: dict[str, int] = {}
         chunks: dict[str, TokenChunk] = {}
         any_finished = False
         caching = self._caching
         bs = self.block_size
-        for req, n, _ in scheduled:
+        for req, n in scheduled:
+            rid = req.request_id
+            num_scheduled[rid] = n
             computed = req.num_computed_tokens = req.num_computed_tokens + n
             if caching and computed // bs > req.num_stored_blocks:  # _store_full_blocks' own test, not to call it
                 self._store_full_blocks(req)
             if computed < len(req.all_token_ids):
                 continue  # a prefill chunk that does not reach the end of the prompt samples nothing
-            chunk = self._sample(req)
-            chunks[req.request_id] = chunk
+            chunk = chunks[rid] = self._sample(req)
             if chunk.finish_reason is not None:
-                del self.requests[req.request_id]
+                del self.requests[rid]
                 self._release(req, chunk.finish_reason)
                 any_finished = True
         if any_finished:
@@ -571,29 +566,34 @@ class Scheduler:
         self.num_steps += 1
         self._last_batch_size = len(scheduled)
         self._last_decode_kv_tokens = kv_tokens
+        # Positional, in StepOutput's field order: keywords cost ~0.7 us more, once a step.
         return StepOutput(
-            now_s=now_s,
-            step_time_s=ms / 1000.0,
-            num_scheduled_tokens=num_scheduled,
-            num_prefill_tokens=num_prefill,
-            num_decode_seqs=num_decode,
-            num_decode_kv_tokens=kv_tokens,
-            chunks=chunks,
-            preempted_ids=[r.request_id for r in preempted] if preempted else [],
-            num_host_loaded_blocks=loaded,
+            now_s,
+            ms / 1000.0,  # step_time_s
+            num_scheduled,
+            num_prefill,
+            num_decode,
+            kv_tokens,
+            chunks,
+            [r.request_id for r in preempted] if preempted else [],
+            loaded,  # num_host_loaded_blocks
         )
 
-    def _schedule(self) -> tuple[list[tuple[Request, int, bool]], list[Request]]:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        scheduled: list[tuple[Request, int, bool]] = []
+    def _schedule(self) -> tuple[list[tuple[Request, int]], list[Request], int, int, int]:
+        """The step's batch ((request, tokens to compute) in scheduling order), the requests it preempted, and its
+        shape for the step-time model: prefill tokens, decoding sequences, and the KV tokens those attend to (each
+        its whole context, the token being computed included)."""
+        budget = self._budget
+        scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        num_prefill = num_decode = kv_tokens = 0
+        running = self.running  # the list itself: preemption pops from it
+        waiting = self.waiting
         # vLLM's long_prefill_token_threshold: a prefill's share of one step, unless it is the only request (then
         # nobody waits on the step and it may use the whole budget, as vLLM 0.32's scheduler does).
-        cap = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        cap = self._long_prefill_cap if len(running) + len(waiting) > 1 else 0
 
         # 1. Running requests, oldest first.
-        running = self.running  # the list itself: preemption pops from it
         bs = self.block_size
         i = 0
         while i < len(running) and budget > 0:
@@ -605,36 +605,37 @@ class Scheduler:
                 n = cap
             if n > budget:
                 n = budget
-            is_decode = computed == num_tokens - 1 and bool(req.output_token_ids)  # req.is_decoding
-            if -(-(computed + n) // bs) <= len(req.block_ids):
-                # Its blocks already hold the new tokens (a decode between block boundaries): what _allocate_slots
-                # would find, without its call.
-                scheduled.append((req, n, is_decode))
-                budget -= n
-                i += 1
-                continue
-            got_blocks = True
-            while not self._allocate_slots(req, n):
-                victim = running.pop()  # the newest running request
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    got_blocks = False
-                    break
-            if not got_blocks:
-                break  # req was the newest: everything before it is scheduled, nothing after it runs
-            scheduled.append((req, n, is_decode))
+            # Blocks already holding the new tokens (a decode between block boundaries) are what _allocate_slots
+            # would find, without its call.
+            if -(-(computed + n) // bs) > len(req.block_ids):
+                got_blocks = True
+                while not self._allocate_slots(req, n):
+                    victim = running.pop()  # the newest running request
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        got_blocks = False
+                        break
+                if not got_blocks:
+                    break  # req was the newest: everything before it is scheduled, nothing after it runs
+            scheduled.append((req, n))
+            if computed == num_tokens - 1 and req.output_token_ids:  # req.is_decoding
+                num_decode += 1
+                kv_tokens += num_tokens
+            else:
+                num_prefill += n
             budget -= n
             i += 1
 
         # 2. Waiting requests, first come first served; none in a step that had to preempt (memory is short).
-        if preempted:
-            return scheduled, preempted
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+        if preempted or not waiting:
+            return scheduled, preempted, num_prefill, num_decode, kv_tokens
+        cfg = self.config
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            req = waiting[0]
             hits = self._prefix_hits(req)
             loaded = self._host_hits(req, len(hits))
-            n = req.num_tokens - (len(hits) + loaded) * self.block_size
+            n = req.num_tokens - (len(hits) + loaded) * bs
             if 0 < cap < n:
                 n = cap
             if n > budget:
@@ -644,7 +645,7 @@ class Scheduler:
             # The loaded blocks need device blocks as much as computed ones do.
             if not self._allocate_slots(req, n + loaded * bs, hits):
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             req.num_computed_tokens = (len(hits) + loaded) * bs
             req.num_stored_blocks = len(hits)
             if loaded:
@@ -653,10 +654,11 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 req.num_host_cached_tokens = loaded * bs
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append((req, n, False))
+            running.append(req)
+            scheduled.append((req, n))
+            num_prefill += n
             budget -= n
-        return scheduled, preempted
+        return scheduled, preempted, num_prefill, num_decode, kv_tokens
 
     def _prefix_hits(self, req: Request) -> list[int]:
         if not self.pool.enable_caching:
@@ -790,15 +792,15 @@ class Scheduler:
         for r in self.running:
             pending += r.num_pending_prefill_tokens
         return LoadSnapshot(
-            now_s=now_s,
-            kv_usage=active / total,  # pool.usage
-            num_total_blocks=total,
-            num_active_blocks=active,
-            # A reserved request decodes here next; a suspended one still holds its blocks here.
-            num_running=len(self.running) + len(self.remote) + len(self.suspended),
-            num_waiting=len(self.waiting),
-            num_waiting_prefill_tokens=pending,
-            num_preemptions=self.num_preemptions,
-            batch_size=self._last_batch_size,
-            num_kv_tokens=self._last_decode_kv_tokens,
+            now_s,
+            active / total,  # kv_usage (pool.usage)
+            total,
+            active,
+            # num_running: a reserved request decodes here next; a suspended one still holds its blocks here.
+            len(self.running) + len(self.remote) + len(self.suspended),
+            len(self.waiting),
+            pending,  # num_waiting_prefill_tokens
+            self.num_preemptions,
+            self._last_batch_size,
+            self._last_decode_kv_tokens,  # num_kv_tokens
         )
