@@ -265,8 +265,9 @@ def replay(
         seq += 1
 
     def start_step(w: int, now: float) -> None:
+        nonlocal seq
         out = engines[w].step(now)
-        if out.batch_size == 0:
+        if not out.num_scheduled_tokens:  # an empty batch
             if engines[w].num_reserved:
                 # Its cache is held by prompts being prefilled elsewhere: nothing fits until one is delivered (the
                 # delivery starts the next step) or finishes.
@@ -274,7 +275,8 @@ def replay(
             raise RuntimeError(f"simulated worker {w} has work but scheduled nothing at t={now:.3f}")
         pending[w] = out
         busy[w] = True
-        push(now + out.step_time_s, 0, w)
+        heapq.heappush(heap, (now + out.step_time_s, seq, 0, w))  # push(), inlined: once a step
+        seq += 1
 
     def start_prefill_step(p: int, now: float) -> None:
         out = prefillers[p].step(now)
@@ -347,7 +349,14 @@ def replay(
             busy[w] = False
             computed[w] += out.num_prefill_tokens + out.num_decode_seqs  # a decode computes one token
             for rid, chunk in out.chunks.items():
-                emit(rid, chunk, now)
+                t = reqs[rid]
+                if t.first_s >= 0 and chunk.finish_reason is None:
+                    # Neither first nor last: what account_chunk does with it, inlined (nearly every step's case).
+                    itl.append(now - t.last_s)
+                    t.last_s = now
+                    t.output_tokens += len(chunk.token_ids)
+                else:
+                    emit(rid, chunk, now)
             events = engines[w].take_kv_events()
             if events:
                 router.apply_kv_events(ids[w], events)
@@ -388,11 +397,12 @@ def replay(
         elif kind == 2:  # every metrics interval: the decode engines' load reports
             samples += 1
             snaps = []
+            apply_load = router.fleet.apply_load  # router.apply_load's own call, one fewer per report
             for w, e in enumerate(engines):
                 snap = e.snapshot(now)
                 snaps.append(snap)
                 in_flight_sum[w] += snap.num_running + snap.num_waiting
-                router.apply_load(ids[w], snap, now)
+                apply_load(ids[w], snap, now)
             if observer is not None:
                 done = len(workload.requests) - remaining
                 pf = tuple(p.snapshot(now) for p in prefillers)
