@@ -384,8 +384,9 @@ def replay(
         seq += 1
 
     def start_step(w: _Worker, now: float) -> None:
+        nonlocal seq
         out = w.engine.step(now)
-        if out.batch_size == 0:
+        if not out.num_scheduled_tokens:  # an empty batch
             if w.engine.num_reserved:
                 # Its cache is held by prompts being prefilled elsewhere: nothing fits until one is delivered (the
                 # delivery starts the next step) or finishes.
@@ -393,7 +394,8 @@ def replay(
             raise RuntimeError(f"simulated worker {w.iid} has work but scheduled nothing at t={now:.3f}")
         w.pending = out
         w.busy = True
-        push(now + out.step_time_s, _STEP, w.iid)
+        heapq.heappush(heap, (now + out.step_time_s, seq, _STEP, w.iid))  # push(), inlined: once a step
+        seq += 1
 
     def start_prefill_step(p: _Worker, now: float) -> None:
         out = p.engine.step(now)
@@ -569,9 +571,17 @@ def replay(
             assert out is not None
             w.pending = None
             w.busy = False
-            w.computed += sum(out.num_scheduled_tokens.values())
+            w.computed += out.num_prefill_tokens + out.num_decode_seqs  # a decode computes one token
             for rid, chunk in out.chunks.items():
-                emit(rid, chunk, now)
+                t = reqs[rid]
+                if t.first_s >= 0 and chunk.finish_reason is None:
+                    # Neither first nor last: what account_chunk does with it, inlined (nearly every step's case).
+                    if t.arrival_s >= itl_from_s:
+                        gaps.append(now - t.last_s)
+                    t.last_s = now
+                    t.output_tokens += len(chunk.token_ids)
+                else:
+                    emit(rid, chunk, now)
             if migrating:
                 stop_migrating(w, now)
             events = w.engine.take_kv_events()
@@ -617,12 +627,13 @@ def replay(
                     start_step(w, now)
         elif kind == _REPORT:  # every metrics interval: the routed engines' load reports
             snaps = []
+            apply_load = router.fleet.apply_load  # router.apply_load's own call, one fewer per report
             for w in routed:
                 snap = w.engine.snapshot(now)
                 snaps.append(snap)
                 w.in_flight_sum += snap.num_running + snap.num_waiting
                 w.samples += 1
-                router.apply_load(w.iid, snap, now)
+                apply_load(w.iid, snap, now)
             if scaler is not None and disagg:
                 report_queue(now)
             if observer is not None:

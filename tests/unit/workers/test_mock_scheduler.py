@@ -410,6 +410,50 @@ def test_snapshot_under_pressure():
     assert snap.batch_size == 1 and snap.num_kv_tokens == 21
 
 
+def test_an_idle_engine_reports_no_batch_and_counts_its_cached_blocks_as_free():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 40, max_tokens=3), 0.0)
+    run_until_idle(sched)
+    snap = sched.snapshot(9.0)
+    # Nothing runs: its 2 full prompt blocks stay cached but free (40 + 3 tokens in 16-token blocks: 2 full, 1 not).
+    assert (snap.now_s, snap.num_running, snap.num_waiting, snap.num_waiting_prefill_tokens) == (9.0, 0, 0, 0)
+    assert (snap.batch_size, snap.num_kv_tokens) == (0, 0)
+    assert snap.num_active_blocks == 0 and snap.kv_usage == 0.0 and snap.num_total_blocks == 64
+    assert sched.pool.num_cached_blocks == 2
+
+
+def test_every_step_computes_its_prefill_tokens_plus_one_token_per_decoding_sequence():
+    """What a step reports of its shape (prefill tokens, decoding sequences and the context they attend to) is what it
+    scheduled, and its time is the perf model's for that shape: through chunked prefill (budget 64), prefix hits
+    (every prompt starts with the same 32 tokens) and preemptions (16 blocks; 6 requests of 42 to 77 prompt tokens
+    and 40 output tokens need 30 at their ends, 2 of them shared)."""
+    sched = make_scheduler(num_gpu_blocks=16, max_num_batched_tokens=64)
+    contexts: dict[str, int] = {}
+    for i in range(6):
+        req = make_request(f"r{i}", list(range(32)) + list(range(100 * i, 100 * i + 10 + 7 * i)), max_tokens=40)
+        sched.add_request(req, 0.0)
+    steps = []
+    for k in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        # Each running request's context before the step: a decoding one attends to all of it.
+        contexts = {r.request_id: r.num_tokens for r in sched.running if r.is_decoding}
+        out = sched.step(float(k))
+        steps.append(out)
+        decoding = [rid for rid in out.num_scheduled_tokens if rid in contexts]
+        assert out.num_decode_seqs == len(decoding)
+        assert out.num_decode_kv_tokens == sum(contexts[rid] for rid in decoding)
+        assert all(out.num_scheduled_tokens[rid] == 1 for rid in decoding)
+        assert sum(out.num_scheduled_tokens.values()) == out.num_prefill_tokens + out.num_decode_seqs
+        model = sched.config.step_time_model
+        assert (
+            out.step_time_s
+            == model.step_ms(out.num_prefill_tokens, out.num_decode_seqs, out.num_decode_kv_tokens) / 1000
+        )
+    assert not sched.has_unfinished_requests()
+    assert sched.num_preemptions > 0 and any(out.num_prefill_tokens == 64 for out in steps)
+
+
 # -- remote prefill (disaggregated serving) --------------------------------------------------------------------------
 
 

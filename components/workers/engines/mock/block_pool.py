@@ -86,7 +86,7 @@ class BlockPool:
 
     @property
     def num_active_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_blocks - len(self._empty) - len(self._evictable)  # all blocks but the free ones
 
     @property
     def num_cached_blocks(self) -> int:
