@@ -21,6 +21,10 @@ Before any observation
 read as "no load" and scale the fleet to its minimum. ``ready`` says whether ``predict`` will answer, so a caller can
 treat "no data" as its own branch (STYLE.md habit 3) instead of catching.
 
+``predict_ahead(steps)`` gives the next ``steps`` intervals (the first is ``predict()``): the same model carried
+forward without new values (constant: the last value; Holt-Winters: ``L + h T + S[phase]``; Kalman: ``level + h x
+slope``), which ``startup`` needs to ask for workers a start-up ahead.
+
 Predictions are floored at 0: every series predicted is a count or a length, and a trend extrapolated below zero
 means "falling to nothing", not a negative load.
 
@@ -102,6 +106,10 @@ class Predictor(Protocol):
         """Observe a history, oldest first (a trace cut into intervals)."""
         ...
 
+    def predict_ahead(self, steps: int) -> list[float]:
+        """The next ``steps`` intervals' values (the first is ``predict()``), each >= 0; for start-up lead."""
+        ...
+
 
 def _finite(x: float, who: str) -> float:
     v = float(x)
@@ -133,6 +141,9 @@ class ConstantPredictor:
         if self._last is None:
             raise NoObservationError(self.name)
         return max(0.0, self._last)
+
+    def predict_ahead(self, steps: int) -> list[float]:
+        return [self.predict()] * steps
 
 
 class HoltWintersPredictor:
@@ -205,10 +216,19 @@ class HoltWintersPredictor:
     def predict(self) -> float:
         if self._n == 0:
             raise NoObservationError(self.name)
-        nxt = self._level + self._trend
-        if self._season is not None:
-            nxt += self._season[self._n % self.season_length]  # the next value's phase
-        return max(0.0, nxt)
+        return self.predict_ahead(1)[0]
+
+    def predict_ahead(self, steps: int) -> list[float]:
+        # h intervals ahead: L + h T + S[phase of that value]; the value observed last had phase (n - 1) mod m.
+        if self._n == 0:
+            raise NoObservationError(self.name)
+        out = []
+        for h in range(1, steps + 1):
+            v = self._level + h * self._trend
+            if self._season is not None:
+                v += self._season[(self._n - 1 + h) % self.season_length]
+            out.append(max(0.0, v))
+        return out
 
 
 class KalmanPredictor:
@@ -260,9 +280,13 @@ class KalmanPredictor:
             self.observe(x)
 
     def predict(self) -> float:
+        return self.predict_ahead(1)[0]
+
+    def predict_ahead(self, steps: int) -> list[float]:
+        # h intervals ahead: level + h x slope (the transition applied h times).
         if self._n == 0:
             raise NoObservationError(self.name)
-        return max(0.0, self._x[0] + self._x[1])
+        return [max(0.0, self._x[0] + h * self._x[1]) for h in range(1, steps + 1)]
 
 
 # The names ``make_predictor`` accepts (Dynamo's ``--load-predictor`` values where the method is the same).
