@@ -12,6 +12,8 @@ simulator and benchmark call in here.
   N/(N-1) of the load: KV, ITL, TTFT against target x sensitivity).
 * ``budget``: ``plan_budget``, the atomic GPU budget across pools (cut to fit, removals before additions).
 * ``startup``: ``pool_to_request``, the pool size to ask for a worker start-up ahead of the forecast.
+* ``correction``: ``update_correction``, the smoothed, bounded ratio of observed to predicted latency that
+  ``replicas`` scales the model's times by.
 
 Nothing is imported here, so importing one piece loads only what it needs.
 """
