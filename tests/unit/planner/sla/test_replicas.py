@@ -12,6 +12,7 @@ import math
 import pytest
 
 from components.perf.model import StepTimeModel
+from components.perf.profile import Profile
 from components.planner.sla.replicas import decode_workers, prefill_workers, workers_for
 
 pytestmark = pytest.mark.unit
@@ -131,3 +132,26 @@ def test_bad_inputs_are_refused():
         decode_workers(-1, 1000, 200, ROUND, itl_target_s=0.05)
     with pytest.raises(ValueError, match="max_batch"):
         decode_workers(1, 1000, 200, ROUND, itl_target_s=0.05, max_batch=0)
+
+
+def test_a_measured_profile_gives_the_same_sizes_as_the_model_it_measured():
+    # A Profile whose grid points are ROUND's own step times: prefill is linear in n (no square term), so the
+    # piecewise-linear interpolation between grid points is exact; decode 5 + 0.02 b + 3e-5 b c is of the form
+    # a + x b + y c + z b c, which bilinear interpolation over (batch, context) reproduces exactly inside the grid.
+    # The replica formulas only read the PerfModel protocol, so both must give the same workers and batch.
+    prompts = [128, 1024, 8192]
+    batches, contexts = [1, 64, 512], [256.0, 4096.0]
+    prof = Profile.build(
+        prompt_tokens=prompts,
+        prefill_samples_ms=[[ROUND.prefill_ms(n)] for n in prompts],
+        batch_sizes=batches,
+        context_tokens=contexts,
+        decode_samples_ms=[[[ROUND.decode_ms(b, b * c)] for c in contexts] for b in batches],
+        max_num_batched_tokens=ROUND.max_num_batched_tokens,
+    )
+    assert prof.decode_ms(283, 283 * 1100) == pytest.approx(ROUND.decode_ms(283, 283 * 1100))
+    for perf in (ROUND, prof):
+        workers, d = prefill_workers(30, 1000, perf, ttft_target_s=0.5)
+        assert workers == 2 and d.metrics["prefill_s"] == pytest.approx(0.050)
+        workers, d = decode_workers(100, 1000, 200, perf, itl_target_s=0.020, max_batch=512)
+        assert workers == 2 and d.metrics["batch"] == 283

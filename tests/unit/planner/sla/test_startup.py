@@ -41,7 +41,8 @@ def test_a_rolling_loop_with_lead_is_never_short_and_one_without_is_short_for_th
     def serving(asks):
         # The pool at each interval k: workers asked for at j arrive at j + lead; a smaller ask first cancels workers
         # still starting (newest first), then removes serving ones at once.
-        ready, pending, out = asks[0], [], []  # pending: arrival intervals
+        ready, out = asks[0], []
+        pending: list[int] = []  # arrival intervals of workers still starting
         for k, ask in enumerate(asks):
             ready += sum(1 for t in pending if t <= k)
             pending = [t for t in pending if t > k]
