@@ -34,8 +34,10 @@ corrected step is within the ITL target; the worker then emits ``b / step_s`` ou
 
 Every ``b`` up to ``max_batch`` is tried (not a bisection), since a measured profile need not be monotone in ``b``.
 If even ``b = 1`` misses the target, the detail says so and ``b = 1`` is used (its throughput is the most one can
-count on). ``max_batch`` defaults to 256, vLLM's default ``max_num_seqs`` (``--max-num-seqs``) outside its
-large-GPU OpenAI-server setting.
+count on). ``max_batch`` defaults to 1024, vLLM's default ``--max-num-seqs`` for its OpenAI server on GPUs of 70 GiB
+or more other than the A100 (``EngineArgs.get_batch_defaults``; 256 on smaller GPUs): the H100 class that
+``components.perf``'s default model and its 8192-token budget (the same vLLM branch) describe. Pass the engine's own
+``--max-num-seqs`` where it is set.
 
 Both never return fewer than 1 worker (a pool at 0 cannot serve the first request), and take ``ceil`` with a 1e-9
 slack so that a load of exactly 2.0 workers' worth, computed as 2.0000000001, asks for 2.
@@ -51,7 +53,7 @@ from components.perf.profile import PerfModel
 
 __all__ = ["DEFAULT_MAX_BATCH", "Sizing", "decode_workers", "prefill_workers", "workers_for"]
 
-DEFAULT_MAX_BATCH = 256  # vLLM's default --max-num-seqs (outside its large-GPU OpenAI-server default of 1024)
+DEFAULT_MAX_BATCH = 1024  # vLLM's default --max-num-seqs on >= 70 GiB GPUs (H100 class; 256 on smaller ones)
 _CEIL_SLACK = 1e-9
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from components.perf.model import StepTimeModel
 from components.perf.profile import Profile
-from components.planner.sla.replicas import decode_workers, prefill_workers, workers_for
+from components.planner.sla.replicas import DEFAULT_MAX_BATCH, decode_workers, prefill_workers, workers_for
 
 pytestmark = pytest.mark.unit
 
@@ -91,8 +91,11 @@ def test_decode_takes_the_largest_batch_within_the_itl_target():
 
 
 def test_decode_batch_is_capped_by_max_batch_and_kv_capacity():
-    # max_batch 256 (the default) < 283: b = 256, step 5 + 13.568 = 18.568 ms.
-    _, d = decode_workers(100, 1000, 200, StepTimeModel(), itl_target_s=0.020)
+    # The default max_batch (1024, vLLM's on an H100) is above 283: the ITL target decides.
+    assert DEFAULT_MAX_BATCH == 1024
+    assert decode_workers(100, 1000, 200, StepTimeModel(), itl_target_s=0.020)[1].metrics["batch"] == 283
+    # max_batch 256 < 283: b = 256, step 5 + 13.568 = 18.568 ms.
+    _, d = decode_workers(100, 1000, 200, StepTimeModel(), itl_target_s=0.020, max_batch=256)
     assert d.metrics["batch"] == 256
     assert d.metrics["step_s"] == pytest.approx(0.018568)
     # 100000 KV tokens hold 100000 / 1100 = 90.9 sequences: b = 90.
