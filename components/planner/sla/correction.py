@@ -1,0 +1,75 @@
+"""Correction factors: how far the perf model's latency is from what the fleet measures, so the replica formulas
+(``replicas``) size pools on the engine as it runs, not as it was profiled.
+
+Each adjustment interval, for TTFT and ITL separately::
+
+    raw  = observed / predicted          (the interval's mean observed latency over the model's prediction for it)
+    new  = smoothing x raw + (1 - smoothing) x previous
+    new  = clamp(new, lo, hi)
+
+``replicas`` multiplies the model's times by the factor (> 1: the engine is slower than its profile, so more
+workers). What "predicted" means is the caller's: for ITL the model's decode step at the interval's mean batch and
+context; for TTFT, the model's TTFT including queue wait (``consolidation.predicted_ttft_ms``), so that the factor
+corrects the engine's speed and not the queueing the model already counts (a TTFT factor that also absorbed queue
+wait would scale the pool for a queue that more workers have already drained: a feedback loop).
+
+Defaults, and why:
+
+* ``smoothing`` 0.5: one interval's ratio rests on a few hundred requests and jumps with their mix; half-weight
+  halves a one-interval outlier's effect, and still follows a lasting change (a profile 2x off) to within 12.5% in
+  three intervals (``0.5 ** 3``). 1.0 is Dynamo's behaviour (each interval's ratio as it is).
+* ``lo`` 0.25, ``hi`` 4.0: a model more than 4x off is a wrong profile (another GPU, another model), which the
+  factor should not quietly absorb: it is held at the bound and the reason says so.
+
+No sample (no request finished in the interval, or no prediction) keeps the previous factor, with the reason
+(STYLE.md habit 3). ``--no-correction`` is the caller not calling this (factor 1.0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["Correction", "update_correction"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Correction:
+    """The factor to use from now on, the interval's raw ratio (None: no sample) and why."""
+
+    factor: float
+    raw: float | None
+    reason: str
+
+
+def update_correction(
+    previous: float,
+    observed_s: float | None,
+    predicted_s: float | None,
+    *,
+    smoothing: float = 0.5,
+    lo: float = 0.25,
+    hi: float = 4.0,
+) -> Correction:
+    """The next correction factor from the interval's observed and predicted latency (module docstring)."""
+    if not 0 < smoothing <= 1:
+        raise ValueError(f"smoothing must be within (0, 1], got {smoothing}")
+    if not 0 < lo <= 1 <= hi:
+        raise ValueError(f"bounds must satisfy 0 < lo <= 1 <= hi, got lo {lo}, hi {hi}")
+    if not (math.isfinite(previous) and previous > 0):
+        raise ValueError(f"previous factor must be a finite number > 0, got {previous}")
+    if observed_s is None or predicted_s is None or not math.isfinite(observed_s) or observed_s < 0:
+        return Correction(previous, None, f"no observation this interval: keeping {previous:.3f}")
+    if not math.isfinite(predicted_s) or predicted_s <= 0:
+        return Correction(previous, None, f"no usable prediction ({predicted_s!r}): keeping {previous:.3f}")
+    raw = observed_s / predicted_s
+    new = smoothing * raw + (1 - smoothing) * previous
+    clamped = min(hi, max(lo, new))
+    reason = (
+        f"observed {observed_s * 1e3:.1f} ms / predicted {predicted_s * 1e3:.1f} ms = {raw:.3f}; "
+        f"{smoothing:g} x {raw:.3f} + {1 - smoothing:g} x {previous:.3f} = {new:.3f}"
+    )
+    if clamped != new:
+        off = hi if new > hi else 1 / lo
+        reason += f", held at {clamped:g} (the model is more than {off:g}x off: check the profile)"
+    return Correction(clamped, raw, reason)

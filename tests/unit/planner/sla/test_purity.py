@@ -1,0 +1,42 @@
+"""The SLA planner's core stays pure (STYLE.md habit 1; issue 25's brief: standard library plus ``components.perf``):
+every module of components/planner/sla imports only the standard library without I/O, clock-of-its-own or concurrency
+modules, ``components.perf`` and its own package. Read with ``ast``, so nothing is imported to check it."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+SLA = Path(__file__).resolve().parents[4] / "components" / "planner" / "sla"
+FORBIDDEN = {"asyncio", "socket", "subprocess", "http", "urllib", "selectors", "multiprocessing", "time", "threading"}
+ALLOWED_PREFIXES = ("components.perf", "components.planner.sla")
+
+
+def imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append("components.planner.sla" if node.level else (node.module or ""))
+    return out
+
+
+def test_the_sla_core_imports_only_the_standard_library_and_the_perf_package():
+    files = sorted(SLA.glob("*.py"))
+    assert {p.name for p in files} >= {"predictors.py", "replicas.py", "consolidation.py", "budget.py", "startup.py"}
+    offenders = []
+    for path in files:
+        for name in imports(path):
+            top = name.split(".", 1)[0]
+            if name == "__future__" or name.startswith(ALLOWED_PREFIXES):
+                continue
+            if top in sys.stdlib_module_names and top not in FORBIDDEN:
+                continue
+            offenders.append(f"{path.name} imports {name}")
+    assert offenders == []
