@@ -4,19 +4,26 @@
 time: right for a deployment, useless for sweeping a routing policy over an hour of trace at four loads. A
 ``VirtualEngine`` is the same ``Scheduler`` (same batching, chunked prefill, prefix cache, preemption, KV events and
 step-time model) driven by a caller that owns the clock: ``add`` a request at ``now_s``, ``step`` at ``now_s`` when
-the engine is idle, and the step's outputs become visible ``StepOutput.step_time_s`` later. Nothing here sleeps,
+the engine is idle, and the step's outputs become visible ``StepOutput.step_time_s`` later (scaled as below). Nothing here sleeps,
 reads a clock or does I/O.
 
 For disaggregated fleets (``kvmesh bench disagg``) it also exposes the scheduler's remote-prefill primitives as a
 decode engine uses them (``reserve_remote_prefill``, ``commit_remote_prefill``, ``cancel_remote_prefill``,
 ``cached_prefix_tokens``), ``abort`` (a prefill engine drops a request after its first token) and the modelled KV
-transfer time (``kv_transfer_time_s``, as ``MockEngine`` charges it, without ``speedup_ratio``: time is virtual).
+transfer time (``kv_transfer_time_s``).
+
+Time is the served engine's wall time: a step and a KV transfer last their modelled time divided by a finite
+``speedup_ratio``, as ``MockEngine`` sleeps them, so that a graph served at ``speedup_ratio: 0.15`` and the same graph
+simulated (``kvmesh simulate``) agree (they differed 6.7x before). An infinitely fast engine (``inf``, no sleep at
+all: its wall time is the host's, which nothing here models) keeps the modelled times, as at ``speedup_ratio`` 1.
 
 The public face of the private ``engines`` package for the command line (tests/unit/test_layering.py: only
 ``components.workers`` imports its engines).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from components.protocol.messages import GenerateRequest, KvEvent, LoadSnapshot, TokenChunk
 from components.workers.engines.mock.config import MockEngineConfig
@@ -40,6 +47,8 @@ class VirtualEngine:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.step_time = step_time_of(config)
+        # Modelled time -> the served engine's wall time (module docstring); 1.0 for inf.
+        self.time_scale = 1.0 if config.is_infinitely_fast else 1.0 / config.speedup_ratio
 
     def add(self, request: GenerateRequest, now_s: float) -> None:
         """Queue a request (raises ``EngineRequestError`` for one it can never serve, as the real engine does)."""
@@ -51,7 +60,10 @@ class VirtualEngine:
 
     def step(self, now_s: float) -> StepOutput:
         """Run one step starting at ``now_s``; its tokens and finishes belong to ``now_s + step_time_s``."""
-        return self.scheduler.step(now_s)
+        out = self.scheduler.step(now_s)
+        if self.time_scale != 1.0:
+            out = dataclasses.replace(out, step_time_s=out.step_time_s * self.time_scale)
+        return out
 
     def take_kv_events(self) -> list[KvEvent]:
         return self.scheduler.take_kv_events()
@@ -91,9 +103,10 @@ class VirtualEngine:
     def kv_transfer_time_s(self, num_tokens: int) -> float:
         """Modelled time to send the KV of ``num_tokens`` prompt tokens (whole blocks) to another engine."""
         cfg = self.config
-        return transfer_time_s(
+        modelled = transfer_time_s(
             -(-num_tokens // cfg.block_size),
             bytes_per_block=cfg.kv_bytes_per_block,
             bandwidth_gbps=cfg.kv_transfer_bandwidth_gbps,
             latency_ms=cfg.kv_transfer_latency_ms,
         )
+        return modelled * self.time_scale
