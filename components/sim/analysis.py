@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from components.protocol.kv_hashing import block_hashes
+from components.workers.simulated import wall_time_scale
 
 from .replay import FleetSpec, RunResult, simulate
 from .workload import Workload
@@ -165,7 +166,7 @@ def isolated_service_s(workload: Workload, fleet: FleetSpec) -> float:
         ms = m.chunked_prefill_ms(n)
         ms += (r.max_tokens - 1) * m.decode_ms(1, n + r.max_tokens)  # an upper bound: the longest context
         worst = max(worst, ms / 1000.0)
-    return worst
+    return worst * wall_time_scale(fleet.engine)
 
 
 def ttft_floor_s(workload: Workload, fleet: FleetSpec, cached_tokens: Sequence[int]) -> list[float]:
@@ -173,8 +174,9 @@ def ttft_floor_s(workload: Workload, fleet: FleetSpec, cached_tokens: Sequence[i
     (``PromptBlocks.hits_per_prompt``: the infinite one-worker cache's): the rest prefilled in full chunks. No policy
     can beat these; their p99 against round-robin's says how much better than round-robin any router could be."""
     m = fleet.engine.step_time_model
+    scale = wall_time_scale(fleet.engine)  # the replay's time: the served engine's wall time
     return [
-        m.chunked_prefill_ms(len(r.prompt) - cached) / 1000.0
+        m.chunked_prefill_ms(len(r.prompt) - cached) / 1000.0 * scale
         for r, cached in zip(workload.requests, cached_tokens, strict=True)
     ]
 
@@ -201,10 +203,11 @@ def causal_ttft_floor_s(workload: Workload, fleet: FleetSpec, hashes: Sequence[S
     c = fleet.engine
     m = c.step_time_model
     bs = c.block_size
-    slope_s = min(m.prefill_ms(n) / n for n in range(1, m.max_num_batched_tokens + 1)) / 1000.0
+    scale = wall_time_scale(c)  # the replay's time: the served engine's wall time
+    slope_s = min(m.prefill_ms(n) / n for n in range(1, m.max_num_batched_tokens + 1)) / 1000.0 * scale
 
     def own_s(n: int) -> float:
-        return m.chunked_prefill_ms(n) / 1000.0
+        return m.chunked_prefill_ms(n) / 1000.0 * scale
 
     avail: dict[int, float] = {}  # block hash -> the earliest time it can exist
     out = []
@@ -265,7 +268,7 @@ def model_estimate(workload: Workload, fleet: FleetSpec) -> float:
     m = c.step_time_model
     per_token_ms = m.prefill_ms(m.max_num_batched_tokens) / m.max_num_batched_tokens
     ms = prompt * per_token_ms + out * m.decode_ms(64, 64 * int(prompt)) / 64
-    return fleet.workers * 1000.0 / ms
+    return fleet.workers * 1000.0 / (ms * wall_time_scale(c))
 
 
 def find_capacity(

@@ -4,8 +4,8 @@
 time: right for a deployment, useless for sweeping a routing policy over an hour of trace at four loads. A
 ``VirtualEngine`` is the same ``Scheduler`` (same batching, chunked prefill, prefix cache, preemption, KV events and
 step-time model) driven by a caller that owns the clock: ``add`` a request at ``now_s``, ``step`` at ``now_s`` when
-the engine is idle, and the step's outputs become visible ``StepOutput.step_time_s`` later (scaled as below). Nothing here sleeps,
-reads a clock or does I/O.
+the engine is idle, and the step's outputs become visible ``StepOutput.step_time_s`` (scaled as below) later. Nothing
+here sleeps, reads a clock or does I/O.
 
 For disaggregated fleets (``kvmesh bench disagg``) it also exposes the scheduler's remote-prefill primitives as a
 decode engine uses them (``reserve_remote_prefill``, ``commit_remote_prefill``, ``cancel_remote_prefill``,
@@ -30,12 +30,18 @@ from components.workers.engines.mock.config import MockEngineConfig
 from components.workers.engines.mock.perf_model import transfer_time_s
 from components.workers.engines.mock.scheduler import Scheduler, StepOutput
 
-__all__ = ["MockEngineConfig", "StepOutput", "VirtualEngine", "step_time_of"]
+__all__ = ["MockEngineConfig", "StepOutput", "VirtualEngine", "step_time_of", "wall_time_scale"]
 
 
 def step_time_of(config: MockEngineConfig) -> dict[str, float]:
     """The step-time model a worker running this engine announces (``WorkerMetadata.step_time``)."""
     return config.step_time_model.to_mapping()
+
+
+def wall_time_scale(config: MockEngineConfig) -> float:
+    """Seconds of the served engine's wall time per second of modelled time: 1 / a finite ``speedup_ratio``, 1 for
+    an infinitely fast engine (module docstring)."""
+    return 1.0 if config.is_infinitely_fast else 1.0 / config.speedup_ratio
 
 
 class VirtualEngine:
@@ -48,7 +54,7 @@ class VirtualEngine:
         self.max_model_len = config.max_model_len
         self.step_time = step_time_of(config)
         # Modelled time -> the served engine's wall time (module docstring); 1.0 for inf.
-        self.time_scale = 1.0 if config.is_infinitely_fast else 1.0 / config.speedup_ratio
+        self.time_scale = wall_time_scale(config)
 
     def add(self, request: GenerateRequest, now_s: float) -> None:
         """Queue a request (raises ``EngineRequestError`` for one it can never serve, as the real engine does)."""
