@@ -213,6 +213,10 @@ def _ratio(sim: float | None, live: float | None) -> float | None:
     return round(sim / live, 4) if sim is not None and live else None
 
 
+def _within(ratio: float | None, tolerance: float) -> bool:
+    return ratio is not None and abs(ratio - 1) <= tolerance
+
+
 def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     """Both sides' figures, their ratios (simulated / live) and the tolerances met."""
     load, summary = live["load"], sim["summary"]
@@ -258,8 +262,7 @@ def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     ratios["output_tokens_per_s"] = _ratio(sv["output_tokens_per_s"], lv["output_tokens_per_s"])
     ratios["makespan_s"] = _ratio(sv["makespan_s"], lv["makespan_s"])
     within = {
-        k: {"tolerance": tol, "ratio": ratios[k], "met": ratios[k] is not None and abs(ratios[k] - 1) <= tol}
-        for k, tol in TOLERANCES.items()
+        k: {"tolerance": tol, "ratio": ratios[k], "met": _within(ratios[k], tol)} for k, tol in TOLERANCES.items()
     }
     return {**sides, "ratios": ratios, "within_tolerance": within}
 
