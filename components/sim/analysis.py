@@ -6,7 +6,8 @@ router could do better): they are properties of the workload and the engine's pe
 * ``ttft_floor_s`` and ``causal_ttft_floor_s``: each request's TTFT alone on an idle worker holding the infinite
   cache's prefix, and the same where a block exists only once an earlier request could have computed it: floors no
   router can beat, so a target above their bound is out of every router's reach. Both price a prefill with the
-  engine's performance model (``components.perf``, the model the simulated engines and the router's cost use);
+  engine's performance model (``components.perf``, the model the simulated engines and the router's cost use), in
+  the replay's time (over the engines' finite ``speedup_ratio``, as ``VirtualEngine`` runs them);
 * ``derive_programs``: program (conversation) ids from Mooncake hash ids alone, for the affinity policies;
 * ``find_capacity``: the arrival rate at which round-robin's queues stop draining (``replay``).
 """
