@@ -182,7 +182,9 @@ def worker_summary(worker_ids: list[int], feeds: dict[int, WorkerFeed], block_si
     }
 
 
-def _kvmesh(*argv: str) -> subprocess.CompletedProcess[str]:
+def run_kvmesh(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``kvmesh ARGV...`` as a child process of this interpreter from the repository root, output captured
+    (``kvmesh serve --detach`` / ``kvmesh stop`` for the live benchmarks, ``kvmesh simulate`` for simvalidate)."""
     return subprocess.run(
         [sys.executable, "-m", "components.cli.main", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
@@ -217,7 +219,7 @@ async def run_policy(policy: str, args: argparse.Namespace, state_root: Path) ->
     state_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     started = await asyncio.to_thread(
-        _kvmesh, "serve", str(ROOT / args.graph), "--detach", "--state-dir", str(state_dir),
+        run_kvmesh, "serve", str(ROOT / args.graph), "--detach", "--state-dir", str(state_dir),
         *serve_overrides(policy, args),
     )  # fmt: skip
     if started.returncode != 0:
@@ -267,7 +269,7 @@ async def run_policy(policy: str, args: argparse.Namespace, state_root: Path) ->
         if rt is not None:
             await rt.shutdown(drain_timeout_s=1)
         if namespace:
-            stopped = await asyncio.to_thread(_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
+            stopped = await asyncio.to_thread(run_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
             if stopped.returncode != 0:
                 print(f"bench routing: kvmesh stop {namespace}: {stopped.stderr[-1000:]}", file=sys.stderr)
     prompt = load["input_tokens"]

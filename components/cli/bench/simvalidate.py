@@ -34,7 +34,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from typing import Any
 
 from components.cli.bench.loadgen import LoadConfig, run_load
 from components.cli.bench.loadgen.stats import RequestResult
-from components.cli.bench.routing_live import host_cpu_ticks, own_cpu_cores
+from components.cli.bench.routing_live import host_cpu_ticks, own_cpu_cores, run_kvmesh
 from components.cli.overrides import add_override_argument
 from components.deploy.graph import load_graph
 from components.deploy.state import read_state, resolve_state_dir
@@ -51,14 +50,13 @@ from components.deploy.whatif import simulated_deployment
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.runtime import Runtime, RuntimeConfig
 from components.sim.analysis import find_capacity
-from components.sim.report import percentile
+from components.sim.report import percentile, quantiles_ms
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = ROOT.parent / "shared" / "traces"
 DEFAULT_TRACE = TRACES / "mooncake_conversation_trace.jsonl"
 # Issue 24: TTFT p50 within 10%, TTFT p99 and throughput within 20%.
 TOLERANCES = {"ttft_p50": 0.10, "ttft_p99": 0.20, "output_tokens_per_s": 0.20}
-QUANTILES = (0.5, 0.9, 0.99)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,13 +99,6 @@ def graph_overrides(args: argparse.Namespace) -> list[str]:
     return [x for s in sets for x in ("--set", s)]
 
 
-def _kvmesh(*argv: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "components.cli.main", *argv], cwd=ROOT, capture_output=True, text=True,
-        timeout=timeout_s,
-    )  # fmt: skip
-
-
 def simulate_argv(args: argparse.Namespace, max_input_tokens: int, out: Path) -> list[str]:
     return [
         "simulate", "--graph", str(args.graph), "--trace", str(args.trace), *graph_overrides(args),
@@ -121,7 +112,7 @@ def simulate_argv(args: argparse.Namespace, max_input_tokens: int, out: Path) ->
 def run_simulated(args: argparse.Namespace, max_input_tokens: int, out: Path) -> dict[str, Any]:
     argv = simulate_argv(args, max_input_tokens, out)
     t0 = time.perf_counter()
-    done = _kvmesh(*argv)
+    done = run_kvmesh(*argv)
     if done.returncode != 0:
         raise RuntimeError(f"kvmesh simulate failed ({done.returncode}): {done.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
@@ -142,7 +133,7 @@ async def run_live(args: argparse.Namespace, max_input_tokens: int, state_dir: P
     state_dir.mkdir(parents=True, exist_ok=True)
     serve = ["serve", str(args.graph), "--detach", "--state-dir", str(state_dir), *graph_overrides(args)]
     t0 = time.perf_counter()
-    started = await asyncio.to_thread(_kvmesh, *serve)
+    started = await asyncio.to_thread(run_kvmesh, *serve)
     if started.returncode != 0:
         raise RuntimeError(f"kvmesh serve failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
     namespace = ""
@@ -185,7 +176,7 @@ async def run_live(args: argparse.Namespace, max_input_tokens: int, state_dir: P
         cpu1 = host_cpu_ticks()
     finally:
         if namespace:
-            stopped = await asyncio.to_thread(_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
+            stopped = await asyncio.to_thread(run_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
             if stopped.returncode != 0:
                 print(f"bench simvalidate: kvmesh stop {namespace}: {stopped.stderr[-1000:]}", file=sys.stderr)
     own = own_cpu_cores(load)
@@ -206,10 +197,6 @@ async def run_live(args: argparse.Namespace, max_input_tokens: int, state_dir: P
     }
 
 
-def _quantiles_ms(xs: list[float]) -> dict[str, float | None]:
-    return {f"p{round(q * 100)}": None if not xs else round(1000 * (percentile(xs, q) or 0.0), 3) for q in QUANTILES}
-
-
 def _ratio(sim: float | None, live: float | None) -> float | None:
     return round(sim / live, 4) if sim is not None and live else None
 
@@ -225,8 +212,8 @@ def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
         "live": {
             "requests": load["requests_sent"],
             "completed": load["requests_completed"],
-            "ttft_ms": _quantiles_ms(live["ttft_s"]),
-            "itl_ms": _quantiles_ms(live["itl_s"]),
+            "ttft_ms": quantiles_ms(live["ttft_s"]),
+            "itl_ms": quantiles_ms(live["itl_s"]),
             "output_tokens_per_s": load["output_tokens_per_s"],
             "makespan_s": load["duration_s"],
             "prefix_hit_rate": round(load["cached_input_tokens"] / load["input_tokens"], 4)
@@ -236,7 +223,7 @@ def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
         "simulated": {
             "requests": summary["requests"] + summary["refused_too_long"],
             "completed": len(sim["ttft_s"]),
-            "ttft_ms": _quantiles_ms(sim["ttft_s"]),
+            "ttft_ms": quantiles_ms(sim["ttft_s"]),
             # The simulator's report has every gap's percentiles, by the same nearest-rank rule.
             "itl_ms": {k: summary["itl_ms"][k] for k in ("p50", "p90", "p99")},
             "output_tokens_per_s": summary["output_tokens_per_s"],
