@@ -42,13 +42,10 @@ from typing import Any
 
 from components.cli.bench.loadgen import LoadConfig, run_load
 from components.cli.bench.loadgen.stats import RequestResult
-from components.cli.bench.routing_live import host_cpu_ticks, own_cpu_cores, run_kvmesh
+from components.cli.bench.routing_live import host_cpu_ticks, live_deployment, own_cpu_cores, run_kvmesh
 from components.cli.overrides import add_override_argument
 from components.deploy.graph import load_graph
-from components.deploy.state import read_state, resolve_state_dir
 from components.deploy.whatif import simulated_deployment
-from components.protocol.endpoints import ENDPOINT_GENERATE
-from components.runtime import Runtime, RuntimeConfig
 from components.sim.analysis import find_capacity
 from components.sim.report import percentile, quantiles_ms
 
@@ -129,34 +126,17 @@ def run_simulated(args: argparse.Namespace, max_input_tokens: int, out: Path) ->
 
 
 async def run_live(args: argparse.Namespace, max_input_tokens: int, state_dir: Path) -> dict[str, Any]:
-    state_dir = resolve_state_dir(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    serve = ["serve", str(args.graph), "--detach", "--state-dir", str(state_dir), *graph_overrides(args)]
+    sets = graph_overrides(args)
+    serve = ["serve", str(args.graph), "--detach", "--state-dir", str(state_dir), *sets]
     t0 = time.perf_counter()
-    started = await asyncio.to_thread(run_kvmesh, *serve)
-    if started.returncode != 0:
-        raise RuntimeError(f"kvmesh serve failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
-    namespace = ""
     results: list[RequestResult] = []
-    try:
-        state = read_state(next(state_dir.glob("*.json")))
-        namespace = state.namespace
-        if not state.frontend_url:
-            raise RuntimeError("the graph has no running frontend")
-        rt = await Runtime.connect(
-            RuntimeConfig(etcd_endpoints=state.etcd_endpoints, nats_url=state.nats_url), name="bench-simvalidate"
-        )
-        try:
-            client = await rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
-            await client.wait_for_instances(args.workers, timeout_s=60)
-        finally:
-            await rt.shutdown(drain_timeout_s=1)
+    async with live_deployment(Path(args.graph), state_dir, sets, args.workers, "bench-simvalidate") as live:
         await asyncio.sleep(args.settle_s)  # the frontend's router has seen every worker's registration
         setup_s = time.perf_counter() - t0
         cpu0 = host_cpu_ticks()
         load = await run_load(
             LoadConfig(
-                url=state.frontend_url,
+                url=live.url,
                 model=args.model,
                 trace=str(args.trace),
                 start_offset_s=args.start_offset_s,
@@ -168,17 +148,12 @@ async def run_live(args: argparse.Namespace, max_input_tokens: int, state_dir: P
                 max_input_tokens=max_input_tokens,
                 max_output_tokens=args.max_output_tokens,
                 seed=args.seed,
-                pids=[proc.pid for proc in state.all_processes()],
+                pids=[proc.pid for proc in live.state.all_processes()],
                 progress=False,
             ),
             on_result=results.append,
         )
         cpu1 = host_cpu_ticks()
-    finally:
-        if namespace:
-            stopped = await asyncio.to_thread(run_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
-            if stopped.returncode != 0:
-                print(f"bench simvalidate: kvmesh stop {namespace}: {stopped.stderr[-1000:]}", file=sys.stderr)
     own = own_cpu_cores(load)
     host = (cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]) * (os.cpu_count() or 1) if cpu1[1] > cpu0[1] else None
     ok = [r for r in results if r.error is None]
