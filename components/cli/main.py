@@ -57,6 +57,7 @@ BENCHMARKS = (
     Command("router", "components.cli.bench.router", "cost of one routing decision (8-1024 workers), KV event ingest"),
     Command("routing", "components.cli.bench.routing", "routing quality per policy at fractions of measured capacity"),
     Command("routing-live", "components.cli.bench.routing_live", "one trace slice per policy on a live deployment"),
+    Command("simvalidate", "components.cli.bench.simvalidate", "kvmesh simulate vs kvmesh serve on one trace slice"),
     Command("disagg", "components.cli.bench.disagg", "aggregated vs disaggregated prefill/decode, simulated fleets"),
     Command(
         "kv-transfer", "components.cli.bench.kv_transfer", "a vLLM decode engine's first token: KV pull vs recompute"

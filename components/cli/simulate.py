@@ -2,7 +2,8 @@
 simulated on the trace (``components.sim.replay``: the real router over the mock engine's own scheduler on a virtual
 clock), before serving it.
 
-Writes into ``--out``: ``summary.json`` (also the last line on stdout: TTFT, inter-token and end-to-end percentiles,
+Writes into ``--out``: ``requests.csv`` (each request's arrival, lengths, TTFT and mean inter-token latency),
+``summary.json`` (also the last line on stdout: TTFT, inter-token and end-to-end percentiles,
 SLO attainment against ``--ttft-ms``/``--itl-ms``, output tokens/s, worker-seconds, prefix hit rate, requests refused
 for being longer than the engines' ``max_model_len``, as the live frontend refuses them), ``simulate.png`` (offered
 load, the fleet's running and waiting requests with its pool sizes, and TTFT over time) and TensorBoard event files
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import csv
 import dataclasses
 import itertools
 import json
@@ -39,7 +41,7 @@ from components.deploy.graph import load_graph
 from components.deploy.whatif import SimulatedDeployment, WhatIfError, simulated_deployment
 from components.planner.config import PlannerConfig
 from components.planner.simulated import SimulatedPlanner
-from components.sim import Sample, SimRequest, Workload, replay
+from components.sim import RunResult, Sample, SimRequest, Workload, replay
 from components.sim.dynamics import DECODE, PREFILL
 from components.sim.errors import TraceFormatError
 from components.sim.report import Slo, summarize
@@ -57,6 +59,20 @@ def _positive(text: str) -> float:
     return v
 
 
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return v
+
+
+def _non_negative(text: str) -> float:
+    v = float(text)
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", required=True, help="graph file (YAML) to simulate, e.g. graphs/mock_agg.yaml")
     p.add_argument("--trace", required=True, help="request trace: Mooncake jsonl, Azure csv or ShareGPT json")
@@ -68,6 +84,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_positive,
         default=1.0,
         help="multiply the trace's arrival times by S (0.5 replays it twice as fast; default 1: as recorded)",
+    )
+    p.add_argument(
+        "--start-offset-s",
+        type=_non_negative,
+        default=0.0,
+        help="start at this trace time, in seconds of the trace before scaling (kvmesh bench load's flag; default 0)",
+    )
+    p.add_argument(
+        "--max-input-tokens",
+        type=_positive_int,
+        default=None,
+        help="cut prompts to this many tokens, keeping their start, as kvmesh bench load does (default: none; a "
+        "prompt longer than the engines' max_model_len is then refused, as the live frontend refuses it)",
+    )
+    p.add_argument(
+        "--max-output-tokens",
+        type=_positive_int,
+        default=None,
+        help="cap every request's output tokens (kvmesh bench load's)",
     )
     p.add_argument("--ttft-ms", type=_positive, default=DEFAULT_TTFT_MS, help="TTFT target in ms (default 500)")
     p.add_argument(
@@ -148,19 +183,41 @@ class _Series:
             self.stream.flush()
 
 
-def _workload(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> tuple[Workload, int]:
+def trace_slice(args: argparse.Namespace, vocab_size: int, max_model_len: int) -> tuple[Workload, int]:
     """The trace as a workload at ``--time-scale``, and how many of its requests are longer than the engines take
     (dropped here: the live frontend answers them 400 before routing)."""
-    w = from_trace(args.trace, args.requests if args.requests > 0 else 10**9, vocab_size=vocab_size, seed=args.seed)
+    w = from_trace(
+        args.trace,
+        args.requests if args.requests > 0 else 10**9,
+        vocab_size=vocab_size,
+        seed=args.seed,
+        start_offset_s=args.start_offset_s,
+    )
     kept: list[SimRequest] = []
     t0 = w.requests[0].arrival_s
+    cut_in, cut_out = args.max_input_tokens, args.max_output_tokens
     for r in w.requests:
-        if len(r.prompt) > max_model_len:
+        # Cutting the end of a prompt keeps its shared prefix shared (Mooncake: a prompt is its blocks in order).
+        prompt = r.prompt if cut_in is None else r.prompt[:cut_in]
+        if len(prompt) > max_model_len:
             continue
-        kept.append(SimRequest((r.arrival_s - t0) * args.time_scale, r.prompt, r.max_tokens, r.program_id))
+        max_tokens = r.max_tokens if cut_out is None else min(r.max_tokens, cut_out)
+        kept.append(SimRequest((r.arrival_s - t0) * args.time_scale, prompt, max_tokens, r.program_id))
     if not kept:
         raise WhatIfError(f"every request of {args.trace} is longer than the engines' max_model_len {max_model_len}")
     return Workload(w.name, tuple(kept)), len(w.requests) - len(kept)
+
+
+def _write_requests(path: Path, workload: Workload, res: RunResult) -> None:
+    """One row per request in workload (arrival) order: what a comparison with a live run reads
+    (``kvmesh bench simvalidate`` draws the TTFT distributions from it)."""
+    with path.open("w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arrival_s", "prompt_tokens", "max_tokens", "ttft_s", "mean_itl_s"])
+        for r, ttft, itl in zip(workload.requests, res.ttft_by_request_s, res.mean_itl_by_request_s, strict=True):
+            w.writerow(
+                [f"{r.arrival_s:.6f}", len(r.prompt), r.max_tokens, f"{ttft:.6f}", "" if itl is None else f"{itl:.6f}"]
+            )
 
 
 def _tensorboard(series: _Series, log_dir: Path) -> None:
@@ -239,7 +296,7 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
     deployment = simulated_deployment(graph)
     fleet = dataclasses.replace(deployment.fleet, startup_s=args.startup_s, connector_delay_s=args.connector_delay_s)
     max_len = min(fleet.engine.max_model_len, fleet.decode_config.max_model_len)
-    workload, refused = _workload(args, deployment.vocab_size, max_len)
+    workload, refused = trace_slice(args, deployment.vocab_size, max_len)
     slo = Slo(args.ttft_ms / 1000.0, args.itl_ms / 1000.0)
     planner: SimulatedPlanner | None = None
     planner_config: PlannerConfig | None = None
@@ -301,6 +358,8 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
     if not args.no_png:
         png = out / "simulate.png"
         report["png"] = str(png) if _draw(png, workload, res.ttft_by_request_s, series, slo) else None
+    _write_requests(out / "requests.csv", workload, res)
+    report["requests_csv"] = str(out / "requests.csv")
     (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
 

@@ -69,7 +69,7 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(1000.0 * x, 3)
 
 
-def _quantiles_ms(xs: Sequence[float]) -> dict[str, float | None]:
+def quantiles_ms(xs: Sequence[float]) -> dict[str, float | None]:
     return {f"p{int(q * 100)}": _ms(percentile(xs, q)) for q in (0.5, 0.9, 0.99)}
 
 
@@ -87,9 +87,9 @@ def summarize(res: RunResult, workload: Workload, fleet: FleetSpec, slo: Slo) ->
     return {
         "requests": n,
         "offered_rps": round(workload.rate, 4) if math.isfinite(workload.rate) else None,
-        "ttft_ms": _quantiles_ms(res.ttft_s),
-        "itl_ms": _quantiles_ms(res.itl_s),
-        "e2e_ms": _quantiles_ms(res.e2e_s),
+        "ttft_ms": quantiles_ms(res.ttft_s),
+        "itl_ms": quantiles_ms(res.itl_s),
+        "e2e_ms": quantiles_ms(res.e2e_s),
         "slo": {"ttft_ms": round(slo.ttft_s * 1000, 3), "itl_ms": round(slo.itl_s * 1000, 3)},
         "slo_attainment": attainment(times, slo),
         "output_tokens_per_s": round(res.output_tokens / makespan, 1) if makespan > 0 else None,

@@ -67,13 +67,18 @@ def from_trace(
     fmt: str = "auto",
     output_tokens: int = SHAREGPT_OUTPUT_TOKENS,
     min_prompt_tokens: int = 0,
+    start_offset_s: float = 0.0,
 ) -> Workload:
     """The first ``max_requests`` rows of a trace file as a workload (module docstring); with ``min_prompt_tokens``,
     the first that many rows whose prompt has at least that many tokens (a ShareGPT text: its UTF-8 bytes), the
-    others skipped (their prompts are not built, and the kept rows' prompts are the ones they get unfiltered)."""
+    others skipped (their prompts are not built, and the kept rows' prompts are the ones they get unfiltered); with
+    ``start_offset_s``, rows before that trace time are skipped too (the load generator's ``start_offset_s``: rows
+    without a timestamp never are)."""
     rows = []
     for row in read_trace(path, fmt):
         if min_prompt_tokens > 0 and _prompt_length(row) < min_prompt_tokens:
+            continue
+        if row.timestamp_s is not None and row.timestamp_s < start_offset_s:
             continue
         rows.append(row)
         if len(rows) >= max_requests:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -62,11 +63,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from components.cli.bench.loadgen import LoadConfig, run_load
-from components.deploy.state import read_state, resolve_state_dir
+from components.deploy.state import ServeState, read_state, resolve_state_dir
 from components.protocol.endpoints import ENDPOINT_GENERATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
 from components.protocol.messages import KvEventKind
 from components.runtime import EventSubscription, Runtime, RuntimeConfig
@@ -182,7 +184,9 @@ def worker_summary(worker_ids: list[int], feeds: dict[int, WorkerFeed], block_si
     }
 
 
-def _kvmesh(*argv: str) -> subprocess.CompletedProcess[str]:
+def run_kvmesh(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``kvmesh ARGV...`` as a child process of this interpreter from the repository root, output captured
+    (``kvmesh serve --detach`` / ``kvmesh stop`` for the live benchmarks, ``kvmesh simulate`` for simvalidate)."""
     return subprocess.run(
         [sys.executable, "-m", "components.cli.main", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
@@ -212,64 +216,90 @@ def _dir_name(policy: str) -> str:
     return policy.replace("+", "_")
 
 
-async def run_policy(policy: str, args: argparse.Namespace, state_root: Path) -> dict[str, Any]:
-    state_dir = resolve_state_dir(state_root / _dir_name(policy))
+@dataclasses.dataclass(frozen=True)
+class LiveDeployment:
+    """A graph served for a benchmark (``live_deployment``)."""
+
+    state: ServeState
+    url: str  # the frontend's
+    runtime: Runtime  # connected to the deployment's etcd and NATS
+    worker_ids: list[int]  # sorted
+
+
+@contextlib.asynccontextmanager
+async def live_deployment(
+    graph: Path, state_dir: Path, overrides: list[str], workers: int, name: str
+) -> AsyncIterator[LiveDeployment]:
+    """``kvmesh serve GRAPH --detach`` in ``state_dir`` with ``overrides`` (``--set`` pairs), yielded once its first
+    ``workers`` workers have registered, with a runtime named ``name``. On exit the runtime shuts down and ``kvmesh
+    stop`` ends the deployment (a failed stop is printed)."""
+    state_dir = resolve_state_dir(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     started = await asyncio.to_thread(
-        _kvmesh, "serve", str(ROOT / args.graph), "--detach", "--state-dir", str(state_dir),
-        *serve_overrides(policy, args),
-    )  # fmt: skip
+        run_kvmesh, "serve", str(graph), "--detach", "--state-dir", str(state_dir), *overrides
+    )
     if started.returncode != 0:
-        raise RuntimeError(f"kvmesh serve ({policy}) failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
+        raise RuntimeError(f"kvmesh serve {graph} failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
     namespace = ""
     rt: Runtime | None = None
-    collector = FeedCollector()
     try:
         state = read_state(next(state_dir.glob("*.json")))
         namespace = state.namespace
-        if not state.frontend_url:
+        url = state.frontend_url
+        if not url:
             raise RuntimeError("the graph has no running frontend")
         rt = await Runtime.connect(
-            RuntimeConfig(etcd_endpoints=state.etcd_endpoints, nats_url=state.nats_url), name="bench-routing"
+            RuntimeConfig(etcd_endpoints=state.etcd_endpoints, nats_url=state.nats_url), name=name
         )
         client = await rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
-        worker_ids = sorted(await client.wait_for_instances(args.workers, timeout_s=60))
-        await collector.start(rt, namespace)
-        await asyncio.sleep(args.settle_s)  # the frontend's registry and router see every worker
-        setup_s = time.perf_counter() - t0
-        collector.open = True
-        cpu0 = host_cpu_ticks()
-        load = await run_load(
-            LoadConfig(
-                url=state.frontend_url,
-                model=args.model,
-                trace=str(args.trace),
-                start_offset_s=args.start_offset_s,
-                time_scale=args.time_scale,
-                max_requests=args.max_requests,
-                duration_s=args.duration_s,
-                drain_timeout_s=args.drain_timeout_s,
-                request_timeout_s=args.drain_timeout_s + args.duration_s,
-                max_input_tokens=max_input_tokens(args),
-                max_output_tokens=args.max_output_tokens,
-                program_id_block=1,
-                seed=args.seed,
-                pids=[proc.pid for proc in state.all_processes()],
-                progress=False,
-            )
-        )
-        collector.open = False
-        cpu1 = host_cpu_ticks()
-        await asyncio.sleep(0.2)  # events already in flight are not counted; the window closed with the load
+        worker_ids = sorted(await client.wait_for_instances(workers, timeout_s=60))
+        yield LiveDeployment(state, url, rt, worker_ids)
     finally:
-        await collector.stop()
         if rt is not None:
             await rt.shutdown(drain_timeout_s=1)
         if namespace:
-            stopped = await asyncio.to_thread(_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
+            stopped = await asyncio.to_thread(run_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
             if stopped.returncode != 0:
-                print(f"bench routing: kvmesh stop {namespace}: {stopped.stderr[-1000:]}", file=sys.stderr)
+                print(f"{name}: kvmesh stop {namespace}: {stopped.stderr[-1000:]}", file=sys.stderr)
+
+
+async def run_policy(policy: str, args: argparse.Namespace, state_root: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    collector = FeedCollector()
+    async with live_deployment(
+        ROOT / args.graph, state_root / _dir_name(policy), serve_overrides(policy, args), args.workers, "bench-routing"
+    ) as live:
+        state, worker_ids = live.state, live.worker_ids
+        try:
+            await collector.start(live.runtime, state.namespace)
+            await asyncio.sleep(args.settle_s)  # the frontend's registry and router see every worker
+            setup_s = time.perf_counter() - t0
+            collector.open = True
+            cpu0 = host_cpu_ticks()
+            load = await run_load(
+                LoadConfig(
+                    url=live.url,
+                    model=args.model,
+                    trace=str(args.trace),
+                    start_offset_s=args.start_offset_s,
+                    time_scale=args.time_scale,
+                    max_requests=args.max_requests,
+                    duration_s=args.duration_s,
+                    drain_timeout_s=args.drain_timeout_s,
+                    request_timeout_s=args.drain_timeout_s + args.duration_s,
+                    max_input_tokens=max_input_tokens(args),
+                    max_output_tokens=args.max_output_tokens,
+                    program_id_block=1,
+                    seed=args.seed,
+                    pids=[proc.pid for proc in state.all_processes()],
+                    progress=False,
+                )
+            )
+            collector.open = False
+            cpu1 = host_cpu_ticks()
+            await asyncio.sleep(0.2)  # events already in flight are not counted; the window closed with the load
+        finally:
+            await collector.stop()
     prompt = load["input_tokens"]
     own = own_cpu_cores(load)
     host_cores = (cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]) * (os.cpu_count() or 1) if cpu1[1] > cpu0[1] else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 from pathlib import Path
@@ -209,3 +210,37 @@ def test_the_progress_line_ends_where_the_replay_ended(tmp_path):
     drawn = [line for line in lines if line.startswith("simulate:")]
     assert "0/300 requests done" in drawn[0] and "300/300 requests done" in drawn[-1] and "60.4/60 s" in drawn[-1]
     assert stream.getvalue().endswith("\n")
+
+
+def test_a_slice_as_the_load_generator_sends_it_and_each_requests_times(tmp_path, capsys):
+    # Rows every 250 ms with 700-token prompts and 20..26 output tokens; from trace second 1.0 on (rows 4..), ten of
+    # them, prompts cut to 300 tokens and outputs capped at 5: kvmesh bench load's --start-offset-s,
+    # --max-requests, --max-input-tokens and --max-output-tokens on the same file.
+    trace = mooncake(tmp_path / "t.jsonl", 40)
+    out = tmp_path / "out"
+    code, stdout, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *SMALL,
+                            "--start-offset-s", "1.0", "--requests", "10", "--max-input-tokens", "300",
+                            "--max-output-tokens", "5", "--out", str(out), "--no-progress", "--no-png",
+                            "--no-tensorboard")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["requests"] == 10 and report["refused_too_long"] == 0
+    with (out / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["arrival_s"]) for r in rows] == pytest.approx([0.25 * k for k in range(10)])
+    assert {r["prompt_tokens"] for r in rows} == {"300"} and {r["max_tokens"] for r in rows} == {"5"}
+    # The file's TTFTs are the summary's: its median is the p50 (nearest rank: the 5th of 10).
+    ttft = sorted(float(r["ttft_s"]) for r in rows)
+    assert report["ttft_ms"]["p50"] == pytest.approx(1000 * ttft[4], abs=1e-3)
+    assert all(float(r["mean_itl_s"]) > 0 for r in rows)  # 5 tokens each: 4 gaps
+    # 10 requests x 5 tokens over the makespan.
+    assert report["output_tokens_per_s"] == pytest.approx(50 / report["makespan_s"], abs=0.1)
+
+
+def test_slice_flags_are_checked(tmp_path, capsys):
+    trace = mooncake(tmp_path / "t.jsonl", 4)
+    for flag, value in (("--max-input-tokens", "0"), ("--max-output-tokens", "-1"), ("--start-offset-s", "-2")):
+        with pytest.raises(SystemExit) as e:
+            run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), "--out", str(tmp_path),
+                flag, value)  # fmt: skip
+        assert e.value.code == 2

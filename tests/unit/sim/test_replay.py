@@ -103,17 +103,3 @@ def test_no_request_beats_its_floor_or_its_causal_floor(policy, load, shape):
     for i, t in enumerate(res.ttft_by_request_s):
         assert t >= floor[i] * (1 - 1e-9), (i, t, floor[i])
         assert t >= causal[i] * (1 - 1e-9), (i, t, causal[i])
-
-
-def test_a_slower_engine_takes_its_modelled_times_divided_by_its_speedup_ratio():
-    # A graph's mock workers at speedup_ratio 0.25 sleep four times each modelled step (MockEngine); the simulator
-    # charges the same: the lone request's prefill and each decode step take 4x, and so does a KV transfer.
-    slow = ENGINE.model_copy(update={"speedup_ratio": 0.25})
-    res = replay(Workload("w", (SimRequest(0.0, prompt(1), 3),)), FleetSpec(workers=1, engine=slow))
-    assert res.ttft_s == [pytest.approx(4 * MODEL.prefill_ms(P) / 1e3, rel=1e-12)]
-    assert res.itl_s == [pytest.approx(4 * MODEL.decode_ms(1, P + i) / 1e3, rel=1e-12) for i in range(1, 3)]
-    from components.workers.simulated import VirtualEngine
-
-    assert VirtualEngine(slow).kv_transfer_time_s(P) == pytest.approx(4 * VirtualEngine(ENGINE).kv_transfer_time_s(P))
-    with pytest.raises(ValueError, match="speedup_ratio inf has no modelled time"):
-        VirtualEngine(ENGINE.model_copy(update={"speedup_ratio": float("inf")}))

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 import aiohttp
@@ -29,7 +29,7 @@ from .client import send_request
 from .config import DEFAULT_CONCURRENCY, LoadConfig, base_url
 from .errors import LoadgenError
 from .progress import make_progress
-from .stats import Aggregate, CpuMeter, summarize_ms
+from .stats import Aggregate, CpuMeter, RequestResult, summarize_ms
 from .traces import build_request, replay_schedule, select_rows
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,17 @@ def _per_request(ms: float | None, n: int) -> float | None:
 class _Run:
     """One run's state: the session, the aggregate, the tasks in flight."""
 
-    def __init__(self, cfg: LoadConfig, base: str, session: aiohttp.ClientSession, total: int | None, stream: IO[str]):
+    def __init__(
+        self,
+        cfg: LoadConfig,
+        base: str,
+        session: aiohttp.ClientSession,
+        total: int | None,
+        stream: IO[str],
+        on_result: Callable[[RequestResult], None] | None = None,
+    ):
         self.cfg = cfg
+        self.on_result = on_result
         self.base = base
         self.session = session
         self.agg = Aggregate()
@@ -73,6 +82,8 @@ class _Run:
         finally:
             self.in_flight -= 1
         self.agg.add(result)
+        if self.on_result is not None:
+            self.on_result(result)
         self.progress.update(result.error is not None)
 
     async def closed_loop(self, rows: Iterator[TraceRow], concurrency: int, send_until: float) -> None:
@@ -128,8 +139,15 @@ async def _finish(tasks: list[asyncio.Task[None]], hard_deadline: float) -> None
             raise t.exception()  # type: ignore[misc]  # a bad trace row, met while sending
 
 
-async def run_load(config: LoadConfig | Mapping[str, Any], *, progress_stream: IO[str] | None = None) -> dict[str, Any]:
+async def run_load(
+    config: LoadConfig | Mapping[str, Any],
+    *,
+    progress_stream: IO[str] | None = None,
+    on_result: Callable[[RequestResult], None] | None = None,
+) -> dict[str, Any]:
     """Run one load as configured and return the measurements (the dict ``kvmesh bench load`` prints as JSON).
+    ``on_result`` is called with each request's result as it ends (a caller that wants the distributions, not only
+    their percentiles).
 
     Raises ``LoadgenError`` (a remote URL without ``allow_remote``) or ``TraceFormatError`` (a bad trace) before
     sending anything, or when a trace row turns out malformed while sending; errors of single requests are counted,
@@ -173,7 +191,7 @@ async def run_load(config: LoadConfig | Mapping[str, Any], *, progress_stream: I
     timeout = aiohttp.ClientTimeout(total=None)
     cpu = CpuMeter(cfg.pids, cfg.pids_include_children)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
-        run = _Run(cfg, base, session, total, progress_stream or sys.stderr)
+        run = _Run(cfg, base, session, total, progress_stream or sys.stderr, on_result)
         loop = asyncio.get_running_loop()
         try:
             cpu.start()
