@@ -127,6 +127,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="seconds from a planner decision until the connector acts on it (default 0)",
     )
+    p.add_argument(
+        "--planner-start-s",
+        type=_non_negative,
+        default=0.0,
+        help="the planner's first pull, in seconds after the first arrival (default 0); its adjustments come every "
+        "adjustment_interval from there, so a live planner started before the load is matched by giving the "
+        "offset of its pulls (its start time minus the load's, modulo adjustment_interval)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--no-png", action="store_true", help="do not draw simulate.png")
     p.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard event files")
@@ -307,7 +315,7 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         last = workload.requests[-1].arrival_s
         planner = SimulatedPlanner(
             planner_config,
-            start_s=workload.requests[0].arrival_s,
+            start_s=workload.requests[0].arrival_s + args.planner_start_s,
             until_s=last + planner_config.metric_pulling_interval,
         )
     series = _Series(deployment, len(workload.requests), workload.span_s, progress)
@@ -331,6 +339,7 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         "planner": None if planner_config is None else planner_config.model_dump(mode="json"),
         "startup_s": args.startup_s,
         "connector_delay_s": args.connector_delay_s,
+        "planner_start_s": None if planner is None else args.planner_start_s,
         "adjustments": None if planner is None else len(planner.adjustments),
         "scaling_actions": [
             {

@@ -123,6 +123,12 @@ def startup_delays(actions: list[dict[str, Any]], pool_series: list[tuple[float,
     return out
 
 
+def planner_phase_s(pulls: list[tuple[float, float]], adjustment_interval: float) -> float:
+    """The live planner's adjustment phase relative to the load's start: its first pull's time (relative to the load,
+    usually negative: it starts with the deployment) modulo the adjustment interval; 0 with no pull seen."""
+    return round(pulls[0][0] % adjustment_interval, 3) if pulls else 0.0
+
+
 def compare(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: float) -> dict[str, Any]:
     """Pair the two action lists in order: the same (pool, direction, from, to) and decided within ``tolerance_s``."""
     pairs = []
@@ -222,10 +228,11 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
     return {"t0": t0, "load": load, "texts": texts, "pools": [(round(w - t0, 3), n) for w, n in pools]}
 
 
-def _simulate(args: argparse.Namespace, trace: Path, startup_s: float, out: Path) -> dict[str, Any]:
+def _simulate(args: argparse.Namespace, trace: Path, startup_s: float, phase_s: float, out: Path) -> dict[str, Any]:
     done = _kvmesh(
         "simulate", "--graph", str(ROOT / args.graph), "--trace", str(trace), *overrides(args, None),
-        "--startup-s", str(startup_s), "--seed", str(args.seed), "--out", str(out), "--no-progress", "--no-png",
+        "--startup-s", str(startup_s), "--planner-start-s", str(phase_s), "--seed", str(args.seed),
+        "--out", str(out), "--no-progress", "--no-png",
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"kvmesh simulate failed: {done.stderr[-2000:]}")
@@ -292,7 +299,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     live_in = [a for a in live_actions if 0.0 <= a["decided_s"] <= window_end]
     delays = startup_delays(live_in, live["pools"])
     startup_s = statistics.median(delays) if delays else args.startup_s
-    sim = _simulate(args, trace, startup_s, out / "sim")
+    # The live planner started before the load: its adjustments fall at its first pull plus whole intervals. The
+    # simulated one is started at the same phase, so that the two decide at the same instants until a change
+    # restarts an interval.
+    phase_s = planner_phase_s(live["pools"], args.adjustment_interval)
+    sim = _simulate(args, trace, startup_s, phase_s, out / "sim")
     sim_actions = [
         {f: a[f] for f in ("pool", "direction", "from", "to", "decided_s", "reason")}
         for a in sim["summary"]["scaling_actions"]
@@ -323,6 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_gpu_budget": args.max_gpu_budget,
         },
         "startup_s": {"measured": delays, "used": startup_s},
+        "planner_phase_s": phase_s,
         "live": {
             "actions": live_in,
             "actions_outside_window": len(live_actions) - len(live_in),

@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from components.cli.bench.planner_live import compare, parse_decisions, startup_delays, write_trace
+from components.cli.bench.planner_live import (
+    compare,
+    parse_decisions,
+    planner_phase_s,
+    startup_delays,
+    write_trace,
+)
 from components.sim.traces import read_trace
 
 pytestmark = pytest.mark.unit
@@ -58,3 +64,9 @@ def test_sequences_match_pair_by_pair_within_one_interval():
     assert not missing["same_sequence"] and missing["pairs"][1]["sim"] is None
     wrong = compare(live, [act("up", 1, 2, 35.0), act("up", 2, 3, 55.0)], 10.0)
     assert not wrong["same_sequence"] and [p["match"] for p in wrong["pairs"]] == [True, False]
+
+
+def test_the_live_planners_phase_is_its_first_pull_modulo_the_interval():
+    # First pull 23.4 s before the load started: its adjustments fall at -23.4 + 10 k, i.e. 6.6 s past each 10 s.
+    assert planner_phase_s([(-23.4, 1), (-22.4, 1)], 10.0) == pytest.approx(6.6)
+    assert planner_phase_s([], 10.0) == 0.0

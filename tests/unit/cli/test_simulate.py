@@ -156,6 +156,14 @@ def test_a_graph_with_a_planner_runs_its_planner_and_reports_each_scaling_action
         (pytest.approx(a["decided_s"], abs=1e-3), a["direction"], a["reason"]) for a in report["scaling_actions"]
     ]
 
+    # --planner-start-s: the first pull that much after the first arrival, every decision at a pull (1 s apart).
+    code, stdout, err = run(capsys, *argv, "--out", str(tmp_path / "o3"), "--planner-start-s", "2.5", "--no-png",
+                            "--no-tensorboard")  # fmt: skip
+    assert code == 0, err
+    shifted = json.loads(stdout.strip().splitlines()[-1])
+    assert shifted["planner_start_s"] == 2.5 and shifted["scaling_actions"]
+    assert all((a["decided_s"] - 2.5) == pytest.approx(round(a["decided_s"] - 2.5)) for a in shifted["scaling_actions"])
+
     # --without-planner: the fleet as it starts, never resized.
     code, stdout, err = run(capsys, *argv, "--out", str(tmp_path / "o2"), "--without-planner", "--no-png",
                             "--no-tensorboard")  # fmt: skip
