@@ -123,10 +123,12 @@ def startup_delays(actions: list[dict[str, Any]], pool_series: list[tuple[float,
     return out
 
 
-def planner_phase_s(pulls: list[tuple[float, float]], adjustment_interval: float) -> float:
-    """The live planner's adjustment phase relative to the load's start: its first pull's time (relative to the load,
-    usually negative: it starts with the deployment) modulo the adjustment interval; 0 with no pull seen."""
-    return round(pulls[0][0] % adjustment_interval, 3) if pulls else 0.0
+def planner_phase_s(adjustments_s: list[float], adjustment_interval: float) -> float:
+    """The live planner's adjustment phase relative to the load's start: its first adjustment's time (relative to the
+    load, usually negative: the planner starts with the deployment) modulo the adjustment interval; 0 with none.
+    The adjustment, not the first pull: the first pull can be written late (the planner's start-up), while the
+    adjustments keep the loop's fixed cadence."""
+    return round(adjustments_s[0] % adjustment_interval, 3) if adjustments_s else 0.0
 
 
 def compare(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: float) -> dict[str, Any]:
@@ -302,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The live planner started before the load: its adjustments fall at its first pull plus whole intervals. The
     # simulated one is started at the same phase, so that the two decide at the same instants until a change
     # restarts an interval.
-    phase_s = planner_phase_s(live["pools"], args.adjustment_interval)
+    phase_s = planner_phase_s([w - live["t0"] for w, _ in live["texts"]], args.adjustment_interval)
     sim = _simulate(args, trace, startup_s, phase_s, out / "sim")
     sim_actions = [
         {f: a[f] for f in ("pool", "direction", "from", "to", "decided_s", "reason")}

@@ -66,7 +66,7 @@ def test_sequences_match_pair_by_pair_within_one_interval():
     assert not wrong["same_sequence"] and [p["match"] for p in wrong["pairs"]] == [True, False]
 
 
-def test_the_live_planners_phase_is_its_first_pull_modulo_the_interval():
-    # First pull 23.4 s before the load started: its adjustments fall at -23.4 + 10 k, i.e. 6.6 s past each 10 s.
-    assert planner_phase_s([(-23.4, 1), (-22.4, 1)], 10.0) == pytest.approx(6.6)
+def test_the_live_planners_phase_is_its_first_adjustment_modulo_the_interval():
+    # First adjustment 23.4 s before the load started: later ones fall at -23.4 + 10 k, i.e. 6.6 s past each 10 s.
+    assert planner_phase_s([-23.4, -13.4], 10.0) == pytest.approx(6.6)
     assert planner_phase_s([], 10.0) == 0.0
