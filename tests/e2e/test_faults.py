@@ -26,8 +26,9 @@ import openai
 import pytest
 
 from components.deploy.state import ServeState
-from components.runtime.servers import EtcdServer, NatsServer
+from components.runtime.servers import NatsServer
 from tests.e2e.test_serve import MOCK_AGG, NS, ROOT, run_kvmesh, serving, wait_gone
+from tests.support.servers import etcd_for_tests
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -155,7 +156,7 @@ async def test_an_embedded_server_killed_under_load_is_restarted_and_costs_no_re
 
 @pytest.mark.parametrize(("server", "keep_data"), [("etcd", True), ("etcd", False), ("nats", True)])
 async def test_an_external_server_restarted_under_load_costs_no_request(tmp_path, server, keep_data):
-    etcd = EtcdServer(data_dir=tmp_path / "ext-etcd")
+    etcd = etcd_for_tests(tmp_path / "ext-etcd")
     nats = NatsServer(data_dir=tmp_path / "ext-nats")
     etcd.start()
     nats.start()

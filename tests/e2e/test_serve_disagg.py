@@ -1,6 +1,7 @@
 """`kvmesh serve` of the disaggregated graphs end to end: graphs/mock_disagg.yaml (2 simulated prefill workers, 2
-decode workers) and graphs/disagg.yaml (1 vLLM prefill worker, 1 vLLM decode worker), each behind its frontend,
-talked to with the official openai client.
+decode workers) here, and graphs/disagg.yaml (1 vLLM prefill worker, 1 vLLM decode worker) in test_serve_vllm.py
+(where it takes its reference tokens from the agg graph that module serves anyway), each behind its frontend, talked
+to with the official openai client. The helpers below serve both.
 
 A prompt goes through the prefill queue when its uncached part is over ``max_local_prefill_length`` tokens (1000 in
 both graphs; tiny-llama's tokenizer is byte-level, so a 1,500-character ASCII prompt is ~1,500 tokens). That it did
@@ -19,14 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_serve import ROOT, Serve, http_get, run_kvmesh, serving, wait_gone
-from tests.support.vllm import HAVE_NIXL, check_weights, requires_vllm
+from tests.e2e.test_serve import ROOT, Serve, http_get, run_kvmesh, serving
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 MOCK_DISAGG = ROOT / "graphs" / "mock_disagg.yaml"
-DISAGG = ROOT / "graphs" / "disagg.yaml"
-AGG = ROOT / "graphs" / "agg.yaml"
 MOCK_NS = "mock-disagg"
 MODEL = "tiny-llama"
 # Simulated engines without sleeps: the test is about where prompts go, not how long steps take.
@@ -192,58 +190,3 @@ def test_status_shows_the_roles_and_the_prefill_queue_line(mock_disagg):
         ["mock-disagg:", "embedded", "etcd"],
         ["mock-disagg:", "embedded", "nats"],
     ]
-
-
-# -- graphs/disagg.yaml on real vLLM -------------------------------------------------------------------------------
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@requires_vllm
-def test_disagg_graph_gives_agg_graphs_greedy_tokens_on_real_vllm(tmp_path):
-    """graphs/agg.yaml first (one replica: the tokens do not depend on how many), for the reference tokens of two
-    long prompts; then graphs/disagg.yaml, whose decode worker sends both through the prefill queue and must produce
-    the same greedy tokens, streamed or not. With NIXL installed the decode worker pulls the prompts' KV from the
-    prefill worker (kv_transfer); without it, it recomputes them, and every surface says which."""
-    check_weights()
-    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-    prompt_a, prompt_b = long_prompt("a"), long_prompt("b")
-
-    with serving(tmp_path / "agg", "--set", "frontend.port=0", "--set", "workers[0].replicas=1", graph=AGG) as serve:
-        client = openai_client(serve.wait_ready(timeout_s=300))
-        want_a = complete(client, prompt_a, 16, **greedy)
-        want_b = complete_streaming(client, prompt_b, 16, **greedy)
-        records = serve.state("kvmesh").all_processes()
-    assert wait_gone(records, 90) == []  # vLLM engine cores included: the next serve gets the CPUs
-    assert want_a[1] == want_b[1] == 16
-
-    with serving(tmp_path / "disagg", "--set", "frontend.port=0", graph=DISAGG) as serve:
-        url = serve.wait_ready(timeout_s=300)
-        wait_for_prefill_workers(url, 1)
-        client = openai_client(url)
-        assert [m.id for m in client.models.list().data] == [MODEL]
-        before = items_done(status_rows(serve, "disagg"))
-
-        assert complete(client, SHORT_PROMPT, 4, **greedy)[1] == 4  # prefilled on the decode worker
-        assert complete(client, prompt_a, 16, **greedy) == want_a
-        assert complete_streaming(client, prompt_b, 16, **greedy) == want_b
-
-        rows = status_rows(serve, "disagg")
-        assert items_done(rows) == before + 2  # both long prompts, not the short one
-        mode = "kv_transfer" if HAVE_NIXL else "recompute"
-        assert sorted((r["role"], r["remote_prefill_mode"]) for r in rows if r["role"]) == [
-            ("decode", mode),
-            ("prefill", mode),
-        ]
-        table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--namespace", "disagg").stdout
-        # The ROLE column marks a worker that recomputes (decode:recompute); one that moves KV shows its plain role.
-        lines = table.splitlines()
-        roles = {line.split()[6] for line in lines[1 : lines.index("2 instances")]}
-        assert roles == ({"decode", "prefill"} if HAVE_NIXL else {"decode:recompute", "prefill:recompute"}), table
-        assert "disagg: prefill queue tiny-llama: 0 waiting, 0 in flight" in table
-        _, body = http_get(f"{url}/metrics")  # ...and /metrics says it too
-        info = re.findall(r"^kvmesh_frontend_worker_info\{(.*)\} 1\.0$", body.decode(), re.M)
-        assert len(info) == 1 and 'role="decode"' in info[0] and f'remote_prefill_mode="{mode}"' in info[0], info
-        records = serve.state("disagg").all_processes()
-    assert wait_gone(records, 90) == []

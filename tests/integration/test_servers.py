@@ -127,3 +127,17 @@ def test_a_restart_comes_back_on_the_same_address_or_fails_never_moves(cls, tmp_
         assert server.port == port and server.proc is not None and server.proc.poll() is None
     finally:
         server.cleanup()
+
+
+def test_etcd_takes_raft_timings_only_when_given(tmp_path):
+    # etcd's defaults (100 ms heartbeat, 1000 ms election timeout) unless asked: kvmesh serve's etcd keeps them.
+    assert not {"--heartbeat-interval", "--election-timeout"} & set(EtcdServer(data_dir=tmp_path / "d").command())
+    server = EtcdServer(data_dir=tmp_path / "fast", heartbeat_interval_ms=10, election_timeout_ms=100)
+    cmd = server.command()
+    assert cmd[cmd.index("--heartbeat-interval") + 1] == "10" and cmd[cmd.index("--election-timeout") + 1] == "100"
+    try:
+        server.start()  # etcd refuses an election timeout under 5 heartbeats: it starts, so it took these
+        with urllib.request.urlopen(f"{server.endpoint}/health", timeout=2) as r:
+            assert b'"true"' in r.read()
+    finally:
+        server.cleanup()

@@ -9,9 +9,9 @@ destination continues the request's sampler (hooks.py replays the seeded sampler
 request moved mid-decode give exactly the tokens of the same request unmoved. Evidence that a kv_transfer destination
 computed nothing is vLLM's own per-step prompt-token counters (``VllmStats``), as in test_vllm_disagg.py.
 
-Two workers share the module (an engine start costs ~10-30 s of a 2-core machine); they start one after the other so
-that the first one's vLLM processes are known: the last test SIGKILLs them after a hand-off (the destination's pull
-then fails and it computes the request again). test_vllm_failover.py kills whole worker processes.
+Two workers share the module (an engine start costs ~10-30 s of a 2-core machine), started at once; the first one's
+vLLM processes are read from its engine: the last test SIGKILLs them after a hand-off (the destination's pull then
+fails and it computes the request again). test_vllm_failover.py kills whole worker processes.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_MIGRATE
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
 from components.protocol.migration import MigrateRequest, MigratingRequest, MigrationMode, MigrationReport
 from components.runtime import Runtime, RuntimeConfig
-from components.runtime.servers import EtcdServer, NatsServer
+from components.runtime.servers import NatsServer
 from components.workers.config import EngineKind, WorkerConfig
 from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
 from components.workers.worker import MIGRATION_COUNTERS_REPEAT_S, Worker
-from tests.support.vllm import HAVE_NIXL, MODEL_DIR, check_weights, requires_nixl, requires_vllm
+from tests.support.servers import etcd_for_tests
+from tests.support.vllm import HAVE_NIXL, MODEL_DIR, check_weights, engine_processes, requires_nixl, requires_vllm
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), requires_vllm]
@@ -71,15 +72,11 @@ class Pair:
         self.a_pids: list[int] = more["a_pids"]  # worker a's vLLM processes (engine core, model worker)
 
 
-def vllm_children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pair(tmp_path_factory):
     check_weights()
     tmp = tmp_path_factory.mktemp("vllm-mig")
-    etcd, nats = EtcdServer(data_dir=tmp / "etcd"), NatsServer(data_dir=tmp / "nats")
+    etcd, nats = etcd_for_tests(tmp / "etcd"), NatsServer(data_dir=tmp / "nats")
     etcd.start()
     nats.start()
     rcfg = RuntimeConfig(etcd_endpoints=[etcd.endpoint], nats_url=nats.url)
@@ -92,7 +89,6 @@ async def pair(tmp_path_factory):
         # The frontend first: it hears the counters each worker publishes as it starts.
         frontend = Frontend(FrontendConfig(namespace=NS, port=0), client_rt)
         await frontend.start()
-        a_pids: list[int] = []
         for i in range(2):  # each worker on its own runtime, as two processes would be
             rt = await Runtime.connect(rcfg)
             runtimes.append(rt)
@@ -104,12 +100,9 @@ async def pair(tmp_path_factory):
                 metrics_interval_ms=50,
             )
             ecfg = VllmEngineConfig(model_path=str(MODEL_DIR), kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=1024)
-            before = vllm_children()
-            worker = Worker(rt, wcfg, VllmEngine(ecfg, name=f"vllm-{i}"), index=i)
-            workers.append(worker)
-            await worker.start()
-            if i == 0:
-                a_pids = sorted(vllm_children() - before)
+            workers.append(Worker(rt, wcfg, VllmEngine(ecfg, name=f"vllm-{i}"), index=i))
+        await asyncio.gather(*(w.start() for w in workers))  # at once: each start is mostly one core's imports
+        a_pids = engine_processes(workers[0].engine)
         comp = client_rt.namespace(NS).component("backend")
         generate = await comp.endpoint(ENDPOINT_GENERATE).client()
         migrate = await comp.endpoint(ENDPOINT_MIGRATE).client()

@@ -29,10 +29,11 @@ from components.protocol.messages import (
     TokenChunk,
 )
 from components.runtime import RemoteHandlerError, Runtime, RuntimeConfig, collect
-from components.runtime.servers import EtcdServer, NatsServer
+from components.runtime.servers import NatsServer
 from components.workers.config import EngineKind, WorkerConfig
 from components.workers.engines.vllm import VllmEngine, VllmEngineConfig
 from components.workers.worker import Worker
+from tests.support.servers import etcd_for_tests
 from tests.support.vllm import MODEL_DIR, check_weights, requires_vllm
 from tests.support.waiting import until_subscribed
 
@@ -83,7 +84,7 @@ class Mesh:
 async def mesh(tmp_path_factory):
     check_weights()
     tmp = tmp_path_factory.mktemp("vllm-mesh")
-    etcd, nats = EtcdServer(data_dir=tmp / "etcd"), NatsServer(data_dir=tmp / "nats")
+    etcd, nats = etcd_for_tests(tmp / "etcd"), NatsServer(data_dir=tmp / "nats")
     etcd.start()
     nats.start()
     rcfg = RuntimeConfig(etcd_endpoints=[etcd.endpoint], nats_url=nats.url)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -43,3 +43,14 @@ def requires_nixl(test: T) -> T:
 def check_weights() -> None:
     if not (MODEL_DIR / "model.safetensors").is_file():
         pytest.fail(f"no weights in {MODEL_DIR}: run `python scripts/make_tiny_weights.py` (dev.sh setup does)")
+
+
+def engine_processes(engine: Any) -> list[int]:
+    """The pids of a started ``VllmEngine``'s own vLLM processes: its ``VLLM::EngineCore`` and what that spawned
+    (``VLLM::Worker``, the model process). Read from the engine, so that engines may start at once: taking the new
+    children of the test process around one start needs the starts one after the other (~10 s more per engine on 2
+    cores), and caught multiprocessing's resource tracker too, which belongs to no engine."""
+    import psutil
+
+    core = engine._llm.engine_core.resources.engine_manager.processes[0]
+    return sorted([core.pid, *(p.pid for p in psutil.Process(core.pid).children(recursive=True))])
