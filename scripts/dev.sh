@@ -122,9 +122,17 @@ run_tests() {
   local mypy_pid=$!
   # shellcheck disable=SC2064 # expanded now, on purpose: the locals are gone when the trap runs
   trap "kill $mypy_pid 2>/dev/null || true; rm -f '$mypy_log'" EXIT
-  log "pytest (unit, integration, e2e, vllm, slow)"
+  # Two pytest workers (pytest-xdist): most of the suite waits on servers, engines and subprocesses, so a second
+  # worker fills the other core. tests/conftest.py keeps a module's tests, and all the vLLM tests, in one worker each.
+  # KVMESH_TEST_WORKERS=0 runs everything in this process.
+  local workers="${KVMESH_TEST_WORKERS:-2}"
+  local parallel=()
+  if [ "$workers" != 0 ]; then
+    parallel=(-n "$workers" --dist loadgroup)
+  fi
+  log "pytest (unit, integration, e2e, vllm, slow; ${workers} workers)"
   set +e
-  "$PY" -m pytest tests "$@"
+  "$PY" -m pytest tests "${parallel[@]}" "$@"
   local rc=$?
   wait "$mypy_pid"
   local mypy_rc=$?

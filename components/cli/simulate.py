@@ -12,9 +12,10 @@ under ``tensorboard/``, so a simulated and a live run open side by side. A progr
 
 The graph's ``planner:`` section runs in the simulation: the live planner's controller
 (``components.planner.simulated.SimulatedPlanner``, the function ``kvmesh planner`` calls at every pull) with the
-section's config, pulling every ``metric_pulling_interval`` from the first arrival until one interval after the
-last; its resizes go through the simulator's modelled connector (a new worker registers ``--startup-s`` after it is
-asked for, ``--connector-delay-s`` after the decision; a removed one leaves routing at once and exits when drained).
+section's config, pulling every ``metric_pulling_interval`` from the first arrival (``--planner-start-s`` later)
+until one adjustment interval after the last, so that its answer to the load's end is seen; its resizes go through
+the simulator's modelled connector (a new worker registers ``--startup-s`` after it is asked for,
+``--connector-delay-s`` after the decision; a removed one leaves routing at once and exits when drained).
 The report then lists every scaling action with its reason, worker-seconds come from each worker's span, and the
 TensorBoard files are the live planner's own (``PlannerBoard``: ``pull/*`` at every pull, ``adjustment/*`` and the
 decisions' text at every adjustment). Without a planner (or with ``--without-planner``) the fleet is static and the
@@ -316,7 +317,8 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         planner = SimulatedPlanner(
             planner_config,
             start_s=workload.requests[0].arrival_s + args.planner_start_s,
-            until_s=last + planner_config.metric_pulling_interval,
+            # Through one more adjustment after the last arrival (its pull at last + interval included).
+            until_s=last + planner_config.adjustment_interval + planner_config.metric_pulling_interval,
         )
     series = _Series(deployment, len(workload.requests), workload.span_s, progress)
     cpu0 = time.process_time()

@@ -149,7 +149,8 @@ def test_a_graph_with_a_planner_runs_its_planner_and_reports_each_scaling_action
     deployment = simulated_deployment(graph)
     w = from_trace(trace, 10**9, vocab_size=deployment.vocab_size)
     cfg = PlannerConfig.model_validate({k: getattr(graph.planner, k) for k in PlannerConfig.model_fields})
-    planner = SimulatedPlanner(cfg, start_s=0.0, until_s=w.requests[-1].arrival_s + cfg.metric_pulling_interval)
+    until = w.requests[-1].arrival_s + cfg.adjustment_interval + cfg.metric_pulling_interval
+    planner = SimulatedPlanner(cfg, start_s=0.0, until_s=until)
     fleet = dataclasses.replace(deployment.fleet, startup_s=2.0)
     res = replay(w, fleet, deployment.router, 0, scaler=planner)
     assert [(a.decided_s, a.direction, a.reason) for a in res.actions] == [
