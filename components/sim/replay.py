@@ -10,7 +10,8 @@ request is placed by ``components.router.Router``, the class the frontend routes
   decides where the prompt is prefilled (``decide_prefill``, the rule ``components/workers/disagg.py`` runs) and
   queues it, or reserves room for it and pushes it on the prefill queue;
 * a step's tokens become visible when the step ends (its modelled time after it started): the first one calls
-  ``on_first_token``, the last ``on_finished``; the step's KV events go to ``apply_kv_events`` at that moment;
+  ``on_first_token``, the last ``on_finished``; the step's KV events go to ``apply_kv_events`` at that moment (for
+  a policy that reads the KV index: the others decide the same without it, and are spared indexing them);
 * every ``metrics_interval_s`` each engine's ``LoadSnapshot`` goes to ``apply_load`` (the workers publish every 100 ms).
 
 With ``fleet.prefill`` > 0, ``prefill`` prefill engines work a FIFO prefill queue as ``components/workers/disagg.py``
