@@ -8,9 +8,13 @@ prompt tokens takes ``prefill_ms(n) = base + per_token * n``, and one decoding a
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import pytest
 
 from components import sim
+from components.router import Router
 from components.sim import FleetSpec, SimRequest, Workload, replay
 from components.sim.workloads import synthetic
 from components.workers.simulated import MockEngineConfig
@@ -103,3 +107,32 @@ def test_no_request_beats_its_floor_or_its_causal_floor(policy, load, shape):
     for i, t in enumerate(res.ttft_by_request_s):
         assert t >= floor[i] * (1 - 1e-9), (i, t, floor[i])
         assert t >= causal[i] * (1 - 1e-9), (i, t, causal[i])
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+def test_a_policy_that_reads_no_kv_index_decides_the_same_with_the_engines_kv_events(policy, monkeypatch):
+    # replay sends the engines' KV events to the router only for a policy that uses its KV index. A router made to
+    # index them (and to look every prompt up in the index before the policy chooses) must give the very same run:
+    # every field equal, floats included. Documents (8 shared prefixes of ~12k tokens) on 2,048-block caches (32k
+    # tokens) make the engines evict, so the index sees removals too.
+    engine = MockEngineConfig(num_gpu_blocks=2048, max_model_len=32768)
+    fleet = FleetSpec(workers=3, engine=engine)
+    base = synthetic("documents", 60, vocab_size=1000, seed=4)
+    w = base.at_rate(sim.model_estimate(base, fleet))
+    plain = replay(w, fleet, policy, seed=2)
+    module = sys.modules["components.sim.replay"]  # the package exports the function under the module's name
+
+    routers: list[Router] = []
+
+    class IndexingRouter(Router):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.uses_kv = True
+            routers.append(self)
+
+    monkeypatch.setattr(module, "Router", IndexingRouter)
+    indexed = replay(w, fleet, policy, seed=2)
+    assert indexed == plain
+    assert plain.cached_tokens > 0  # the shared prefixes hit the engines' caches
+    index = routers[0].index
+    assert index.num_blocks() > 0 and index.stats.num_blocks_removed > 0  # it did index them, evictions too
