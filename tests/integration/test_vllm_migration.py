@@ -352,10 +352,18 @@ async def test_the_workers_counters_reach_the_frontends_metrics(pair: Pair):
     agents = {a: pair.a.agent, b: pair.b.agent}
     assert all(agents.values())
     for mode in {MODE, "recompute"}:
+        # Every move above is between these two workers: what one counted out, the other counted in.
+        a_agent, b_agent = pair.a.agent, pair.b.agent
+        assert a_agent is not None and b_agent is not None
+        a_out, b_in = (x.table.by_mode[(d, "committed", mode)] for x, d in ((a_agent, "out"), (b_agent, "in")))
+        b_out, a_in = (x.table.by_mode[(d, "committed", mode)] for x, d in ((b_agent, "out"), (a_agent, "in")))
+        assert (a_out, b_out) == (b_in, a_in), (mode, a_out, b_in, b_out, a_in)
         for worker, agent in agents.items():
             assert agent is not None
             want = {d: agent.table.by_mode[(d, "committed", mode)] for d in ("out", "in")}
-            assert want["out"] >= 3 and want["in"] >= 3, (mode, want)  # three samplings, there and back
+            # The samplings above move each request there and back, but a request can finish before its hop back
+            # on a busy machine (the hop waits for its next tokens): at least one move each way, not exactly three.
+            assert want["out"] >= 1 and want["in"] >= 1, (mode, want)
             for d, n in want.items():
                 labels = dict(model="tiny-llama", worker=worker, direction=d, outcome="committed", mode=mode)
                 await wait_until(
