@@ -128,7 +128,10 @@ run_tests() {
   # themselves: beside the other worker, one of them failed on timing in each of two trial runs). With pytest arguments
   # that select tests (-m, -k, a path) one run, on KVMESH_TEST_WORKERS workers (0: in this process); other
   # arguments (-q, --durations=N, -x) go to both runs.
-  local workers="${KVMESH_TEST_WORKERS:-2}"
+  # Default 0 (one process) for now: a fresh-clone run on two workers failed test_disagg's killed-decode-worker test
+  # (the decode worker never heard the prefill worker in 50 tries, under the other worker's load); KVMESH_TEST_WORKERS=2
+  # runs the split measured at 6:26 + 5:04 but is not yet reliable enough for CI.
+  local workers="${KVMESH_TEST_WORKERS:-0}"
   local selects=0 arg
   for arg in "$@"; do
     case "$arg" in -m*|-k*|tests*|*.py|*.py::*) selects=1 ;; esac
