@@ -122,16 +122,14 @@ run_tests() {
   local mypy_pid=$!
   # shellcheck disable=SC2064 # expanded now, on purpose: the locals are gone when the trap runs
   trap "kill $mypy_pid 2>/dev/null || true; rm -f '$mypy_log'" EXIT
-  # The whole suite in two runs: every test not marked vllm on two pytest-xdist workers (most of them wait on
-  # servers, engines and subprocesses, so a second worker fills the other core; tests/conftest.py keeps a module's
-  # tests in one worker), then the vLLM tests in this process alone (each runs engines that need the CPU to
-  # themselves: beside the other worker, one of them failed on timing in each of two trial runs). With pytest arguments
-  # that select tests (-m, -k, a path) one run, on KVMESH_TEST_WORKERS workers (0: in this process); other
-  # arguments (-q, --durations=N, -x) go to both runs.
-  # Default 0 (one process) for now: a fresh-clone run on two workers failed test_disagg's killed-decode-worker test
-  # (the decode worker never heard the prefill worker in 50 tries, under the other worker's load); KVMESH_TEST_WORKERS=2
-  # runs the split measured at 6:26 + 5:04 but is not yet reliable enough for CI.
-  local workers="${KVMESH_TEST_WORKERS:-0}"
+  # The whole suite in two runs: every test marked neither vllm nor alone on two pytest-xdist workers (most of them
+  # wait on servers, engines and subprocesses, so a second worker fills the other core; tests/conftest.py keeps a
+  # module's tests in one worker), then the tests marked vllm or alone in this process (vLLM engines need the CPU to
+  # themselves: beside the other worker, a vLLM test failed on timing in each of two trial runs; `alone` marks the
+  # other modules seen failing so, e.g. test_disagg's killed-decode-worker test in a fresh-clone run). With pytest
+  # arguments that select tests (-m, -k, a path) one run, on KVMESH_TEST_WORKERS workers (0: in this process); other
+  # arguments (-q, --durations=N, -x) go to both runs. KVMESH_TEST_WORKERS=0 runs the first run in one process too.
+  local workers="${KVMESH_TEST_WORKERS:-2}"
   local selects=0 arg
   for arg in "$@"; do
     case "$arg" in -m*|-k*|tests*|*.py|*.py::*) selects=1 ;; esac
@@ -143,11 +141,11 @@ run_tests() {
   set +e
   local rc
   if [ "$selects" = 0 ]; then
-    log "pytest: the tests not marked vllm (unit, integration, e2e, slow) on ${workers} workers"
-    "$PY" -m pytest tests -m "not vllm" "${parallel[@]}" "$@"
+    log "pytest: the tests marked neither vllm nor alone (unit, integration, e2e, slow) on ${workers} workers"
+    "$PY" -m pytest tests -m "not vllm and not alone" "${parallel[@]}" "$@"
     local rc1=$?
-    log "pytest: the vllm tests, one at a time"
-    "$PY" -m pytest tests -m vllm "$@"
+    log "pytest: the tests marked vllm or alone, in one process"
+    "$PY" -m pytest tests -m "vllm or alone" "$@"
     local rc2=$?
     rc=$rc1
     if [ "$rc1" = 0 ] || [ "$rc1" = 5 ]; then rc=$rc2; fi
