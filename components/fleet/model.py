@@ -5,7 +5,8 @@
   stale), and its announced performance model (``step_time`` metadata, ``profile_id``);
 - ``FleetSnapshot``: every instance and every model's prefill queue at one instant ``now_s``, with the questions
   router, planner and rescheduler ask of it (pools by model and role, fresh loads by the one rule, schedulable
-  counts, the queue's reading).
+  counts, the queue's reading), and the frontends' recent request reports (``request_window``: a
+  ``RequestWindow``, what the SLA planner predicts from and corrects with).
 
 Failure domains (``FailureDomains``): workers that share one fail together.
 
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 from components.fleet.queues import PrefillQueueView
 from components.fleet.rules import is_fresh
 from components.perf.model import StepTimeModel
-from components.protocol.messages import LoadSnapshot
+from components.protocol.messages import LoadSnapshot, RequestStatsReport
 from components.protocol.metadata import WorkerMetadata, WorkerRole
 
 # The registration metadata key a deployment may set to name a worker's failure unit (a rack, a zone).
@@ -39,6 +40,7 @@ FAILURE_UNIT_KEY = "failure_unit"
 SERVING_ROLES = frozenset({WorkerRole.AGGREGATED, WorkerRole.DECODE})
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+_NO_REQUESTS: Mapping[str, tuple[Any, ...]] = MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -128,6 +130,85 @@ def make_instance(
     )
 
 
+class RequestRecord(NamedTuple):
+    """A frontend's ``RequestStatsReport`` as received: when (the fleet view's clock) and from which frontend."""
+
+    received_s: float
+    source: str
+    report: RequestStatsReport
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestWindow:
+    """Every frontend's request reports for one model received in ``(start_s, end_s]``, summed. ``reports`` 0: none
+    heard (no frontend reported, or none serves the model): a caller must not read that as "no load" unless
+    frontends are known to report (STYLE.md habit 3). Means are None where nothing was counted."""
+
+    start_s: float
+    end_s: float
+    reports: int = 0
+    sources: int = 0  # distinct frontends heard
+    requests: int = 0
+    prompt_tokens: int = 0
+    finished: int = 0
+    failed: int = 0
+    output_tokens: int = 0
+    ttft_count: int = 0
+    ttft_sum_s: float = 0.0
+    ttft_max_s: float = 0.0
+    itl_count: int = 0
+    itl_sum_s: float = 0.0
+    itl_max_s: float = 0.0
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def request_rate(self) -> float | None:
+        """Requests admitted per second over the window (None: nothing heard or an empty window)."""
+        return self.requests / self.duration_s if self.reports and self.duration_s > 0 else None
+
+    @property
+    def mean_isl(self) -> float | None:
+        return self.prompt_tokens / self.requests if self.requests else None
+
+    @property
+    def mean_osl(self) -> float | None:
+        return self.output_tokens / self.finished if self.finished else None
+
+    @property
+    def mean_ttft_s(self) -> float | None:
+        return self.ttft_sum_s / self.ttft_count if self.ttft_count else None
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return self.itl_sum_s / self.itl_count if self.itl_count else None
+
+
+def request_window(records: Iterable[RequestRecord], start_s: float, end_s: float) -> RequestWindow:
+    """The records received in ``(start_s, end_s]``, summed (``RequestWindow``)."""
+    picked = [r for r in records if start_s < r.received_s <= end_s]
+    reps = [r.report for r in picked]
+    return RequestWindow(
+        start_s=start_s,
+        end_s=end_s,
+        reports=len(picked),
+        sources=len({r.source for r in picked}),
+        requests=sum(r.requests for r in reps),
+        prompt_tokens=sum(r.prompt_tokens for r in reps),
+        finished=sum(r.finished for r in reps),
+        failed=sum(r.failed for r in reps),
+        output_tokens=sum(r.output_tokens for r in reps),
+        ttft_count=sum(r.ttft_count for r in reps),
+        ttft_sum_s=sum(r.ttft_sum_s for r in reps),
+        ttft_max_s=max((r.ttft_max_s for r in reps), default=0.0),
+        itl_count=sum(r.itl_count for r in reps),
+        itl_sum_s=sum(r.itl_sum_s for r in reps),
+        itl_max_s=max((r.itl_max_s for r in reps), default=0.0),
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class FleetSnapshot:
     """The fleet at ``now_s``: instances by id (read-only) and each known model's prefill queue. Immutable: a policy
@@ -136,6 +217,8 @@ class FleetSnapshot:
     now_s: float
     instances: Mapping[int, FleetInstance]
     queues: Mapping[str, PrefillQueueView]
+    # model -> the request reports received over the state's horizon (``state.REQUEST_HORIZON_S``), oldest first
+    requests: Mapping[str, tuple[RequestRecord, ...]] = dataclasses.field(default_factory=lambda: _NO_REQUESTS)
 
     def models(self) -> list[str]:
         """Models some instance serves, by name."""
@@ -181,6 +264,10 @@ class FleetSnapshot:
     def queue(self, model: str) -> PrefillQueueView | None:
         """``model``'s prefill queue as its prefill workers report it (None: never heard of)."""
         return self.queues.get(model)
+
+    def request_window(self, model: str, start_s: float, end_s: float | None = None) -> RequestWindow:
+        """``model``'s request reports received in ``(start_s, end_s]`` (default end: ``now_s``), summed."""
+        return request_window(self.requests.get(model, ()), start_s, self.now_s if end_s is None else end_s)
 
 
 def _by_id(i: FleetInstance) -> int:

@@ -16,6 +16,7 @@ What it keeps, and the rules it applies (``rules``):
 - schedulability: the latest ``WorkerStatus`` (a False one is kept with its reason until a True one), and owners'
   ``mark_down`` (kept until a load report received ``DOWN_HOLD_S`` after the mark, or the instance leaves);
 - each model's prefill queue (``queues.PrefillQueues``, the queue reports' rule);
+- each model's request reports from the frontends (``apply_request_stats``), for ``REQUEST_HORIZON_S``;
 
 and tells its listeners (``FleetListener``: the router keeps its per-decision tables current from them) of every
 change as it happens, synchronously: a listener sees the state already changed.
@@ -27,15 +28,16 @@ Imports: the standard library, ``components.protocol`` and this package.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from components.fleet.model import FleetInstance, FleetSnapshot, LoadRecord, make_instance
+from components.fleet.model import FleetInstance, FleetSnapshot, LoadRecord, RequestRecord, make_instance
 from components.fleet.queues import PrefillQueues
 from components.fleet.rules import LOAD_REPORTS, StaleRule, is_schedulable, next_interval, report_clears_down, stale_at
-from components.protocol.messages import LoadSnapshot, PrefillQueueReport
+from components.protocol.messages import LoadSnapshot, PrefillQueueReport, RequestStatsReport
 from components.protocol.migration import WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,11 @@ logger = logging.getLogger(__name__)
 # Instances that left are remembered (so their late reports are ignored) up to this many; the oldest are forgotten
 # first. A few hundred bytes each.
 MAX_DEPARTED = 4096
+
+# Request reports are kept this long after receipt: the SLA planner reads at most one adjustment interval back (its
+# default 60 s; a predictor's history is its own), and ten minutes covers any interval a user sets without the list
+# growing past ~600 reports per frontend (one a second).
+REQUEST_HORIZON_S = 600.0
 
 _new_record = tuple.__new__
 
@@ -88,6 +95,7 @@ class FleetState:
         self._down: dict[int, tuple[float, str]] = {}  # marked down: when, why
         self._blocked: frozenset[int] = frozenset()
         self._departed: dict[int, None] = {}  # an insertion-ordered set
+        self._requests: dict[str, collections.deque[RequestRecord]] = {}  # model -> reports, oldest first
 
     # --- listeners --------------------------------------------------------------------------------------------------
 
@@ -292,6 +300,15 @@ class FleetState:
         """A prefill worker's queue report (``queues``' rule decides who is alive and which reading counts)."""
         self.queues.apply(instance_id, report, now_s)
 
+    # --- request reports --------------------------------------------------------------------------------------------
+
+    def apply_request_stats(self, source: str, report: RequestStatsReport, now_s: float) -> None:
+        """A frontend's request report, received at ``now_s``; reports older than ``REQUEST_HORIZON_S`` are dropped."""
+        q = self._requests.setdefault(report.model, collections.deque())
+        q.append(RequestRecord(now_s, source, report))
+        while q and q[0].received_s < now_s - REQUEST_HORIZON_S:
+            q.popleft()
+
     # --- reading ----------------------------------------------------------------------------------------------------
 
     def instance(self, instance_id: int) -> FleetInstance | None:
@@ -322,7 +339,8 @@ class FleetState:
         """Every member and every model's queue at ``now_s``, immutable."""
         instances = {iid: self._current(base) for iid, base in self._base.items()}
         queues = {v.model: v for v in self.queues.views(now_s)}
-        return FleetSnapshot(now_s, MappingProxyType(instances), MappingProxyType(queues))
+        requests = {m: tuple(q) for m, q in self._requests.items()}
+        return FleetSnapshot(now_s, MappingProxyType(instances), MappingProxyType(queues), MappingProxyType(requests))
 
 
 # The in-memory twin is the state itself, fed by explicit calls with the time given (the simulator, unit tests).

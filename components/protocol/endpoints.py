@@ -20,3 +20,5 @@ ENDPOINT_ABORT = "abort"  # body: AbortRequest.to_dict(); stream: one AbortReply
 TOPIC_WORKER_STATUS = "worker_status"
 # payload: MigrationCountersReport.to_dict(); source id: the worker's instance id (its migration counters, cumulative)
 TOPIC_MIGRATION_COUNTERS = "migration_counters"
+# payload: RequestStatsReport.to_dict(); source id: the frontend's (each frontend replica reports its own requests)
+TOPIC_REQUEST_STATS = "request_stats"

@@ -307,6 +307,38 @@ class RemotePrefillResult:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestStatsReport:
+    """One frontend's requests for one model over its last report interval (``interval_s`` seconds, ending when it was
+    published on ``TOPIC_REQUEST_STATS``; source id: the frontend's). The SLA planner sums every frontend's reports
+    over its own interval (``components.fleet.model.RequestWindow``): arrival rate, prompt and output lengths for its
+    predictors, observed TTFT and ITL for its correction factors. Counts are of events inside the interval, so a
+    long request counts in the interval it arrived (``requests``, ``prompt_tokens``), the one its first token was
+    sent (``ttft_*``), those its tokens were sent (``itl_*``) and the one it ended (``finished``, ``output_tokens``).
+    The simulator builds the same reports from its requests (components.sim.replay)."""
+
+    model: str
+    interval_s: float
+    requests: int = 0  # requests admitted (handed to a worker) in the interval
+    prompt_tokens: int = 0  # their prompt tokens
+    finished: int = 0  # requests that ended in the interval, completed or failed
+    failed: int = 0  # of those, ended with an error
+    output_tokens: int = 0  # tokens the finished requests generated in all
+    ttft_count: int = 0  # first tokens sent in the interval
+    ttft_sum_s: float = 0.0  # their times from arrival, summed
+    ttft_max_s: float = 0.0
+    itl_count: int = 0  # gaps between consecutive tokens of one request, ended in the interval
+    itl_sum_s: float = 0.0
+    itl_max_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RequestStatsReport:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
 @dataclasses.dataclass(slots=True)
 class PrefillQueueReport:
     """One prefill worker's view of its model's prefill queue, published every ``metrics_interval_ms`` on

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from components.fleet.model import LoadRecord
-from components.fleet.state import MAX_DEPARTED, FleetState
-from components.protocol.messages import LoadSnapshot
+from components.fleet.state import MAX_DEPARTED, REQUEST_HORIZON_S, FleetState
+from components.protocol.messages import LoadSnapshot, RequestStatsReport
 from components.protocol.migration import WorkerStatus
 from components.router import Router, RouterConfig, RouteRequest
 
@@ -111,3 +111,41 @@ def test_a_router_given_a_fleet_that_knows_workers_routes_to_them_and_shares_its
     r.set_schedulable(2, True)
     assert f.load(2) is not None and f.is_schedulable(2)
     assert {r.select(RouteRequest([1, 2], "m", 10.1)).instance_id for _ in range(4)} == {1, 2}
+
+
+# --- request reports (the SLA planner's input) -------------------------------------------------------------------
+
+
+def _req(model: str = "m", **kw) -> RequestStatsReport:
+    return RequestStatsReport(model=model, interval_s=1.0, **kw)
+
+
+def test_a_request_window_sums_the_reports_received_inside_it_from_every_frontend():
+    fleet = FleetState()
+    fleet.apply_request_stats("fe-a", _req(requests=3, prompt_tokens=300, ttft_count=2, ttft_sum_s=0.4), 1.0)
+    fleet.apply_request_stats("fe-b", _req(requests=1, prompt_tokens=100, finished=2, output_tokens=50), 1.5)
+    fleet.apply_request_stats("fe-a", _req(requests=4, prompt_tokens=800, itl_count=10, itl_sum_s=0.2), 2.0)
+    fleet.apply_request_stats("fe-a", _req(model="other", requests=9), 2.0)
+    snap = fleet.snapshot(2.0)
+    w = snap.request_window("m", 1.0)  # (1.0, 2.0]: the report at 1.0 is outside
+    assert (w.reports, w.sources, w.requests, w.prompt_tokens) == (2, 2, 5, 900)
+    assert w.request_rate == 5 / 1.0 and w.mean_isl == 900 / 5
+    assert w.mean_osl == 50 / 2 and w.mean_itl_s == pytest.approx(0.2 / 10) and w.mean_ttft_s is None
+    whole = snap.request_window("m", 0.0)
+    assert (whole.requests, whole.mean_ttft_s) == (8, pytest.approx(0.2))
+    nothing = snap.request_window("unknown", 0.0)
+    assert nothing.reports == 0 and nothing.request_rate is None  # nothing heard is not "no load"
+
+
+def test_request_reports_older_than_the_horizon_are_dropped():
+    fleet = FleetState()
+    fleet.apply_request_stats("fe", _req(requests=1), 0.0)
+    fleet.apply_request_stats("fe", _req(requests=2), REQUEST_HORIZON_S + 1.0)
+    snap = fleet.snapshot(REQUEST_HORIZON_S + 1.0)
+    assert [r.report.requests for r in snap.requests["m"]] == [2]
+
+
+def test_a_request_report_survives_its_wire_form():
+    r = _req(requests=2, prompt_tokens=10, failed=1, ttft_max_s=0.5, itl_max_s=0.1)
+    assert RequestStatsReport.from_dict(r.to_dict()) == r
+    assert RequestStatsReport.from_dict({"model": "m", "interval_s": 1.0}) == _req()  # absent counts are 0
