@@ -197,7 +197,8 @@ def format_planner(p: Mapping[str, Any], now: float) -> str:
     changing and the last change that failed."""
     extra = f", metrics {p['metrics_url']}" if p.get("metrics_url") else ""
     noop = ", no-operation" if p.get("no_operation") else ""
-    head = f"{p['namespace']}: planner {p['model']} ({p.get('connector', '?')} connector{noop}{extra}):"
+    mode = f"{p.get('mode', 'load')} mode, "
+    head = f"{p['namespace']}: planner {p['model']} ({mode}{p.get('connector', '?')} connector{noop}{extra}):"
     parts = []
     last = p.get("last_decision")
     if last:
@@ -209,12 +210,33 @@ def format_planner(p: Mapping[str, Any], now: float) -> str:
             parts.append(f"note: {last['note']}")
     else:
         parts.append("no decision yet (the first comes one adjustment interval after it started)")
+    sla = p.get("sla") or {}
+    if sla:
+        parts.append(_sla_numbers(sla))
     changing = p.get("changes_in_progress") or {}
     if changing:
         parts.append("changing " + ", ".join(f"{pool} {c['from']} -> {c['to']}" for pool, c in changing.items()))
     if p.get("last_change_error"):
         parts.append(f"last failed change: {p['last_change_error']}")
     return f"{head} " + "; ".join(parts)
+
+
+def _sla_numbers(sla: Mapping[str, Any]) -> str:
+    """The SLA planner's numbers behind its decisions: load observed and predicted, TTFT/ITL observed and
+    predicted (ms), the correction factors, and each pool's throughput size against its target."""
+
+    def num(key: str, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
+        v = sla.get(key)
+        return fmt.format(v * scale) if isinstance(v, int | float) else "-"
+
+    return (
+        f"load {num('observed_request_rate')} req/s (predicted {num('predicted_request_rate')}, next "
+        f"{num('next_request_rate')}), TTFT {num('observed_ttft_s', 1e3)} ms observed / "
+        f"{num('predicted_ttft_s', 1e3)} ms predicted, ITL {num('observed_itl_s', 1e3)} / "
+        f"{num('predicted_itl_s', 1e3)} ms, corrections TTFT x{num('ttft_correction')} ITL x{num('itl_correction')}, "
+        f"decode {num('throughput_decode', fmt='{:.0f}')} -> target {num('target_decode', fmt='{:.0f}')}, "
+        f"prefill {num('throughput_prefill', fmt='{:.0f}')} -> target {num('target_prefill', fmt='{:.0f}')}"
+    )
 
 
 def rows_of(

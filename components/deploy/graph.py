@@ -84,7 +84,7 @@ from pydantic_core import PydanticUndefined
 
 from components.deploy.errors import GraphError, GraphProblem, OverrideError
 from components.frontend.config import FrontendConfig
-from components.planner.config import PlannerConfig, PlannerRunConfig
+from components.planner.config import PlannerConfig, PlannerRunConfig, SlaPlannerConfig, policy_config
 from components.protocol.metadata import WorkerRole
 from components.runtime.config import RuntimeConfig, parse_host_port
 from components.runtime.errors import ConfigError
@@ -266,9 +266,10 @@ _PLANNER_ELSEWHERE = {
 }
 
 
-class PlannerSpec(PlannerConfig, PlannerRunConfig):
-    """The planner (``kvmesh planner --help``): every ``PlannerConfig`` and ``PlannerRunConfig`` field but those the
-    graph decides, plus how the deployment runs it."""
+class PlannerSpec(PlannerConfig, SlaPlannerConfig, PlannerRunConfig):
+    """The planner (``kvmesh planner --help``): every ``PlannerConfig``, ``SlaPlannerConfig`` and ``PlannerRunConfig``
+    field but those the graph decides, plus how the deployment runs it. ``mode`` picks which planner's fields apply:
+    one of the other mode is refused by name, and the chosen mode's defaults fill what is not given."""
 
     model_config = _strict(PlannerConfig)
 
@@ -285,10 +286,21 @@ class PlannerSpec(PlannerConfig, PlannerRunConfig):
     def _set_elsewhere(cls, data: Any) -> Any:
         return _not_here(data, _PLANNER_ELSEWHERE)
 
+    @model_validator(mode="after")
+    def _one_mode(self) -> PlannerSpec:
+        # Validated as `kvmesh planner` will: the given fields against the chosen mode's model alone (its defaults,
+        # its checks), so that a graph the planner would refuse is refused at `kvmesh serve`, not in its log.
+        policy = set(PlannerConfig.model_fields) | set(SlaPlannerConfig.model_fields)
+        policy_config(self.mode, {k: getattr(self, k) for k in self.model_fields_set if k in policy})
+        return self
+
     def component_values(self) -> dict[str, Any]:
         """The ``kvmesh planner`` options this section sets: those given, and always the model (its default, when the
         graph serves a single model, is filled in after validation)."""
-        own = (set(PlannerConfig.model_fields) | set(PlannerRunConfig.model_fields)) - set(_PLANNER_ELSEWHERE)
+        fields = (
+            set(PlannerConfig.model_fields) | set(SlaPlannerConfig.model_fields) | set(PlannerRunConfig.model_fields)
+        )
+        own = fields - set(_PLANNER_ELSEWHERE)
         keys = (self.model_fields_set | {"served_model_name"}) & own
         return {k: getattr(self, k) for k in sorted(keys)}
 

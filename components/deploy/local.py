@@ -322,6 +322,10 @@ class Deployment:
                 got = sum(by_pid.get(p.pid, 0) for p in w.processes)
                 if got < w.num_workers:
                     waiting.append(f"{w.name} ({got}/{w.num_workers} workers registered)")
+                elif w.startup_s is None and w.processes:
+                    # Measured here, within one poll interval (poll_interval_s) of the registration: how long this
+                    # machine takes to bring the group's worker up, which the SLA planner scales ahead by.
+                    w.startup_s = round(max(0.0, time.time() - min(p.create_time for p in w.processes)), 3)
             elif w.kind == "frontend" and self.state.frontend_url:
                 # Healthy *and* listing every model the graph serves: the frontend answers 200 before it has
                 # discovered any worker, and 503 while it loads a model's tokenizer, so 200 alone can precede that.

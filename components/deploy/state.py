@@ -108,6 +108,12 @@ class WatcherState(BaseModel):
         description="Added after start-up through the circus controller (by the planner, or by hand), not planned "
         "from the graph; what is known of it was read from circus.",
     )
+    startup_s: float | None = Field(
+        default=None,
+        description="Workers only: seconds from its first process's start to all of its workers registered in etcd, "
+        "as kvmesh serve saw it while starting the deployment (the SLA planner's start-up lead reads it); None: "
+        "not seen (added later, or not registered yet).",
+    )
 
 
 class ServerState(BaseModel):

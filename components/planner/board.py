@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 
 from components.planner.policy import Adjustment, Observation, Pool, PullFigures
+from components.planner.sla.figures import SlaFigures
 
 
 class PlannerBoard:
@@ -19,7 +20,10 @@ class PlannerBoard:
     when unknown), running_requests, waiting_requests, decode_workers, prefill_workers, gpus;
     ``adjustment/*`` at every adjustment (same step): the interval's kv_usage, prefill_queue_size and
     prefill_queue_utilisation (when the interval had samples), decode_workers/prefill_workers (the targets), gpus
-    (after the decisions), and ``adjustment/decisions`` as text, one line per pool with its reason.
+    (after the decisions), and ``adjustment/decisions`` as text, one line per pool with its reason;
+    ``sla/*`` at every pull of the SLA planner (same step): every number of its ``SlaFigures`` by field name
+    (observed against predicted request rate, prompt and output length at each throughput decision, observed TTFT and
+    ITL, the fast loop's predicted TTFT and ITL, the correction factors, throughput/target/actual pool sizes).
     """
 
     def __init__(self, log_dir: str) -> None:
@@ -42,6 +46,9 @@ class PlannerBoard:
             "pull/gpus": figures.gpus,
         }
         self._scalars(scalars, step, walltime)
+
+    def sla(self, step: int, figures: SlaFigures, walltime: float) -> None:
+        self._scalars({f"sla/{k}": v for k, v in figures.scalars().items()}, step, walltime)
 
     def adjustment(self, step: int, adj: Adjustment, walltime: float) -> None:
         decode, prefill = adj.decision(Pool.DECODE), adj.decision(Pool.PREFILL)

@@ -37,7 +37,7 @@ from typing import Any
 
 from components.fleet.live import LiveFleet
 from components.planner.board import PlannerBoard
-from components.planner.config import PlannerConfig
+from components.planner.config import AnyPlannerConfig, PlannerConfig
 from components.planner.connectors.base import Connector, ConnectorError
 from components.planner.controller import PendingChange, PlannerController
 from components.planner.metrics import MetricsServer, PlannerMetrics
@@ -47,6 +47,7 @@ from components.planner.policy import (
     Observation,
     Pool,
 )
+from components.planner.sla.controller import SlaController
 from components.planner.status import status_key
 from components.runtime import Runtime
 from components.runtime.errors import ConnectError, RuntimeMeshError
@@ -95,6 +96,8 @@ def status_payload(
     change_failures: int,
     last_change_error: str,
     metrics_url: str,
+    mode: str = "load",
+    sla: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """What ``kvmesh status`` reads at ``status_key``: JSON-ready. ``pools`` are the workers registered at the last
     pull (prefill None for an aggregated deployment); ``last_decision`` is ``adjustment_to_dict`` plus its wall-clock
@@ -120,6 +123,8 @@ def status_payload(
         "change_failures": change_failures,
         "last_change_error": last_change_error,
         "metrics_url": metrics_url,
+        "mode": mode,
+        "sla": {k: v for k, v in (sla or {}).items() if math.isfinite(v)} or None,
     }
 
 
@@ -133,10 +138,11 @@ class Planner:
     def __init__(
         self,
         runtime: Runtime,
-        config: PlannerConfig,
+        config: AnyPlannerConfig,
         namespace: str,
         model: str,
         connector: Connector,
+        controller: PlannerController | SlaController | None = None,
         log_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics_host: str | None = None,
@@ -150,9 +156,15 @@ class Planner:
         self.log_dir = log_dir
         self.board: PlannerBoard | None = None
         self.clock = clock
-        # The policy and its changes in progress (no I/O: the simulator runs the same class), and the fleet view it
-        # reads: membership from discovery, load reports and prefill queue reports, stamped with ``clock``.
-        self.controller = PlannerController(config, model)
+        # The policy and its changes in progress (no I/O: the simulator runs the same class; the load planner's
+        # unless one is given, e.g. components.planner.main's SlaController), and the fleet view it reads: membership
+        # from discovery, load, prefill queue and frontends' request reports, stamped with ``clock``.
+        if controller is None:
+            if not isinstance(config, PlannerConfig):
+                raise TypeError("the SLA planner's config needs its controller (components.planner.main)")
+            controller = PlannerController(config, model)
+        self.controller: PlannerController | SlaController = controller
+        self.mode = "sla" if isinstance(self.controller, SlaController) else "load"
         self.fleet = LiveFleet(runtime, namespace, clock=clock)
         self.last_decision: Adjustment | None = None
         self.last_observation: Observation | None = None
@@ -287,8 +299,12 @@ class Planner:
         self.last_observation = obs
         walltime = time.time()
         self.metrics.pull(obs, figures, out.running, out.waiting)
+        if out.sla is not None:
+            self.metrics.sla(out.sla)
         if self.board is not None:
             self.board.pull(self.num_pulls, obs, figures, out.running, out.waiting, walltime)
+            if out.sla is not None:
+                self.board.sla(self.num_pulls, out.sla, walltime)
         adj = out.adjustment
         if adj is None:
             return None
@@ -363,6 +379,8 @@ class Planner:
             change_failures=self.num_change_failures,
             last_change_error=self.last_change_error,
             metrics_url=self.metrics_url,
+            mode=self.mode,
+            sla=self.metrics.sla_figures,
         )
 
     async def _publish_status(self) -> None:

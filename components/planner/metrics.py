@@ -16,6 +16,10 @@ from the planner's latest pull and adjustment (absent while unknown, as TensorBo
     adjustment/decode_workers, ...       kvmesh_planner_adjustment_target_workers{model,pool}  the targets
     adjustment/gpus                      kvmesh_planner_adjustment_gpus{model}            GPUs after the decisions
 
+The SLA planner's figures (``SlaFigures``, TensorBoard ``sla/*``) as ``kvmesh_planner_sla_<field>{model}``: the
+latest pull's, over the latest throughput decision's where a pull leaves one out (observed and predicted load and
+latency are known at decisions only); seconds, requests/s, tokens or workers as the field's name says.
+
 Counters: ``kvmesh_planner_decisions_total{model,pool,direction}`` (every decision, hold included; under
 ``--no-operation`` the would-be ones), ``kvmesh_planner_changes_total{model,pool,direction,outcome}`` (changes the
 connector was asked to make: ``done`` or ``failed``), ``kvmesh_planner_pulls_total`` and
@@ -36,6 +40,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from components.planner.policy import Adjustment, Observation, Pool, PullFigures
+from components.planner.sla.figures import SlaFigures
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +72,16 @@ class PlannerMetrics:
         )
         self.last_pull: tuple[Observation, PullFigures, int, int] | None = None
         self.last_adjustment: Adjustment | None = None
+        self.sla_figures: dict[str, float] = {}  # the SLA planner's latest numbers (module docstring)
         self.in_progress: Callable[[], Mapping[Pool, object]] = dict
         self.registry.register(_Figures(self))
 
     def pull(self, obs: Observation, figures: PullFigures, running: int, waiting: int) -> None:
         self.pulls.labels(self.model).inc()
         self.last_pull = (obs, figures, running, waiting)
+
+    def sla(self, figures: SlaFigures) -> None:
+        self.sla_figures.update(figures.scalars())
 
     def adjustment(self, adj: Adjustment) -> None:
         self.adjustments.labels(self.model).inc()
@@ -131,6 +140,8 @@ class _Figures(Collector):
                 workers.add_metric([model, str(Pool.PREFILL)], obs.prefill.workers)
             yield workers
             yield gauge("kvmesh_planner_gpus", "GPUs the registered workers count for in the budget", fig.gpus)
+        for name, value in sorted(m.sla_figures.items()):
+            yield gauge(f"kvmesh_planner_sla_{name}", f"SLA planner: {name.replace('_', ' ')}", value)
         adj = m.last_adjustment
         if adj is not None:
             decode, prefill = adj.decision(Pool.DECODE), adj.decision(Pool.PREFILL)

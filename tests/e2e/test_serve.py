@@ -216,6 +216,12 @@ def test_the_state_file_records_watchers_processes_and_endpoints(mock_agg):
         assert w.env["KVMESH_ETCD_ENDPOINTS"] == st.etcd_endpoints[0]
         assert Path(w.log) == serve.state_dir / "logs" / f"{w.name}.log"
         assert w.gpus == []  # no GPU asked for
+        if w.kind == "worker":
+            # Start to registration, measured by serve (the SLA planner's start-up lead): positive, and no longer
+            # than the process has been alive.
+            assert w.startup_s is not None and 0 < w.startup_s <= time.time() - w.processes[0].create_time
+        else:
+            assert w.startup_s is None
     assert st.embedded_etcd and st.embedded_etcd.process and st.embedded_etcd.process.alive()
     assert st.embedded_nats and st.embedded_nats.process and st.embedded_nats.process.alive()
     assert st.circus and st.circus.endpoint.startswith("tcp://127.0.0.1:")

@@ -175,8 +175,8 @@ def planner_status(**over: object) -> dict:
 def test_a_planner_line_says_its_last_decision_with_the_reason_and_what_is_changing():
     [row] = planner_rows_of("ns", [json.dumps(planner_status()).encode(), b"not json", b'{"no": "model"}'])
     assert format_planner(row, NOW) == (
-        "ns: planner m (local connector, metrics http://127.0.0.1:9/metrics): last decision 1m15s ago: decode: scale "
-        "up 1 -> 2 (average KV-cache use 0.95 > up-threshold 0.9); changing decode 1 -> 2"
+        "ns: planner m (load mode, local connector, metrics http://127.0.0.1:9/metrics): last decision 1m15s ago: "
+        "decode: scale up 1 -> 2 (average KV-cache use 0.95 > up-threshold 0.9); changing decode 1 -> 2"
     )
     [idle] = planner_rows_of(
         "ns",
@@ -190,9 +190,22 @@ def test_a_planner_line_says_its_last_decision_with_the_reason_and_what_is_chang
         ],
     )  # fmt: skip
     assert format_planner(idle, NOW) == (
-        "ns: planner m (local connector, no-operation): no decision yet (the first comes one adjustment interval "
-        "after it started); last failed change: local connector: setting decode pool to 2 workers: no free GPU"
+        "ns: planner m (load mode, local connector, no-operation): no decision yet (the first comes one adjustment "
+        "interval after it started); last failed change: local connector: setting decode pool to 2 workers: no free GPU"
     )
+
+
+def test_an_sla_planner_line_gives_its_mode_and_the_numbers_behind_its_decision():
+    sla = {"observed_request_rate": 4.0, "predicted_request_rate": 3.5, "next_request_rate": 4.5}
+    sla |= {"observed_ttft_s": 0.2, "predicted_ttft_s": 0.25, "ttft_correction": 0.8, "itl_correction": 1.0}
+    sla |= {"throughput_decode": 2, "target_decode": 3}
+    [row] = planner_rows_of("ns", [json.dumps(planner_status(mode="sla", sla=sla)).encode()])
+    line = format_planner(row, NOW)
+    assert line.startswith("ns: planner m (sla mode, local connector,")
+    assert (
+        "load 4 req/s (predicted 3.5, next 4.5), TTFT 200 ms observed / 250 ms predicted, ITL - / - ms, corrections "
+        "TTFT x0.8 ITL x1, decode 2 -> target 3, prefill - -> target -" in line
+    ), line
 
 
 def test_worker_rows_of_a_planned_model_carry_the_planner_status_for_json():

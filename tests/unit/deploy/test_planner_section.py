@@ -160,3 +160,26 @@ def test_an_added_watcher_of_another_name_is_read_from_its_command_line(tmp_path
     assert (w.kind, w.model) == ("frontend", None)
     w = added_watcher_state(g, info("t-planner", ["python", "-m", "components.cli.main", "planner"]))
     assert w.kind == "planner"
+
+
+def test_mode_sla_takes_the_sla_planners_fields_refuses_the_load_planners_and_round_trips_to_its_flags(tmp_path):
+    from components.planner.config import SlaPlannerConfig
+
+    g = load(tmp_path, graph_text("planner:\n  mode: sla\n  ttft: 300\n  load_predictor: constant\n"))
+    assert g.planner is not None and str(g.planner.mode) == "sla"
+    plans = plan_watchers(
+        g,
+        etcd_endpoints=["http://127.0.0.1:1"],
+        nats_url="nats://127.0.0.1:2",
+        frontend_port=8000,
+        gpus={},
+        log_dir=tmp_path / "logs",
+        state_dir=tmp_path / "state",
+    )
+    run, cfg = configs_from_args(build_parser().parse_args(plans[-1].cmd[3:]))
+    assert str(run.mode) == "sla" and isinstance(cfg, SlaPlannerConfig)
+    assert (cfg.ttft, str(cfg.load_predictor)) == (300.0, "constant")
+    assert cfg.itl == SlaPlannerConfig().itl  # not given: the SLA planner's default
+    text = errors(tmp_path, graph_text("planner:\n  mode: sla\n  prefill_queue_scale_up_threshold: 2\n"))
+    assert "prefill-queue-scale-up-threshold: only for mode load" in text, text
+    assert "ttft: only for mode sla" in errors(tmp_path, graph_text("planner:\n  ttft: 300\n"))

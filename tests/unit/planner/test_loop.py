@@ -432,12 +432,17 @@ UNITLESS = {
     "--namespace",
     "--served-model-name",
     "--environment",
+    "--mode",
+    "--load-predictor",  # a choice
+    "--no-correction",  # switches
+    "--queue-wait",
+    "--profile-results-dir",  # a path
     "--state-dir",
     "--log-dir",
     "--metrics-host",
     "--no-operation",
 }
-UNIT_WORDS = ("seconds", "fraction 0..1", "items", "gpus", "port")
+UNIT_WORDS = ("seconds", "milliseconds", "fraction", "items", "gpus", "port", "workers", "intervals")
 
 
 def test_every_flag_of_kvmesh_planner_states_its_unit_in_help():
@@ -505,3 +510,94 @@ def test_cli_refuses_inconsistent_policy_flags():
 
     with pytest.raises(SystemExit, match="must be below"):
         configs_from_args(parse("--decode-kv-scale-down-threshold", "0.95"))
+
+
+# --- the SLA planner's mode (kvmesh planner --mode sla) -------------------------------------------------------------
+
+
+def test_mode_sla_takes_the_sla_planners_flags_and_defaults_and_refuses_the_load_planners():
+    from components.planner.config import SlaPlannerConfig
+    from components.planner.main import configs_from_args
+
+    run, cfg = configs_from_args(parse("--mode", "sla", "--ttft", "300", "--itl", "40", "--adjustment-interval", "12"))
+    assert str(run.mode) == "sla" and isinstance(cfg, SlaPlannerConfig)
+    assert (cfg.ttft, cfg.itl, cfg.adjustment_interval) == (300.0, 40.0, 12.0)
+    assert cfg.min_endpoint == SlaPlannerConfig().min_endpoint  # not given: the SLA planner's default
+    _, load_cfg = configs_from_args(parse("--adjustment-interval", "12"))
+    assert isinstance(load_cfg, PlannerConfig) and load_cfg.adjustment_interval == 12.0
+    with pytest.raises(SystemExit, match="decode-kv-scale-up-threshold: only for mode load"):
+        configs_from_args(parse("--mode", "sla", "--decode-kv-scale-up-threshold", "0.8"))
+    with pytest.raises(SystemExit, match="ttft: only for mode sla"):
+        configs_from_args(parse("--ttft", "300"))
+    with pytest.raises(SystemExit, match="--ttft: Input should be greater than 0"):
+        configs_from_args(parse("--mode", "sla", "--ttft", "0"))
+
+
+def test_mode_sla_builds_the_sla_controller_with_a_profile_when_one_is_named(tmp_path):
+    from components.perf.profile import Profile
+    from components.planner.config import SlaPlannerConfig
+    from components.planner.main import make_controller
+    from components.planner.sla.controller import SlaController
+
+    assert isinstance(make_controller(PlannerConfig(), MODEL), PlannerController)
+    ctl = make_controller(SlaPlannerConfig(), MODEL)
+    assert isinstance(ctl, SlaController) and ctl.perf is None  # the workers' announced models
+    from components.perf.profile import Point
+
+    profile = Profile.from_points(  # the smallest profile: two prompt lengths, a 2 x 2 decode grid
+        prompt_tokens=[16, 64],
+        prefill=[Point.of([2.0]), Point.of([5.0])],
+        batch_sizes=[1, 2],
+        context_tokens=[16, 64],
+        decode=[[Point.of([1.0]), Point.of([1.2])], [Point.of([1.1]), Point.of([1.3])]],
+        max_num_batched_tokens=256,
+    )
+    (tmp_path / "p.json").write_text(profile.to_json())
+    ctl = make_controller(SlaPlannerConfig(profile_results_dir=str(tmp_path)), MODEL)
+    assert isinstance(ctl, SlaController) and ctl.perf is not None
+    assert ctl.perf.prefill_ms(64) == pytest.approx(profile.prefill_ms(64))
+    (tmp_path / "q.json").write_text(profile.to_json())
+    with pytest.raises(ValueError, match="expected one kvmesh profile JSON in the directory, found 2"):
+        make_controller(SlaPlannerConfig(profile_results_dir=str(tmp_path)), MODEL)
+
+
+def sla_figures(**kw):
+    from components.planner.sla.figures import SlaFigures
+
+    base = dict(now_s=30.0, interval=True, observed_request_rate=4.0, predicted_request_rate=3.5)
+    base |= dict(observed_ttft_s=0.2, predicted_ttft_s=0.25, ttft_correction=0.8, target_decode=3, decode=2)
+    return SlaFigures(**(base | kw))
+
+
+def test_the_sla_figures_reach_tensorboard_metrics_and_the_status(tmp_path):
+    from components.planner.metrics import PlannerMetrics
+
+    board = PlannerBoard(str(tmp_path))
+    board.sla(1, sla_figures(), walltime=100.0)
+    board.close()
+    tags = set(read_events(str(tmp_path)).Tags()["scalars"])
+    assert {"sla/observed_request_rate", "sla/predicted_ttft_s", "sla/ttft_correction", "sla/target_decode"} <= tags
+    assert "sla/next_request_rate" not in tags  # unknown: left out, not 0
+    m = PlannerMetrics(MODEL)
+    m.sla(sla_figures())
+    m.sla(sla_figures(interval=False, observed_request_rate=None, predicted_ttft_s=0.3))  # a fast-loop pull
+    got = samples(m.render().decode())
+    assert got['kvmesh_planner_sla_observed_request_rate{model="m"}'] == 4.0  # the last decision's, kept
+    assert got['kvmesh_planner_sla_predicted_ttft_s{model="m"}'] == 0.3  # the latest pull's
+    status = status_payload(
+        model=MODEL,
+        connector="virtual",
+        walltime=1.0,
+        no_operation=False,
+        observation=None,
+        adjustment=None,
+        adjustment_walltime=None,
+        pending={},
+        changes_applied=0,
+        change_failures=0,
+        last_change_error="",
+        metrics_url="",
+        mode="sla",
+        sla=m.sla_figures,
+    )
+    assert status["mode"] == "sla" and status["sla"]["target_decode"] == 3
