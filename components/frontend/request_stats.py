@@ -2,10 +2,11 @@
 model, published as one ``RequestStatsReport`` per model every ``request_stats_interval_s`` on ``TOPIC_REQUEST_STATS``
 (source id: the process's router replica id, so each replica of ``kvmesh frontend --replicas N`` reports its own).
 
-- ``ModelRequestStats``: one model's counts since the last report. The service counts a request's arrival when it
-  hands it to the router (``FrontendService.start``) and its end once (``FrontendService.observe``, or a failure
-  before the first token); ``Generation._process`` adds its TTFT and inter-token gaps per chunk it hands to the
-  client, in place (a few float operations per chunk, no allocation: the hot path, see ``kvmesh bench frontend``).
+- ``RequestCounts`` (components/fleet/request_counts.py, shared with the simulator): one model's counts since the
+  last report. The service counts a request's arrival when it hands it to the router (``FrontendService.start``)
+  and its end once (``FrontendService.observe``, or a failure before the first token); ``Generation._process``
+  adds its TTFT and inter-token gaps per chunk it hands to the client, in place (a few float operations per chunk,
+  no allocation: the hot path, see ``kvmesh bench frontend``).
 - ``RequestStatsBook``: every model's counts; ``take(served, now_s)`` turns them into reports and starts the next
   interval (pure: time is an argument). A served model gets a report every interval, zeros included, so the planner
   can tell "heard, no load" from "nothing heard"; a model no longer served gets its last report once its requests
@@ -25,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
+from components.fleet.request_counts import RequestCounts
 from components.protocol.endpoints import TOPIC_REQUEST_STATS
 from components.protocol.messages import RequestStatsReport
 from components.runtime import Runtime
@@ -32,87 +34,18 @@ from components.runtime import Runtime
 logger = logging.getLogger(__name__)
 
 
-class ModelRequestStats:
-    """One model's requests since its last report: the counts of ``RequestStatsReport`` (each field's meaning is
-    there), plus ``inflight`` (requests arrived and not ended, across intervals). Mutated in place by the requests
-    of one event loop; not thread-safe."""
-
-    __slots__ = (
-        "failed",
-        "finished",
-        "inflight",
-        "itl_count",
-        "itl_max_s",
-        "itl_sum_s",
-        "output_tokens",
-        "prompt_tokens",
-        "requests",
-        "ttft_count",
-        "ttft_max_s",
-        "ttft_sum_s",
-    )
-
-    def __init__(self) -> None:
-        self.inflight = 0
-        self.reset()
-
-    def reset(self) -> None:
-        self.requests = 0
-        self.prompt_tokens = 0
-        self.finished = 0
-        self.failed = 0
-        self.output_tokens = 0
-        self.ttft_count = 0
-        self.ttft_sum_s = 0.0
-        self.ttft_max_s = 0.0
-        self.itl_count = 0
-        self.itl_sum_s = 0.0
-        self.itl_max_s = 0.0
-
-    def arrived(self, prompt_tokens: int) -> None:
-        """A request handed to the router."""
-        self.requests += 1
-        self.prompt_tokens += prompt_tokens
-        self.inflight += 1
-
-    def ended(self, output_tokens: int, failed: bool) -> None:
-        """A request that ``arrived`` ended, after generating ``output_tokens`` (once per request)."""
-        self.finished += 1
-        self.output_tokens += output_tokens
-        if failed:
-            self.failed += 1
-        self.inflight -= 1
-
-    def report(self, model: str, interval_s: float) -> RequestStatsReport:
-        return RequestStatsReport(
-            model=model,
-            interval_s=interval_s,
-            requests=self.requests,
-            prompt_tokens=self.prompt_tokens,
-            finished=self.finished,
-            failed=self.failed,
-            output_tokens=self.output_tokens,
-            ttft_count=self.ttft_count,
-            ttft_sum_s=self.ttft_sum_s,
-            ttft_max_s=self.ttft_max_s,
-            itl_count=self.itl_count,
-            itl_sum_s=self.itl_sum_s,
-            itl_max_s=self.itl_max_s,
-        )
-
-
 class RequestStatsBook:
-    """Every model's ``ModelRequestStats`` of one frontend process (module docstring)."""
+    """Every model's ``RequestCounts`` of one frontend process (module docstring)."""
 
     def __init__(self, now_s: float) -> None:
-        self._models: dict[str, ModelRequestStats] = {}
+        self._models: dict[str, RequestCounts] = {}
         self._since_s = now_s  # when the current interval began
 
-    def model(self, name: str) -> ModelRequestStats:
+    def model(self, name: str) -> RequestCounts:
         """``name``'s counts, created at its first request (a request holds on to them until it ends)."""
         stats = self._models.get(name)
         if stats is None:
-            stats = self._models[name] = ModelRequestStats()
+            stats = self._models[name] = RequestCounts()
         return stats
 
     def take(self, served: Collection[str], now_s: float) -> list[RequestStatsReport]:

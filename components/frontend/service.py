@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from components.fleet.request_counts import RequestCounts
 from components.frontend.config import FrontendConfig
 from components.frontend.dispatch import Dispatch, Interrupted, Suspects
 from components.frontend.errors import (
@@ -34,7 +35,7 @@ from components.frontend.errors import (
 from components.frontend.metrics import FrontendMetrics, ModelMetrics
 from components.frontend.models import Model, ModelRegistry
 from components.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from components.frontend.request_stats import ModelRequestStats, RequestStatsBook
+from components.frontend.request_stats import RequestStatsBook
 from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from components.protocol.messages import SamplingParams
 from components.router import Router
@@ -127,13 +128,13 @@ class Generation:
         prepared: Prepared,
         dispatch: Dispatch,
         first: dict[str, Any],
-        stats: ModelRequestStats | None = None,
+        stats: RequestCounts | None = None,
     ) -> None:
         self._service = service
         self.prepared = prepared
         self._dispatch = dispatch
         # Its model's request report counts (request_stats.py), TTFT and gaps added per chunk; None: counted nowhere.
-        self.stats = stats if stats is not None else ModelRequestStats()
+        self.stats = stats if stats is not None else RequestCounts()
         self._first: dict[str, Any] | None = first
         self._detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
         self._stop = StopStringMatcher(prepared.stops) if prepared.stops else None
@@ -174,9 +175,8 @@ class Generation:
             now = time.monotonic()
             n = len(ids)
             stats = self.stats
-            # The request report's latencies: TTFT from arrival to the first token handed over for sending; one gap
-            # per token after the first, the chunk's first token carrying the wait since the previous chunk and
-            # the rest none (they leave together), so a request's gaps sum to last - first token.
+            # The request report's latencies, RequestCounts.add_tokens inlined (once per chunk: no call): TTFT from
+            # arrival to the first token handed over for sending, one gap per token after the first.
             if not self.num_output_tokens:
                 self.first_token_s = now
                 self.num_cached_tokens = item.get("num_cached_tokens", 0)
