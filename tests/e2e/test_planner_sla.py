@@ -1,0 +1,172 @@
+"""The SLA planner (``planner: {mode: sla}``) on a served graph of simulated workers: real etcd, nats-server, circus,
+frontend (whose request reports the planner reads), workers and the ``local`` connector (issue 25).
+
+A burst grows the aggregated pool before any request's time to first token breaks the target; a quiet trickle
+afterwards shrinks it back to one worker with no failed request and no stream ended short; ``kvmesh status``,
+``/metrics`` and TensorBoard say what the SLA planner saw (its mode, request rate, targets and pool sizes).
+
+The workers' step-time model is set slow (a 30 ms decode step plus 4 ms per sequence; 0.5 ms per prompt token) so
+that a load two cores can send needs a second worker: with the ITL target at 60 ms a worker decodes at most 7
+sequences (30 + 4 x 7 = 58 ms), ~120 output tokens/s; ten streams of 100 tokens at a time need about 140 tokens/s,
+and their batch of ten steps in ~70 ms, over the target (the fast loop). A trickle of one 16-token stream needs
+~30 tokens/s, and one worker carrying both workers' load stays under 0.8 x 60 ms (the consolidation check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import openai
+import pytest
+
+from tests.e2e.test_planner_local import (
+    MODEL,
+    PLANNER_NS,
+    decision_texts,
+    log_time,
+    long_prompt,
+    metric,
+    planner_log,
+    read_scalars,
+    sets,
+)
+from tests.e2e.test_serve import ROOT, http_get, run_kvmesh, serving
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+TTFT_MS = 600.0
+ITL_MS = 60.0
+
+
+@dataclasses.dataclass
+class Timed:
+    max_tokens: int
+    sent: float
+    first: float | None = None
+    tokens: int | None = None
+    finish_reason: str | None = None
+    error: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return not self.error and self.finish_reason == "length" and self.tokens == self.max_tokens
+
+
+class TimedStreams:
+    """Streaming completions through the official openai client, each with its send and first-token times."""
+
+    def __init__(self, url: str) -> None:
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=180)
+        self.outcomes: list[Timed] = []
+
+    async def one(self, prompt: str, max_tokens: int) -> None:
+        out = Timed(max_tokens, time.time())
+        self.outcomes.append(out)
+        try:
+            stream = await self.client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                if out.first is None and chunk.choices and chunk.choices[0].text:
+                    out.first = time.time()
+                if chunk.choices and chunk.choices[0].finish_reason is not None:
+                    out.finish_reason = chunk.choices[0].finish_reason
+                if chunk.usage is not None:
+                    out.tokens = chunk.usage.completion_tokens
+        except (openai.APIError, openai.APIConnectionError) as e:
+            out.error = f"{type(e).__name__}: {e}"
+
+    async def run(self, lanes: int, prompt, max_tokens: int, until, max_requests: int, max_s: float) -> None:
+        deadline = time.monotonic() + max_s
+        sent = len(self.outcomes)
+
+        async def lane() -> None:
+            nonlocal sent
+            while not until() and sent < max_requests and time.monotonic() < deadline:
+                sent += 1
+                await self.one(prompt(sent), max_tokens)
+
+        await asyncio.gather(*(lane() for _ in range(lanes)))
+
+
+def up_decisions(serve) -> list[float]:
+    """Wall times of the planner's adjustments that scaled the decode pool up (its log)."""
+    return [log_time(x) for x in planner_log(serve).splitlines() if "planner adjustment" in x and "scale up" in x]
+
+
+async def test_the_sla_planner_grows_the_pool_ahead_of_a_burst_and_shrinks_it_in_quiet_losing_nothing(tmp_path):
+    tb = tmp_path / "tb"
+    args = sets(
+        "frontend.port=0",
+        "frontend.router_policy=least_loaded",
+        "workers[0].decode_base_ms=30",
+        "workers[0].decode_ms_per_seq=4",
+        "workers[0].prefill_base_ms=10",
+        "workers[0].prefill_ms_per_token=0.5",
+        "planner.mode=sla",
+        f"planner.ttft={TTFT_MS}",
+        f"planner.itl={ITL_MS}",
+        "planner.load_predictor=constant",
+        "planner.adjustment_interval=3",
+        "planner.metric_pulling_interval=0.5",
+        "planner.max_gpu_budget=3",
+        f"planner.log_dir={tb}",
+    )
+    new = f"{PLANNER_NS}-mock-1"
+    with serving(tmp_path / "state", *args, graph=ROOT / "graphs" / "mock_planner.yaml") as serve:
+        url = serve.wait_ready()
+        st0 = serve.state(PLANNER_NS)
+        [worker] = [w for w in st0.watchers if w.kind == "worker"]
+        assert worker.startup_s is not None and worker.startup_s > 0  # serve measured it: the planner's lead
+        streams = TimedStreams(url)
+
+        def grown() -> bool:
+            w = serve.state(PLANNER_NS).watcher(new)
+            return w is not None and bool(w.processes)
+
+        # Burst: ten streams of ~300-token prompts and 100 output tokens until a second worker runs.
+        await streams.run(10, long_prompt, 100, grown, max_requests=200, max_s=90)
+        assert grown(), f"the pool did not grow; planner log:\n{planner_log(serve)}"
+        ups = up_decisions(serve)
+        assert ups, planner_log(serve)
+        # Ahead of the latency: the first scale-up came no later than the first request whose TTFT (at the
+        # client) broke the target, if any did.
+        broke = [o.first for o in streams.outcomes if o.first is not None and o.first - o.sent > TTFT_MS / 1e3]
+        assert not broke or ups[0] <= min(broke) + 0.001, (ups[0], min(broke), planner_log(serve))
+
+        def shrunk() -> bool:
+            workers = [w.name for w in serve.state(PLANNER_NS).watchers if w.kind == "worker"]
+            return workers == [f"{PLANNER_NS}-mock-0"]
+
+        # Quiet: one short stream at a time until the pool is back at one worker.
+        await streams.run(1, lambda i: f"short {i}", 16, shrunk, max_requests=600, max_s=120)
+        assert shrunk(), f"the pool did not shrink; planner log:\n{planner_log(serve)}"
+        failures = [o for o in streams.outcomes if not o.complete]
+        assert failures == [] and len(streams.outcomes) >= 20, failures[:3]
+
+        # What it says: kvmesh status (mode and numbers), /metrics.
+        table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--namespace", PLANNER_NS).stdout
+        line = next(x for x in table.splitlines() if x.startswith(f"{PLANNER_NS}: planner {MODEL} (sla mode"))
+        assert "req/s" in line and "TTFT" in line, line
+        url_m = line.split("metrics ", 1)[1].split(")", 1)[0]
+        _, body = http_get(url_m)
+        text = body.decode()
+        assert (metric(text, "kvmesh_planner_changes_total", direction="up", outcome="done") or 0) >= 1
+        assert (metric(text, "kvmesh_planner_changes_total", direction="down", outcome="done") or 0) >= 1
+        assert metric(text, "kvmesh_planner_changes_total", outcome="failed") is None
+        assert metric(text, "kvmesh_planner_sla_observed_request_rate") is not None
+
+    acc = read_scalars(tb)
+    tags = set(acc.Tags()["scalars"])
+    assert {"sla/observed_request_rate", "sla/predicted_request_rate", "sla/decode", "sla/target_decode"} <= tags
+    rates = [e.value for e in acc.Scalars("sla/observed_request_rate")]
+    assert max(rates) > 0.5  # the burst was heard through the frontend's request reports
+    texts = decision_texts(acc)
+    assert any("scale up" in t for t in texts) and any("scale down" in t for t in texts)
