@@ -71,6 +71,7 @@ from collections.abc import Mapping, Sequence
 from components.fleet.model import FleetInstance, FleetSnapshot
 from components.perf.model import DEFAULT_MODEL
 from components.perf.profile import PerfModel
+from components.perf.queueing import predicted_ttft_ms
 from components.planner.config import PlannerConfig
 from components.planner.controller import PendingChange, PullOutcome, build_observation, request_totals
 from components.planner.policy import (
@@ -268,7 +269,7 @@ class SlaController:
                 perf = self._worker_perf(inst)
                 seqs = 0 if pool == Pool.PREFILL else s.num_running
                 kv = 0.0 if pool == Pool.PREFILL else float(s.num_kv_tokens)
-                total = consolidation.predicted_ttft_ms(perf, n_isl, s.num_waiting_prefill_tokens, seqs, kv)
+                total = predicted_ttft_ms(perf, n_isl, s.num_waiting_prefill_tokens, seqs, kv)
                 own = perf.chunked_prefill_ms(n_isl)
                 totals.append(total)
                 waits.append(total - own)
