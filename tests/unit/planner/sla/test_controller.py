@@ -318,34 +318,70 @@ def test_at_full_budget_a_refused_removal_holds_the_addition_instead_of_waiting_
     assert pull(ctl, fleet, 31.0, apply=False).adjustment is None
 
 
-def test_the_fast_loop_raises_the_pool_above_the_floor_when_queues_build():
+def fast_fleet() -> tuple[Fleet, SlaController]:
     # Aggregated, min_endpoint 2; 10 requests/s need 0.53 + 0.14 workers: the throughput floor is 2.
     fleet = Fleet(decode=2)
     ctl = SlaController(config(min_endpoint=2), MODEL)
     pull(ctl, fleet, 0.0)
     fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
-    out = pull(ctl, fleet, 30.0)
+    pull(ctl, fleet, 30.0)
     assert ctl.floor == {Pool.DECODE: 2} and fleet.count(Pool.DECODE) == 2
-    # Queues build: 20000 prompt tokens waiting on each worker, nothing decoding. A new 1000-token prompt waits
-    # 20000 x (10 + 0.04 x 8192) / 8192 + 5 = 829.1 ms, then computes 50 ms: 879 ms > 500 ms. Spreading that wait
-    # within 500 - 50 ms: ceil(2 x 829.1 / 450) = 4 workers.
-    wait = 20000 * (10 + 0.04 * 8192) / 8192 + 5
-    assert math.ceil(2 * wait / 450) == 4
+    return fleet, ctl
+
+
+# 20000 prompt tokens waiting on a worker, nothing decoding: a new 1000-token prompt waits
+# 20000 x (10 + 0.04 x 8192) / 8192 + 5 = 829.1 ms, then computes its own 50 ms: 879 ms > the 500 ms target.
+WAIT_MS = 20000 * (10 + 0.04 * 8192) / 8192 + 5
+
+
+def test_the_fast_loop_raises_the_pool_above_the_floor_when_a_burst_builds_queues():
+    fleet, ctl = fast_fleet()
+    # A burst: the frontend's per-second reports say 60 requests/s from 31 s on.
+    for t in (31.0, 32.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+        assert pull(ctl, fleet, t).adjustment is None  # no queue yet: within target, nothing to do
+    # At 33 s the queues have built. The last 3 pulls' reports (31-33 s) say 60 requests/s, which the aggregated
+    # sizing puts at 3.17 + 0.85 = 4.02 -> 5 workers: the pool goes 2 -> 5 now, not at the next decision (60 s).
+    assert math.ceil(prefill_need(60) + decode_need(60)) == 5
+    fleet.requests(33.0, 1.0, rate=60, isl=1000, osl=200)
     fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
-    out = pull(ctl, fleet, 31.0)
-    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx((wait + 50) / 1e3)
+    out = pull(ctl, fleet, 33.0)
+    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx((WAIT_MS + 50) / 1e3)
     assert out.adjustment is not None
     d = out.adjustment.decisions[0]
-    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 4) and "fast loop: predicted TTFT 879" in d.reason
-    assert fleet.count(Pool.DECODE) == 4
-    # The queues drain; the next throughput decision finds the workers idle and goes back to its floor of 2 through
-    # the consolidation check; a fast loop reading under target never takes the pool below the floor.
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 5)
+    assert "fast loop: predicted TTFT 879 ms > 500 ms target; the last 3 s' 60.0 requests/s need 5" in d.reason
+    assert fleet.count(Pool.DECODE) == 5 and ctl.floor == {Pool.DECODE: 2}
+    # The burst ends and the queues drain: the fast loop never takes the pool down; the next decision does, to its
+    # floor, through the consolidation check (the workers idle). Over 30-60 s: 3 s at 60 and 27 s at 10 requests/s,
+    # 15 requests/s, needing 0.79 + 0.21 = 1.004 -> 2 workers (min_endpoint 2 anyway).
     fleet.set_load(Pool.DECODE)
-    assert pull(ctl, fleet, 32.0).adjustment is None
-    fleet.requests(60.0, 30.0, rate=10, isl=1000, osl=200)
+    for t in range(34, 60):
+        fleet.requests(float(t), 1.0, rate=10, isl=1000, osl=200)
+        assert pull(ctl, fleet, float(t)).adjustment is None
+    fleet.requests(60.0, 1.0, rate=10, isl=1000, osl=200)
     out = pull(ctl, fleet, 60.0)
+    assert out.sla is not None and out.sla.observed_request_rate == pytest.approx(15)
     assert out.adjustment is not None and out.adjustment.decisions[0].target == 2
     assert fleet.count(Pool.DECODE) == 2
+
+
+def test_the_fast_loop_adds_one_at_a_time_while_a_queue_grows_that_the_model_says_is_served():
+    # 10 requests/s keep arriving (2 workers are enough by the model), but queues build: the model is wrong about
+    # this engine (the correction will say so at the next decision). While the predicted wait grows the fast loop
+    # adds one worker at a time; when it stops growing, nothing more.
+    fleet, ctl = fast_fleet()
+    queues = {31.0: 20000, 32.0: 20000, 33.0: 30000}
+    sizes = []
+    for t, queued in queues.items():
+        fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
+        fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=queued)
+        out = pull(ctl, fleet, t)
+        sizes.append(fleet.count(Pool.DECODE))
+        if out.adjustment is not None:
+            assert "the queue wait grows" in out.adjustment.decisions[0].reason
+    # 31 s: 0 -> 829 ms, grows: 3. 32 s: 829 -> 829 ms: holds. 33 s: 829 -> 1244 ms: 4.
+    assert sizes == [3, 3, 4]
 
 
 def test_the_correction_factors_move_the_sizing():
