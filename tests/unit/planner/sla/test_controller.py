@@ -11,6 +11,7 @@ Numbers used throughout (ROUND: prefill 10 ms + 0.04 ms/token; decode 5 ms + 0.0
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import random
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 from components.planner.policy import Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
+from components.runtime.flags import add_model_arguments, model_from_args
 from tests.unit.planner.sla.support import MODEL, Fleet, pull
 
 pytestmark = pytest.mark.unit
@@ -80,6 +82,25 @@ def test_config_defaults_are_dynamos_where_it_has_them():
 def test_config_refuses_what_cannot_work_and_says_why(kw, message):
     with pytest.raises(ValidationError, match=message):
         SlaPlannerConfig(**kw)
+
+
+def test_flags_are_derived_from_the_config_with_units_in_their_help():
+    p = argparse.ArgumentParser()
+    add_model_arguments(p, SlaPlannerConfig)
+    args = p.parse_args(
+        ["--ttft", "300", "--load-predictor", "holt-winters", "--load-predictor-season", "5", "--no-correction"]
+    )
+    c = model_from_args(SlaPlannerConfig, args)
+    assert (c.ttft, c.itl, c.load_predictor, c.load_predictor_season, c.no_correction) == (
+        300.0,
+        50.0,
+        "holt-winters",
+        5,
+        True,
+    )
+    help_text = p.format_help()
+    for phrase in ("milliseconds", "Seconds between throughput decisions", "--max-gpu-budget", "--min-endpoint"):
+        assert phrase in help_text
 
 
 def test_a_season_is_accepted_for_holt_winters():
