@@ -33,11 +33,19 @@ Each fresh worker's predicted TTFT for a prompt of the latest mean length, its q
 (``components.perf.queueing.predicted_ttft_ms``: the router's model), and its predicted ITL (the decode step at its
 reported ``batch_size`` and ``num_kv_tokens``), both corrected; the pool's figure is the mean over its fresh workers
 (the router spreads the load; one busy worker is the router's business, a busy pool the planner's). When the mean
-breaks a target, the pool is raised: TTFT, to the size at which the same backlog spread over more workers waits
-within the target (``n' = ceil(n x wait / (target - own prefill))``; no size helps when a prompt alone is over
-target, and the reason says so); ITL, to the smallest size whose per-worker share of the batch and KV steps within
-target. Raised above the throughput loop's size, never below it; the next throughput decision may bring it back
-down only through the consolidation check.
+breaks a target the pool is raised, above the throughput loop's size, never below it:
+
+* TTFT: to the throughput sizing of the last ``FAST_WINDOW_PULLS`` pulls' request rate (3 s at the default pull: a
+  step in the load is seen within seconds, not at the next decision). Not by spreading the queue: the queued prompts
+  stay on the workers that hold them, so new workers only take new arrivals, and a pool sized for a backlog would
+  be too large once it drains. When that sizing says the pool suffices (or nothing was heard) but the mean predicted
+  wait still grows from one pull to the next (same pool, every worker reporting, no change in progress), the
+  model is off for this engine: one more worker each such pull, until the correction catches up at the next
+  decision. No raise when a prompt alone is over the target (no pool size helps), with the reason.
+* ITL: to the smallest size at which each worker's share of the pool's current batch and KV steps within target
+  (the concurrency is what it is; spread over more workers each steps faster), at most ``_FAST_MAX_FACTOR`` x.
+
+The next throughput decision may bring a raised pool back down only through the consolidation check.
 
 Scale-down
 ----------
@@ -71,6 +79,7 @@ from collections.abc import Mapping, Sequence
 from components.fleet.model import FleetInstance, FleetSnapshot
 from components.perf.model import DEFAULT_MODEL
 from components.perf.profile import PerfModel
+from components.perf.queueing import predicted_ttft_ms
 from components.planner.config import PlannerConfig
 from components.planner.controller import PendingChange, PullOutcome, build_observation, request_totals
 from components.planner.policy import (
@@ -92,6 +101,9 @@ __all__ = ["SlaController"]
 
 _TIME_EPS_S = 1e-9  # pulls at 0, 1, ..., 30 s must make 30 s, not 29.999...
 _FAST_MAX_FACTOR = 8  # the ITL raise looks at most this many times the pool (the budget bounds it anyway)
+# The fast loop reads the load of the last 3 pulls (3 s at the default 1 s; frontends report every 1 s): short enough
+# to see a step within seconds, long enough to hold a few reports of each frontend.
+FAST_WINDOW_PULLS = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,8 +158,10 @@ class SlaController:
         self.target: dict[Pool, int] = {}  # what the planner steers to (floor, raised by the fast loop, budgeted)
         self._predicted: tuple[float, float | None, float | None] | None = None  # (rate, isl, osl) for this interval
         self._last_isl: float | None = None  # the latest prompt length heard (the fast loop's TTFT prompt)
+        self._last_osl: float | None = None  # the latest output length heard
         self._ttft_pred: list[float] = []  # this interval's fast-loop TTFT predictions (ms, uncorrected)
         self._itl_pred: list[float] = []  # and ITL
+        self._prev_wait: dict[Pool, tuple[int, float]] = {}  # each pool's (size, mean queue wait ms) at the last pull
 
     # ----------------------------------------------------------------------------------------------------------------
     # The controller's surface (PlannerController's)
@@ -162,8 +176,8 @@ class SlaController:
         running, waiting = request_totals(snap, self.model)
         self.num_pulls += 1
         loads = self._pool_loads(snap, obs)
-        aggregated = obs.prefill is None
-        fast = {pool: self._fast(pool, load, aggregated) for pool, load in loads.items()}
+        perf_of = {pool: self._pool_perf(load) for pool, load in loads.items()}
+        fast = {pool: self._fast(pool, load, obs, snap, perf_of) for pool, load in loads.items()}
         for pool, f in fast.items():
             if f.ttft_ms is not None and self._ttft_pool(obs) == pool:
                 self._ttft_pred.append(f.ttft_ms)
@@ -249,7 +263,9 @@ class SlaController:
     # ----------------------------------------------------------------------------------------------------------------
     # Fast loop
 
-    def _fast(self, pool: Pool, load: _PoolLoad, aggregated: bool) -> _Fast:
+    def _fast(
+        self, pool: Pool, load: _PoolLoad, obs: Observation, snap: FleetSnapshot, perf_of: Mapping[Pool, PerfModel]
+    ) -> _Fast:
         """The pool's mean predicted TTFT and ITL from its fresh load reports, and the size that brings a broken one
         back within target (module docstring)."""
         if not load.fresh:
@@ -259,7 +275,7 @@ class SlaController:
         ttft_ms: float | None = None
         wait_ms = own_ms = 0.0
         isl = self._last_isl
-        if (pool == Pool.PREFILL or aggregated) and isl is not None:
+        if (pool == Pool.PREFILL or obs.prefill is None) and isl is not None:
             n_isl = max(1, round(isl))
             totals, waits, owns = [], [], []
             for inst in load.fresh:
@@ -268,7 +284,7 @@ class SlaController:
                 perf = self._worker_perf(inst)
                 seqs = 0 if pool == Pool.PREFILL else s.num_running
                 kv = 0.0 if pool == Pool.PREFILL else float(s.num_kv_tokens)
-                total = consolidation.predicted_ttft_ms(perf, n_isl, s.num_waiting_prefill_tokens, seqs, kv)
+                total = predicted_ttft_ms(perf, n_isl, s.num_waiting_prefill_tokens, seqs, kv)
                 own = perf.chunked_prefill_ms(n_isl)
                 totals.append(total)
                 waits.append(total - own)
@@ -291,15 +307,41 @@ class SlaController:
 
         need: int | None = None
         reasons: list[str] = []
+        wait = self.ttft_correction * wait_ms
+        # Growth is read only between two pulls of one settled pool, every worker reporting: right after workers
+        # join, the old workers' backlog still shows alone (the new ones have not reported yet), which is no growth.
+        settled = len(load.fresh) == n and not self.pending
+        previous = self._prev_wait.get(pool)
+        previous_wait = previous[1] if previous is not None and previous[0] == n and settled else None
+        self._prev_wait[pool] = (n, wait)
         if ttft_ms is not None and self.ttft_correction * ttft_ms > cfg.ttft:
-            target, own, wait = cfg.ttft, self.ttft_correction * own_ms, self.ttft_correction * wait_ms
-            seen = f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {target:g} ms target"
-            if own >= target:
+            own = self.ttft_correction * own_ms
+            seen = f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms target"
+            recent = self._recent_load(snap)
+            size: int | None = None
+            if own >= cfg.ttft:
                 reasons.append(f"{seen}, but a prompt alone takes {own:.0f} ms: more workers do not help")
             else:
-                size = max(n + 1, math.ceil(n * wait / (target - own) - 1e-9))
-                need = size
-                reasons.append(f"{seen} ({wait:.0f} ms queue wait on {n}): {size} workers spread it within target")
+                if recent is not None:
+                    rate, r_isl, r_osl = recent
+                    sizes, _ = self._throughput_sizes(
+                        obs, [rate], [r_isl], [r_osl] if r_osl is not None else None, perf_of
+                    )
+                    size = sizes.get(pool)
+                    if size is not None and size > n:
+                        reasons.append(
+                            f"{seen}; the last {self._fast_window_s():g} s' {rate:.1f} requests/s need {size}"
+                        )
+                growing = previous_wait is not None and wait > previous_wait
+                if (size is None or size <= n) and growing:
+                    assert previous_wait is not None
+                    size = n + 1
+                    reasons.append(
+                        f"{seen} and the queue wait grows ({previous_wait:.0f} -> {wait:.0f} ms) although the load "
+                        f"{'seems served' if recent is not None else 'is unheard'}: one more, {size}"
+                    )
+                if size is not None and size > n:
+                    need = size
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             seen = f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms target"
             perf = self._pool_perf(load)
@@ -317,6 +359,32 @@ class SlaController:
                 reasons.append(f"{seen} (batch {batch:.0f} on each of {n}): {size} workers step within target")
             need = max(need or 0, size)
         return _Fast(ttft_ms, itl_ms, need, "; ".join(reasons))
+
+    def _fast_window_s(self) -> float:
+        return FAST_WINDOW_PULLS * self.config.metric_pulling_interval
+
+    def _recent_load(self, snap: FleetSnapshot) -> tuple[float, float, float | None] | None:
+        """(requests/s, mean prompt length, mean output length or None) over the request reports received in the
+        last ``FAST_WINDOW_PULLS`` pulls; None when none was heard or no prompt length is known. Each frontend's rate
+        is its requests over its reports' own intervals (a report covers its interval, not the window), summed over
+        frontends."""
+        now = snap.now_s
+        records = [r for r in snap.requests.get(self.model, ()) if now - self._fast_window_s() < r.received_s <= now]
+        if not records:
+            return None
+        counts: dict[str, list[float]] = {}
+        for r in records:
+            c = counts.setdefault(r.source, [0.0, 0.0])
+            c[0] += r.report.requests
+            c[1] += r.report.interval_s
+        rate = sum(req / span for req, span in counts.values() if span > 0)
+        requests = sum(r.report.requests for r in records)
+        finished = sum(r.report.finished for r in records)
+        isl = sum(r.report.prompt_tokens for r in records) / requests if requests else self._last_isl
+        osl = sum(r.report.output_tokens for r in records) / finished if finished else self._last_osl
+        if isl is None:
+            return None
+        return rate, isl, osl
 
     def _fast_raise(self, obs: Observation, fast: Mapping[Pool, _Fast]) -> Adjustment | None:
         """At a pull between throughput decisions: raise a pool whose fast-loop need is over what the planner steers
@@ -373,6 +441,7 @@ class SlaController:
             self._last_isl = window.mean_isl
         if window.mean_osl is not None:
             self.osl.observe(window.mean_osl)
+            self._last_osl = window.mean_osl
         sla = dataclasses.replace(
             sla,
             observed_request_rate=rate,

@@ -11,6 +11,7 @@ Numbers used throughout (ROUND: prefill 10 ms + 0.04 ms/token; decode 5 ms + 0.0
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import random
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 from components.planner.policy import Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
+from components.runtime.flags import add_model_arguments, model_from_args
 from tests.unit.planner.sla.support import MODEL, Fleet, pull
 
 pytestmark = pytest.mark.unit
@@ -80,6 +82,25 @@ def test_config_defaults_are_dynamos_where_it_has_them():
 def test_config_refuses_what_cannot_work_and_says_why(kw, message):
     with pytest.raises(ValidationError, match=message):
         SlaPlannerConfig(**kw)
+
+
+def test_flags_are_derived_from_the_config_with_units_in_their_help():
+    p = argparse.ArgumentParser()
+    add_model_arguments(p, SlaPlannerConfig)
+    args = p.parse_args(
+        ["--ttft", "300", "--load-predictor", "holt-winters", "--load-predictor-season", "5", "--no-correction"]
+    )
+    c = model_from_args(SlaPlannerConfig, args)
+    assert (c.ttft, c.itl, c.load_predictor, c.load_predictor_season, c.no_correction) == (
+        300.0,
+        50.0,
+        "holt-winters",
+        5,
+        True,
+    )
+    help_text = p.format_help()
+    for phrase in ("milliseconds", "Seconds between throughput decisions", "--max-gpu-budget", "--min-endpoint"):
+        assert phrase in help_text
 
 
 def test_a_season_is_accepted_for_holt_winters():
@@ -221,3 +242,211 @@ def test_no_oscillation_at_constant_load():
     for a, b, c in zip(moves, moves[1:], moves[2:], strict=False):  # three consecutive intervals' moves
         assert not (a * b < 0 and b * c < 0), sizes
     assert 7 <= sizes[-1] <= 8, sizes
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Scale-down, budget, fast loop, correction
+
+
+def test_pr_9294_two_decode_workers_at_0_7_kv_do_not_become_one():
+    # Two decode workers each decoding 150 sequences over 500000 KV tokens at 0.7 KV use: the decode model's step is
+    # 5 + 0.02 x 150 + 3e-5 x 500000 = 23 ms, under the ITL target 40 ms x sensitivity 0.8 = 32 ms (the PR's
+    # threshold). The load falls to 1 request/s, which one decode worker would carry; but one survivor would hold
+    # both workers' load: KV 1.4 >= 0.8 and ITL 5 + 6 + 30 = 41 ms >= 32 ms. Refused, and the reason says both.
+    fleet = Fleet(decode=2, prefill=1)
+    fleet.set_load(Pool.DECODE, kv_usage=0.7, num_running=150, batch_size=150, num_kv_tokens=500_000)
+    ctl = SlaController(config(itl=40.0), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200)
+    out = pull(ctl, fleet, 30.0)
+    assert ctl.floor[Pool.DECODE] == 1  # the throughput loop alone would go to one
+    assert out.adjustment is not None
+    d = out.adjustment.decision(Pool.DECODE)
+    assert d is not None and (d.direction, d.current, d.target) == (Direction.HOLD, 2, 2)
+    assert "scale-down to 1 refused" in d.reason and "break KV, ITL" in d.reason
+    assert "KV use 0.70 -> 1.40 >= 0.80" in d.reason and "ITL 23.0 -> 41.0 ms >= 32.0 ms" in d.reason
+    assert fleet.count(Pool.DECODE) == 2
+    # At the same constant load, every later decision refuses again: no 2 -> 1 -> 2.
+    for k in range(2, 6):
+        fleet.requests(30.0 * k, 30.0, rate=1, isl=1000, osl=200)
+        pull(ctl, fleet, 30.0 * k)
+        assert fleet.count(Pool.DECODE) == 2
+
+
+def swap_fleet() -> tuple[Fleet, SlaController]:
+    # Budget 4 GPUs, full: 2 prefill + 2 decode. The load turns decode-heavy: 50 requests/s of 100-token prompts and
+    # 1000-token outputs. Prefill: a prompt takes 10 + 4 = 14 ms, rho = 2 (0.5 - 0.014) / (1 - 0.014), one worker
+    # rho x 100 / 0.014 tokens/s; 5000 tokens/s need 0.71 -> 1. Decode: a sequence holds 100 + 500 = 600 KV tokens,
+    # a batch of b steps in 5 + 0.038 b ms, within 20 ms b = floor(15 / 0.038) = 394; 50000 tokens/s over
+    # 394 / 19.972 ms = 19727 a worker: 2.53 -> 3. Wanted (1, 3): a swap at full budget.
+    rho = 2 * (0.5 - 0.014) / (1 - 0.014)
+    assert math.ceil(5000 / (rho * 100 / 0.014)) == 1
+    assert math.ceil(50000 / (394 / (5 + 0.038 * 394) * 1e3)) == 3
+    fleet = Fleet(decode=2, prefill=2)
+    fleet.set_load(Pool.PREFILL, kv_usage=0.05)  # idle prefill workers: the check lets one go
+    fleet.set_load(Pool.DECODE, kv_usage=0.3, num_running=40, batch_size=40, num_kv_tokens=24_000)
+    ctl = SlaController(config(max_gpu_budget=4), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=50, isl=100, osl=1000)
+    return fleet, ctl
+
+
+def test_a_swap_at_full_budget_removes_first_and_adds_only_after_the_removal_ended():
+    fleet, ctl = swap_fleet()
+    gpus = []
+    out = pull(ctl, fleet, 30.0, apply=False)
+    adj = out.adjustment
+    assert adj is not None
+    assert [(d.pool, d.current, d.target) for d in adj.changes()] == [(Pool.PREFILL, 2, 1)]
+    decode = adj.decision(Pool.DECODE)
+    assert decode is not None and decode.direction == Direction.HOLD
+    assert "decode 2 -> 3 after prefill 2 -> 1" in decode.reason
+    assert (adj.gpus_before, adj.gpus_after) == (4, 3)
+    ctl.change_started(Pool.PREFILL, 2, 1)
+    # The removal is slow (a worker draining): pulls meanwhile issue nothing, the budget is never passed.
+    for t in (31.0, 32.0, 33.0):
+        assert pull(ctl, fleet, t, apply=False).adjustment is None
+        gpus.append(fleet.count(Pool.PREFILL) + fleet.count(Pool.DECODE))
+    fleet.resize(Pool.PREFILL, 1)
+    gpus.append(fleet.count(Pool.PREFILL) + fleet.count(Pool.DECODE))
+    ctl.change_ended(Pool.PREFILL)
+    out = pull(ctl, fleet, 34.0, apply=False)
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.DECODE, 2, 3)]
+    assert out.adjustment.gpus_after == 4
+    ctl.change_started(Pool.DECODE, 2, 3)
+    fleet.resize(Pool.DECODE, 3)
+    ctl.change_ended(Pool.DECODE)
+    gpus.append(fleet.count(Pool.PREFILL) + fleet.count(Pool.DECODE))
+    assert max(gpus) <= 4 and (fleet.count(Pool.PREFILL), fleet.count(Pool.DECODE)) == (1, 3)
+    assert pull(ctl, fleet, 35.0).adjustment is None
+
+
+def test_at_full_budget_a_refused_removal_holds_the_addition_instead_of_waiting_for_it():
+    # The same load, but the prefill workers are busy (8000 prompt tokens queued each: one survivor would queue
+    # 16000, 16000 x (10 + 0.04 x 8192) / 8192 + 5 + 14 = 678 ms >= 400 ms): prefill keeps 2, and the decode
+    # addition, which has no GPU, is held with the budget's reason, not issued to wait for a GPU that never frees.
+    fleet, ctl = swap_fleet()
+    fleet.set_load(Pool.PREFILL, kv_usage=0.05, num_waiting_prefill_tokens=8000)
+    out = pull(ctl, fleet, 30.0, apply=False)
+    adj = out.adjustment
+    assert adj is not None and adj.changes() == ()
+    prefill, decode = adj.decision(Pool.PREFILL), adj.decision(Pool.DECODE)
+    assert prefill is not None and "scale-down to 1 refused" in prefill.reason and "TTFT" in prefill.reason
+    assert decode is not None and decode.direction == Direction.HOLD
+    assert "over the 4-GPU budget" in decode.reason
+    assert ctl.target == {Pool.PREFILL: 2, Pool.DECODE: 2}
+    assert pull(ctl, fleet, 31.0, apply=False).adjustment is None
+
+
+def fast_fleet() -> tuple[Fleet, SlaController]:
+    # Aggregated, min_endpoint 2; 10 requests/s need 0.53 + 0.14 workers: the throughput floor is 2.
+    fleet = Fleet(decode=2)
+    ctl = SlaController(config(min_endpoint=2), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
+    pull(ctl, fleet, 30.0)
+    assert ctl.floor == {Pool.DECODE: 2} and fleet.count(Pool.DECODE) == 2
+    return fleet, ctl
+
+
+# 20000 prompt tokens waiting on a worker, nothing decoding: a new 1000-token prompt waits
+# 20000 x (10 + 0.04 x 8192) / 8192 + 5 = 829.1 ms, then computes its own 50 ms: 879 ms > the 500 ms target.
+WAIT_MS = 20000 * (10 + 0.04 * 8192) / 8192 + 5
+
+
+def test_the_fast_loop_raises_the_pool_above_the_floor_when_a_burst_builds_queues():
+    fleet, ctl = fast_fleet()
+    # A burst: the frontend's per-second reports say 60 requests/s from 31 s on.
+    for t in (31.0, 32.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+        assert pull(ctl, fleet, t).adjustment is None  # no queue yet: within target, nothing to do
+    # At 33 s the queues have built. The last 3 pulls' reports (31-33 s) say 60 requests/s, which the aggregated
+    # sizing puts at 3.17 + 0.85 = 4.02 -> 5 workers: the pool goes 2 -> 5 now, not at the next decision (60 s).
+    assert math.ceil(prefill_need(60) + decode_need(60)) == 5
+    fleet.requests(33.0, 1.0, rate=60, isl=1000, osl=200)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    out = pull(ctl, fleet, 33.0)
+    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx((WAIT_MS + 50) / 1e3)
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 5)
+    assert "fast loop: predicted TTFT 879 ms > 500 ms target; the last 3 s' 60.0 requests/s need 5" in d.reason
+    assert fleet.count(Pool.DECODE) == 5 and ctl.floor == {Pool.DECODE: 2}
+    # The burst ends and the queues drain: the fast loop never takes the pool down; the next decision does, to its
+    # floor, through the consolidation check (the workers idle). Over 30-60 s: 3 s at 60 and 27 s at 10 requests/s,
+    # 15 requests/s, needing 0.79 + 0.21 = 1.004 -> 2 workers (min_endpoint 2 anyway).
+    fleet.set_load(Pool.DECODE)
+    for t in range(34, 60):
+        fleet.requests(float(t), 1.0, rate=10, isl=1000, osl=200)
+        assert pull(ctl, fleet, float(t)).adjustment is None
+    fleet.requests(60.0, 1.0, rate=10, isl=1000, osl=200)
+    out = pull(ctl, fleet, 60.0)
+    assert out.sla is not None and out.sla.observed_request_rate == pytest.approx(15)
+    assert out.adjustment is not None and out.adjustment.decisions[0].target == 2
+    assert fleet.count(Pool.DECODE) == 2
+
+
+def test_the_fast_loop_adds_one_at_a_time_while_a_queue_grows_that_the_model_says_is_served():
+    # 10 requests/s keep arriving (2 workers are enough by the model), but queues build: the model is wrong about
+    # this engine (the correction will say so at the next decision). While the predicted wait grows the fast loop
+    # adds one worker at a time; when it stops growing, nothing more.
+    fleet, ctl = fast_fleet()
+    queues = {31.0: 20000, 32.0: 20000, 33.0: 30000}
+    sizes = []
+    for t, queued in queues.items():
+        fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
+        fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=queued)
+        out = pull(ctl, fleet, t)
+        sizes.append(fleet.count(Pool.DECODE))
+        if out.adjustment is not None:
+            assert "the queue wait grows" in out.adjustment.decisions[0].reason
+    # 31 s: 0 -> 829 ms, grows: 3. 32 s: 829 -> 829 ms: holds. 33 s: 829 -> 1244 ms: 4.
+    assert sizes == [3, 3, 4]
+
+
+def test_the_correction_factors_move_the_sizing():
+    # Aggregated, 100 requests/s (7 workers uncorrected). The workers report batch 40 over 44000 KV tokens each: the
+    # model's step is 5 + 0.8 + 1.32 = 7.12 ms, and the frontends observe 14.24 ms (2x). A new prompt's predicted
+    # TTFT is 50 ms (nothing queued); observed 100 ms (2x). Smoothing 0.5: each interval's factor is
+    # 0.5 x 2 + 0.5 x the previous one. Interval 1 has no TTFT prediction (no prompt length known before its end):
+    # at 30 s ITL goes 1.0 -> 1.5 and TTFT stays 1.0; at 60 s ITL 1.5 -> 1.75, TTFT 1.0 -> 1.5.
+    # Sizing at 60 s: a prompt takes 1.5 x 50 = 75 ms, rho = 2 (0.5 - 0.075) / (1 - 0.075), one worker
+    # rho x 1000 / 0.075 tokens/s, 100000 tokens/s need 8.16; decode steps in 1.75 (5 + 0.053 b) <= 20 ms up to
+    # b = floor((20 / 1.75 - 5) / 0.053) = 121, 20000 tokens/s over 121 / (1.75 x (5 + 0.053 x 121)) ms: 3.30.
+    # 8.16 + 3.30 = 11.46 -> 12 workers, against 7 uncorrected.
+    rho = 2 * (0.5 - 0.075) / (1 - 0.075)
+    prefill = 100000 / (rho * 1000 / 0.075)
+    assert math.floor((20 / 1.75 - 5) / 0.053) == 121
+    decode = 20000 / (121 / (1.75 * (5 + 0.053 * 121)) * 1e3)
+    assert math.ceil(prefill + decode) == 12
+    fleet = Fleet(decode=1)
+    fleet.set_load(Pool.DECODE, num_running=40, batch_size=40, num_kv_tokens=44_000)
+    ctl = SlaController(config(no_correction=False), MODEL)
+    for t in (0.0, 10.0, 20.0):
+        pull(ctl, fleet, t)
+    fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=0.01424)
+    out = pull(ctl, fleet, 30.0)
+    assert (ctl.ttft_correction, ctl.itl_correction) == (1.0, pytest.approx(1.5))
+    assert out.sla is not None and out.sla.observed_itl_s == pytest.approx(0.01424)
+    for t in (40.0, 50.0):
+        pull(ctl, fleet, t)
+    fleet.requests(60.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=0.01424)
+    out = pull(ctl, fleet, 60.0)
+    assert (ctl.ttft_correction, ctl.itl_correction) == (pytest.approx(1.5), pytest.approx(1.75))
+    assert fleet.count(Pool.DECODE) == 12
+    assert out.sla is not None and (out.sla.ttft_correction, out.sla.itl_correction) == pytest.approx((1.5, 1.75))
+
+
+def test_no_operation_reports_what_it_would_do_and_changes_nothing():
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(no_operation=True), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200)
+    out = pull(ctl, fleet, 30.0)
+    assert out.adjustment is not None and out.adjustment.no_operation and out.adjustment.changes() == ()
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.target, d.no_operation) == (Direction.UP, 7, True)
+    assert "would scale up 1 -> 7" in d.summary()
+    assert fleet.count(Pool.DECODE) == 1
+    assert pull(ctl, fleet, 31.0).adjustment is None  # not re-issued at every pull
