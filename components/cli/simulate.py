@@ -40,11 +40,13 @@ from components.cli.overrides import add_override_argument
 from components.deploy.errors import DeployError
 from components.deploy.graph import load_graph
 from components.deploy.whatif import SimulatedDeployment, WhatIfError, simulated_deployment
-from components.planner.config import PlannerConfig
+from components.planner.config import AnyPlannerConfig, PlannerConfig, SlaPlannerConfig, policy_config
+from components.planner.main import make_controller
 from components.planner.simulated import SimulatedPlanner
 from components.sim import RunResult, Sample, SimRequest, Workload, replay
 from components.sim.dynamics import DECODE, PREFILL
 from components.sim.errors import TraceFormatError
+from components.sim.replay import MODEL
 from components.sim.report import Slo, summarize
 from components.sim.workloads import from_trace
 
@@ -255,6 +257,8 @@ def _planner_board(planner: SimulatedPlanner, log_dir: Path) -> None:
         for step, p in enumerate(planner.pulls, start=1):
             out = p.outcome
             board.pull(step, out.observation, out.figures, out.running, out.waiting, p.now_s)
+            if out.sla is not None:
+                board.sla(step, out.sla, p.now_s)
             if out.adjustment is not None:
                 board.adjustment(step, out.adjustment, p.now_s)
     finally:
@@ -308,14 +312,17 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
     workload, refused = trace_slice(args, deployment.vocab_size, max_len)
     slo = Slo(args.ttft_ms / 1000.0, args.itl_ms / 1000.0)
     planner: SimulatedPlanner | None = None
-    planner_config: PlannerConfig | None = None
+    planner_config: AnyPlannerConfig | None = None
     if graph.planner is not None and not args.without_planner:
-        planner_config = PlannerConfig.model_validate(
-            {k: getattr(graph.planner, k) for k in PlannerConfig.model_fields}
-        )
+        # The graph's mode (load or sla) with the fields the section gives, as `kvmesh planner` builds it; the SLA
+        # planner's performance model is the one named by profile_results_dir, else the workers' announced ones.
+        spec = graph.planner
+        policy = set(PlannerConfig.model_fields) | set(SlaPlannerConfig.model_fields)
+        planner_config = policy_config(spec.mode, {k: getattr(spec, k) for k in spec.model_fields_set if k in policy})
         last = workload.requests[-1].arrival_s
         planner = SimulatedPlanner(
             planner_config,
+            controller=make_controller(planner_config, MODEL),
             start_s=workload.requests[0].arrival_s + args.planner_start_s,
             # Through one more adjustment after the last arrival (its pull at last + interval included).
             until_s=last + planner_config.adjustment_interval + planner_config.metric_pulling_interval,
@@ -339,6 +346,7 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         "refused_too_long": refused,
         **summarize(res, workload, fleet, slo),
         "planner": None if planner_config is None else planner_config.model_dump(mode="json"),
+        "planner_mode": None if graph.planner is None or args.without_planner else str(graph.planner.mode),
         "startup_s": args.startup_s,
         "connector_delay_s": args.connector_delay_s,
         "planner_start_s": None if planner is None else args.planner_start_s,

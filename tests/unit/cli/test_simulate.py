@@ -253,3 +253,28 @@ def test_slice_flags_are_checked(tmp_path, capsys):
             run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), "--out", str(tmp_path),
                 flag, value)  # fmt: skip
         assert e.value.code == 2
+
+
+def test_a_graph_with_an_sla_planner_runs_the_sla_controller_on_the_trace(tmp_path, capsys):
+    """mode: sla in the graph: the same command runs the SLA planner (what-if before turning it on). The heavy trace
+    (10 requests/s of 700 + 400 tokens) needs more than the one worker the graph starts with at the default targets,
+    so the SLA planner adds workers; its figures reach TensorBoard under sla/*."""
+    trace = heavy(tmp_path / "t.jsonl", 400)
+    out = tmp_path / "o"
+    argv = ["--graph", str(GRAPHS / "mock_planner.yaml"), "--trace", str(trace), "--startup-s", "2", "--no-progress"]
+    sla = ["--set", "planner.mode=sla", "--set", "planner.load_predictor=constant"]
+    code, stdout, err = run(capsys, *argv, *sla, "--out", str(out), "--no-png")
+    assert code == 0, err
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["planner_mode"] == "sla" and report["planner"]["ttft"] == 500.0
+    assert report["planner"]["adjustment_interval"] == 10  # the graph's, shared by both modes
+    ups = [a for a in report["scaling_actions"] if a["direction"] == "up"]
+    assert ups and ups[0]["from"] == 1 and report["most_workers"]["decode"] >= 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"sla/observed_request_rate", "sla/target_decode", "pull/decode_workers"} <= tags
+    rates = [e.value for e in acc.Scalars("sla/observed_request_rate")]
+    assert max(rates) == pytest.approx(10.0, rel=0.2)  # the trace's 10 requests/s, as the frontend reports count it
