@@ -306,6 +306,7 @@ class PrefillLoop:
         self.busy = False
         self._queue: WorkQueue | None = None
         self._stopping = asyncio.Event()
+        self._reporting = True  # the report loop runs while this holds (stop: why not by cancellation alone)
         self._tasks: list[asyncio.Task[None]] = []
         self._clients: dict[str, Client] = {}
 
@@ -336,6 +337,11 @@ class PrefillLoop:
                 "prefill worker %x: the item in hand is done; %d items taken, %d delivered", self.instance_id,
                 c.items, c.delivered,
             )  # fmt: skip
+        # The report loop ends at its next turn once this is False, even if the cancel below is lost: on Python 3.11
+        # asyncio.wait_for (its queue-stats read) can swallow a cancellation that lands as the read completes, and
+        # a loop that only ended by cancellation then ran on (seen once in a fresh-clone suite run: a prefill worker
+        # still alive 30 s after its item was done).
+        self._reporting = False
         for t in tasks[1:]:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -468,7 +474,7 @@ class PrefillLoop:
         assert self._queue is not None
         events = self.runtime.namespace(self.config.namespace).events
         interval_s = self.config.metrics_interval_ms / 1000
-        while True:
+        while self._reporting:
             report = PrefillQueueReport(
                 model=self.config.model,
                 waiting=0,
