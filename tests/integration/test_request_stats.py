@@ -21,11 +21,12 @@ from components.fleet.live import LiveFleet
 from components.fleet.model import RequestWindow
 from components.frontend import Frontend, FrontendConfig
 from components.protocol.endpoints import TOPIC_REQUEST_STATS
+from components.protocol.messages import RequestStatsReport
 from components.runtime import Runtime
 from components.workers.config import WorkerConfig
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 from components.workers.worker import Worker
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -206,3 +207,31 @@ async def test_a_served_model_without_traffic_is_reported_with_zeros_and_a_gone_
     await wait_until(lambda: served.window(t1, "a").reports >= 4, timeout_s=10.0)
     assert served.window(t1, "b").reports <= 2
     assert served.fleet.received[TOPIC_REQUEST_STATS] > 0 and not served.fleet.unparsed[TOPIC_REQUEST_STATS]
+
+
+async def test_the_fleet_view_names_a_report_by_its_frontends_id_and_counts_one_that_does_not_parse(
+    make_runtime, namespace
+):
+    fleet = LiveFleet(await make_runtime(), namespace)
+    await fleet.start()
+    events = (await make_runtime()).namespace(namespace).events
+    try:
+        report = RequestStatsReport(model="m", interval_s=1.0, requests=2, prompt_tokens=30)
+
+        async def heard() -> bool:  # published until the subscription is live (core NATS: only live ones receive)
+            await events.publish(TOPIC_REQUEST_STATS, report.to_dict(), source_id=0xABC)
+            return fleet.received[TOPIC_REQUEST_STATS] > 0
+
+        await wait_until_async(heard)
+        [record, *_] = fleet.snapshot().requests["m"]
+        assert (record.source, record.report) == ("abc", report)
+        # Not a report (a peer of another version): counted, not applied, and the next one still is.
+        await events.publish(TOPIC_REQUEST_STATS, {"model": "m"}, source_id=0xABC)
+        await events.publish(TOPIC_REQUEST_STATS, [1, 2], source_id=0xABC)
+        before = fleet.received[TOPIC_REQUEST_STATS]
+        await events.publish(TOPIC_REQUEST_STATS, report.to_dict(), source_id=0xDEF)
+        await wait_until(lambda: fleet.received[TOPIC_REQUEST_STATS] > before)
+        assert fleet.unparsed[TOPIC_REQUEST_STATS] == 2
+        assert fleet.snapshot().requests["m"][-1].source == "def"
+    finally:
+        await fleet.stop()
