@@ -282,6 +282,12 @@ class SlaPlannerConfig(BaseModel):
         description="holt-winters only: the load's period in adjustment intervals (e.g. 5 for a 150 s period at "
         "30 s); unset: no seasonal part (Holt's linear trend).",
     )
+    load_predictor_warmup_trace: str | None = Field(
+        default=None,
+        description="A request trace (Mooncake jsonl, Azure csv) whose arrivals, cut into adjustment intervals, "
+        "warm-start the predictors (request rate, prompt and output length) before the first live interval, at its "
+        "own timestamps (e.g. yesterday's load for today's); unset: the predictors start from the first interval.",
+    )
     no_correction: bool = Field(
         default=False,
         description="Do not correct the performance model by the observed over predicted TTFT and ITL (factors stay "

@@ -53,9 +53,11 @@ from components.planner.connectors.virtual import VirtualConnector
 from components.planner.controller import PlannerController
 from components.planner.loop import Planner
 from components.planner.sla.controller import SlaController
+from components.planner.sla.warmup import WarmupSeries, interval_series
 from components.runtime import Runtime, eventloop
 from components.runtime.flags import add_model_arguments, given_values, model_from_args
 from components.runtime.process import add_runtime_arguments, run_component
+from components.sim.traces import read_trace
 
 # Exit code for a valid command this build cannot run (argparse uses 2 for usage errors too).
 EXIT_NOT_IMPLEMENTED = 2
@@ -112,7 +114,36 @@ def make_controller(cfg: AnyPlannerConfig, model: str) -> PlannerController | Sl
     if isinstance(cfg, PlannerConfig):
         return PlannerController(cfg, model)
     perf = load_profile(cfg.profile_results_dir) if cfg.profile_results_dir else None
-    return SlaController(cfg, model, perf)
+    ctl = SlaController(cfg, model, perf)
+    if cfg.load_predictor_warmup_trace:
+        warm_start(ctl, warmup_series(cfg.load_predictor_warmup_trace, cfg.adjustment_interval))
+    return ctl
+
+
+def warmup_series(path: str, interval_s: float) -> WarmupSeries:
+    """``--load-predictor-warmup-trace``: the trace's rows with timestamps, cut into intervals (sla/warmup.py).
+    Raises ValueError (with the path) on a trace without timestamps or lengths, or shorter than one interval."""
+    rows = []
+    for row in read_trace(path):
+        if row.timestamp_s is None or row.input_length is None or row.output_length is None:
+            raise ValueError(f"{path}: row {row.index} has no timestamp or no token lengths (Mooncake or Azure)")
+        rows.append((row.timestamp_s, row.input_length, row.output_length))
+    try:
+        return interval_series(rows, interval_s)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def warm_start(ctl: SlaController, series: WarmupSeries) -> None:
+    """The controller's predictors observe the series, oldest first; the fast loop's prompt length starts at the
+    last one seen."""
+    ctl.rate.warm_start(series.rates)
+    ctl.isl.warm_start(series.isls)
+    ctl.osl.warm_start(series.osls)
+    if series.isls:
+        ctl._last_isl = series.isls[-1]
+    if series.osls:
+        ctl._last_osl = series.osls[-1]
 
 
 def endpoints_from_state(args: argparse.Namespace, run: PlannerRunConfig) -> None:
@@ -147,8 +178,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"kvmesh planner: start-up lead {measured:g} s, as kvmesh serve measured it", file=sys.stderr)
     try:
         controller = make_controller(cfg, run.served_model_name)
-    except (OSError, ProfileFormatError) as e:
-        print(f"kvmesh planner: --profile-results-dir: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # ProfileFormatError, TraceFormatError and a short trace are ValueErrors
+        print(f"kvmesh planner: --profile-results-dir / --load-predictor-warmup-trace: {e}", file=sys.stderr)
         return 2
 
     def build(runtime: Runtime) -> Planner:
