@@ -21,6 +21,23 @@ JSON on stdout's last line (the load relative to one worker's KV capacity, both 
 time differences, the verdict, the live run's request outcomes); ``--png``: the decode pool over time, live and
 simulated, over the offered load.
 
+``--mode sla`` (the issue's live check of the SLA planner; ``--mode load``, the default, is the above unchanged):
+the graph's planner runs in mode sla on both sides, with the same ``--set`` flags (``overrides``): the targets
+(``--ttft``/``--itl``, Dynamo's 500 and 50 ms), ``--load-predictor`` (constant: the live planner hears zero-load
+reports from its start until the first arrival and the simulated one does not, so a predictor with a longer memory
+would start from two different histories), the start-up lead ``--worker-startup-s`` (given, so that the live planner
+does not take another one from serve's state file), and the mock engines' step times at ``speedup_ratio`` 1 (the
+SLA planner sizes with the step-time model the workers announce, which is the modelled time: a slowed engine would
+leave its correction factors to learn the slow-down first). The defaults make one worker carry 1.63 requests/s of
+700 + 100 tokens by the planner's own model (``one_worker_capacity``: a decode batch of 9 steps in 47.2 ms within
+the 50 ms ITL, a 700-token prompt takes 80 ms); the peak is ``--peak-capacity`` (2.5) of those, so the throughput
+loop wants 3 workers at the peak and 1 at the trough (0.625 workers' worth), the budget of 4 leaving the fast loop
+room. The simulated side gets the measured start-up, as in the load mode. Added to the JSON: ``sla`` (the settings
+and one worker's capacity), ``live.requests`` (each live request's life from the load generator's results: how many
+failed, ended short, were in flight during a scale-down, and failed or ended short then), ``live.scale_downs`` (each
+scale-down's window, from its decision in the TensorBoard text to the exit of the worker it removed, from the
+planner's log) and ``verdict`` (``decisions_match`` with the pairs, ``failed_during_scale_down``).
+
 What the simulation leaves out, and can make the two differ: the frontend and NATS (a few ms per request), the
 load generator's own timing on a busy host, and the start-up's spread (one median for every worker). The live side
 runs in real time on this machine: other work on it delays the mock engines' steps and moves the live KV use.
@@ -221,7 +238,7 @@ def scale_down_windows(
     first removal line of its pool at or after it (each line once). A window whose exit the log does not show ends
     at ``end_s`` (the run's end): ``exit_seen`` False."""
     removing: list[tuple[float, str, list[str]]] = []
-    removed: dict[str, float] = {}
+    removed: list[tuple[float, str]] = []  # (time, watcher): a name comes back when the pool grows again
     for line in log_lines:
         t = log_time(line)
         if t is None:
@@ -229,7 +246,7 @@ def scale_down_windows(
         if m := _REMOVING.search(line):
             removing.append((t - t0, m.group(1), [n.strip() for n in m.group(2).split(",")]))
         elif m := _REMOVED.search(line):
-            removed.setdefault(m.group(2), t - t0)
+            removed.append((t - t0, m.group(2)))
     used: set[int] = set()
     out = []
     for a in actions:
@@ -243,11 +260,15 @@ def scale_down_windows(
             ),
             None,
         )
-        names = [] if found is None else removing[found][2]
+        names: list[str] = []
+        exits: list[float | None] = []
         if found is not None:
             used.add(found)
-        exits = [removed.get(n) for n in names]
+            at, _, names = removing[found]
+            # Each watcher's first exit after this removal began (not an earlier removal of the same name).
+            exits = [next((t for t, n in removed if n == name and t >= at), None) for name in names]
         seen = bool(names) and all(e is not None for e in exits)
+        exited = round(max(e for e in exits if e is not None), 3) if seen else None
         out.append(
             {
                 "pool": a["pool"],
@@ -255,9 +276,9 @@ def scale_down_windows(
                 "to": a["to"],
                 "decided_s": a["decided_s"],
                 "workers": names,
-                "exited_s": round(max(e for e in exits if e is not None), 3) if seen else None,
+                "exited_s": exited,
                 "exit_seen": seen,
-                "end_s": round(max(e for e in exits if e is not None), 3) if seen else end_s,
+                "end_s": exited if exited is not None else end_s,
             }
         )
     return out
@@ -559,6 +580,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lives = request_lives(live["results"], shifted, live["t0"], args.output_tokens)
         windows = scale_down_windows(live_in, live["planner_log"], live["t0"], live["stopping_s"])
         overlap = scale_down_overlap(lives, windows)
+        # Each live request's life, for reading the verdict again (a window, an error) without another run.
+        (out / "live-requests.json").write_text(json.dumps(lives) + "\n")
         capacity = one_worker_capacity(args)
         report["mode"] = "sla"
         report["sla"] = {
