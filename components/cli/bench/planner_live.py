@@ -365,6 +365,39 @@ def compare(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: 
     }
 
 
+def align(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: float) -> dict[str, Any]:
+    """The most pairs of the same action (pool, direction, from, to) within ``tolerance_s`` that keep both lists'
+    order, allowing an action on either side with no counterpart (a longest common subsequence): where ``compare``
+    stops at the first difference, this says how much of the rest still agrees. Informational; the verdict is
+    ``compare``'s."""
+    keys = ("pool", "direction", "from", "to")
+
+    def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return all(a[f] == b[f] for f in keys) and abs(a["decided_s"] - b["decided_s"]) <= tolerance_s + 1e-9
+
+    n, m = len(live), len(sim)
+    best = [[0] * (m + 1) for _ in range(n + 1)]  # best[i][j]: pairs within live[i:] and sim[j:]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            best[i][j] = max(best[i + 1][j], best[i][j + 1], best[i + 1][j + 1] + 1 if same(live[i], sim[j]) else 0)
+    pairs, i, j = [], 0, 0
+    while i < n and j < m:
+        if same(live[i], sim[j]) and best[i][j] == best[i + 1][j + 1] + 1:
+            pairs.append((i, j))
+            i, j = i + 1, j + 1
+        elif best[i + 1][j] >= best[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    paired_live, paired_sim = {a for a, _ in pairs}, {b for _, b in pairs}
+    return {
+        "matched": len(pairs),
+        "pairs": [[a, b] for a, b in pairs],  # indices into the live and simulated action lists
+        "live_unmatched": [k for k in range(n) if k not in paired_live],
+        "sim_unmatched": [k for k in range(m) if k not in paired_sim],
+    }
+
+
 def _read_board(log_dir: Path) -> tuple[list[tuple[float, str]], list[tuple[float, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -605,6 +638,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "failed_during_scale_down": overlap["failed_during_scale_down"],
             "in_flight_during_scale_down": overlap["in_flight_during_scale_down"],
             "scale_down_exits_seen": all(w["exit_seen"] for w in windows),
+            "aligned": align(live_in, sim_actions, args.adjustment_interval),
         }
     if args.png:
         png = out / "planner-live.png"

@@ -12,6 +12,7 @@ import pytest
 from components.cli.bench.planner_live import (
     ROOT,
     add_arguments,
+    align,
     compare,
     log_time,
     one_worker_capacity,
@@ -76,6 +77,20 @@ def test_sequences_match_pair_by_pair_within_one_interval():
     assert not missing["same_sequence"] and missing["pairs"][1]["sim"] is None
     wrong = compare(live, [act("up", 1, 2, 35.0), act("up", 2, 3, 55.0)], 10.0)
     assert not wrong["same_sequence"] and [p["match"] for p in wrong["pairs"]] == [True, False]
+
+
+def test_alignment_skips_an_action_one_side_has_and_the_other_not():
+    # Live took one more step up (2 -> 3) and so came down 3 -> 1 where the simulation came down 2 -> 1; after that
+    # both went up 1 -> 2 within a second. In order, pairing stops agreeing at the second action; aligned, the first
+    # and the last pair (2 of 4 live, 2 of 3 simulated), and 3 -> 1 vs 2 -> 1 are different actions.
+    live = [act("up", 1, 2, 8.8), act("up", 2, 3, 9.8), act("down", 3, 1, 18.8), act("up", 1, 2, 25.8)]
+    sim = [act("up", 1, 2, 8.8), act("down", 2, 1, 18.8), act("up", 1, 2, 26.8)]
+    assert compare(live, sim, 10.0)["matched"] == 1
+    a = align(live, sim, 10.0)
+    assert (a["matched"], a["pairs"], a["live_unmatched"], a["sim_unmatched"]) == (2, [[0, 0], [3, 2]], [1, 2], [1])
+    # The same action too far apart in time is no pair: the last one 10.5 s apart.
+    late = [*sim[:2], act("up", 1, 2, 36.3)]
+    assert align(live, late, 10.0)["matched"] == 1
 
 
 def test_the_live_planners_phase_is_its_first_adjustment_modulo_the_interval():
