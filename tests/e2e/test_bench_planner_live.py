@@ -44,3 +44,43 @@ def test_the_planner_live_and_simulated_on_one_short_sinusoid(tmp_path):
     pairs = r["comparison"]["pairs"]
     assert len(pairs) == max(len(r["live"]["actions"]), len(r["simulated"]["actions"]))
     assert all(set(p) == {"live", "sim", "dt_s", "match"} for p in pairs)
+
+
+def test_the_sla_planner_live_and_simulated_on_one_short_sinusoid_losing_nothing_to_a_scale_down(tmp_path):
+    out = tmp_path / "sla"
+    # The sla mode's defaults: one worker carries 1.63 requests/s of 700 + 100 tokens within 500 ms TTFT and 50 ms
+    # ITL by the SLA planner's model (tests/unit/cli/test_bench_planner_live.py derives it), and the peak is 2.5 of
+    # those, ~4.1 requests/s: the pool must grow from its one worker, and shrink again as the load falls back to 25%.
+    # 24 s of load, decisions every 2 s, pulls every 0.5 s.
+    argv = ["--mode", "sla", "--out", str(out), "--period-s", "24", "--duration-s", "24", "--adjustment-interval",
+            "2", "--metric-pulling-interval", "0.5", "--no-png"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "components.cli.main", "bench", "planner-live", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r == json.loads((out / "planner-live.json").read_text())
+    assert r["mode"] == "sla" and r["sla"]["load_predictor"] == "constant"
+    assert r["sla"]["one_worker"]["requests_per_s"] == pytest.approx(1.6331, abs=1e-4)
+    assert r["sla"]["peak_capacity"] == pytest.approx(2.5, abs=1e-3)
+    # Both sides scaled; the live side's actions are the SLA planner's (its reasons name its numbers).
+    live, sim = r["live"]["actions"], r["simulated"]["actions"]
+    assert live and sim, (live, sim)
+    assert live[0]["direction"] == "up" and live[0]["from"] == 1
+    assert any(k in live[0]["reason"] for k in ("req/s", "fast loop")), live[0]["reason"]
+    v = r["verdict"]
+    assert set(v) >= {"decisions_match", "pairs", "tolerance_s", "failed_during_scale_down"}
+    assert isinstance(v["decisions_match"], bool) and v["tolerance_s"] == 2.0
+    assert len(v["pairs"]) == max(len(live), len(sim))
+    assert all(set(p) == {"live", "sim", "dt_s", "match"} for p in v["pairs"])
+    # Every live request is accounted for, and none that was in flight while a worker left failed or ended short.
+    reqs = r["live"]["requests"]
+    assert reqs["requests"] == r["requests"] > 0
+    assert v["failed_during_scale_down"] == reqs["failed_during_scale_down"] == 0, reqs["failed_examples"]
+    downs = [a for a in live if a["direction"] == "down"]
+    assert len(r["live"]["scale_downs"]) == len(downs)
+    assert all(w["end_s"] >= w["decided_s"] for w in r["live"]["scale_downs"])

@@ -21,6 +21,23 @@ JSON on stdout's last line (the load relative to one worker's KV capacity, both 
 time differences, the verdict, the live run's request outcomes); ``--png``: the decode pool over time, live and
 simulated, over the offered load.
 
+``--mode sla`` (the issue's live check of the SLA planner; ``--mode load``, the default, is the above unchanged):
+the graph's planner runs in mode sla on both sides, with the same ``--set`` flags (``overrides``): the targets
+(``--ttft``/``--itl``, Dynamo's 500 and 50 ms), ``--load-predictor`` (constant: the live planner hears zero-load
+reports from its start until the first arrival and the simulated one does not, so a predictor with a longer memory
+would start from two different histories), the start-up lead ``--worker-startup-s`` (given, so that the live planner
+does not take another one from serve's state file), and the mock engines' step times at ``speedup_ratio`` 1 (the
+SLA planner sizes with the step-time model the workers announce, which is the modelled time: a slowed engine would
+leave its correction factors to learn the slow-down first). The defaults make one worker carry 1.63 requests/s of
+700 + 100 tokens by the planner's own model (``one_worker_capacity``: a decode batch of 9 steps in 47.2 ms within
+the 50 ms ITL, a 700-token prompt takes 80 ms); the peak is ``--peak-capacity`` (2.5) of those, so the throughput
+loop wants 3 workers at the peak and 1 at the trough (0.625 workers' worth), the budget of 4 leaving the fast loop
+room. The simulated side gets the measured start-up, as in the load mode. Added to the JSON: ``sla`` (the settings
+and one worker's capacity), ``live.requests`` (each live request's life from the load generator's results: how many
+failed, ended short, were in flight during a scale-down, and failed or ended short then), ``live.scale_downs`` (each
+scale-down's window, from its decision in the TensorBoard text to the exit of the worker it removed, from the
+planner's log) and ``verdict`` (``decisions_match`` with the pairs, ``failed_during_scale_down``).
+
 What the simulation leaves out, and can make the two differ: the frontend and NATS (a few ms per request), the
 load generator's own timing on a busy host, and the start-up's spread (one median for every worker). The live side
 runs in real time on this machine: other work on it delays the mock engines' steps and moves the live KV use.
@@ -41,15 +58,39 @@ from pathlib import Path
 from typing import Any
 
 from components.cli.bench.loadgen import LoadConfig, run_load
+from components.cli.bench.loadgen.stats import RequestResult
 from components.cli.bench.scaling import Sinusoid, arrival_times
-from components.deploy.graph import load_graph
-from components.deploy.state import read_state, resolve_state_dir
+from components.deploy.graph import load_graph, planner_watcher
+from components.deploy.state import log_path, read_state, resolve_state_dir
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.runtime import Runtime, RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK_TOKENS = 512  # tokens per Mooncake hash id (components.sim.traces.MooncakeBlocks)
 _DECISION = re.compile(r"^(decode|prefill): scale (up|down) (\d+) -> (\d+) \((.*)\)$")
+# The local connector's log lines (components/planner/connectors/local.py) that bound a removal: the watchers a
+# scale-down removes, and each one's exit.
+_REMOVING = re.compile(r"(decode|prefill) pool: \d+ -> \d+ workers: removing (.+)$")
+_REMOVED = re.compile(r"(decode|prefill) pool: (\S+) drained, exited and removed in ")
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+# A log line's time has whole milliseconds (truncated) and is written just after the TensorBoard wall time of the
+# decision it follows: a line up to this much "before" the decision still follows it.
+_LOG_SLACK_S = 0.005
+
+# Per mode, the defaults of the flags whose right value depends on it (None on the command line: this).
+MODE_DEFAULTS: dict[str, dict[str, float]] = {
+    # The load planner (KV-use thresholds): a 0.2x-speed worker, so that a few requests/s fill its cache.
+    "load": {"period_s": 120.0, "duration_s": 240.0, "peak_rps": 8.0, "speedup_ratio": 0.2},
+    # The SLA planner: real time (speedup_ratio 1), because the planner sizes pools with the step-time model the
+    # workers announce, which is the modelled time, not the wall time a slowed engine takes; at 0.2x its correction
+    # factors would have to learn 5x first. One cycle of the sinusoid (trough, peak, trough) in 120 s. The peak
+    # comes from --peak-capacity (SLA_PEAK_CAPACITY), not a fixed rate.
+    "sla": {"period_s": 120.0, "duration_s": 120.0, "speedup_ratio": 1.0},
+}
+# The mock engines' step-time coefficients the sla mode sets (--decode-base-ms and friends; the rest keep the
+# defaults of components.perf.model), chosen so that one worker is worth a load this host can send (module docstring).
+SLA_STEP_FIELDS = ("decode_base_ms", "decode_ms_per_seq", "prefill_base_ms", "prefill_ms_per_token")
+SLA_PEAK_CAPACITY = 2.5  # the sinusoid's peak in workers' worth (one worker's capacity by the SLA planner's model)
 
 
 def _kvmesh(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -75,6 +116,8 @@ def write_trace(path: Path, arrivals: list[float], prompt_tokens: int, output_to
 
 
 def overrides(args: argparse.Namespace, log_dir: Path | None) -> list[str]:
+    """The ``--set`` flags both sides get (``kvmesh serve`` and ``kvmesh simulate``), and the live planner's
+    TensorBoard directory when ``log_dir`` is given. ``args`` as ``resolve_mode_defaults`` leaves them."""
     sets = [
         "frontend.port=0",
         f"workers[0].num_gpu_blocks={args.num_gpu_blocks}",
@@ -83,9 +126,64 @@ def overrides(args: argparse.Namespace, log_dir: Path | None) -> list[str]:
         f"planner.metric_pulling_interval={args.metric_pulling_interval}",
         f"planner.max_gpu_budget={args.max_gpu_budget}",
     ]
+    if getattr(args, "mode", "load") == "sla":
+        sets += [
+            "planner.mode=sla",
+            f"planner.ttft={args.ttft}",
+            f"planner.itl={args.itl}",
+            f"planner.load_predictor={args.load_predictor}",
+            # Given, not left to the live planner's own reading of serve's state file: the simulated planner gets
+            # the same lead from the same --set.
+            f"planner.worker_startup_s={args.worker_startup_s}",
+            *(f"workers[0].{name}={getattr(args, name)}" for name in SLA_STEP_FIELDS),
+        ]
     if log_dir is not None:
         sets.append(f"planner.log_dir={log_dir}")
     return [x for s in sets for x in ("--set", s)]
+
+
+def resolve_mode_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every flag left unset (None) at its mode's default (``MODE_DEFAULTS``); the sla mode's peak rate
+    is ``--peak-capacity`` workers' worth of one worker's capacity (``one_worker_capacity``) unless ``--peak-rps``
+    is given. Returns a new namespace."""
+    out = argparse.Namespace(**vars(args))
+    mode = getattr(out, "mode", "load")
+    for name, value in MODE_DEFAULTS[mode].items():
+        if getattr(out, name, None) is None:
+            setattr(out, name, value)
+    if mode == "sla" and out.peak_rps is None:
+        out.peak_rps = round(out.peak_capacity * one_worker_capacity(out)["requests_per_s"], 3)
+    return out
+
+
+def one_worker_capacity(args: argparse.Namespace) -> dict[str, float]:
+    """The requests/s one worker of the graph (as the overrides configure it) carries within the TTFT and ITL
+    targets, by the SLA planner's own model: ``replicas.prefill_workers`` and ``replicas.decode_workers`` at 1
+    request/s of ``--prompt-tokens``/``--output-tokens``, summed as ``SlaController`` sizes an aggregated pool
+    (prefill demand over the utilisation that keeps the M/D/1 queue wait within the TTFT target, plus decode demand
+    over the best batch's tokens/s within the ITL target); uncorrected (factors 1.0)."""
+    from components.deploy.whatif import simulated_deployment
+    from components.planner.config import SlaPlannerConfig
+    from components.planner.sla import replicas
+
+    perf = simulated_deployment(load_graph(ROOT / args.graph, overrides(args, None)[1::2])).fleet.decode_config
+    model = perf.step_time_model
+    queue_wait = SlaPlannerConfig().queue_wait  # the planner's default; the bench does not change it
+    _, sp = replicas.prefill_workers(1.0, args.prompt_tokens, model, args.ttft / 1e3, queue_wait=queue_wait)
+    _, sd = replicas.decode_workers(1.0, args.prompt_tokens, args.output_tokens, model, args.itl / 1e3)
+    pm, dm = sp.metrics, sd.metrics
+    prefill_share = pm["demand_tokens_per_s"] / (pm["max_utilisation"] * pm["worker_tokens_per_s"])
+    decode_share = dm["demand_tokens_per_s"] / dm["worker_tokens_per_s"]
+    return {
+        "requests_per_s": round(1.0 / (prefill_share + decode_share), 4),
+        "prefill_share": round(prefill_share, 4),  # workers' worth per request/s
+        "decode_share": round(decode_share, 4),
+        "prefill_ms": round(pm["prefill_s"] * 1e3, 3),
+        "prefill_max_utilisation": round(pm["max_utilisation"], 4),
+        "decode_batch": dm["batch"],
+        "decode_step_ms": round(dm["step_s"] * 1e3, 3),
+        "decode_tokens_per_s": round(dm["worker_tokens_per_s"], 2),
+    }
 
 
 def parse_decisions(texts: list[tuple[float, str]], t0: float) -> list[dict[str, Any]]:
@@ -121,6 +219,114 @@ def startup_delays(actions: list[dict[str, Any]], pool_series: list[tuple[float,
         if seen:
             out.append(round(seen[0] - a["decided_s"], 3))
     return out
+
+
+def log_time(line: str) -> float | None:
+    """The wall time of a log line (``2026-11-28 14:03:37,123 INFO ...``, local time); None for another line."""
+    m = _LOG_TIME.match(line)
+    if m is None:
+        return None
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+
+
+def scale_down_windows(
+    actions: list[dict[str, Any]], log_lines: list[str], t0: float, end_s: float
+) -> list[dict[str, Any]]:
+    """Each scale-down in ``actions`` (times relative to ``t0``) as the span in which a request could be lost to it:
+    from its decision to the exit of the last worker it removed. The local connector logs which watchers a removal
+    takes ("pool: 3 -> 2 workers: removing X") and when each has "drained, exited and removed"; a decision takes the
+    first removal line of its pool at or after it (each line once). A window whose exit the log does not show ends
+    at ``end_s`` (the run's end): ``exit_seen`` False."""
+    removing: list[tuple[float, str, list[str]]] = []
+    removed: list[tuple[float, str]] = []  # (time, watcher): a name comes back when the pool grows again
+    for line in log_lines:
+        t = log_time(line)
+        if t is None:
+            continue
+        if m := _REMOVING.search(line):
+            removing.append((t - t0, m.group(1), [n.strip() for n in m.group(2).split(",")]))
+        elif m := _REMOVED.search(line):
+            removed.append((t - t0, m.group(2)))
+    used: set[int] = set()
+    out = []
+    for a in actions:
+        if a["direction"] != "down":
+            continue
+        found = next(
+            (
+                k
+                for k, (t, pool, _) in enumerate(removing)
+                if k not in used and pool == a["pool"] and t >= a["decided_s"] - _LOG_SLACK_S
+            ),
+            None,
+        )
+        names: list[str] = []
+        exits: list[float | None] = []
+        if found is not None:
+            used.add(found)
+            at, _, names = removing[found]
+            # Each watcher's first exit after this removal began (not an earlier removal of the same name).
+            exits = [next((t for t, n in removed if n == name and t >= at), None) for name in names]
+        seen = bool(names) and all(e is not None for e in exits)
+        exited = round(max(e for e in exits if e is not None), 3) if seen else None
+        out.append(
+            {
+                "pool": a["pool"],
+                "from": a["from"],
+                "to": a["to"],
+                "decided_s": a["decided_s"],
+                "workers": names,
+                "exited_s": exited,
+                "exit_seen": seen,
+                "end_s": exited if exited is not None else end_s,
+            }
+        )
+    return out
+
+
+def request_lives(
+    results: list[dict[str, Any]], sends_s: list[float], t0: float, output_tokens: int
+) -> list[dict[str, Any]]:
+    """The live requests' lives relative to ``t0`` from the load generator's results (``RequestResult`` fields plus
+    ``ended``, the wall time the result came back): a completed request starts ``e2e_s`` before it ended; a failed one
+    (no ``e2e_s``) at its scheduled send, ``sends_s[index]`` (the real send is at most the dispatch lag later, so its
+    life can only look longer). ``failed``: an error; ``short``: completed with fewer than ``output_tokens``."""
+    out = []
+    for r in sorted(results, key=lambda r: r["index"]):
+        end = r["ended"] - t0
+        start = end - r["e2e_s"] if r.get("e2e_s") is not None else sends_s[r["index"]]
+        failed = r.get("error") is not None
+        out.append(
+            {
+                "index": r["index"],
+                "start_s": round(start, 3),
+                "end_s": round(end, 3),
+                "failed": failed,
+                "short": not failed and r.get("output_tokens", 0) < output_tokens,
+                "error": r.get("error"),
+            }
+        )
+    return out
+
+
+def scale_down_overlap(lives: list[dict[str, Any]], windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Requests whose life ``[start_s, end_s]`` overlaps a scale-down window ``[decided_s, end_s]``: how many, and
+    how many of those failed or ended short (``failed_during_scale_down``), with the run's totals."""
+    bad = [x for x in lives if x["failed"] or x["short"]]
+
+    def overlaps(x: dict[str, Any]) -> bool:
+        return any(x["start_s"] < w["end_s"] and x["end_s"] > w["decided_s"] for w in windows)
+
+    during = [x for x in lives if overlaps(x)]
+    bad_during = [x for x in during if x["failed"] or x["short"]]
+    return {
+        "requests": len(lives),
+        "failed": sum(1 for x in lives if x["failed"]),
+        "ended_short": sum(1 for x in lives if x["short"]),
+        "in_flight_during_scale_down": len(during),
+        "failed_during_scale_down": len(bad_during),
+        "failed_examples": [{k: x[k] for k in ("index", "start_s", "end_s", "error")} for x in bad[:5]],
+    }
 
 
 def planner_phase_s(adjustments_s: list[float], adjustment_interval: float) -> float:
@@ -159,6 +365,39 @@ def compare(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: 
     }
 
 
+def align(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: float) -> dict[str, Any]:
+    """The most pairs of the same action (pool, direction, from, to) within ``tolerance_s`` that keep both lists'
+    order, allowing an action on either side with no counterpart (a longest common subsequence): where ``compare``
+    stops at the first difference, this says how much of the rest still agrees. Informational; the verdict is
+    ``compare``'s."""
+    keys = ("pool", "direction", "from", "to")
+
+    def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return all(a[f] == b[f] for f in keys) and abs(a["decided_s"] - b["decided_s"]) <= tolerance_s + 1e-9
+
+    n, m = len(live), len(sim)
+    best = [[0] * (m + 1) for _ in range(n + 1)]  # best[i][j]: pairs within live[i:] and sim[j:]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            best[i][j] = max(best[i + 1][j], best[i][j + 1], best[i + 1][j + 1] + 1 if same(live[i], sim[j]) else 0)
+    pairs, i, j = [], 0, 0
+    while i < n and j < m:
+        if same(live[i], sim[j]) and best[i][j] == best[i + 1][j + 1] + 1:
+            pairs.append((i, j))
+            i, j = i + 1, j + 1
+        elif best[i + 1][j] >= best[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    paired_live, paired_sim = {a for a, _ in pairs}, {b for _, b in pairs}
+    return {
+        "matched": len(pairs),
+        "pairs": [[a, b] for a, b in pairs],  # indices into the live and simulated action lists
+        "live_unmatched": [k for k in range(n) if k not in paired_live],
+        "sim_unmatched": [k for k in range(m) if k not in paired_sim],
+    }
+
+
 def _read_board(log_dir: Path) -> tuple[list[tuple[float, str]], list[tuple[float, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -189,6 +428,7 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
     if started.returncode != 0:
         raise RuntimeError(f"kvmesh serve failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
     namespace = ""
+    results: list[dict[str, Any]] = []
     try:
         state = read_state(next(state_dir.glob("*.json")))
         namespace = state.namespace
@@ -203,9 +443,17 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
         finally:
             await rt.shutdown(drain_timeout_s=1)
         vocab = load_graph(ROOT / args.graph, overrides(args, None)[1::2]).workers[0]
+
+        def ended(r: RequestResult) -> None:
+            results.append(
+                {"index": r.index, "ended": time.time(), "error": r.error, "e2e_s": r.e2e_s,
+                 "output_tokens": r.output_tokens}
+            )  # fmt: skip
+
         t0 = time.time()
         load = await run_load(
-            LoadConfig(
+            on_result=ended,
+            config=LoadConfig(
                 url=state.frontend_url,
                 model=args.model,
                 trace=str(trace),
@@ -217,17 +465,27 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
                 seed=args.seed,
                 pids=[p.pid for p in state.all_processes()],
                 progress=False,
-            )
+            ),
         )
         # The planner decides on: give it one more adjustment interval after the load to make its last decision.
         await asyncio.sleep(args.adjustment_interval + args.metric_pulling_interval)
     finally:
+        stopping = time.time()
         if namespace:
             stopped = await asyncio.to_thread(_kvmesh, "stop", namespace, "--state-dir", str(state_dir))
             if stopped.returncode != 0:
                 print(f"bench planner-live: kvmesh stop {namespace}: {stopped.stderr[-1000:]}", file=sys.stderr)
     texts, pools = _read_board(log_dir)
-    return {"t0": t0, "load": load, "texts": texts, "pools": [(round(w - t0, 3), n) for w, n in pools]}
+    planner_log = log_path(state_dir, planner_watcher(namespace))
+    return {
+        "t0": t0,
+        "load": load,
+        "texts": texts,
+        "pools": [(round(w - t0, 3), n) for w, n in pools],
+        "results": results,
+        "stopping_s": round(stopping - t0, 3),
+        "planner_log": planner_log.read_text(errors="replace").splitlines() if planner_log.exists() else [],
+    }
 
 
 def _simulate(args: argparse.Namespace, trace: Path, startup_s: float, phase_s: float, out: Path) -> dict[str, Any]:
@@ -284,6 +542,8 @@ def _alone_s(args: argparse.Namespace) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    args = resolve_mode_defaults(args)
+    sla = args.mode == "sla"
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     sin = Sinusoid(args.period_s, args.duration_s, args.low, args.high)
@@ -348,6 +608,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "comparison": verdict,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
+    if sla:
+        # Only the sla mode adds these (the load mode's JSON stays as it was).
+        lives = request_lives(live["results"], shifted, live["t0"], args.output_tokens)
+        windows = scale_down_windows(live_in, live["planner_log"], live["t0"], live["stopping_s"])
+        overlap = scale_down_overlap(lives, windows)
+        # Each live request's life, for reading the verdict again (a window, an error) without another run.
+        (out / "live-requests.json").write_text(json.dumps(lives) + "\n")
+        capacity = one_worker_capacity(args)
+        report["mode"] = "sla"
+        report["sla"] = {
+            "ttft_ms": args.ttft,
+            "itl_ms": args.itl,
+            "load_predictor": args.load_predictor,
+            "worker_startup_s": args.worker_startup_s,
+            "lead_intervals": math.ceil(args.worker_startup_s / args.adjustment_interval - 1e-9),
+            "speedup_ratio": args.speedup_ratio,
+            "step_time": {name: getattr(args, name) for name in SLA_STEP_FIELDS},
+            "one_worker": capacity,
+            "peak_capacity": round(args.peak_rps * args.high / capacity["requests_per_s"], 3),
+            "trough_capacity": round(args.peak_rps * args.low / capacity["requests_per_s"], 3),
+        }
+        report["live"]["requests"] = overlap
+        report["live"]["scale_downs"] = windows
+        report["verdict"] = {
+            "decisions_match": verdict["same_sequence"],
+            "pairs": verdict["pairs"],
+            "tolerance_s": verdict["tolerance_s"],
+            "failed_during_scale_down": overlap["failed_during_scale_down"],
+            "in_flight_during_scale_down": overlap["in_flight_during_scale_down"],
+            "scale_down_exits_seen": all(w["exit_seen"] for w in windows),
+            "aligned": align(live_in, sim_actions, args.adjustment_interval),
+        }
     if args.png:
         png = out / "planner-live.png"
         report["png"] = str(png) if _draw(png, shifted, live["pools"], sim["pools"], live_in) else None
@@ -356,19 +648,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mode",
+        choices=("load", "sla"),
+        default="load",
+        help="the planner to check: load (Dynamo's KV-use thresholds, the default) or sla (TTFT and ITL targets; sets "
+        "the graph's planner to mode sla with the --ttft/--itl targets and the mock engines' step times below)",
+    )
     p.add_argument("--graph", default="graphs/mock_planner.yaml", help="graph with a planner: section to serve")
     p.add_argument("--model", default="tiny-llama", help="model name the graph serves")
     p.add_argument("--out", default="runs/planner-live", help="directory for the trace, TensorBoard files and JSON")
-    p.add_argument("--period-s", type=float, default=120.0, help="sinusoid period, seconds (default 120)")
-    p.add_argument("--duration-s", type=float, default=240.0, help="load duration, seconds (default 240)")
+    p.add_argument("--period-s", type=float, default=None, help="sinusoid period, seconds (default 120)")
+    p.add_argument(
+        "--duration-s", type=float, default=None, help="load duration, seconds (default 240; sla: 120, one period)"
+    )
     p.add_argument("--low", type=float, default=0.25, help="trough as a fraction of --peak-rps (default 0.25)")
     p.add_argument("--high", type=float, default=1.0, help="peak as a fraction of --peak-rps (default 1.0)")
     p.add_argument(
         "--peak-rps",
         type=float,
-        default=8.0,
+        default=None,
         help="arrival rate at the sinusoid's peak, requests/s (default 8; the JSON states the requests in flight it "
-        "offers, by Little's law with one request's simulated time, against one worker's cache)",
+        "offers, by Little's law with one request's simulated time, against one worker's cache; sla: "
+        "--peak-capacity workers' worth)",
+    )
+    p.add_argument(
+        "--peak-capacity",
+        type=float,
+        default=SLA_PEAK_CAPACITY,
+        help="sla, without --peak-rps: the peak in workers' worth of one worker's capacity as the SLA planner's model "
+        "computes it (in the JSON: sla.one_worker); default 2.5: the throughput loop needs 3 workers at the peak and "
+        "1 at the trough (25%% of it, 0.625 workers' worth), so the pool moves 1 -> 3 -> 1, and the budget of 4 "
+        "leaves the fast loop one worker of room",
     )
     p.add_argument("--prompt-tokens", type=int, default=700, help="prompt tokens per request (default 700)")
     p.add_argument("--output-tokens", type=int, default=100, help="output tokens per request (default 100)")
@@ -382,9 +693,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speedup-ratio",
         type=float,
-        default=0.2,
+        default=None,
         help="the mock engines' speed (default 0.2: five times slower than the modelled H100, so that a request "
-        "lives seconds and a few requests/s fill a cache without making this host's frontend the bottleneck)",
+        "lives seconds and a few requests/s fill a cache without making this host's frontend the bottleneck; sla: "
+        "1, since the SLA planner sizes with the announced, modelled step times: the slow-down is in the step times)",
+    )
+    # The sla mode's targets and step times. Dynamo's default targets; step times ~4-8x an H100's decode, so that one
+    # worker carries ~1.6 requests/s of 700 + 100 tokens (a batch of 9 within 50 ms: 20 + 3 x 9 + 0.03 us x 6750 KV
+    # tokens = 47.2 ms; a 700-token prompt in 80 ms) and the sinusoid's peak of 2.5 workers' worth is ~4 requests/s,
+    # less than the load planner's 8 that this host sends. The decode batch of 9 stays under the 21 requests one
+    # worker's 1024-block cache holds (the SLA planner's decode sizing does not look at the cache).
+    p.add_argument("--ttft", type=float, default=500.0, help="sla: TTFT target, ms (default 500, Dynamo's)")
+    p.add_argument("--itl", type=float, default=50.0, help="sla: inter-token latency target, ms (default 50, Dynamo's)")
+    p.add_argument(
+        "--load-predictor",
+        default="constant",
+        choices=("constant", "holt-winters", "kalman"),
+        help="sla: the planner's load predictor (default constant: the live planner hears zero-load reports from its "
+        "start until the first arrival, the simulated one starts at the first arrival; a predictor that remembers "
+        "more than the last interval would see two different histories)",
+    )
+    p.add_argument(
+        "--worker-startup-s",
+        type=float,
+        default=5.0,
+        help="sla: the planner's start-up lead, seconds, given to both sides (default 5: a mock worker here registers "
+        "1-3 s after it is asked for; any value in (0, 10] is a lead of one 10-s interval)",
+    )
+    p.add_argument(
+        "--decode-base-ms", type=float, default=20.0, help="sla: the mock step's decode base, ms (default 20)"
+    )
+    p.add_argument("--decode-ms-per-seq", type=float, default=3.0, help="sla: decode cost per sequence, ms (default 3)")
+    p.add_argument("--prefill-base-ms", type=float, default=10.0, help="sla: the prefill base, ms (default 10)")
+    p.add_argument(
+        "--prefill-ms-per-token", type=float, default=0.1, help="sla: prefill cost per prompt token, ms (default 0.1)"
     )
     p.add_argument("--adjustment-interval", type=float, default=10.0, help="planner decisions every S s (default 10)")
     p.add_argument("--metric-pulling-interval", type=float, default=1.0, help="planner pulls every S s (default 1)")
@@ -411,5 +753,13 @@ def main(args: argparse.Namespace) -> int:
         f"{v['matched']} matched within {v['tolerance_s']:g} s; same sequence: {v['same_sequence']}",
         file=sys.stderr,
     )
+    if "verdict" in report:
+        r = report["live"]["requests"]
+        print(
+            f"live requests: {r['failed']} failed, {r['ended_short']} ended short of {r['requests']}; "
+            f"{r['in_flight_during_scale_down']} in flight during a scale-down, "
+            f"{r['failed_during_scale_down']} of them failed or short",
+            file=sys.stderr,
+        )
     print(json.dumps(report))
     return 0

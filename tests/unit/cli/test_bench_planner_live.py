@@ -3,17 +3,30 @@ TensorBoard text, the start-up measured from the pool's pulls, and the pairing o
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import pytest
 
 from components.cli.bench.planner_live import (
+    ROOT,
+    add_arguments,
+    align,
     compare,
+    log_time,
+    one_worker_capacity,
+    overrides,
     parse_decisions,
     planner_phase_s,
+    request_lives,
+    resolve_mode_defaults,
+    scale_down_overlap,
+    scale_down_windows,
     startup_delays,
     write_trace,
 )
+from components.deploy.graph import load_graph
 from components.sim.traces import read_trace
 
 pytestmark = pytest.mark.unit
@@ -66,7 +79,156 @@ def test_sequences_match_pair_by_pair_within_one_interval():
     assert not wrong["same_sequence"] and [p["match"] for p in wrong["pairs"]] == [True, False]
 
 
+def test_alignment_skips_an_action_one_side_has_and_the_other_not():
+    # Live took one more step up (2 -> 3) and so came down 3 -> 1 where the simulation came down 2 -> 1; after that
+    # both went up 1 -> 2 within a second. In order, pairing stops agreeing at the second action; aligned, the first
+    # and the last pair (2 of 4 live, 2 of 3 simulated), and 3 -> 1 vs 2 -> 1 are different actions.
+    live = [act("up", 1, 2, 8.8), act("up", 2, 3, 9.8), act("down", 3, 1, 18.8), act("up", 1, 2, 25.8)]
+    sim = [act("up", 1, 2, 8.8), act("down", 2, 1, 18.8), act("up", 1, 2, 26.8)]
+    assert compare(live, sim, 10.0)["matched"] == 1
+    a = align(live, sim, 10.0)
+    assert (a["matched"], a["pairs"], a["live_unmatched"], a["sim_unmatched"]) == (2, [[0, 0], [3, 2]], [1, 2], [1])
+    # The same action too far apart in time is no pair: the last one 10.5 s apart.
+    late = [*sim[:2], act("up", 1, 2, 36.3)]
+    assert align(live, late, 10.0)["matched"] == 1
+
+
 def test_the_live_planners_phase_is_its_first_adjustment_modulo_the_interval():
     # First adjustment 23.4 s before the load started: later ones fall at -23.4 + 10 k, i.e. 6.6 s past each 10 s.
     assert planner_phase_s([-23.4, -13.4], 10.0) == pytest.approx(6.6)
     assert planner_phase_s([], 10.0) == 0.0
+
+
+# -- the sla mode ------------------------------------------------------------------------------------------------------
+
+
+def parsed(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return resolve_mode_defaults(p.parse_args(list(argv)))
+
+
+def test_the_load_modes_overrides_are_what_they_were():
+    args = parsed()
+    assert (args.period_s, args.duration_s, args.peak_rps, args.speedup_ratio) == (120.0, 240.0, 8.0, 0.2)
+    assert overrides(args, None)[1::2] == [
+        "frontend.port=0",
+        "workers[0].num_gpu_blocks=1024",
+        "workers[0].speedup_ratio=0.2",
+        "planner.adjustment_interval=10.0",
+        "planner.metric_pulling_interval=1.0",
+        "planner.max_gpu_budget=4",
+    ]
+
+
+def test_the_sla_mode_sets_the_planners_mode_targets_lead_and_the_engines_step_times():
+    args = parsed("--mode", "sla")
+    sets = overrides(args, Path("/tmp/tb"))[1::2]
+    # Both sides get the same --set flags; only the live one writes TensorBoard files through the graph.
+    assert sets[-1] == "planner.log_dir=/tmp/tb" and "planner.log_dir=/tmp/tb" not in overrides(args, None)
+    assert set(sets[:-1]) == {
+        "frontend.port=0",
+        "workers[0].num_gpu_blocks=1024",
+        "workers[0].speedup_ratio=1.0",  # real time: the planner sizes with the announced (modelled) step times
+        "planner.adjustment_interval=10.0",
+        "planner.metric_pulling_interval=1.0",
+        "planner.max_gpu_budget=4",
+        "planner.mode=sla",
+        "planner.ttft=500.0",
+        "planner.itl=50.0",
+        "planner.load_predictor=constant",
+        "planner.worker_startup_s=5.0",
+        "workers[0].decode_base_ms=20.0",
+        "workers[0].decode_ms_per_seq=3.0",
+        "workers[0].prefill_base_ms=10.0",
+        "workers[0].prefill_ms_per_token=0.1",
+    }
+    assert (args.period_s, args.duration_s) == (120.0, 120.0)
+    # The graph these flags build is one the planner section and the engines accept.
+    graph = load_graph(ROOT / args.graph, sets)
+    assert str(graph.planner.mode) == "sla" and graph.planner.worker_startup_s == 5.0
+
+
+def test_one_workers_capacity_is_the_sla_planners_aggregated_sizing_by_hand():
+    args = parsed("--mode", "sla")
+    c = one_worker_capacity(args)
+    # Prefill: a 700-token prompt alone, 10 + 0.1 x 700 + 4.21e-7 x 700^2 = 80.2063 ms; the M/D/1 utilisation that
+    # keeps the mean TTFT within 500 ms: 2 (500 - 80.2063) / (1000 - 80.2063) = 0.91280; one request/s costs
+    # 0.0802063 / 0.91280 = 0.087869 of a worker.
+    assert c["prefill_ms"] == pytest.approx(80.2063, abs=1e-3)
+    assert c["prefill_share"] == pytest.approx(0.0879, abs=1e-4)
+    # Decode: each sequence attends to 700 + 100 / 2 = 750 tokens; batch 9 steps in 20 + 3 x 9 + 3e-5 x 6750 =
+    # 47.2025 ms (<= 50), batch 10 in 50.225 (> 50): 9 / 0.0472025 = 190.67 tokens/s, and 100 tokens a request
+    # costs 100 / 190.67 = 0.52447 of a worker.
+    assert (c["decode_batch"], c["decode_step_ms"]) == (9.0, pytest.approx(47.2025, abs=1e-3))
+    assert c["decode_share"] == pytest.approx(0.5245, abs=1e-4)
+    # One worker: 1 / (0.087869 + 0.52447) = 1.6331 requests/s; the peak, 2.5 workers' worth: 4.083 requests/s.
+    assert c["requests_per_s"] == pytest.approx(1.6331, abs=1e-4)
+    assert args.peak_rps == pytest.approx(4.083, abs=1e-3)
+    assert parsed("--mode", "sla", "--peak-rps", "3").peak_rps == 3.0  # given: kept
+
+
+LOG = [
+    "2026-11-28 14:00:10,100 INFO planner adjustment 3: decode: scale down 3 -> 2 (x); GPUs 3 -> 2",
+    "2026-11-28 14:00:10,101 INFO decode pool: 3 -> 2 workers: removing mock-planner-mock-2",
+    "2026-11-28 14:00:10,150 INFO decode pool: retiring mock-planner-mock-2: SIGTERM to pid 7 ...",
+    "2026-11-28 14:00:13,600 INFO decode pool: mock-planner-mock-2 drained, exited and removed in 3.5 s",
+    "2026-11-28 14:00:20,000 INFO decode pool: 2 -> 3 workers: adding 1 watcher(s) like mock-planner-mock-0",
+    "2026-11-28 14:00:30,000 INFO decode pool: 3 -> 1 workers: removing mock-planner-mock-2, mock-planner-mock-1",
+    "2026-11-28 14:00:30,500 INFO decode pool: mock-planner-mock-2 drained, exited and removed in 0.5 s",
+    "  a continuation line without a time",
+]
+
+
+def test_a_scale_downs_window_runs_from_its_decision_to_the_last_removed_workers_exit():
+    t0 = log_time(LOG[0])
+    assert t0 is not None and log_time(LOG[-1]) is None
+    actions = [
+        act("up", 1, 3, -20.0),
+        act("down", 3, 2, 0.0995),  # TensorBoard's wall time, a moment before the log line (ms, truncated) at 0.1
+        act("up", 2, 3, 9.9),
+        act("down", 3, 1, 19.9),
+    ]
+    w = scale_down_windows(actions, LOG, t0 - 0.1, end_s=40.0)
+    # Times relative to t0 - 0.1 (the first log line is at 0.1): the first removal's line at 0.101 follows the
+    # decision at 0.0995; its worker exited at 13.6 - 10.1 + 0.1 = 3.6 s. The second removes mock-2 again (the
+    # scale-up brought the name back: its earlier exit at 3.6 s is not this one's, its own is at 20.5) and mock-1,
+    # whose exit the log does not show: the window ends at the run's end, 40 s. The scale-ups have no window.
+    assert [(x["decided_s"], x["workers"], x["exited_s"], x["end_s"], x["exit_seen"]) for x in w] == [
+        (0.0995, ["mock-planner-mock-2"], pytest.approx(3.6, abs=1e-3), pytest.approx(3.6, abs=1e-3), True),
+        (19.9, ["mock-planner-mock-2", "mock-planner-mock-1"], None, 40.0, False),
+    ]
+    # Had mock-1 exited too, the window would end at the later exit.
+    done = [*LOG, "2026-11-28 14:00:31,250 INFO decode pool: mock-planner-mock-1 drained, exited and removed in 1.2 s"]
+    assert scale_down_windows(actions, done, t0 - 0.1, end_s=40.0)[1]["end_s"] == pytest.approx(21.25, abs=1e-3)
+
+
+def test_requests_that_failed_or_ended_short_while_a_worker_left_are_counted():
+    t0 = 1000.0
+    sends = [0.0, 1.0, 2.0, 5.0, 9.0]
+    results = [
+        # (index, ended at wall time, error, e2e, tokens): lives relative to t0
+        {"index": 0, "ended": 1003.0, "error": None, "e2e_s": 3.0, "output_tokens": 100},  # [0, 3]: before
+        {"index": 1, "ended": 1006.0, "error": None, "e2e_s": 5.0, "output_tokens": 100},  # [1, 6]: overlaps, ok
+        {"index": 2, "ended": 1004.5, "error": "http_503", "e2e_s": None, "output_tokens": 0},  # [2, 4.5]: overlaps
+        {"index": 3, "ended": 1007.0, "error": None, "e2e_s": 2.0, "output_tokens": 60},  # [5, 7]: short, after
+        {"index": 4, "ended": 1012.0, "error": None, "e2e_s": 3.0, "output_tokens": 99},  # [9, 12]: short, overlaps
+    ]
+    lives = request_lives(results, sends, t0, output_tokens=100)
+    assert [(x["start_s"], x["end_s"], x["failed"], x["short"]) for x in lives] == [
+        (0.0, 3.0, False, False),
+        (1.0, 6.0, False, False),
+        (2.0, 4.5, True, False),  # failed: its life from its scheduled send
+        (5.0, 7.0, False, True),
+        (9.0, 12.0, False, True),
+    ]
+    windows = [{"decided_s": 4.0, "end_s": 4.8}, {"decided_s": 10.0, "end_s": 11.0}]
+    r = scale_down_overlap(lives, windows)
+    # [4, 4.8] meets requests 1 and 2 (0 ended at 3, 3 started at 5); [10, 11] meets request 4: three in flight, of
+    # which 2 (failed) and 4 (short) count; request 3 is short but outside every window.
+    assert (r["requests"], r["failed"], r["ended_short"]) == (5, 1, 2)
+    assert (r["in_flight_during_scale_down"], r["failed_during_scale_down"]) == (3, 2)
+    assert [x["index"] for x in r["failed_examples"]] == [2, 3, 4]
+    # Touching is not overlapping: request 0 ended exactly at a decision at 3 s and was not in flight during it;
+    # requests 1 ([1, 6]) and 2 ([2, 4.5]) were.
+    assert scale_down_overlap(lives, [{"decided_s": 3.0, "end_s": 3.0}])["in_flight_during_scale_down"] == 2
