@@ -24,7 +24,9 @@ Throughput loop (every ``adjustment_interval``)
    fixed cost of both).
 3. Corrections (unless ``no_correction``): ``correction.update_correction`` with the interval's observed mean TTFT
    and ITL against the mean of what the fast loop predicted (uncorrected) at the interval's pulls: TTFT including
-   queue wait, so the factor corrects the engine's speed and not queueing the model already counts.
+   queue wait, so the factor corrects the engine's speed and not queueing the model already counts (the larger of
+   the pools' TTFTs at each pull, for a disaggregated model). An interval without a prediction (no prompt length
+   known yet) or an observation keeps the factor.
 4. Several workers per step: the new size is absolute (``pool_to_request``'s), not one worker at a time.
 
 Fast loop (every pull)
@@ -32,8 +34,11 @@ Fast loop (every pull)
 Each fresh worker's predicted TTFT for a prompt of the latest mean length, its queue wait included
 (``components.perf.queueing.predicted_ttft_ms``: the router's model), and its predicted ITL (the decode step at its
 reported ``batch_size`` and ``num_kv_tokens``), both corrected; the pool's figure is the mean over its fresh workers
-(the router spreads the load; one busy worker is the router's business, a busy pool the planner's). When the mean
-breaks a target the pool is raised, above the throughput loop's size, never below it:
+(the router spreads the load; one busy worker is the router's business, a busy pool the planner's). A
+disaggregated model's prefill workers pull from one shared queue (``FleetSnapshot.queue``), so the prefill pool's
+TTFT counts each worker an even share of its waiting prompts; its decode workers' TTFT is that of the prompts they
+prefill themselves (short ones, and long ones the full queue turned away), which only they drain. When a pool's
+mean breaks a target the pool is raised, above the throughput loop's size, never below it:
 
 * TTFT: to the throughput sizing of the last ``FAST_WINDOW_PULLS`` pulls' request rate (3 s at the default pull: a
   step in the load is seen within seconds, not at the next decision). Not by spreading the queue: the queued prompts
@@ -52,7 +57,9 @@ Scale-down
 Only through ``consolidation.consolidation_check``: from N, each survivor re-predicted with N/(N-1) of the load (KV
 use, ITL, TTFT against target x ``scale_down_sensitivity``); repeated step by step (the survivors' loads scaled each
 time) down to the wanted size or the first refusal, whose reason (naming the constraint: KV, ITL or TTFT) is the
-decision's. While a change is in progress no removal is decided (the loads describe a fleet in motion).
+decision's. A disaggregated prefill pool's workers are checked with their even shares of the shared queue (no
+queue reading: refused, saying so). No removal is decided while a change is in progress (the loads describe a fleet
+in motion), nor from a pool whose fast-loop TTFT or ITL is over target at that pull (the reason names it).
 
 Atomic budget
 -------------
@@ -122,6 +129,7 @@ class _Fast:
     itl_ms: float | None = None  # mean predicted ITL over fresh workers decoding, uncorrected
     need: int | None = None  # the size the fast loop asks for (None: no raise)
     reason: str = ""
+    broken: str = ""  # which corrected prediction is over its target now ("" none): the pool may not shrink
 
 
 class SlaController:
@@ -177,12 +185,15 @@ class SlaController:
         self.num_pulls += 1
         loads = self._pool_loads(snap, obs)
         perf_of = {pool: self._pool_perf(load) for pool, load in loads.items()}
-        fast = {pool: self._fast(pool, load, obs, snap, perf_of) for pool, load in loads.items()}
-        for pool, f in fast.items():
-            if f.ttft_ms is not None and self._ttft_pool(obs) == pool:
-                self._ttft_pred.append(f.ttft_ms)
-            if f.itl_ms is not None and pool == Pool.DECODE:
-                self._itl_pred.append(f.itl_ms)
+        fast = {pool: self._fast(pool, loads, obs, snap, perf_of) for pool in loads}
+        # The fleet's predicted TTFT: the larger of its pools' (a disaggregated model's prompts wait in the prefill
+        # queue, or on a decode worker when prefilled there), the one the correction compares with the frontends'.
+        ttfts = [f.ttft_ms for f in fast.values() if f.ttft_ms is not None]
+        if ttfts:
+            self._ttft_pred.append(max(ttfts))
+        itl_ms = fast[Pool.DECODE].itl_ms
+        if itl_ms is not None:
+            self._itl_pred.append(itl_ms)
 
         adj: Adjustment | None = None
         sla = SlaFigures(now_s=now, interval=False)
@@ -200,8 +211,8 @@ class SlaController:
             self.num_adjustments += 1
         sla = dataclasses.replace(
             sla,
-            predicted_ttft_s=self._corrected_s(fast, self._ttft_pool(obs), "ttft"),
-            predicted_itl_s=self._corrected_s(fast, Pool.DECODE, "itl"),
+            predicted_ttft_s=self.ttft_correction * max(ttfts) / 1e3 if ttfts else None,
+            predicted_itl_s=self.itl_correction * itl_ms / 1e3 if itl_ms is not None else None,
             ttft_correction=self.ttft_correction,
             itl_correction=self.itl_correction,
             throughput_prefill=self.floor.get(Pool.PREFILL),
@@ -247,50 +258,63 @@ class SlaController:
             out[Pool.PREFILL] = _PoolLoad(prefill, tuple(i for i in prefill if i.fresh(snap.now_s)))
         return out
 
-    @staticmethod
-    def _ttft_pool(obs: Observation) -> Pool:
-        """The pool whose queue a new prompt waits in: prefill when there is one, else the aggregated pool."""
-        return Pool.DECODE if obs.prefill is None else Pool.PREFILL
-
-    def _corrected_s(self, fast: Mapping[Pool, _Fast], pool: Pool, what: str) -> float | None:
-        f = fast.get(pool)
-        if f is None:
-            return None
-        ms = f.ttft_ms if what == "ttft" else f.itl_ms
-        factor = self.ttft_correction if what == "ttft" else self.itl_correction
-        return None if ms is None else factor * ms / 1e3
-
     # ----------------------------------------------------------------------------------------------------------------
     # Fast loop
 
-    def _fast(
-        self, pool: Pool, load: _PoolLoad, obs: Observation, snap: FleetSnapshot, perf_of: Mapping[Pool, PerfModel]
-    ) -> _Fast:
-        """The pool's mean predicted TTFT and ITL from its fresh load reports, and the size that brings a broken one
-        back within target (module docstring)."""
-        if not load.fresh:
-            return _Fast()
-        cfg = self.config
-        n = len(load.workers)
-        ttft_ms: float | None = None
-        wait_ms = own_ms = 0.0
-        isl = self._last_isl
-        if (pool == Pool.PREFILL or obs.prefill is None) and isl is not None:
-            n_isl = max(1, round(isl))
-            totals, waits, owns = [], [], []
+    def _ttft_reading(
+        self, pool: Pool, loads: Mapping[Pool, _PoolLoad], obs: Observation, snap: FleetSnapshot, perf: PerfModel
+    ) -> tuple[float, float, float, bool] | None:
+        """(mean predicted TTFT, its queue wait, its own prefill, whether every worker was read) in ms, uncorrected,
+        for a new prompt of the latest mean length; None: nothing to read it from.
+
+        Aggregated, and a disaggregated model's decode pool: the pool's workers' own load reports (their queued prompt
+        tokens, the sequences decoding beside). A decode worker of a disaggregated model queues prompts when it
+        prefills locally: short ones, and long ones the full prefill queue turned away (its cap,
+        components/router/policies/disagg.py); only that pool's workers drain that backlog, so it is that pool's
+        reading. The prefill pool: its workers pull from one shared queue, each counting for an even share of its
+        waiting prompts (``waiting x isl / n`` tokens, nothing decoding)."""
+        if self._last_isl is None:
+            return None
+        n_isl = max(1, round(self._last_isl))
+        if pool == Pool.DECODE:
+            load = loads[Pool.DECODE]
+            if not load.fresh:
+                return None
+            totals, owns = [], []
             for inst in load.fresh:
                 assert inst.load is not None
                 s = inst.load.snapshot
-                perf = self._worker_perf(inst)
-                seqs = 0 if pool == Pool.PREFILL else s.num_running
-                kv = 0.0 if pool == Pool.PREFILL else float(s.num_kv_tokens)
-                total = predicted_ttft_ms(perf, n_isl, s.num_waiting_prefill_tokens, seqs, kv)
-                own = perf.chunked_prefill_ms(n_isl)
-                totals.append(total)
-                waits.append(total - own)
-                owns.append(own)
-            ttft_ms = sum(totals) / len(totals)
-            wait_ms, own_ms = sum(waits) / len(waits), sum(owns) / len(owns)
+                p = self._worker_perf(inst)
+                seqs, kv = s.num_running, float(s.num_kv_tokens)
+                totals.append(predicted_ttft_ms(p, n_isl, s.num_waiting_prefill_tokens, seqs, kv))
+                owns.append(p.chunked_prefill_ms(n_isl))
+            total, own = sum(totals) / len(totals), sum(owns) / len(owns)
+            return total, total - own, own, len(load.fresh) == len(load.workers)
+        view = snap.queue(self.model)
+        n = len(loads[Pool.PREFILL].workers)
+        if view is None or view.waiting is None or n == 0:
+            return None
+        own = perf.chunked_prefill_ms(n_isl)
+        total = predicted_ttft_ms(perf, n_isl, view.waiting * n_isl / n)
+        return total, total - own, own, view.prefill_workers == n
+
+    def _fast(
+        self,
+        pool: Pool,
+        loads: Mapping[Pool, _PoolLoad],
+        obs: Observation,
+        snap: FleetSnapshot,
+        perf_of: Mapping[Pool, PerfModel],
+    ) -> _Fast:
+        """The pool's mean predicted TTFT and ITL from its fresh load reports (a disaggregated prefill pool: from the
+        shared prefill queue), and the size that brings a broken one back within target (module docstring)."""
+        cfg = self.config
+        load = loads[pool]
+        n = len(load.workers)
+        reading = self._ttft_reading(pool, loads, obs, snap, perf_of[pool])
+        if reading is None and not load.fresh:
+            return _Fast()
+        ttft_ms, wait_ms, own_ms, settled = reading if reading is not None else (None, 0.0, 0.0, False)
         itl_ms: float | None = None
         batch = kv_tokens = 0.0
         if pool == Pool.DECODE:
@@ -310,7 +334,7 @@ class SlaController:
         wait = self.ttft_correction * wait_ms
         # Growth is read only between two pulls of one settled pool, every worker reporting: right after workers
         # join, the old workers' backlog still shows alone (the new ones have not reported yet), which is no growth.
-        settled = len(load.fresh) == n and not self.pending
+        settled = settled and not self.pending
         previous = self._prev_wait.get(pool)
         previous_wait = previous[1] if previous is not None and previous[0] == n and settled else None
         self._prev_wait[pool] = (n, wait)
@@ -358,7 +382,12 @@ class SlaController:
                 size = found
                 reasons.append(f"{seen} (batch {batch:.0f} on each of {n}): {size} workers step within target")
             need = max(need or 0, size)
-        return _Fast(ttft_ms, itl_ms, need, "; ".join(reasons))
+        broken = []
+        if ttft_ms is not None and self.ttft_correction * ttft_ms > cfg.ttft:
+            broken.append(f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms")
+        if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
+            broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
+        return _Fast(ttft_ms, itl_ms, need, "; ".join(reasons), " and ".join(broken))
 
     def _fast_window_s(self) -> float:
         return FAST_WINDOW_PULLS * self.config.metric_pulling_interval
@@ -485,8 +514,12 @@ class SlaController:
             f = fast.get(pool)
             if f is not None and f.need is not None and f.need > want:
                 want, reason = f.need, f"{reason}; fast loop: {f.reason}"
-            if want < cur:
-                want, reason = self._scale_down(pool, cur, want, loads[pool], perf[pool], reason, obs.prefill is None)
+            if want < cur and f is not None and f.broken:
+                want, reason = cur, f"{reason}; scale-down to {want} refused: {f.broken} now"
+            elif want < cur:
+                want, reason = self._scale_down(
+                    pool, cur, want, loads[pool], perf[pool], reason, obs.prefill is None, snap
+                )
                 if want < cur:
                     allowed_down.add(pool)
             self.target[pool] = want
@@ -565,7 +598,15 @@ class SlaController:
         return sizes, reasons
 
     def _scale_down(
-        self, pool: Pool, current: int, wanted: int, load: _PoolLoad, perf: PerfModel, reason: str, aggregated: bool
+        self,
+        pool: Pool,
+        current: int,
+        wanted: int,
+        load: _PoolLoad,
+        perf: PerfModel,
+        reason: str,
+        aggregated: bool,
+        snap: FleetSnapshot,
     ) -> tuple[int, str]:
         """How far ``pool`` may shrink toward ``wanted`` through the consolidation check, step by step."""
         if self.pending:
@@ -573,7 +614,17 @@ class SlaController:
         cfg = self.config
         fresh = {i.instance_id for i in load.fresh}
         ws: list[consolidation.WorkerLoad] = []
-        for inst in load.workers:
+        if pool == Pool.PREFILL:
+            # A disaggregated prefill pool: one shared queue, each worker an even share of it (``_ttft_reading``);
+            # KV use only where a worker reports it (a prefill worker hands its KV on; absent, 0).
+            view = snap.queue(self.model)
+            if view is None or view.waiting is None or self._last_isl is None:
+                return current, f"{reason}; scale-down to {wanted} refused: no prefill queue reading to re-predict"
+            share = view.waiting * max(1, round(self._last_isl)) / len(load.workers)
+            for inst in load.workers:
+                kv = inst.load.snapshot.kv_usage if inst.instance_id in fresh and inst.load is not None else 0.0
+                ws.append(consolidation.WorkerLoad(inst.instance_id, kv_usage=kv, queued_prefill_tokens=share))
+        for inst in load.workers if pool == Pool.DECODE else ():
             if inst.instance_id not in fresh or inst.load is None:
                 ws.append(consolidation.WorkerLoad(inst.instance_id))  # no report: the check refuses, saying so
                 continue
@@ -582,8 +633,8 @@ class SlaController:
                 consolidation.WorkerLoad(
                     inst.instance_id,
                     kv_usage=s.kv_usage,
-                    decode_seqs=s.num_running if pool == Pool.DECODE else 0,
-                    kv_tokens=float(s.num_kv_tokens) if pool == Pool.DECODE else 0.0,
+                    decode_seqs=s.num_running,
+                    kv_tokens=float(s.num_kv_tokens),
                     queued_prefill_tokens=float(s.num_waiting_prefill_tokens),
                 )
             )

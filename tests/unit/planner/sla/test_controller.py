@@ -23,7 +23,7 @@ from components.planner.policy import Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
 from components.runtime.flags import add_model_arguments, model_from_args
-from tests.unit.planner.sla.support import MODEL, Fleet, pull
+from tests.unit.planner.sla.support import MODEL, ROUND, Fleet, pull
 
 pytestmark = pytest.mark.unit
 
@@ -283,7 +283,7 @@ def swap_fleet() -> tuple[Fleet, SlaController]:
     assert math.ceil(5000 / (rho * 100 / 0.014)) == 1
     assert math.ceil(50000 / (394 / (5 + 0.038 * 394) * 1e3)) == 3
     fleet = Fleet(decode=2, prefill=2)
-    fleet.set_load(Pool.PREFILL, kv_usage=0.05)  # idle prefill workers: the check lets one go
+    # The shared prefill queue is empty (the Fleet's default): the check lets a prefill worker go.
     fleet.set_load(Pool.DECODE, kv_usage=0.3, num_running=40, batch_size=40, num_kv_tokens=24_000)
     ctl = SlaController(config(max_gpu_budget=4), MODEL)
     pull(ctl, fleet, 0.0)
@@ -323,11 +323,13 @@ def test_a_swap_at_full_budget_removes_first_and_adds_only_after_the_removal_end
 
 
 def test_at_full_budget_a_refused_removal_holds_the_addition_instead_of_waiting_for_it():
-    # The same load, but the prefill workers are busy (8000 prompt tokens queued each: one survivor would queue
-    # 16000, 16000 x (10 + 0.04 x 8192) / 8192 + 5 + 14 = 678 ms >= 400 ms): prefill keeps 2, and the decode
-    # addition, which has no GPU, is held with the budget's reason, not issued to wait for a GPU that never frees.
+    # The same load, but 160 prompts of 100 tokens wait in the shared prefill queue: 8000 tokens for each of the two
+    # prefill workers, 16000 for one survivor, whose new prompt would wait 16000 x (10 + 0.04 x 8192) / 8192 + 5 ms
+    # and compute 14: 678 ms >= 500 x 0.8 = 400 ms. Prefill keeps 2, and the decode addition, which has no GPU, is
+    # held with the budget's reason, not issued to wait for a GPU that never frees.
+    assert 16000 * (10 + 0.04 * 8192) / 8192 + 5 + 14 == pytest.approx(678.5, abs=0.1)
     fleet, ctl = swap_fleet()
-    fleet.set_load(Pool.PREFILL, kv_usage=0.05, num_waiting_prefill_tokens=8000)
+    fleet.queue_waiting = 160
     out = pull(ctl, fleet, 30.0, apply=False)
     adj = out.adjustment
     assert adj is not None and adj.changes() == ()
@@ -450,3 +452,50 @@ def test_no_operation_reports_what_it_would_do_and_changes_nothing():
     assert "would scale up 1 -> 7" in d.summary()
     assert fleet.count(Pool.DECODE) == 1
     assert pull(ctl, fleet, 31.0).adjustment is None  # not re-issued at every pull
+
+
+def test_a_disaggregated_prefill_pool_is_raised_on_its_shared_queue():
+    # 1 prefill + 1 decode worker at 10 requests/s of 1000-token prompts: prefill needs 10000 / (RHO x 20000) = 0.53
+    # -> 1. A burst (60 requests/s in the last 3 s' reports) fills the shared prefill queue: 40 prompts waiting, all
+    # on the one prefill worker: 40000 tokens x (10 + 0.04 x 8192) / 8192 + 5 = 1654 ms, plus its own 50 ms, over
+    # 500 ms. The prefill pool is sized on the last 3 s' rate: 60000 / (RHO x 20000) = 3.17 -> 4 workers.
+    assert math.ceil(prefill_need(60)) == 4
+    fleet = Fleet(decode=1, prefill=1)
+    ctl = SlaController(config(), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
+    pull(ctl, fleet, 30.0)
+    assert ctl.floor == {Pool.PREFILL: 1, Pool.DECODE: 1}
+    for t in (31.0, 32.0, 33.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+    fleet.queue_waiting = 40
+    out = pull(ctl, fleet, 33.0)
+    wait = 40000 * (10 + 0.04 * 8192) / 8192 + 5
+    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx((wait + 50) / 1e3)
+    assert out.adjustment is not None
+    d = out.adjustment.decision(Pool.PREFILL)
+    assert d is not None and (d.direction, d.current, d.target) == (Direction.UP, 1, 4)
+    assert "the last 3 s' 60.0 requests/s need 4" in d.reason
+    decode = out.adjustment.decision(Pool.DECODE)
+    assert decode is not None and decode.direction == Direction.HOLD  # 60 requests/s still fit one decode worker
+
+
+def test_a_pool_whose_predicted_latency_breaks_target_now_does_not_shrink():
+    # Prompts of 13000 tokens: one alone takes (10 + 0.04 x 8192) + (10 + 0.04 x 4808) = 337.7 + 202.3 = 540 ms,
+    # over the 500 ms TTFT target at any pool size, so the fast loop does not raise (more workers do not help) and
+    # the throughput loop sizes on throughput: 0.1 requests/s need 1 worker. But a pool whose predicted TTFT is over
+    # target now does not shrink, whatever the forecast says, and the reason says why.
+    assert ROUND.chunked_prefill_ms(13000) == pytest.approx(540.0)
+    fleet = Fleet(decode=3)
+    ctl = SlaController(config(), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=0.1, isl=13000, osl=200)
+    pull(ctl, fleet, 30.0)  # the first prompt length is heard here: the fast loop reads TTFT from the next pull
+    fleet.requests(60.0, 30.0, rate=0.1, isl=13000, osl=200)
+    out = pull(ctl, fleet, 60.0)
+    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx(0.540)
+    assert out.adjustment is not None and ctl.floor == {Pool.DECODE: 1}
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.HOLD, 3, 3)
+    assert "scale-down to 1 refused: predicted TTFT 540 ms > 500 ms now" in d.reason
+    assert fleet.count(Pool.DECODE) == 3
