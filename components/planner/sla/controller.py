@@ -26,7 +26,9 @@ Throughput loop (every ``adjustment_interval``)
    and ITL against the mean of what the fast loop predicted (uncorrected) at the interval's pulls: TTFT including
    queue wait, so the factor corrects the engine's speed and not queueing the model already counts (the larger of
    the pools' TTFTs at each pull, for a disaggregated model). An interval without a prediction (no prompt length
-   known yet) or an observation keeps the factor.
+   known yet) or an observation keeps the factor; one whose pulls caught no worker decoding, though tokens were
+   sent, predicts ITL as a lone sequence's step at the mean context (else a factor raised in a burst would stay
+   up through the quiet after it).
 4. Several workers per step: the new size is absolute (``pool_to_request``'s), not one worker at a time.
 
 Fast loop (every pull)
@@ -48,7 +50,11 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   model is off for this engine: one more worker each such pull, until the correction catches up at the next
   decision. No raise when a prompt alone is over the target (no pool size helps), with the reason.
 * ITL: to the smallest size at which each worker's share of the pool's current batch and KV steps within target
-  (the concurrency is what it is; spread over more workers each steps faster), at most ``_FAST_MAX_FACTOR`` x.
+  (the concurrency is what it is; spread over more workers each steps faster), at most ``_FAST_MAX_FACTOR`` x. The
+  trigger is the decode step alone, as the replica formula sizes it; the prefill chunk a worker's own queue adds to
+  its steps is that backlog's, which the TTFT rule handles. The ITL reported (``SlaFigures.predicted_itl_s``) and
+  compared with the frontends' for the correction is the whole step a token sees, chunk included, so that a
+  prefill burst does not read as a slow decode engine.
 
 The next throughput decision may bring a raised pool back down only through the consolidation check.
 
@@ -126,7 +132,9 @@ class _Fast:
     """One pool's fast-loop reading at this pull."""
 
     ttft_ms: float | None = None  # mean predicted TTFT over fresh workers, uncorrected
-    itl_ms: float | None = None  # mean predicted ITL over fresh workers decoding, uncorrected
+    # mean predicted ITL over fresh workers decoding, uncorrected: the step a token sees, a prefill chunk from the
+    # worker's own queue included (what the frontends observe; the correction and the figures compare it)
+    itl_ms: float | None = None
     need: int | None = None  # the size the fast loop asks for (None: no raise)
     reason: str = ""
     broken: str = ""  # which corrected prediction is over its target now ("" none): the pool may not shrink
@@ -315,17 +323,22 @@ class SlaController:
         if reading is None and not load.fresh:
             return _Fast()
         ttft_ms, wait_ms, own_ms, settled = reading if reading is not None else (None, 0.0, 0.0, False)
-        itl_ms: float | None = None
+        itl_ms: float | None = None  # the decode step alone: what the ITL raise can spread
+        step_itl_ms: float | None = None  # the step a token sees, with the prefill chunk the worker's queue puts in
         batch = kv_tokens = 0.0
         if pool == Pool.DECODE:
             decoding = [i for i in load.fresh if i.load is not None and i.load.snapshot.batch_size > 0]
             if decoding:
-                steps = []
+                steps, full_steps = [], []
                 for inst in decoding:
                     assert inst.load is not None
                     s = inst.load.snapshot
-                    steps.append(self._worker_perf(inst).decode_ms(s.batch_size, s.num_kv_tokens))
+                    p = self._worker_perf(inst)
+                    steps.append(p.decode_ms(s.batch_size, s.num_kv_tokens))
+                    chunk = min(s.num_waiting_prefill_tokens, max(0, p.max_num_batched_tokens - s.batch_size))
+                    full_steps.append(p.step_ms(chunk, s.batch_size, s.num_kv_tokens))
                 itl_ms = sum(steps) / len(steps)
+                step_itl_ms = sum(full_steps) / len(full_steps)
                 batch = sum(i.load.snapshot.batch_size for i in decoding if i.load) / len(decoding)
                 kv_tokens = sum(i.load.snapshot.num_kv_tokens for i in decoding if i.load) / len(decoding)
 
@@ -387,7 +400,7 @@ class SlaController:
             broken.append(f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms")
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
-        return _Fast(ttft_ms, itl_ms, need, "; ".join(reasons), " and ".join(broken))
+        return _Fast(ttft_ms, step_itl_ms, need, "; ".join(reasons), " and ".join(broken))
 
     def _fast_window_s(self) -> float:
         return FAST_WINDOW_PULLS * self.config.metric_pulling_interval
@@ -481,12 +494,15 @@ class SlaController:
         )
         notes: list[str] = []
         if not cfg.no_correction:
-            t = correction.update_correction(
-                self.ttft_correction,
-                window.mean_ttft_s,
-                _mean_s(self._ttft_pred),
-            )
-            i = correction.update_correction(self.itl_correction, window.mean_itl_s, _mean_s(self._itl_pred))
+            t = correction.update_correction(self.ttft_correction, window.mean_ttft_s, _mean_s(self._ttft_pred))
+            predicted_itl_s = _mean_s(self._itl_pred)
+            if predicted_itl_s is None and self._last_isl is not None and self._last_osl is not None:
+                # No pull caught a worker decoding (light load: short requests between pulls), yet tokens were
+                # sent: a lone sequence at the mean context is what they saw. Without this a factor raised in a
+                # burst would stay up through every quiet interval after it.
+                context = self._last_isl + self._last_osl / 2
+                predicted_itl_s = self._pool_perf(loads[Pool.DECODE]).decode_ms(1, context) / 1e3
+            i = correction.update_correction(self.itl_correction, window.mean_itl_s, predicted_itl_s)
             self.ttft_correction, self.itl_correction = t.factor, i.factor
             notes.append(f"TTFT correction {t.factor:.3f} ({t.reason}); ITL correction {i.factor:.3f} ({i.reason})")
 

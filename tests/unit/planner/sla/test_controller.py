@@ -499,3 +499,29 @@ def test_a_pool_whose_predicted_latency_breaks_target_now_does_not_shrink():
     assert (d.direction, d.current, d.target) == (Direction.HOLD, 3, 3)
     assert "scale-down to 1 refused: predicted TTFT 540 ms > 500 ms now" in d.reason
     assert fleet.count(Pool.DECODE) == 3
+
+
+def test_the_predicted_itl_is_the_step_a_token_sees_prefill_chunk_included():
+    # A worker decoding 10 sequences over 11000 KV tokens with 5000 prompt tokens queued: its next step carries them
+    # all (5000 < 8192 - 10) beside the decode: (10 + 0.04 x 5000) + (5 + 0.2 + 0.33) = 215.53 ms, which is what
+    # the frontends will see as that token's gap. The ITL raise reads the decode step alone (5.53 ms, within 50):
+    # the queued prompts are a backlog for the TTFT rule, not a reason to spread the batch.
+    fleet = Fleet(decode=1)
+    fleet.set_load(Pool.DECODE, num_running=10, batch_size=10, num_kv_tokens=11_000, num_waiting_prefill_tokens=5000)
+    ctl = SlaController(config(itl=50.0), MODEL)
+    out = pull(ctl, fleet, 0.0)
+    assert out.sla is not None and out.sla.predicted_itl_s == pytest.approx(0.21553)
+    assert out.adjustment is None
+
+
+def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
+    # Light load: no pull sees a worker decoding, but the frontends report tokens 5.053 ms apart, a lone sequence's
+    # step at the mean context 1000 + 200 / 2 = 1100: 5 + 0.02 + 0.033 ms. That is the prediction, so a factor of 3
+    # (say, left by a burst) moves to 0.5 x 1.0 + 0.5 x 3 = 2.0, not staying at 3 for want of a prediction.
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(no_correction=False), MODEL)
+    ctl.itl_correction = 3.0
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, itl_s=0.005053)
+    pull(ctl, fleet, 30.0)
+    assert ctl.itl_correction == pytest.approx(2.0)
