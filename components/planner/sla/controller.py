@@ -26,9 +26,12 @@ Throughput loop (every ``adjustment_interval``)
    and ITL against the mean of what the fast loop predicted (uncorrected) at the interval's pulls: TTFT including
    queue wait, so the factor corrects the engine's speed and not queueing the model already counts (the larger of
    the pools' TTFTs at each pull, for a disaggregated model). An interval without a prediction (no prompt length
-   known yet) or an observation keeps the factor; one whose pulls caught no worker decoding, though tokens were
-   sent, predicts ITL as a lone sequence's step at the mean context (else a factor raised in a burst would stay
-   up through the quiet after it).
+   known yet) or an observation keeps the factor, and so does one in which any worker's predicted TTFT went over
+   target at a pull: while a queue builds or drains, the first tokens sent in an interval are of prompts that
+   waited behind an earlier queue than the pulls saw, so the ratio measures the queue's history (a draining backlog
+   read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's speed. An interval whose pulls
+   caught no worker decoding, though tokens were sent, predicts ITL as a lone sequence's step at the mean context
+   (else a factor raised in a burst would stay up through the quiet after it).
 4. Several workers per step: the new size is absolute (``pool_to_request``'s), not one worker at a time.
 
 Fast loop (every pull)
@@ -138,6 +141,7 @@ class _Fast:
     need: int | None = None  # the size the fast loop asks for (None: no raise)
     reason: str = ""
     broken: str = ""  # which corrected prediction is over its target now ("" none): the pool may not shrink
+    ttft_max_ms: float | None = None  # the largest worker's predicted TTFT, uncorrected
 
 
 class SlaController:
@@ -176,6 +180,7 @@ class SlaController:
         self._last_isl: float | None = None  # the latest prompt length heard (the fast loop's TTFT prompt)
         self._last_osl: float | None = None  # the latest output length heard
         self._ttft_pred: list[float] = []  # this interval's fast-loop TTFT predictions (ms, uncorrected)
+        self._ttft_max = 0.0  # the largest one worker's predicted TTFT at any of this interval's pulls (ms)
         self._itl_pred: list[float] = []  # and ITL
         self._prev_wait: dict[Pool, tuple[int, float]] = {}  # each pool's (size, mean queue wait ms) at the last pull
 
@@ -199,6 +204,7 @@ class SlaController:
         ttfts = [f.ttft_ms for f in fast.values() if f.ttft_ms is not None]
         if ttfts:
             self._ttft_pred.append(max(ttfts))
+        self._ttft_max = max([self._ttft_max, *(f.ttft_max_ms for f in fast.values() if f.ttft_max_ms is not None)])
         itl_ms = fast[Pool.DECODE].itl_ms
         if itl_ms is not None:
             self._itl_pred.append(itl_ms)
@@ -210,7 +216,7 @@ class SlaController:
         elif now - self.interval_start_s >= self.config.adjustment_interval - _TIME_EPS_S:
             adj, sla = self._throughput(snap, obs, loads, fast)
             self.interval_start_s = now
-            self._ttft_pred, self._itl_pred = [], []
+            self._ttft_pred, self._itl_pred, self._ttft_max = [], [], 0.0
         if adj is None:
             adj = self._fast_raise(obs, fast)
         if adj is None:
@@ -271,8 +277,9 @@ class SlaController:
 
     def _ttft_reading(
         self, pool: Pool, loads: Mapping[Pool, _PoolLoad], obs: Observation, snap: FleetSnapshot, perf: PerfModel
-    ) -> tuple[float, float, float, bool] | None:
-        """(mean predicted TTFT, its queue wait, its own prefill, whether every worker was read) in ms, uncorrected,
+    ) -> tuple[float, float, float, bool, float] | None:
+        """(mean predicted TTFT, its queue wait, its own prefill, whether every worker was read, the largest worker's
+        predicted TTFT) in ms, uncorrected,
         for a new prompt of the latest mean length; None: nothing to read it from.
 
         Aggregated, and a disaggregated model's decode pool: the pool's workers' own load reports (their queued prompt
@@ -297,14 +304,14 @@ class SlaController:
                 totals.append(predicted_ttft_ms(p, n_isl, s.num_waiting_prefill_tokens, seqs, kv))
                 owns.append(p.chunked_prefill_ms(n_isl))
             total, own = sum(totals) / len(totals), sum(owns) / len(owns)
-            return total, total - own, own, len(load.fresh) == len(load.workers)
+            return total, total - own, own, len(load.fresh) == len(load.workers), max(totals)
         view = snap.queue(self.model)
         n = len(loads[Pool.PREFILL].workers)
         if view is None or view.waiting is None or n == 0:
             return None
         own = perf.chunked_prefill_ms(n_isl)
         total = predicted_ttft_ms(perf, n_isl, view.waiting * n_isl / n)
-        return total, total - own, own, view.prefill_workers == n
+        return total, total - own, own, view.prefill_workers == n, total
 
     def _fast(
         self,
@@ -322,7 +329,9 @@ class SlaController:
         reading = self._ttft_reading(pool, loads, obs, snap, perf_of[pool])
         if reading is None and not load.fresh:
             return _Fast()
-        ttft_ms, wait_ms, own_ms, settled = reading if reading is not None else (None, 0.0, 0.0, False)
+        ttft_ms, wait_ms, own_ms, settled, ttft_max_ms = (
+            reading if reading is not None else (None, 0.0, 0.0, False, None)
+        )
         itl_ms: float | None = None  # the decode step alone: what the ITL raise can spread
         step_itl_ms: float | None = None  # the step a token sees, with the prefill chunk the worker's queue puts in
         batch = kv_tokens = 0.0
@@ -400,7 +409,7 @@ class SlaController:
             broken.append(f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms")
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
-        return _Fast(ttft_ms, step_itl_ms, need, "; ".join(reasons), " and ".join(broken))
+        return _Fast(ttft_ms, step_itl_ms, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
 
     def _fast_window_s(self) -> float:
         return FAST_WINDOW_PULLS * self.config.metric_pulling_interval
@@ -494,7 +503,19 @@ class SlaController:
         )
         notes: list[str] = []
         if not cfg.no_correction:
-            t = correction.update_correction(self.ttft_correction, window.mean_ttft_s, _mean_s(self._ttft_pred))
+            predicted_ttft_s = _mean_s(self._ttft_pred)
+            if self.ttft_correction * self._ttft_max > cfg.ttft:
+                # A queueing interval: the first tokens sent in it are of prompts that arrived earlier, behind a
+                # different queue than the pulls saw (a backlog's drain reads as a slow engine, by up to the
+                # factor's bound): they measure the queue's history, not the engine's speed.
+                t = correction.Correction(
+                    self.ttft_correction,
+                    None,
+                    f"a worker queued this interval (predicted TTFT up to {self.ttft_correction * self._ttft_max:.0f}"
+                    f" ms > target): keeping {self.ttft_correction:.3f}",
+                )
+            else:
+                t = correction.update_correction(self.ttft_correction, window.mean_ttft_s, predicted_ttft_s)
             predicted_itl_s = _mean_s(self._itl_pred)
             if predicted_itl_s is None and self._last_isl is not None and self._last_osl is not None:
                 # No pull caught a worker decoding (light load: short requests between pulls), yet tokens were

@@ -525,3 +525,26 @@ def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
     fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, itl_s=0.005053)
     pull(ctl, fleet, 30.0)
     assert ctl.itl_correction == pytest.approx(2.0)
+
+
+def test_an_interval_in_which_a_worker_queued_keeps_the_ttft_factor():
+    # At 40 s the workers' queues put a new prompt's TTFT at 879 ms (WAIT_MS + 50), over the 500 ms target; the
+    # frontends then report a 2 s mean TTFT for the interval, first tokens of prompts that waited behind that queue
+    # as it was before. The ratio (2 s over a ~0.3 s mean prediction) would read the engine 4x slow (the bound);
+    # the factor stays 1.0 and the note says why.
+    fleet = Fleet(decode=2)
+    ctl = SlaController(config(no_correction=False, max_gpu_budget=4), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200, ttft_s=0.05)
+    pull(ctl, fleet, 30.0)
+    assert ctl.ttft_correction == 1.0  # interval 1 had no TTFT prediction (no prompt length yet): kept
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    assert pull(ctl, fleet, 40.0).sla.predicted_ttft_s == pytest.approx((WAIT_MS + 50) / 1e3)  # type: ignore[union-attr]
+    fleet.set_load(Pool.DECODE)
+    fleet.requests(60.0, 30.0, rate=10, isl=1000, osl=200, ttft_s=2.0)
+    out = pull(ctl, fleet, 60.0)
+    assert ctl.ttft_correction == 1.0
+    assert (
+        out.adjustment is not None
+        and "a worker queued this interval (predicted TTFT up to 879 ms" in out.adjustment.note
+    )
