@@ -183,6 +183,7 @@ class SlaController:
         self._ttft_max = 0.0  # the largest one worker's predicted TTFT at any of this interval's pulls (ms)
         self._itl_pred: list[float] = []  # and ITL
         self._prev_wait: dict[Pool, tuple[int, float]] = {}  # each pool's (size, mean queue wait ms) at the last pull
+        self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
 
     # ----------------------------------------------------------------------------------------------------------------
     # The controller's surface (PlannerController's)
@@ -762,6 +763,8 @@ class SlaController:
         self.target[Pool.DECODE] = plan.decode
         gpus_before = int(plan.metrics["current_gpus"])
         step = plan.steps[0] if plan.steps and not self.pending else None
+        if step is not None and not cfg.no_operation:
+            self._issued[Pool(step.pool)] = step.workers_to
         metrics_common = {
             "ttft_correction": self.ttft_correction,
             "itl_correction": self.itl_correction,
@@ -797,12 +800,15 @@ class SlaController:
 
     def _waiting_step(self, obs: Observation) -> Adjustment | None:
         """A step of the plan that waited on a change in progress, issued once that change has ended. A pool's
-        target under its current count is not carried over (a removal is decided at its throughput decision only)."""
+        target under its current count is not carried over (a removal is decided at its throughput decision only),
+        unless it is a removal already issued (asked for again: a step is an absolute count)."""
         if self.pending or self.config.no_operation or not self.target:
             return None
         current = self._current(obs)
         for pool, cur in current.items():
-            if pool in self.target and self.target[pool] < cur:
+            # Not a removal already issued that discovery does not show yet (its worker left routing, not the
+            # registry): undoing that target would add back the worker just removed.
+            if pool in self.target and self.target[pool] < cur and self._issued.get(pool) != self.target[pool]:
                 self.target[pool] = cur
         if all(self.target.get(pool, cur) == cur for pool, cur in current.items()):
             return None

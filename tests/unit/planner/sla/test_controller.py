@@ -548,3 +548,26 @@ def test_an_interval_in_which_a_worker_queued_keeps_the_ttft_factor():
         out.adjustment is not None
         and "a worker queued this interval (predicted TTFT up to 879 ms" in out.adjustment.note
     )
+
+
+def test_a_removal_discovery_has_not_caught_up_with_is_not_undone():
+    # The swap at full budget: prefill 2 -> 1 issued and ended, but the fleet view still lists 2 prefill workers at
+    # the next pull (its registration outlives its leaving). The planner must not take 2 as the new target (it would
+    # add back the worker just removed, and never free the decode worker's GPU): it asks for 1 again (an absolute
+    # count: nothing new for the connector) and the decode step follows once the view shows 1.
+    fleet, ctl = swap_fleet()
+    out = pull(ctl, fleet, 30.0, apply=False)
+    assert out.adjustment is not None
+    assert [(d.pool, d.target) for d in out.adjustment.changes()] == [(Pool.PREFILL, 1)]
+    ctl.change_started(Pool.PREFILL, 2, 1)
+    ctl.change_ended(Pool.PREFILL)
+    out = pull(ctl, fleet, 31.0, apply=False)  # still 2 prefill workers registered
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.PREFILL, 2, 1)]
+    assert ctl.target == {Pool.PREFILL: 1, Pool.DECODE: 3}
+    ctl.change_started(Pool.PREFILL, 2, 1)
+    fleet.resize(Pool.PREFILL, 1)
+    ctl.change_ended(Pool.PREFILL)
+    out = pull(ctl, fleet, 32.0, apply=False)
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.DECODE, 2, 3)]
