@@ -184,6 +184,7 @@ class SlaController:
         self._itl_pred: list[float] = []  # and ITL
         self._prev_wait: dict[Pool, tuple[int, float]] = {}  # each pool's (size, mean queue wait ms) at the last pull
         self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
+        self._asked: dict[Pool, int] = {}  # the fast loop's largest need per pool since the last decision
 
     # ----------------------------------------------------------------------------------------------------------------
     # The controller's surface (PlannerController's)
@@ -218,6 +219,7 @@ class SlaController:
             adj, sla = self._throughput(snap, obs, loads, fast)
             self.interval_start_s = now
             self._ttft_pred, self._itl_pred, self._ttft_max = [], [], 0.0
+            self._asked = {}
         if adj is None:
             adj = self._fast_raise(obs, fast)
         if adj is None:
@@ -446,8 +448,11 @@ class SlaController:
         for pool, f in fast.items():
             if f.need is None:
                 continue
-            steer = max(self.target.get(pool, current[pool]), current[pool])
+            # Not again for a need already asked for since the last decision: one the budget cut would otherwise be
+            # asked for, and refused, at every pull.
+            steer = max(self.target.get(pool, current[pool]), current[pool], self._asked.get(pool, 0))
             if f.need > steer:
+                self._asked[pool] = f.need
                 self.target[pool] = max(f.need, self.floor.get(pool, 0))
                 raised[pool] = f"fast loop: {f.reason}"
         if not raised:

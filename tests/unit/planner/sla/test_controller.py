@@ -341,10 +341,10 @@ def test_at_full_budget_a_refused_removal_holds_the_addition_instead_of_waiting_
     assert pull(ctl, fleet, 31.0, apply=False).adjustment is None
 
 
-def fast_fleet() -> tuple[Fleet, SlaController]:
+def fast_fleet(**kw) -> tuple[Fleet, SlaController]:
     # Aggregated, min_endpoint 2; 10 requests/s need 0.53 + 0.14 workers: the throughput floor is 2.
     fleet = Fleet(decode=2)
-    ctl = SlaController(config(min_endpoint=2), MODEL)
+    ctl = SlaController(config(min_endpoint=2, **kw), MODEL)
     pull(ctl, fleet, 0.0)
     fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
     pull(ctl, fleet, 30.0)
@@ -571,3 +571,21 @@ def test_a_removal_discovery_has_not_caught_up_with_is_not_undone():
     out = pull(ctl, fleet, 32.0, apply=False)
     assert out.adjustment is not None
     assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.DECODE, 2, 3)]
+
+
+def test_a_fast_raise_the_budget_refuses_is_not_asked_again_at_every_pull():
+    # The burst of the fast-loop test asks for 5 workers, but the budget holds 3: the pool goes to 3 (the budget's
+    # cut, said in the reason), and the same need at the next pulls issues nothing more until the next decision.
+    fleet, ctl = fast_fleet(max_gpu_budget=3)
+    for t in (31.0, 32.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+        pull(ctl, fleet, t)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    outs = []
+    for t in (33.0, 34.0, 35.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+        outs.append(pull(ctl, fleet, t))
+    first = outs[0].adjustment
+    assert first is not None and (first.decisions[0].target, fleet.count(Pool.DECODE)) == (3, 3)
+    assert "over the 3-GPU budget" in first.decisions[0].reason
+    assert [o.adjustment for o in outs[1:]] == [None, None]
