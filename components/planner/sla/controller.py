@@ -48,10 +48,13 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
 * TTFT: to the throughput sizing of the last ``FAST_WINDOW_PULLS`` pulls' request rate (3 s at the default pull: a
   step in the load is seen within seconds, not at the next decision). Not by spreading the queue: the queued prompts
   stay on the workers that hold them, so new workers only take new arrivals, and a pool sized for a backlog would
-  be too large once it drains. When that sizing says the pool suffices (or nothing was heard) but the mean predicted
-  wait still grows from one pull to the next (same pool, every worker reporting, no change in progress), the
-  model is off for this engine: one more worker each such pull, until the correction catches up at the next
-  decision. No raise when a prompt alone is over the target (no pool size helps), with the reason.
+  be too large once it drains. When that sizing says the pool suffices (or nothing was heard) but the queue will not
+  be back within target an adjustment interval from now at its recent pace (the last ``FAST_TREND_PULLS`` pulls'
+  mean wait against the 5 before's, extrapolated; same pool, every worker reporting, no change in progress): one
+  more worker, and again only after another 10 settled pulls. That covers a model off for this engine (the queue
+  grows where it should not) and a backlog the pool's spare capacity drains too slowly (a burst's, left on the
+  workers that hold it: more workers take more of the new arrivals off them). No raise when a prompt alone is over
+  the target (no pool size helps), with the reason.
 * ITL: to the smallest size at which each worker's share of the pool's current batch and KV steps within target
   (the concurrency is what it is; spread over more workers each steps faster), at most ``_FAST_MAX_FACTOR`` x. The
   trigger is the decode step alone, as the replica formula sizes it; the prefill chunk a worker's own queue adds to
@@ -88,6 +91,7 @@ Imports the fleet view's types (rank 3), this package's pure core and the load p
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -120,6 +124,10 @@ _FAST_MAX_FACTOR = 8  # the ITL raise looks at most this many times the pool (th
 # The fast loop reads the load of the last 3 pulls (3 s at the default 1 s; frontends report every 1 s): short enough
 # to see a step within seconds, long enough to hold a few reports of each frontend.
 FAST_WINDOW_PULLS = 3
+# The queue's pace (the model says the pool suffices, yet a backlog stays): the mean wait of the last 5 pulls against
+# that of the 5 before, extrapolated an adjustment interval ahead. Means of 5, not one pull against the previous,
+# which reads the queue's noise (at 80 requests/s in the simulator that added 4 workers to the 4 the load needed).
+FAST_TREND_PULLS = 5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,7 +190,8 @@ class SlaController:
         self._ttft_pred: list[float] = []  # this interval's fast-loop TTFT predictions (ms, uncorrected)
         self._ttft_max = 0.0  # the largest one worker's predicted TTFT at any of this interval's pulls (ms)
         self._itl_pred: list[float] = []  # and ITL
-        self._prev_wait: dict[Pool, tuple[int, float]] = {}  # each pool's (size, mean queue wait ms) at the last pull
+        # each pool's (size, mean queue wait ms) at its last settled pulls, oldest first
+        self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
         self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
         self._asked: dict[Pool, int] = {}  # the fast loop's largest need per pool since the last decision
 
@@ -357,12 +366,21 @@ class SlaController:
         need: int | None = None
         reasons: list[str] = []
         wait = self.ttft_correction * wait_ms
-        # Growth is read only between two pulls of one settled pool, every worker reporting: right after workers
-        # join, the old workers' backlog still shows alone (the new ones have not reported yet), which is no growth.
-        settled = settled and not self.pending
-        previous = self._prev_wait.get(pool)
-        previous_wait = previous[1] if previous is not None and previous[0] == n and settled else None
-        self._prev_wait[pool] = (n, wait)
+        # Growth is read over the last 2 x FAST_TREND_PULLS pulls of one settled pool, every worker reporting (right
+        # after workers join, the old workers' backlog still shows alone, which is no growth): the mean wait of the
+        # later half over that of the earlier one. One pull against the previous would read the queue's noise
+        # (at 80 requests/s in the simulator it added 4 workers to the 4 the load needed, one each start-up).
+        settled = settled and not self.pending and ttft_ms is not None
+        history = self._waits.setdefault(pool, collections.deque(maxlen=2 * FAST_TREND_PULLS))
+        if not settled or (history and history[-1][0] != n):
+            history.clear()
+        if settled:
+            history.append((n, wait))
+        trend: tuple[float, float] | None = None
+        if len(history) == history.maxlen:
+            earlier = sum(w for _, w in list(history)[:FAST_TREND_PULLS]) / FAST_TREND_PULLS
+            later = sum(w for _, w in list(history)[FAST_TREND_PULLS:]) / FAST_TREND_PULLS
+            trend = (earlier, later)
         if ttft_ms is not None and self.ttft_correction * ttft_ms > cfg.ttft:
             own = self.ttft_correction * own_ms
             seen = f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms target"
@@ -381,14 +399,22 @@ class SlaController:
                         reasons.append(
                             f"{seen}; the last {self._fast_window_s():g} s' {rate:.1f} requests/s need {size}"
                         )
-                growing = previous_wait is not None and wait > previous_wait
-                if (size is None or size <= n) and growing:
-                    assert previous_wait is not None
+                # Where the wait will be an adjustment interval from now at its recent pace (per pull: the halves'
+                # means are FAST_TREND_PULLS pulls apart).
+                projected = None
+                if trend is not None:
+                    pulls_ahead = cfg.adjustment_interval / cfg.metric_pulling_interval
+                    projected = trend[1] + (trend[1] - trend[0]) / FAST_TREND_PULLS * pulls_ahead
+                if (size is None or size <= n) and projected is not None and projected + own > cfg.ttft:
+                    assert trend is not None
                     size = n + 1
+                    pace = "grows" if trend[1] > trend[0] else "drains too slowly"
                     reasons.append(
-                        f"{seen} and the queue wait grows ({previous_wait:.0f} -> {wait:.0f} ms) although the load "
-                        f"{'seems served' if recent is not None else 'is unheard'}: one more, {size}"
+                        f"{seen} and the queue wait {pace} (mean {trend[0]:.0f} -> {trend[1]:.0f} ms over the last "
+                        f"{2 * FAST_TREND_PULLS} pulls, {max(0.0, projected):.0f} ms an interval from now) although "
+                        f"the load {'seems served' if recent is not None else 'is unheard'}: one more, {size}"
                     )
+                    self._waits[pool].clear()
                 if size is not None and size > n:
                     need = size
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:

@@ -390,21 +390,42 @@ def test_the_fast_loop_raises_the_pool_above_the_floor_when_a_burst_builds_queue
 
 
 def test_the_fast_loop_adds_one_at_a_time_while_a_queue_grows_that_the_model_says_is_served():
-    # 10 requests/s keep arriving (2 workers are enough by the model), but queues build: the model is wrong about
-    # this engine (the correction will say so at the next decision). While the predicted wait grows the fast loop
-    # adds one worker at a time; when it stops growing, nothing more.
+    # 10 requests/s keep arriving (2 workers are enough by the model), but the queues grow, 2000 prompt tokens more
+    # on each worker every second: the model is wrong about this engine (the correction will say so when the fleet
+    # stops queueing). Over ten settled pulls the later five's mean wait is well over 1.2x the earlier five's, so the
+    # fast loop adds one worker; then the pool (now 3) needs ten pulls of its own before another. The TTFT is over
+    # target from the first of them: 2000 x 5 tokens queued already wait 10000 x 0.04122 + 5 = 417 ms, + 50.
     fleet, ctl = fast_fleet()
-    queues = {31.0: 20000, 32.0: 20000, 33.0: 30000}
-    sizes = []
-    for t, queued in queues.items():
+    sizes = {}
+    for k in range(1, 21):
+        t = 30.0 + k
         fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
-        fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=queued)
+        fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=2000 * (k + 4))
         out = pull(ctl, fleet, t)
-        sizes.append(fleet.count(Pool.DECODE))
+        sizes[k] = fleet.count(Pool.DECODE)
         if out.adjustment is not None:
             assert "the queue wait grows" in out.adjustment.decisions[0].reason
-    # 31 s: 0 -> 829 ms, grows: 3. 32 s: 829 -> 829 ms: holds. 33 s: 829 -> 1244 ms: 4.
-    assert sizes == [3, 3, 4]
+    assert (sizes[9], sizes[10], sizes[19], sizes[20]) == (2, 3, 3, 4)
+
+
+def test_the_fast_loop_adds_a_worker_when_a_backlog_would_still_break_target_an_interval_from_now():
+    # The same pool, the same 10 requests/s, and 20000 prompt tokens queued on each worker that do not go down: a new
+    # prompt waits WAIT_MS = 829 ms, and at this pace (flat) still 829 + 50 ms > 500 ms an interval from now. After
+    # ten settled pulls: one more worker, saying the queue drains too slowly.
+    fleet, ctl = fast_fleet()
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    sizes = {}
+    for k in range(1, 11):
+        t = 30.0 + k
+        fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
+        out = pull(ctl, fleet, t)
+        sizes[k] = fleet.count(Pool.DECODE)
+    assert (sizes[9], sizes[10]) == (2, 3)
+    assert out.adjustment is not None
+    assert (
+        f"the queue wait drains too slowly (mean {WAIT_MS:.0f} -> {WAIT_MS:.0f} ms"
+        in out.adjustment.decisions[0].reason
+    )
 
 
 def test_the_correction_factors_move_the_sizing():
