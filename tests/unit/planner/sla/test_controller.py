@@ -19,6 +19,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from components.perf.model import StepTimeModel
 from components.planner.policy import Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
@@ -610,3 +611,19 @@ def test_a_fast_raise_the_budget_refuses_is_not_asked_again_at_every_pull():
     assert first is not None and (first.decisions[0].target, fleet.count(Pool.DECODE)) == (3, 3)
     assert "over the 3-GPU budget" in first.decisions[0].reason
     assert [o.adjustment for o in outs[1:]] == [None, None]
+
+
+def test_a_given_performance_model_is_sized_with_instead_of_the_announced_one():
+    # The workers announce ROUND (a 1000-token prompt in 50 ms); the controller is given the analytic defaults, a
+    # profile's stand-in: 16.5 + 0.01518 x 1000 + 4.21e-7 x 1000^2 = 32.101 ms a prompt,
+    # rho = 2 (0.5 - 0.032101) / (1 - 0.032101), 100000 tokens/s over rho x 1000 / 0.032101: 3.32 workers' worth;
+    # decode as before (the same decode coefficients): 1.41. 4.73 -> 5, where the announced model gives 7.
+    s = (16.5 + 0.01518 * 1000 + 4.21e-7 * 1000**2) / 1e3
+    rho = 2 * (0.5 - s) / (1 - s)
+    assert math.ceil(100000 / (rho * 1000 / s) + decode_need(100)) == 5
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(), MODEL, perf=StepTimeModel())
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200)
+    pull(ctl, fleet, 30.0)
+    assert fleet.count(Pool.DECODE) == 5
