@@ -175,3 +175,12 @@ def test_the_load_planner_is_still_the_default_for_its_config():
     assert SimulatedPlanner(cfg, controller=ctl).controller is ctl
     with pytest.raises(ValueError, match="the controller's own config"):
         SimulatedPlanner(SlaPlannerConfig(), controller=ctl)
+
+
+def test_the_simulated_sla_planner_reads_the_profile_its_config_names(tmp_path):
+    from tests.unit.planner.sla.test_sla_profile import profile
+
+    profile().save(tmp_path / "p.json")
+    planner = SimulatedPlanner(SlaPlannerConfig(profile_results_dir=str(tmp_path)))
+    assert isinstance(planner.controller, SlaController) and planner.controller.perf is not None
+    assert planner.controller.perf.prefill_ms(1024) == pytest.approx(50.96)  # 10 + 0.04 x 1024: the profile's
