@@ -223,7 +223,8 @@ class PlannerRunConfig(BaseModel):
 #   predictors are recursive (one state updated per interval), so there is no window to size.
 # * ``profile_results_dir`` default None (Dynamo: ``profiling_results``, required): the workers announce their step-time
 #   models (``FleetInstance.perf``), so a profile is optional; given, it is a ``kvmesh profile`` JSON file or a
-#   directory holding one (read by the caller: the controller does no I/O and takes the model as ``perf``).
+#   directory holding one (read by the caller with ``components.planner.sla_profile.load_profile_results``: the
+#   controller does no I/O and takes the model as ``perf``).
 #
 # Ours, with no Dynamo counterpart: ``metric_pulling_interval`` (the fast loop's cadence, 1 s as the load planner's),
 # ``scale_down_sensitivity`` (0.8: Dynamo PR 9294's ``load_scaling_down_sensitivity``), ``worker_startup_s`` (the

@@ -30,14 +30,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from pydantic import ValidationError
 
 from components.deploy.errors import DeployError
 from components.deploy.state import read_state, resolve_state_dir, state_path
-from components.perf.errors import ProfileFormatError
-from components.perf.profile import Profile
 from components.planner.config import (
     SHARED_FIELDS,
     AnyPlannerConfig,
@@ -54,6 +51,7 @@ from components.planner.controller import PlannerController
 from components.planner.loop import Planner
 from components.planner.sla.controller import SlaController
 from components.planner.sla.warmup import WarmupSeries, interval_series
+from components.planner.sla_profile import load_profile_results
 from components.runtime import Runtime, eventloop
 from components.runtime.flags import add_model_arguments, given_values, model_from_args
 from components.runtime.process import add_runtime_arguments, run_component
@@ -98,22 +96,11 @@ def measured_startup_s(run: PlannerRunConfig) -> float | None:
     return max(seen) if seen else None
 
 
-def load_profile(path: str) -> Profile:
-    """``--profile-results-dir``: a ``kvmesh profile`` JSON file, or a directory holding exactly one JSON profile."""
-    p = Path(path)
-    if p.is_dir():
-        found = sorted(p.glob("*.json"))
-        if len(found) != 1:
-            raise ProfileFormatError(path, f"expected one kvmesh profile JSON in the directory, found {len(found)}")
-        p = found[0]
-    return Profile.load(p)
-
-
 def make_controller(cfg: AnyPlannerConfig, model: str) -> PlannerController | SlaController:
     """The controller of the config's mode (the SLA planner with its profile, when one is named)."""
     if isinstance(cfg, PlannerConfig):
         return PlannerController(cfg, model)
-    perf = load_profile(cfg.profile_results_dir) if cfg.profile_results_dir else None
+    perf = load_profile_results(cfg.profile_results_dir) if cfg.profile_results_dir else None
     ctl = SlaController(cfg, model, perf)
     if cfg.load_predictor_warmup_trace:
         warm_start(ctl, warmup_series(cfg.load_predictor_warmup_trace, cfg.adjustment_interval))

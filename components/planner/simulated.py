@@ -23,6 +23,7 @@ from components.planner.controller import PlannerController, PullOutcome
 from components.planner.policy import Adjustment, Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
+from components.planner.sla_profile import load_profile_results
 from components.sim.dynamics import DECODE, PoolState, Resize
 from components.sim.replay import MODEL
 
@@ -39,8 +40,8 @@ class PlannerPull:
 class SimulatedPlanner:
     """A planner as the simulator's scaler (module docstring). ``start_s``/``until_s``: the pulls' span on the
     simulation's clock; ``gpus_per_worker``: what the deployment says a pool's worker uses (None: the config's);
-    ``controller``: the controller to drive (None: one built from ``config`` for ``model``; given, ``config`` must be
-    its config)."""
+    ``controller``: the controller to drive (None: one built from ``config`` for ``model``, the SLA planner's with the
+    profile its ``profile_results_dir`` names, read here; given, ``config`` must be its config)."""
 
     def __init__(
         self,
@@ -54,11 +55,11 @@ class SimulatedPlanner:
     ) -> None:
         self.config = config
         if controller is None:
-            controller = (
-                SlaController(config, model)
-                if isinstance(config, SlaPlannerConfig)
-                else PlannerController(config, model)
-            )
+            if isinstance(config, SlaPlannerConfig):
+                perf = load_profile_results(config.profile_results_dir) if config.profile_results_dir else None
+                controller = SlaController(config, model, perf)
+            else:
+                controller = PlannerController(config, model)
         elif controller.config is not config:
             raise ValueError("SimulatedPlanner: config must be the controller's own config")
         self.controller: PlannerController | SlaController = controller
