@@ -61,6 +61,7 @@ __all__ = [
     "Action",
     "ControllerScaler",
     "GapHistogram",
+    "LoadShape",
     "ModelledConnector",
     "RequestSource",
     "ScalingResult",
@@ -74,6 +75,28 @@ __all__ = [
 ]
 
 # --- the load ---------------------------------------------------------------------------------------------------------
+
+
+class LoadShape(Protocol):
+    """The offered load over ``[0, duration_s)`` as a fraction of the peak fleet's measured capacity."""
+
+    @property
+    def duration_s(self) -> float: ...
+
+    @property
+    def high(self) -> float:
+        """The largest fraction (thinning draws candidates at it)."""
+        ...
+
+    @property
+    def start(self) -> float:
+        """The fraction at t = 0: what the unmeasured warm-up before the load runs at."""
+        ...
+
+    @property
+    def mean(self) -> float: ...
+
+    def fraction(self, t: float) -> float: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +118,11 @@ class Sinusoid:
         """The mean fraction over whole periods."""
         return (self.low + self.high) / 2
 
+    @property
+    def start(self) -> float:
+        """The trough, where it starts (``LoadShape``: the warm-up's level)."""
+        return self.low
+
     def fraction(self, t: float) -> float:
         mid, amp = (self.low + self.high) / 2, (self.high - self.low) / 2
         return mid - amp * math.cos(2 * math.pi * t / self.period_s)
@@ -110,8 +138,9 @@ class Sinusoid:
         return dataclasses.replace(self, period_s=self.period_s / factor, duration_s=self.duration_s / factor)
 
 
-def arrival_times(sinusoid: Sinusoid, peak_rps: float, seed: int) -> list[float]:
-    """Arrival times in [0, duration): a Poisson process whose rate at t is ``peak_rps * sinusoid.fraction(t)``, by
+def arrival_times(sinusoid: LoadShape, peak_rps: float, seed: int) -> list[float]:
+    """Arrival times in [0, duration): a Poisson process whose rate at t is ``peak_rps * sinusoid.fraction(t)`` (any
+    ``LoadShape``; the seed's stream is the same for every shape), by
     thinning (candidates of a Poisson process at the highest rate, each kept with probability rate(t) / highest).
     Dynamo's generator draws a Poisson count per second and spreads it evenly; thinning is the exact process."""
     if peak_rps <= 0:
@@ -237,6 +266,11 @@ class Controller(Protocol):
     @property
     def loop_rules(self) -> bool: ...
 
+    @property
+    def step_workers(self) -> int | None:
+        """Workers one decision may add or remove (None: any number)."""
+        ...
+
     def decide(
         self, now: float, active: int, starting_ready_s: Sequence[float], may_remove: bool
     ) -> tuple[int, str]: ...
@@ -344,8 +378,13 @@ class ControllerScaler:
         self.grace = max(0, self.grace - 1)
         if target == pool.active:
             return ()
-        if abs(target - pool.active) != 1:
+        step = control.step_workers
+        if step == 1 and abs(target - pool.active) != 1:
             raise ValueError(f"a controller changes the pool by one worker at a time, asked {pool.active} -> {target}")
+        if step is not None and abs(target - pool.active) > step:
+            raise ValueError(
+                f"a controller changes the pool by at most {step} workers, asked {pool.active} -> {target}"
+            )
         if target > pool.active and control.loop_rules:
             self.grace = NEW_DECODE_WORKER_GRACE_PERIOD
         return (Resize(DECODE, pool.active, target, reason),)
