@@ -1036,6 +1036,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="fleets simulated in parallel")
     p.add_argument("--png", default="bench-planner.png", help="where to draw load, KV use and pools ('' for none)")
     add_model_arguments(p, PlannerConfig, skip={"no_operation"})
+    from components.cli.bench import planner_loads  # it imports this module: here, once both are loaded
+
+    planner_loads.add_arguments(p, _positive, _fraction, _lengths)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1071,8 +1074,16 @@ def main(args: argparse.Namespace) -> int:
         ]
     if args.schedule_only and not args.oracle_utilisation:
         problems.append("--schedule-only needs at least one --oracle-utilisation")
+    from components.cli.bench import planner_loads
+
+    problems += planner_loads.problems(args)
+    if args.load is not None and args.schedule_only:
+        problems.append("--load and --schedule-only do not go together")
     if problems:
         print("kvmesh bench planner: " + "; ".join(problems), file=sys.stderr)
         return 2
+    if args.load is not None:
+        print(json.dumps(planner_loads.run(args)), flush=True)
+        return 0
     print(json.dumps(run_schedule_only(args) if args.schedule_only else run(args)), flush=True)
     return 0
