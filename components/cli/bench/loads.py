@@ -149,8 +149,13 @@ class TraceLoad:
         return bisect.bisect_left(self.arrivals_s, t1) - bisect.bisect_left(self.arrivals_s, t0)
 
     def fraction(self, t: float) -> float:
+        """The rate in the window holding ``t`` over capacity; the last window is cut at ``duration_s`` (a window
+        running past the load's end would read its arrivals as a lower rate); 0 outside the load."""
+        if not 0 <= t < self.duration_s:
+            return 0.0
         w = math.floor(t / self.window_s)
-        return self._count(w * self.window_s, (w + 1) * self.window_s) / self.window_s / self.capacity_rps
+        lo, hi = w * self.window_s, min((w + 1) * self.window_s, self.duration_s)
+        return self._count(lo, hi) / (hi - lo) / self.capacity_rps
 
     @property
     def start(self) -> float:
