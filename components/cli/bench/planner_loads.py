@@ -393,11 +393,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             label = _label(up * k)
             sides: dict[str, Any] = {"fixed_peak": fixed}
             series[name][label] = {"fixed_peak": fixed_o["result"]}
-            for o in done:
-                if o["name"] == "fixed_peak" or o["startup_s"] != up:
+            for out in done:
+                if out["name"] == "fixed_peak" or out["startup_s"] != up:
                     continue
-                sides[o["name"]] = side_summary(o["result"], r, slo) | {"cpu_s": o["cpu_s"]}
-                series[name][label][o["name"]] = o["result"]
+                sides[out["name"]] = side_summary(out["result"], r, slo) | {"cpu_s": out["cpu_s"]}
+                series[name][label][out["name"]] = out["result"]
             orc = oracles[(name, up)]
             t0, t1 = r.warmup_s, r.warmup_s + r.shape.duration_s
             least = orc.least_worker_seconds(t0, t1)
@@ -625,7 +625,7 @@ def add_arguments(p: argparse.ArgumentParser, positive: Any, fraction: Any, leng
 
 
 def problems(args: argparse.Namespace) -> list[str]:
-    out = []
+    out: list[str] = []
     if args.load is None:
         return out
     if not args.startups_s:
