@@ -40,6 +40,7 @@ from components.planner.policy import (
     decide,
     pull_figures,
 )
+from components.planner.sla.figures import SlaFigures
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,6 +122,7 @@ class PullOutcome:
     running: int
     waiting: int
     adjustment: Adjustment | None  # None: no adjustment was due at this pull
+    sla: SlaFigures | None = None  # the SLA planner's numbers (components.planner.sla.controller); None: load planner
 
 
 class PlannerController:

@@ -1,8 +1,10 @@
 """The planner inside the simulator: ``PlannerController`` (controller.py, the function the live planner's loop calls)
-as a ``components.sim.dynamics.Scaler``. ``components.sim.replay`` calls ``pull`` every ``metric_pulling_interval``
-with its fleet view's snapshot (fed on the virtual clock by the same calls the live view makes) and carries out the
-pool sizes it returns through its modelled connector, which says when a change is done (``resize_done``), as a
-live connector's ``set_pool_size`` returns.
+or the SLA planner's ``SlaController`` (sla/controller.py, the same surface) as a ``components.sim.dynamics.Scaler``.
+Which one: the config's type (``PlannerConfig``: the load planner, ``SlaPlannerConfig``: the SLA planner), or a
+controller built by the caller (``controller=``, e.g. an ``SlaController`` with a measured profile as its model).
+``components.sim.replay`` calls ``pull`` every ``metric_pulling_interval`` with its fleet view's snapshot (fed on the
+virtual clock by the same calls the live view makes) and carries out the pool sizes it returns through its modelled
+connector, which says when a change is done (``resize_done``), as a live connector's ``set_pool_size`` returns.
 
 Every pull is kept (``pulls``: the figures a live planner writes to TensorBoard at every pull), and every adjustment
 with its wall of reasons (``adjustments``), so that ``kvmesh simulate`` and ``kvmesh bench planner`` report what the
@@ -19,6 +21,8 @@ from components.fleet.model import FleetSnapshot
 from components.planner.config import PlannerConfig
 from components.planner.controller import PlannerController, PullOutcome
 from components.planner.policy import Adjustment, Direction, Pool
+from components.planner.sla.config import SlaPlannerConfig
+from components.planner.sla.controller import SlaController
 from components.sim.dynamics import DECODE, PoolState, Resize
 from components.sim.replay import MODEL
 
@@ -33,20 +37,31 @@ class PlannerPull:
 
 
 class SimulatedPlanner:
-    """The load planner as the simulator's scaler (module docstring). ``start_s``/``until_s``: the pulls' span on
-    the simulation's clock; ``gpus_per_worker``: what the deployment says a pool's worker uses (None: the config's)."""
+    """A planner as the simulator's scaler (module docstring). ``start_s``/``until_s``: the pulls' span on the
+    simulation's clock; ``gpus_per_worker``: what the deployment says a pool's worker uses (None: the config's);
+    ``controller``: the controller to drive (None: one built from ``config`` for ``model``; given, ``config`` must be
+    its config)."""
 
     def __init__(
         self,
-        config: PlannerConfig,
+        config: PlannerConfig | SlaPlannerConfig,
         *,
         start_s: float = 0.0,
         until_s: float = math.inf,
         model: str = MODEL,
         gpus_per_worker: Mapping[Pool, int | None] | None = None,
+        controller: PlannerController | SlaController | None = None,
     ) -> None:
         self.config = config
-        self.controller = PlannerController(config, model)
+        if controller is None:
+            controller = (
+                SlaController(config, model)
+                if isinstance(config, SlaPlannerConfig)
+                else PlannerController(config, model)
+            )
+        elif controller.config is not config:
+            raise ValueError("SimulatedPlanner: config must be the controller's own config")
+        self.controller: PlannerController | SlaController = controller
         # The Scaler's cadence (components.sim.dynamics): a pull every interval_s from start_s until before until_s.
         self.interval_s = config.metric_pulling_interval
         self.start_s = start_s

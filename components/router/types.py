@@ -22,6 +22,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
+from components.perf import queueing
 from components.perf.model import StepTimeModel
 
 
@@ -90,15 +91,15 @@ class StepTime(StepTimeModel):
         return cls(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed)})
 
     def step_residual_ms(self) -> float:
-        """What a new prompt waits out of the prefill step in progress (``STEP_RESIDUAL_SHARE`` of its fixed cost)."""
-        return STEP_RESIDUAL_SHARE * self.prefill_base_ms
+        """What a new prompt waits out of the prefill step in progress (``perf.queueing.STEP_RESIDUAL_SHARE`` of its
+        fixed cost; ``components.perf.queueing``, the model the SLA planner predicts TTFT with too)."""
+        return queueing.step_residual_ms(self)
 
     def prefill_ms_per_prompt_token(self, decoding_seqs: int, kv_tokens: int) -> float:
         """ms per prompt token while ``decoding_seqs`` sequences decode alongside: each step carries the rest of the
         token budget as prefill and costs that prefill plus the decode. The rate at which a worker works through
-        its prefill queue, so its queue's wait is this times the queued tokens."""
-        chunk = max(1, self.max_num_batched_tokens - max(0, decoding_seqs))
-        return (self.prefill_ms(chunk) + self.decode_ms(decoding_seqs, kv_tokens)) / chunk
+        its prefill queue, so its queue's wait is this times the queued tokens (``components.perf.queueing``)."""
+        return queueing.prefill_ms_per_prompt_token(self, decoding_seqs, kv_tokens)
 
 
 DEFAULT_STEP_TIME = StepTime()
@@ -114,15 +115,15 @@ _IDLE_DECODE_STEP_MS = DEFAULT_STEP_TIME.decode_ms(1, 0)
 # value. Tried on scratch code over ``components.sim.replay`` (docs/router.md): 0.5 and 1.0 both bring ``kv``'s p99 on
 # short shared system prompts at 8x scale and 0.6x capacity within 1.1x of round-robin's; 0.35-0.8 keep conversations
 # at 8x scale and 1.2x capacity at 140-167 ms p99, and 1.0 (the whole step, as if every arrival came at its start)
-# tipped them into recomputing histories (2.4 s).
-STEP_RESIDUAL_SHARE = 0.5
+# tipped them into recomputing histories (2.4 s). The constant lives in ``components.perf.queueing``, with the
+# wait formula the router and the SLA planner share.
 
 
 def queued_wait_ms(w: WorkerSnapshot) -> float:
     """How long a new prompt waits on worker ``w`` before its own prefill: the queued prefill tokens at the worker's
-    rate, plus, while any are queued, the rest of the step in progress (``step_residual_ms``)."""
-    q = w.queued_prefill_tokens
-    return w.prefill_ms_per_token * q + w.step_residual_ms if q else 0.0
+    rate, plus, while any are queued, the rest of the step in progress (``step_residual_ms``):
+    ``components.perf.queueing.queued_wait_ms`` on the rates the router keeps per worker."""
+    return queueing.queued_wait_ms(w.queued_prefill_tokens, w.prefill_ms_per_token, w.step_residual_ms)
 
 
 class WorkerSnapshot(NamedTuple):
@@ -158,7 +159,7 @@ class WorkerSnapshot(NamedTuple):
       request would see there;
     - ``host_load_ms_per_token``: how long loading a token's KV from its host-memory tier takes (its ``StepTime``);
     - ``step_residual_ms``: what of the step in progress a new prompt waits out while prefill is queued there
-      (``STEP_RESIDUAL_SHARE`` of its ``StepTime.prefill_base_ms``; ``queued_wait_ms``).
+      (``perf.queueing.STEP_RESIDUAL_SHARE`` of its ``StepTime.prefill_base_ms``; ``queued_wait_ms``).
     """
 
     instance_id: int

@@ -29,13 +29,11 @@ refused at ``>=``, as Dynamo's check, so a survivor exactly at the threshold is 
   ``itl_correction`` (the pool's factor). Refused when that is ``>= itl_target_s x sensitivity``.
 * TTFT (a TTFT target and a prompt length ``isl``, for prefill and aggregated workers): a new prompt waits for the
   prompt tokens queued ahead of it, then computes its own; only the queue grows with ``f``, not the new prompt's
-  own compute (a prompt does not get longer because there are fewer workers). In the router's form
-  (``router.types.queued_wait_ms``): the queue at the worker's prefill rate under its concurrent decode,
-  ``(prefill_ms(chunk) + decode_ms(seqs, kv)) / chunk`` per token with ``chunk = max_num_batched_tokens - seqs``,
-  plus half a step's fixed cost (``prefill_ms(1)``, the prefill step's fixed cost plus one token) while anything is
-  queued; then ``chunked_prefill_ms(isl)``; times ``ttft_correction``. Refused when ``>= ttft_target_s x
-  sensitivity``. Written here against ``PerfModel`` because this package imports only ``components.perf``; the
-  router's copy should move into perf so there is one model (noted for whoever integrates).
+  own compute (a prompt does not get longer because there are fewer workers). The router's model, once, in
+  ``components.perf.queueing.predicted_ttft_ms`` (re-exported here): the queue at the worker's prefill rate under its
+  concurrent decode, ``(prefill_ms(chunk) + decode_ms(seqs, kv)) / chunk`` per token with ``chunk =
+  max_num_batched_tokens - seqs``, plus half a prefill step's fixed cost while anything is queued; then
+  ``chunked_prefill_ms(isl)``; times ``ttft_correction``. Refused when ``>= ttft_target_s x sensitivity``.
 
 No data is a decision (STYLE.md habit 3): a pool of one worker, or any worker without a load report, refuses
 scale-down and says why.
@@ -48,6 +46,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from components.perf.profile import PerfModel
+from components.perf.queueing import predicted_ttft_ms
 
 __all__ = [
     "DEFAULT_SENSITIVITY",
@@ -59,7 +58,6 @@ __all__ = [
 ]
 
 DEFAULT_SENSITIVITY = 0.8  # Dynamo's load_scaling_down_sensitivity default
-_STEP_RESIDUAL_SHARE = 0.5  # the router's STEP_RESIDUAL_SHARE: a prompt arriving mid-step waits half of it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,19 +101,6 @@ class Verdict:
     factor: float  # N / (N - 1); inf when N <= 1
     violations: tuple[Violation, ...] = ()
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-
-def predicted_ttft_ms(
-    perf: PerfModel, isl: int, queued_prefill_tokens: float, decode_seqs: int = 0, kv_tokens: float = 0.0
-) -> float:
-    """A new ``isl``-token prompt's time to first token on a worker with ``queued_prefill_tokens`` ahead of it and
-    ``decode_seqs`` sequences (``kv_tokens`` KV) decoding alongside, in ms, uncorrected (module docstring)."""
-    wait = 0.0
-    if queued_prefill_tokens > 0:
-        chunk = max(1, perf.max_num_batched_tokens - max(0, decode_seqs))
-        per_token = (perf.prefill_ms(chunk) + perf.decode_ms(decode_seqs, kv_tokens)) / chunk
-        wait = per_token * queued_prefill_tokens + _STEP_RESIDUAL_SHARE * perf.prefill_ms(1)
-    return wait + perf.chunked_prefill_ms(isl)
 
 
 def consolidation_check(

@@ -16,7 +16,7 @@ it (from its engine's step-time model, ``types.StepTime``, slowed by the sequenc
 the router when the worker's counts change (``WorkerSnapshot``), not per decision.
 
 ``step_residual_ms_i`` is the part of the step in progress that a new prompt waits out on a worker with prefill
-queued: half its engine's fixed cost of a prefill step (``types.STEP_RESIDUAL_SHARE``), which the per-token rate,
+queued: half its fixed cost of a prefill step (``perf.queueing.STEP_RESIDUAL_SHARE``), which the per-token rate,
 spread over a full chunk, leaves out. Below capacity a queue is one step of a few hundred to a few thousand tokens,
 and its fixed cost (16.5 ms for an 8B model on an H100) is about as much as the ~600-token system prompt a cached
 worker saves: without it ``kv`` sent such prompts to busy holders while idle workers would have answered sooner,

@@ -80,18 +80,19 @@ def test_the_observed_itl_corrects_the_model_per_worker():
 
 def test_ttft_re_predicts_only_the_queue_for_a_prefill_pool():
     # ROUND prefill: 10 ms + 0.04 ms/token. A queue drains at (10 + 0.04 x 8192) / 8192 ms a token (full chunks,
-    # nothing decoding), plus half a step's fixed cost (0.5 x prefill_ms(1) = 0.5 x 10.04 ms) while queued; then the
-    # new 1000-token prompt's own 50 ms. Target 0.5 s x 0.8 = 400 ms. Two workers (f = 2):
+    # nothing decoding), plus half a step's fixed cost (0.5 x prefill_base_ms = 0.5 x 10 ms, the router's
+    # step_residual_ms) while queued; then the new 1000-token prompt's own 50 ms. Target 0.5 s x 0.8 = 400 ms. Two
+    # workers (f = 2):
     per_token = (10 + 0.04 * 8192) / 8192
 
     def ttft_ms(q):
-        return per_token * q + 0.5 * 10.04 + 50
+        return per_token * q + 0.5 * 10 + 50
 
     assert predicted_ttft_ms(ROUND, 1000, 4000) == pytest.approx(ttft_ms(4000))
     # 4000 queued each: 8000 after -> 384.8 ms < 400: allowed (the new prompt's own 50 ms is not doubled).
     pool = [WorkerLoad(i, kv_usage=0.1, queued_prefill_tokens=4000) for i in (1, 2)]
     v = consolidation_check(pool, ROUND, ttft_target_s=0.5, isl=1000)
-    assert ttft_ms(8000) == pytest.approx(384.79, abs=0.01)
+    assert ttft_ms(8000) == pytest.approx(384.77, abs=0.01)
     assert v.allowed, v.reason
     assert v.metrics["w1.ttft_after_s"] == pytest.approx(ttft_ms(8000) / 1e3)
     # 4500 queued each: 9000 after -> 426.0 ms >= 400: refused on TTFT.
