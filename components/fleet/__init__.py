@@ -4,11 +4,14 @@ each model's prefill queue, and the one staleness rule and the one schedulabilit
 - ``rules``: the two rules with their numbers (pure);
 - ``model``: ``FleetInstance``, ``LoadRecord``, ``FleetSnapshot`` (immutable; what pure policies take as input);
 - ``queues``: each model's prefill queue from its prefill workers' reports (pure);
+- ``request_counts``: ``RequestCounts``, what a producer of the frontends' request reports (a frontend, the
+  simulator) counts between two reports (pure);
 - ``state``: ``FleetState``, the bookkeeping with time as an input: the in-memory twin (``MemoryFleet``) and the
   live view's core; ``FleetView``, the read interface both give; ``FleetListener``, how a reader keeps derived
   tables current;
 - ``live``: ``LiveFleet``, a ``FleetState`` fed from the mesh (discovery and the ``load_metrics``,
-  ``worker_status`` and ``prefill_queue`` topics). Imported explicitly: importing this package loads no I/O client.
+  ``worker_status``, ``prefill_queue`` and ``request_stats`` topics). Imported explicitly: importing this package
+  loads no I/O client.
 
 Rank 3 (tests/unit/test_layering.py): above ``runtime``, below ``router`` and ``migration``; imports ``protocol``,
 ``perf`` and (``live`` only) ``runtime``.

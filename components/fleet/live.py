@@ -7,7 +7,9 @@
   any). A registration lost with etcd's data (a re-listing's DELETE) counts as a deregistration here, as in the
   planner's listings; the request plane's ``Client`` keeps such an instance a while longer for calls to it;
 - ``load_metrics`` -> ``FleetState.apply_load``; ``worker_status`` -> ``apply_status``; ``prefill_queue`` ->
-  ``apply_queue``; each stamped with ``clock()`` (the monotonic clock) as it is read.
+  ``apply_queue`` (``follow_queues``); ``request_stats`` (the frontends' request reports, ``follow_requests``) ->
+  ``apply_request_stats`` with the frontend's source id in hex as its source; each stamped with ``clock()`` (the
+  monotonic clock) as it is read.
 
 The frontend and the standalone router feed their own membership (their model registries list the workers they
 call) and share the state with their ``Router``: ``watch_membership=False``. The planner and a rescheduler, which do
@@ -33,9 +35,10 @@ from components.protocol.endpoints import (
     ENDPOINT_GENERATE,
     TOPIC_LOAD_METRICS,
     TOPIC_PREFILL_QUEUE,
+    TOPIC_REQUEST_STATS,
     TOPIC_WORKER_STATUS,
 )
-from components.protocol.messages import LoadSnapshot
+from components.protocol.messages import LoadSnapshot, RequestStatsReport
 from components.protocol.migration import WorkerStatus
 from components.runtime import EventSubscription, InstanceInfo, Runtime
 from components.runtime.discovery import WatchEventKind
@@ -57,6 +60,7 @@ class LiveFleet:
         components: Sequence[str] | None = None,
         watch_membership: bool = True,
         follow_queues: bool = True,
+        follow_requests: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
@@ -65,6 +69,7 @@ class LiveFleet:
         self.components = None if components is None else frozenset(components)
         self.watch_membership = watch_membership
         self.follow_queues = follow_queues
+        self.follow_requests = follow_requests
         self.clock = clock
         # Events applied and events that did not parse, by topic (tests wait on these, operators read them).
         self.received: collections.Counter[str] = collections.Counter()
@@ -101,6 +106,8 @@ class LiveFleet:
         ]
         if self.follow_queues:
             topics.append((TOPIC_PREFILL_QUEUE, self._consume_queue))
+        if self.follow_requests:
+            topics.append((TOPIC_REQUEST_STATS, self._consume_requests))
         for topic, consume in topics:
             sub: EventSubscription[Any] = await ns.events.subscribe(topic)
             self._subs.append(sub)
@@ -205,3 +212,26 @@ class LiveFleet:
                 continue
             state.apply_queue(ev.source_id, report, self.clock())
             self.received[TOPIC_PREFILL_QUEUE] += 1
+
+    async def _consume_requests(self, sub: EventSubscription[Any]) -> None:
+        state = self.state
+        async for ev in sub:
+            report = parse_request_stats(ev.payload)
+            if report is None:
+                n = self.unparsed[TOPIC_REQUEST_STATS] = self.unparsed[TOPIC_REQUEST_STATS] + 1
+                if n == 1 or n % 1000 == 0:  # a foreign publisher: say so, not once a second per model
+                    logger.warning("request stats from %x do not parse (%d so far)", ev.source_id, n)
+                continue
+            state.apply_request_stats(f"{ev.source_id:x}", report, self.clock())
+            self.received[TOPIC_REQUEST_STATS] += 1
+
+
+def parse_request_stats(payload: Any) -> RequestStatsReport | None:
+    """An event's payload as a ``RequestStatsReport``; None when it is not one (a peer of another version)."""
+    if not isinstance(payload, dict):
+        return None
+    try:
+        report = RequestStatsReport.from_dict(payload)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return report if isinstance(report.model, str) else None

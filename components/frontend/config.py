@@ -118,6 +118,14 @@ class FrontendConfig(RouterConfig):
         ge=1024,
         description="Largest accepted request body (413 beyond). 32 MiB holds a 128k-token prompt as token ids.",
     )
+    request_stats_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often this frontend (each replica) publishes, per served model, its requests' counts, "
+        "token totals and latencies (TTFT, inter-token gaps) on the event plane, for the SLA planner "
+        "(docs/fleet.md, 'Request reports'). 1 s: the planner's intervals are tens of seconds, and a report costs one "
+        "small message per model.",
+    )
     shutdown_timeout_s: float = Field(
         default=30.0,
         ge=0,

@@ -22,6 +22,7 @@ from components.frontend.config import FrontendConfig
 from components.frontend.metrics import FrontendMetrics
 from components.frontend.migration_counters import MigrationCountersFeed
 from components.frontend.models import ModelRegistry
+from components.frontend.request_stats import RequestStatsPublisher
 from components.frontend.service import FrontendService
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
 from components.router import Router
@@ -43,7 +44,10 @@ class Frontend:
         self.router = Router(config)
         # The fleet view the router reads: load reports, worker statuses and the prefill workers' queue reports (the
         # prefill-queue gauges of /metrics read its queues); membership comes from the registry below.
-        self.fleet = LiveFleet(runtime, config.namespace, state=self.router.fleet, watch_membership=False)
+        # Not the frontends' request reports: the planner reads those, the router does not.
+        self.fleet = LiveFleet(
+            runtime, config.namespace, state=self.router.fleet, watch_membership=False, follow_requests=False
+        )
         # The fleet view (started and stopped with it), KV events (KV policies) and replica sync.
         self.feed = RouterFeed(runtime, self.router, config.namespace, config.components, fleet=self.fleet)
         self.metrics = FrontendMetrics(
@@ -57,6 +61,15 @@ class Frontend:
         self.registry = ModelRegistry(runtime, config.namespace, config.components, self.router, tokenizer_loader)
         self.service = FrontendService(config, self.registry, self.router, self.metrics)
         self.app = FrontendApp(config, self.service, self.registry, self.metrics)
+        # This process's request reports for the SLA planner, under its router's replica id (one per replica).
+        self.request_stats = RequestStatsPublisher(
+            runtime,
+            config.namespace,
+            self.service.request_stats,
+            lambda: self.registry.models.keys(),  # the registry replaces its dict on each change
+            self.router.replica_id,
+            config.request_stats_interval_s,
+        )
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -65,6 +78,7 @@ class Frontend:
         await self.feed.start()  # first: workers the registry announces get their KV state fetched as they appear
         await self.migration_counters.start()
         await self.registry.start()
+        await self.request_stats.start()
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request upstream.
         runner = web.AppRunner(
             self.app.build(),
@@ -95,7 +109,10 @@ class Frontend:
                 await self.registry.close()
             finally:
                 try:
-                    await self.feed.stop()
+                    await self.request_stats.stop()  # after the server: the requests that drained are in its last
                 finally:
-                    await self.migration_counters.stop()
-                    logger.info("frontend stopped in %.1f s", time.monotonic() - t0)
+                    try:
+                        await self.feed.stop()
+                    finally:
+                        await self.migration_counters.stop()
+                        logger.info("frontend stopped in %.1f s", time.monotonic() - t0)

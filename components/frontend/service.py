@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from components.fleet.request_counts import RequestCounts
 from components.frontend.config import FrontendConfig
 from components.frontend.dispatch import Dispatch, Interrupted, Suspects
 from components.frontend.errors import (
@@ -34,6 +35,7 @@ from components.frontend.errors import (
 from components.frontend.metrics import FrontendMetrics, ModelMetrics
 from components.frontend.models import Model, ModelRegistry
 from components.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from components.frontend.request_stats import RequestStatsBook
 from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from components.protocol.messages import SamplingParams
 from components.router import Router
@@ -120,10 +122,19 @@ class Generation:
     each item.
     """
 
-    def __init__(self, service: FrontendService, prepared: Prepared, dispatch: Dispatch, first: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        service: FrontendService,
+        prepared: Prepared,
+        dispatch: Dispatch,
+        first: dict[str, Any],
+        stats: RequestCounts | None = None,
+    ) -> None:
         self._service = service
         self.prepared = prepared
         self._dispatch = dispatch
+        # Its model's request report counts (request_stats.py), TTFT and gaps added per chunk; None: counted nowhere.
+        self.stats = stats if stats is not None else RequestCounts()
         self._first: dict[str, Any] | None = first
         self._detok = IncrementalDetokenizer(prepared.tokenizer, prepared.prompt_ids)
         self._stop = StopStringMatcher(prepared.stops) if prepared.stops else None
@@ -162,11 +173,27 @@ class Generation:
         finish: str | None = item["finish_reason"]
         if ids:
             now = time.monotonic()
+            n = len(ids)
+            stats = self.stats
+            # The request report's latencies, RequestCounts.add_tokens inlined (once per chunk: no call): TTFT from
+            # arrival to the first token handed over for sending, one gap per token after the first.
             if not self.num_output_tokens:
                 self.first_token_s = now
                 self.num_cached_tokens = item.get("num_cached_tokens", 0)
+                gap = now - self.prepared.arrival_s
+                stats.ttft_count += 1
+                stats.ttft_sum_s += gap
+                if gap > stats.ttft_max_s:
+                    stats.ttft_max_s = gap
+                stats.itl_count += n - 1
+            else:
+                gap = now - self.last_token_s
+                stats.itl_count += n
+                stats.itl_sum_s += gap
+                if gap > stats.itl_max_s:
+                    stats.itl_max_s = gap
             self.last_token_s = now
-            self.num_output_tokens += len(ids)
+            self.num_output_tokens += n
             text = self._detok.feed(ids)
         else:
             text = ""
@@ -214,6 +241,7 @@ class FrontendService:
         self._prefix = os.urandom(6).hex()
         self._ids = itertools.count()
         self.num_inflight = 0
+        self.request_stats = RequestStatsBook(time.monotonic())  # what the request reports count (request_stats.py)
         self.suspects = Suspects()  # processes whose worker just failed: avoided while another can serve
 
     # --- preparation ------------------------------------------------------------------------------------------------
@@ -275,9 +303,15 @@ class FrontendService:
         rest and, closed, cancels what still runs and settles the router's bookkeeping."""
         mm = self.metrics.model(p.model.name)
         dispatch = Dispatch(self.config, self.registry, self.router, self.suspects, p, mm, on_retry=self._count_retry)
-        first = await dispatch.start()
+        stats = self.request_stats.model(p.model.name)
+        stats.arrived(len(p.prompt_ids))
+        try:
+            first = await dispatch.start()
+        except BaseException:  # refused, no worker, timed out, or the client left: an admitted request that failed
+            stats.ended(0, failed=True)
+            raise
         self.num_inflight += 1
-        return Generation(self, p, dispatch, first)
+        return Generation(self, p, dispatch, first, stats)
 
     def _count_retry(self, reason: str) -> None:
         self.metrics.retries.labels(reason=reason).inc()
@@ -285,7 +319,10 @@ class FrontendService:
     # --- completion -------------------------------------------------------------------------------------------------
 
     def observe(self, gen: Generation, mm: ModelMetrics) -> None:
-        """Token counters and latency histograms of a finished (or failed) generation."""
+        """Token counters and latency histograms of a finished (or failed) generation, and its end in the request
+        reports: failed when it ended without a finish reason (an error, a timeout, the client left). Once per
+        generation."""
+        gen.stats.ended(gen.num_output_tokens, failed=gen.finish_reason is None)
         mm.input_tokens.inc(gen.num_prompt_tokens)
         if gen.num_output_tokens:
             mm.output_tokens.inc(gen.num_output_tokens)

@@ -70,7 +70,14 @@ class RouterFeed:
         self.fleet = (
             fleet
             if fleet is not None
-            else LiveFleet(runtime, namespace, state=router.fleet, watch_membership=False, follow_queues=False)
+            else LiveFleet(
+                runtime,
+                namespace,
+                state=router.fleet,
+                watch_membership=False,
+                follow_queues=False,
+                follow_requests=False,
+            )
         )
         self.runtime = runtime
         self.router = router

@@ -12,7 +12,12 @@ request is placed by ``components.router.Router``, the class the frontend routes
 * a step's tokens become visible when the step ends (its modelled time after it started): the first one calls
   ``on_first_token``, the last ``on_finished``; the step's KV events go to ``apply_kv_events`` at that moment (for
   a policy that reads the KV index: the others decide the same without it, and are spared indexing them);
-* every ``metrics_interval_s`` each engine's ``LoadSnapshot`` goes to ``apply_load`` (the workers publish every 100 ms).
+* every ``metrics_interval_s`` each engine's ``LoadSnapshot`` goes to ``apply_load`` (the workers publish every 100 ms);
+* with a scaler (only then: a static replay has nobody to read them), every ``request_stats_interval_s`` one
+  ``RequestStatsReport`` of the interval's requests goes to ``apply_request_stats`` at the interval's end, from
+  ``SIM_FRONTEND``, as a frontend publishes them (components/frontend/request_stats.py, counted by the same
+  ``RequestCounts``): arrivals when admitted (prompt tokens), TTFT at a request's first token, one gap per later
+  token, the end with the request's output tokens. Counted as the events happen, never by rescanning requests.
 
 With ``fleet.prefill`` > 0, ``prefill`` prefill engines work a FIFO prefill queue as ``components/workers/disagg.py``
 does: each pops ONE item at a time, prefills it (the step that samples the first token ends it: the rest is
@@ -37,6 +42,7 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
+from components.fleet.request_counts import RequestCounts
 from components.protocol.messages import (
     GenerateRequest,
     LoadSnapshot,
@@ -69,6 +75,9 @@ from .dynamics import (
 from .workload import Workload
 
 MODEL = "sim"
+SIM_FRONTEND = "sim-frontend"  # the source of the simulated frontend's request reports
+# Virtual seconds between two request reports: the frontend's default request_stats_interval_s.
+REQUEST_STATS_INTERVAL_S = 1.0
 NO_ROOM = "no_room"  # a remote decision whose reservation the decode engine's cache could not hold: prefilled locally
 
 
@@ -265,7 +274,7 @@ class _Worker:
 
 
 # Event kinds. At one instant events run in the order they were scheduled (the heap's second key is a counter).
-_STEP, _ARRIVAL, _REPORT, _PF_STEP, _DELIVER, _READY, _PULL, _RESIZE, _RESCHEDULE, _LAND = range(10)
+_STEP, _ARRIVAL, _REPORT, _PF_STEP, _DELIVER, _READY, _PULL, _RESIZE, _RESCHEDULE, _LAND, _STATS = range(11)
 
 
 def replay(
@@ -279,12 +288,14 @@ def replay(
     rescheduler: Rescheduler | None = None,
     itl_sink: Sink | None = None,
     itl_from_s: float = -math.inf,
+    request_stats_interval_s: float = REQUEST_STATS_INTERVAL_S,
 ) -> RunResult:
     """Replay ``workload`` on ``fleet`` with ``policy`` (module docstring); deterministic for a seed. ``observer``
     (read-only: it changes nothing of the replay) is called at every load-report tick with the fleet's ``Sample``.
     ``scaler`` resizes the pools and ``rescheduler`` moves running requests (components/sim/dynamics.py).
     ``itl_sink``: where inter-token gaps go instead of ``RunResult.itl_s`` (a histogram for long runs); gaps of
-    requests that arrived before ``itl_from_s`` (a warm-up) are not recorded.
+    requests that arrived before ``itl_from_s`` (a warm-up) are not recorded. ``request_stats_interval_s``: how often
+    the simulated frontend's request report reaches the fleet view the scaler reads (with a scaler only).
 
     Events are (time, order, kind, payload) in one heap, ``order`` a counter, so events at one instant run in the
     order they were scheduled: at one instant step ends before arrivals before load reports, as they were scheduled;
@@ -372,7 +383,17 @@ def replay(
     remaining = n_requests
     last_finish = requests[0].arrival_s if n_requests else 0.0
     until_s = -math.inf
+    # The simulated frontend's request counts (module docstring); None without a scaler, which keeps a static
+    # replay's events and results exactly what they were before request reports existed.
+    stats: RequestCounts | None = None
     if scaler is not None:
+        if not request_stats_interval_s > 0:
+            raise ValueError(f"request_stats_interval_s must be > 0, got {request_stats_interval_s}")
+        stats = RequestCounts()
+        # The k-th report at k x the interval (a product, not a running sum: no drift over an hour of 1 s steps),
+        # scheduled before the first pull so that, at an instant they share, the report is in when the scaler reads.
+        heapq.heappush(heap, (request_stats_interval_s, seq, _STATS, 1))
+        seq += 1
         until_s = scaler.until_s
         heapq.heappush(heap, (scaler.start_s, seq, _PULL, 0))
         seq += 1
@@ -412,10 +433,14 @@ def replay(
         nonlocal remaining, last_finish
         t = reqs[rid]
         sink = gaps if t.arrival_s >= itl_from_s else _DISCARD
+        if stats is not None:  # before account_chunk moves last_s (-1 until the first token)
+            stats.add_tokens(len(chunk.token_ids), now, t.arrival_s, t.last_s)
         if account_chunk(t, rid, chunk, now, router, ttft, sink, e2e):
             remaining -= 1
             last_finish = now
             t.prompt = ()  # its tokens are no longer needed (a long replay would hold every prompt)
+            if stats is not None:
+                stats.ended(t.output_tokens, failed=False)
 
     def dispatch(now: float) -> None:
         """Idle prefill engines pop the queue's oldest items, one each."""
@@ -584,6 +609,12 @@ def replay(
                     # Neither first nor last: what account_chunk does with it, inlined (nearly every step's case).
                     if t.arrival_s >= itl_from_s:
                         gaps.append(now - t.last_s)
+                    if stats is not None:  # RequestCounts.add_tokens after the first token, inlined
+                        gap = now - t.last_s
+                        stats.itl_count += len(chunk.token_ids)
+                        stats.itl_sum_s += gap
+                        if gap > stats.itl_max_s:
+                            stats.itl_max_s = gap
                     t.last_s = now
                     t.output_tokens += len(chunk.token_ids)
                 else:
@@ -608,6 +639,8 @@ def replay(
                 raise RuntimeError(f"no worker to route request {payload} to at t={now:.3f}: {decision.reason}")
             w = workers[decision.instance_id]
             reqs[rid] = t = _Track(now, r.prompt, len(r.prompt), r.max_tokens, w.iid)
+            if stats is not None:
+                stats.arrived(t.prompt_len)
             sampling = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
             request = GenerateRequest(rid, list(r.prompt), sampling)
             where = decide_prefill(
@@ -684,6 +717,12 @@ def replay(
                     migrating[m.request_id] = m.dst
             if remaining > 0:
                 push(now + rescheduler.interval_s, _RESCHEDULE, 0)
+        elif kind == _STATS:  # the simulated frontend's request report of the interval ending now
+            assert stats is not None
+            router.fleet.apply_request_stats(SIM_FRONTEND, stats.report(MODEL, request_stats_interval_s), now)
+            stats.reset()
+            if remaining > 0 or now < until_s:
+                push((payload + 1) * request_stats_interval_s, _STATS, payload + 1)
         else:  # _LAND: a migrated request's KV arrived at its destination
             land(f"r{payload}", now)
     if remaining:

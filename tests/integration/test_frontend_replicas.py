@@ -10,6 +10,7 @@ kernel's SO_REUSEPORT hash picks the replica per connection).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import re
@@ -24,11 +25,13 @@ import psutil
 import pytest
 from openai import AsyncOpenAI
 
+from components.fleet.live import LiveFleet
+from components.fleet.model import RequestWindow
 from components.runtime import RuntimeConfig
 from components.workers.config import WorkerConfig
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 from components.workers.worker import Worker
-from tests.support.waiting import wait_until_async
+from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -288,3 +291,32 @@ async def test_sigterm_stops_every_replica(make_replicas):
     assert await r.proc.wait() == 0
     assert rest.strip().endswith("STOPPED")
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+async def test_each_replica_publishes_request_reports_of_the_requests_it_took(make_replicas, make_runtime, namespace):
+    fleet = LiveFleet(await make_runtime(), namespace)
+    await fleet.start()
+    try:
+        r: Replicas = await make_replicas("--request-stats-interval-s", "0.2")
+
+        def window(since_s: float) -> RequestWindow:
+            return fleet.snapshot().request_window(MODEL, since_s)
+
+        # Both processes report (zeros while idle), each under its own source: wait for both before counting.
+        t0 = fleet.clock()
+        await wait_until(lambda: window(t0).sources == 2, timeout_s=30.0)
+        t1 = fleet.clock()
+        by = await r.pin()  # requests until each replica has taken one: 1 prompt token ("hi"), 1 output token each
+        took = collections.Counter(p.replica for p in r.pinned)
+        assert len(took) == 2 and sum(took.values()) == len(r.pinned)
+        await wait_until(lambda: window(t1).finished >= len(r.pinned), timeout_s=30.0)
+        w = window(t1)
+        assert (w.requests, w.finished, w.failed, w.output_tokens) == (len(r.pinned), len(r.pinned), 0, len(r.pinned))
+        # Per source, the requests of one replica: the same split as the replicas' own request ids show.
+        per_source: collections.Counter[str] = collections.Counter()
+        for rec in fleet.snapshot().requests[MODEL]:
+            if rec.received_s > t1:
+                per_source[rec.source] += rec.report.requests
+        assert sorted(per_source.values()) == sorted(took.values()), (per_source, took, list(by))
+    finally:
+        await fleet.stop()

@@ -314,3 +314,44 @@ async def test_re_issues_stop_at_the_migration_limit(make_fleet):
         await read_all(gen)
     assert d.output_ids == [104, 105, 33] and d.num_failovers == 2
     await gen.aclose()
+
+
+# --- the request reports' counts (components/frontend/request_stats.py) ---------------------------------------------
+
+
+async def test_a_request_counts_its_arrival_first_token_gaps_and_end_in_its_models_report(make_fleet):
+    # Chunks of 2, 3 and 1 tokens: 6 output tokens, 5 gaps (one per token after the first); the 2 prompt tokens.
+    fleet = await make_fleet({A: [chunk([104, 105]), chunk([106, 107, 108]), chunk([109], "length")]})
+    book = fleet.service.request_stats
+    p = fleet.prepared("s1")
+    gen = await fleet.service.start(p)
+    stats = book.model("m")
+    assert (stats.requests, stats.prompt_tokens, stats.inflight, stats.finished) == (1, 2, 1, 0)
+    await read_all(gen)
+    await gen.aclose()
+    fleet.service.observe(gen, fleet.service.metrics.model("m"))
+    assert (stats.finished, stats.failed, stats.output_tokens, stats.inflight) == (1, 0, 6, 0)
+    assert (stats.ttft_count, stats.itl_count) == (1, 5)
+    # The TTFT is the Generation's own first-token time from arrival; the gaps sum to its last - first token.
+    assert stats.ttft_sum_s == stats.ttft_max_s == gen.first_token_s - p.arrival_s
+    assert stats.itl_sum_s == pytest.approx(gen.last_token_s - gen.first_token_s, abs=1e-12)
+    assert 0 <= stats.itl_max_s <= stats.itl_sum_s
+
+
+async def test_a_request_that_fails_before_its_first_token_counts_as_arrived_ended_and_failed(make_fleet):
+    fleet = await make_fleet({A: [chunk([], "abort")], B: [chunk([], "abort")]})
+    with pytest.raises(ServiceUnavailableError):
+        await fleet.service.start(fleet.prepared("s2"))
+    stats = fleet.service.request_stats.model("m")
+    assert (stats.requests, stats.prompt_tokens, stats.finished, stats.failed, stats.inflight) == (1, 2, 1, 1, 0)
+    assert (stats.output_tokens, stats.ttft_count, stats.itl_count) == (0, 0, 0)
+
+
+async def test_a_generation_that_ends_without_a_finish_reason_counts_as_failed(make_fleet):
+    fleet = await make_fleet({A: [chunk([104]), chunk([105]), chunk([106], "length")]})
+    gen = await fleet.service.start(fleet.prepared("s3"))
+    await gen.__anext__()  # the client left after the first token
+    await gen.aclose()
+    fleet.service.observe(gen, fleet.service.metrics.model("m"))
+    stats = fleet.service.request_stats.model("m")
+    assert (stats.finished, stats.failed, stats.output_tokens, stats.ttft_count, stats.itl_count) == (1, 1, 1, 1, 0)

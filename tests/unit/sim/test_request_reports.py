@@ -1,0 +1,128 @@
+"""The simulated frontend's request reports (components/sim/replay.py, ``_STATS``): with a scaler, one
+``RequestStatsReport`` per virtual second reaches the fleet view the scaler reads, and summed they are the replay's
+own per-request results. Expected values come from the ``RunResult`` and the workload (each request's arrival time,
+first-token time = arrival + its TTFT), never from the reports' producer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from components.fleet.model import FleetSnapshot, RequestRecord
+from components.router import Router
+from components.sim import FleetSpec, Workload, replay
+from components.sim.dynamics import PoolState, Resize
+from components.sim.replay import SIM_FRONTEND
+from components.sim.workloads import synthetic
+from components.workers.simulated import MockEngineConfig
+
+pytestmark = pytest.mark.unit
+
+UNTIL_S = 40.0  # past the last finish of every workload below (asserted), so the last pull has heard every report
+
+
+@dataclasses.dataclass
+class Listener:
+    """A scaler that never resizes and keeps the request reports the fleet view held at its last pull."""
+
+    interval_s: float = 1.0
+    start_s: float = 1.0
+    until_s: float = UNTIL_S
+    heard: tuple[RequestRecord, ...] = ()
+
+    def pull(self, now_s: float, fleet: FleetSnapshot, pools: Mapping[str, PoolState]) -> Sequence[Resize]:
+        self.heard = fleet.requests.get("sim", ())
+        return []
+
+    def resize_done(self, pool: str, now_s: float) -> None:
+        pass
+
+
+def workload() -> Workload:
+    return synthetic("system_prompts", 60, vocab_size=1000, seed=3).at_rate(5.0)  # arrivals over ~12 s
+
+
+FLEETS = {
+    "aggregated": FleetSpec(workers=3, engine=MockEngineConfig(num_gpu_blocks=512)),
+    # Remote prefills: first tokens come from the prefill engines' deliveries.
+    "disaggregated": FleetSpec(
+        workers=2, prefill=2, engine=MockEngineConfig(num_gpu_blocks=2048), max_local_prefill_length=50
+    ),
+}
+
+
+@pytest.mark.parametrize("fleet", sorted(FLEETS))
+def test_the_reports_summed_are_the_replays_own_results(fleet: str):
+    w = workload()
+    listener = Listener()
+    res = replay(w, FLEETS[fleet], "kv", seed=1, scaler=listener)
+    assert res.last_finish_s < UNTIL_S - 1
+    if fleet == "disaggregated":
+        assert res.remote > 0
+    heard = listener.heard
+    # One report a second from the simulated frontend, received at the end of each interval, none missing.
+    assert [r.received_s for r in heard] == [float(k) for k in range(1, len(heard) + 1)]
+    assert len(heard) >= UNTIL_S - 1 and {r.source for r in heard} == {SIM_FRONTEND}
+    reports = [r.report for r in heard]
+    assert all(r.model == "sim" and r.interval_s == 1.0 for r in reports)
+    n = len(w.requests)
+    assert sum(r.requests for r in reports) == sum(r.finished for r in reports) == n
+    assert sum(r.failed for r in reports) == 0
+    assert sum(r.prompt_tokens for r in reports) == res.prompt_tokens
+    assert sum(r.output_tokens for r in reports) == res.output_tokens
+    assert sum(r.ttft_count for r in reports) == len(res.ttft_s) == n
+    assert math.isclose(sum(r.ttft_sum_s for r in reports), sum(res.ttft_s), rel_tol=1e-9)
+    assert max(r.ttft_max_s for r in reports) == max(res.ttft_s)
+    # One gap per token after a request's first; every chunk here carries one token, so the replay's gaps too.
+    outputs = [r.max_tokens for r in w.requests]  # ignore_eos: each request generates max_tokens
+    assert sum(r.itl_count for r in reports) == sum(o - 1 for o in outputs) == len(res.itl_s)
+    assert math.isclose(sum(r.itl_sum_s for r in reports), sum(res.itl_s), rel_tol=1e-9)
+    assert max(r.itl_max_s for r in reports) == max(res.itl_s)
+    # Counts go to the interval they happened in: the reports up to the one at k hold the arrivals and first tokens
+    # at or before k (the first arrival is at 0).
+    firsts = [r.arrival_s + t for r, t in zip(w.requests, res.ttft_by_request_s, strict=True)]
+    requests = prompt_tokens = ttft_count = 0
+    for k, rep in enumerate(reports, start=1):
+        requests += rep.requests
+        prompt_tokens += rep.prompt_tokens
+        ttft_count += rep.ttft_count
+        assert requests == sum(1 for r in w.requests if r.arrival_s <= k), k
+        assert prompt_tokens == sum(len(r.prompt) for r in w.requests if r.arrival_s <= k), k
+        assert ttft_count == sum(1 for f in firsts if f <= k), k
+    # After the last finish: reports of zeros (heard, no load), not silence.
+    idle = [r for r in heard if r.received_s > res.last_finish_s + 1]
+    assert idle and all((r.report.requests, r.report.finished, r.report.itl_count) == (0, 0, 0) for r in idle)
+
+
+def test_the_reports_change_nothing_the_replay_does():
+    # The same scaled replay with a report every second and with (virtually) none: every field of the result equal.
+    w = workload()
+    fleet = FLEETS["aggregated"]
+    often = replay(w, fleet, "kv", seed=1, scaler=Listener())
+    never = replay(w, fleet, "kv", seed=1, scaler=Listener(), request_stats_interval_s=1e9)
+    assert often == never
+
+
+def test_a_static_replay_reports_nothing(monkeypatch):
+    # Without a scaler nobody reads the fleet view's requests: the replay applies none (its events are those it had
+    # before request reports existed). The router it made is watched to read its fleet view afterwards.
+    module = sys.modules["components.sim.replay"]  # the package exports the function under the module's name
+    routers: list[Router] = []
+
+    class Watched(Router):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            routers.append(self)
+
+    monkeypatch.setattr(module, "Router", Watched)
+    res = replay(workload(), FLEETS["aggregated"], "kv", seed=1)
+    [router] = routers
+    assert router.fleet.snapshot(res.last_finish_s).requests == {}
+    # The same replay with a scaler has them: the check above can see reports.
+    replay(workload(), FLEETS["aggregated"], "kv", seed=1, scaler=Listener())
+    assert len(routers[1].fleet.snapshot(res.last_finish_s).requests["sim"]) > 0
