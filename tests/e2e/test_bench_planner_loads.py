@@ -14,7 +14,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 AZURE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
-SIDES = {"fixed_peak", "planner", "clairvoyant_planner"}
+SIDES = {"fixed_peak", "planner", "sla", "clairvoyant_planner", "clairvoyant_sla"}
 
 
 @pytest.mark.timeout(300)
@@ -54,14 +54,21 @@ def test_bench_planner_runs_every_load_with_every_side(tmp_path):
             assert run["sides"]["fixed_peak"]["worker_seconds"] == pytest.approx(
                 2 * load["shape"]["duration_s"], rel=0.01
             )
-            assert run["sides"]["planner"]["adjustments"] > 0
-            c = run["sides"]["clairvoyant_planner"]["clairvoyant"]
-            assert c["bound_least_worker_seconds"] > 0 and c["bound_most_saving"] <= 1
-            v = run["verdict"]["planner"]
-            assert isinstance(v["met"], bool) and "points_below_fixed_peak" in v["attainment"]
-            assert ("goodput" in v) == (name == "step")
-            if name != "step":
-                assert v["worker_seconds"]["clairvoyant_saving_vs_fixed_peak"] == c["saving_vs_fixed_peak"]
+            assert run["sides"]["planner"]["adjustments"] > 0 and run["sides"]["sla"]["adjustments"] > 0
+            # The SLA planner is told the side's start-up (its start-up lead), on the simulation's clock; its
+            # interval is compressed as the load planner's (30 s / 20).
+            sla = run["sides"]["sla"]["sla_config"]
+            assert sla["worker_startup_s"] == pytest.approx(run["startup_s_simulated"], rel=1e-3)
+            assert sla["adjustment_interval"] == 1.5 and sla["max_gpu_budget"] == 2
+            for planner, clairvoyant, step in (("planner", "clairvoyant_planner", 1), ("sla", "clairvoyant_sla", None)):
+                c = run["sides"][clairvoyant]["clairvoyant"]
+                assert c["step_workers"] == step and c["interval_s_uncompressed"] == 30
+                assert c["bound_least_worker_seconds"] > 0 and c["bound_most_saving"] <= 1
+                v = run["verdict"][planner]
+                assert isinstance(v["met"], bool) and "points_below_fixed_peak" in v["attainment"]
+                assert ("goodput" in v) == (name == "step")
+                if name != "step":
+                    assert v["worker_seconds"]["clairvoyant_saving_vs_fixed_peak"] == c["saving_vs_fixed_peak"]
     for name, path in r["png"].items():
         assert path == str(tmp_path / f"loads-{name}.png") and Path(path).stat().st_size > 10_000
-    assert "verdict planner:" in proc.stderr and "== step" in proc.stderr
+    assert "verdict planner:" in proc.stderr and "verdict sla:" in proc.stderr and "== step" in proc.stderr

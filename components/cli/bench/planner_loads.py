@@ -20,12 +20,19 @@ at the load's starting level (``--warmup-s``):
   so it runs once per load;
 * ``planner``: the load planner with its defaults (``PlannerConfig`` from the flags, as ``kvmesh bench planner``'s
   ``planner`` fleet), starting at what the load's start needs, ``ceil(start x peak workers)``;
-* ``sla``: the SLA planner (``components.planner.sla``) with its defaults, same start, once that package has its
-  controller in ``SimulatedPlanner`` (absent from the JSON until then: ``sides_missing`` says why);
+* ``sla``: the SLA planner (``components.planner.sla``: ``SlaController`` through ``SimulatedPlanner``) with its
+  defaults (``SlaPlannerConfig``: TTFT 500 ms, ITL 50 ms, adjustment every 30 s, Kalman predictor), the peak fleet as
+  its budget, the side's start-up as its start-up lead (``worker_startup_s``), same start; it reads the simulated
+  frontend's request reports (every virtual second, divided by the compression);
 * ``clairvoyant_planner``: the clairvoyant schedule (``clairvoyant.Oracle``, utilisation 1.0 of the measured
   capacity per worker) under the load planner's rules: one worker per adjustment interval, its loop's pause and
-  grace period, the same start-up and budget. (With the SLA planner: ``clairvoyant_sla`` under its interval, any
-  number of workers per decision.)
+  grace period, the same start-up and budget;
+* ``clairvoyant_sla``: the same schedule under the SLA planner's decision interval with any number of workers per
+  decision and no pause (the most a schedule deciding that often can save).
+
+A clairvoyant schedule routes the load's need at 100% of the measured capacity per worker: under targets looser than
+what the fixed peak fleet delivers at its peak, a smaller fleet may still meet them, so a planner can save more than
+it; the saving it reports is the bound of a schedule that never runs a worker past its measured capacity.
 
 SLO: a request meets it when its TTFT is at most ``--slo-ttft-ms`` (500) and its mean inter-token latency at most
 ``--slo-itl-ms`` (50): the SLA planner's default targets (Dynamo's ``--ttft`` / ``--itl``). ``--time-compression``
@@ -77,12 +84,15 @@ from components.cli.bench.scaling import (
     simulate,
 )
 from components.planner.config import PlannerConfig
+from components.planner.sla.config import SlaPlannerConfig
 from components.sim import FleetSpec
+from components.sim.replay import REQUEST_STATS_INTERVAL_S
 from components.sim.report import Slo, percentile
 from components.sim.workloads import from_trace
 from components.workers.simulated import MockEngineConfig
 
 LOADS = ("sinusoid", "slow", "trace", "step")
+SIDES = ("fixed_peak", "planner", "sla", "clairvoyant_planner", "clairvoyant_sla")
 # The issue's targets.
 TARGET_ATTAINMENT_POINTS = 2.0  # at most this many points below the fixed peak fleet, on every load
 TARGET_CLAIRVOYANT_SHARE = 0.8  # loads 1-3: at least this share of the clairvoyant schedule's saving
@@ -112,6 +122,7 @@ class LoadRun:
     capacity_rps: float
     seed: int
     policy: str
+    request_stats_interval_s: float  # the simulated frontend's request reports (1 s, divided by the compression)
 
 
 class OrderedSource(RequestSource):
@@ -140,12 +151,14 @@ def warmup_arrivals(shape: LoadShape, warmup_s: float, capacity_rps: float, seed
     return arrival_times(flat, capacity_rps, seed + 1)
 
 
-def simulate_side(run: LoadRun, name: str, workers: int, config: PlannerConfig, startup_s: float,
+def simulate_side(run: LoadRun, name: str, workers: int, config: PlannerConfig | SlaPlannerConfig, startup_s: float,
                   oracle: Oracle | None = None) -> dict[str, Any]:  # fmt: skip
     """One side's replay of ``run`` (the planner resizes it unless ``oracle`` does; a fixed fleet's planner is in
     no-operation)."""
     t0 = time.process_time()
-    spec = ScalingSpec(run.engine, workers, config, startup_s=startup_s, policy=run.policy, controller=oracle)
+    # The frontend's request reports every virtual second, divided by the time compression as the intervals are.
+    spec = ScalingSpec(run.engine, workers, config, startup_s=startup_s, policy=run.policy, controller=oracle,
+                       request_stats_interval_s=run.request_stats_interval_s)  # fmt: skip
     res = simulate(
         OrderedSource(run.source, run.order),
         run.arrivals,
@@ -225,7 +238,8 @@ def build_load(name: str, args: argparse.Namespace, caps: dict[str, tuple[float,
         # The warm-up takes rows of a second pass (fresh prompts), the load each arrival's own row.
         order = tuple([n + i for i in range(len(head))] + list(shape.rows))
         arrivals = tuple(head + [warmup_s + t for t in shape.arrivals_s])
-        return LoadRun(name, shape, source, arrivals, order, engine, warmup_s, capacity, args.seed, args.policy)
+        return LoadRun(name, shape, source, arrivals, order, engine, warmup_s, capacity, args.seed, args.policy,
+                       REQUEST_STATS_INTERVAL_S / k)  # fmt: skip
     if name == "sinusoid":
         shape = dynamo_sinusoid(args.duration_s).scaled(k)
     elif name == "slow":
@@ -235,7 +249,7 @@ def build_load(name: str, args: argparse.Namespace, caps: dict[str, tuple[float,
     head = warmup_arrivals(shape, warmup_s, capacity, args.seed)
     arrivals = tuple(head + [warmup_s + t for t in arrival_times(shape, capacity, args.seed)])
     return LoadRun(name, shape, source, arrivals, tuple(range(len(arrivals))), engine, warmup_s, capacity, args.seed,
-                   args.policy)  # fmt: skip
+                   args.policy, REQUEST_STATS_INTERVAL_S / k)  # fmt: skip
 
 
 def describe(run: LoadRun, k: float) -> dict[str, Any]:
@@ -333,15 +347,16 @@ def verdict(
 # --- the run --------------------------------------------------------------------------------------------------------
 
 
-def oracle_for(run: LoadRun, args: argparse.Namespace, cfg: PlannerConfig, startup_s: float, *, loop_rules: bool,
-               step_workers: int | None) -> Oracle:  # fmt: skip
-    budget = max(1, cfg.max_gpu_budget // cfg.decode_engine_num_gpu)
+def oracle_for(run: LoadRun, args: argparse.Namespace, interval_s: float, budget: int, startup_s: float, *,
+               loop_rules: bool, step_workers: int | None) -> Oracle:  # fmt: skip
+    """The clairvoyant schedule for ``run`` at utilisation 1.0 of the measured capacity per worker, under a side's
+    rules (``interval_s`` on the simulation's clock)."""
     return Oracle(
         sinusoid=run.shape,
         load_start_s=run.warmup_s,
         peak_workers=args.peak_workers,
         utilisation=1.0,
-        interval_s=cfg.adjustment_interval,
+        interval_s=interval_s,
         startup_s=startup_s,
         max_workers=budget,
         loop_rules=loop_rules,
@@ -350,8 +365,40 @@ def oracle_for(run: LoadRun, args: argparse.Namespace, cfg: PlannerConfig, start
     )
 
 
+def sla_config(args: argparse.Namespace, startup_s: float) -> SlaPlannerConfig:
+    """The SLA planner's defaults, with the peak fleet as its budget (as the load planner's), the side's start-up as
+    its start-up lead (``worker_startup_s``: it is start-up aware, told the measured value), and its two intervals
+    divided by the time compression; both on the simulation's clock."""
+    cfg = SlaPlannerConfig(max_gpu_budget=args.peak_workers, worker_startup_s=startup_s)
+    k = args.time_compression
+    return cfg.model_copy(
+        update={
+            "adjustment_interval": cfg.adjustment_interval / k,
+            "metric_pulling_interval": cfg.metric_pulling_interval / k,
+        }
+    )
+
+
+# Each clairvoyant side: the planner side whose rules it takes, and those rules in words.
+CLAIRVOYANT = {
+    "clairvoyant_planner": (
+        "planner",
+        "the load planner's: one worker per adjustment interval, the loop's pause and grace period",
+    ),
+    "clairvoyant_sla": (
+        "sla",
+        "the SLA planner's adjustment interval, any number of workers per decision, no pause (the SLA planner "
+        "pauses while a change runs: the schedule may only save more than it could)",
+    ),
+}
+
+
 def _label(startup_s: float) -> str:
     return f"startup_{startup_s:g}s"
+
+
+def _start_workers(run: LoadRun, peak_workers: int) -> int:
+    return max(1, math.ceil(run.shape.start * peak_workers - 1e-9))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -365,15 +412,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slo = Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0)
     ups = [s / k for s in startups(args)]
     tasks: list[tuple[Any, ...]] = []
-    oracles: dict[tuple[str, float], Oracle] = {}
+    oracles: dict[tuple[str, float, str], Oracle] = {}
     for name, r in runs.items():
-        start_workers = max(1, math.ceil(r.shape.start * args.peak_workers - 1e-9))
+        start = _start_workers(r, args.peak_workers)
         tasks.append((simulate_side, r, "fixed_peak", args.peak_workers, fixed_cfg, ups[0]))
         for up in ups:
-            tasks.append((simulate_side, r, "planner", start_workers, cfg, up))
-            o = oracle_for(r, args, cfg, up, loop_rules=True, step_workers=1)
-            oracles[(name, up)] = o
-            tasks.append((simulate_side, r, "clairvoyant_planner", o.start_workers(r.warmup_s), fixed_cfg, up, o))
+            sla = sla_config(args, up)
+            tasks.append((simulate_side, r, "planner", start, cfg, up))
+            tasks.append((simulate_side, r, "sla", start, sla, up))
+            planner_budget = max(1, cfg.max_gpu_budget // cfg.decode_engine_num_gpu)
+            sla_budget = max(1, sla.max_gpu_budget // sla.decode_engine_num_gpu)
+            oracles[(name, up, "clairvoyant_planner")] = oracle_for(
+                r, args, cfg.adjustment_interval, planner_budget, up, loop_rules=True, step_workers=1
+            )
+            oracles[(name, up, "clairvoyant_sla")] = oracle_for(
+                r, args, sla.adjustment_interval, sla_budget, up, loop_rules=False, step_workers=None
+            )
+            for side in CLAIRVOYANT:
+                o = oracles[(name, up, side)]
+                tasks.append((simulate_side, r, side, o.start_workers(r.warmup_s), fixed_cfg, up, o))
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(min(args.jobs, len(tasks))) as pool:
         outs = pool.map(_call, tasks, chunksize=1)
@@ -398,26 +455,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 sides[out["name"]] = side_summary(out["result"], r, slo) | {"cpu_s": out["cpu_s"]}
                 series[name][label][out["name"]] = out["result"]
-            orc = oracles[(name, up)]
             t0, t1 = r.warmup_s, r.warmup_s + r.shape.duration_s
-            least = orc.least_worker_seconds(t0, t1)
             fixed_ws = fixed["worker_seconds"]
-            clair = {
-                "rules": "the load planner's: one worker per adjustment interval, the loop's pause and grace period",
-                "interval_s": orc.interval_s,
-                "utilisation": orc.utilisation,
-                "start_workers": orc.start_workers(r.warmup_s),
-                "saving_vs_fixed_peak": round(saving(sides["clairvoyant_planner"]["worker_seconds"], fixed_ws), 4),
-                "bound_least_worker_seconds": round(least, 1),
-                "bound_most_saving": round(saving(least, fixed_ws), 4),
-            }
-            sides["clairvoyant_planner"]["clairvoyant"] = clair
-            sides["planner"]["start_workers"] = max(1, math.ceil(r.shape.start * args.peak_workers - 1e-9))
+            verdicts: dict[str, Any] = {}
+            for side, (planner_side, rules) in CLAIRVOYANT.items():
+                orc = oracles[(name, up, side)]
+                least = orc.least_worker_seconds(t0, t1)
+                clair = {
+                    "rules": rules,
+                    "interval_s": orc.interval_s,
+                    "interval_s_uncompressed": round(orc.interval_s * k, 6),
+                    "step_workers": orc.step_workers,
+                    "utilisation": orc.utilisation,
+                    "start_workers": orc.start_workers(r.warmup_s),
+                    "saving_vs_fixed_peak": round(saving(sides[side]["worker_seconds"], fixed_ws), 4),
+                    "bound_least_worker_seconds": round(least, 1),
+                    "bound_most_saving": round(saving(least, fixed_ws), 4),
+                }
+                sides[side]["clairvoyant"] = clair
+                sides[planner_side]["start_workers"] = _start_workers(r, args.peak_workers)
+                verdicts[planner_side] = verdict(name, sides[planner_side], fixed, clair)
+            sides["sla"]["sla_config"] = sla_config(args, up).model_dump(mode="json")
             per_startup[label] = {
                 "startup_s": round(up * k, 3),
                 "startup_s_simulated": round(up, 4),
-                "sides": sides,
-                "verdict": {"planner": verdict(name, sides["planner"], fixed, clair)},
+                "sides": {n: sides[n] for n in SIDES},
+                "verdict": verdicts,
             }
         loads_out[name] = {"shape": describe(r, k), "runs": per_startup}
     report: dict[str, Any] = {
@@ -438,7 +501,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "goodput_loads": list(GOODPUT_LOADS),
         },
         "startups_s": list(startups(args)),
-        "sides_missing": {"sla": "components.planner.sla has no controller in SimulatedPlanner on this branch yet"},
         "peak_workers": args.peak_workers,
         "seed": args.seed,
     }

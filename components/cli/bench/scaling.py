@@ -42,6 +42,7 @@ from components.planner.config import PlannerConfig
 from components.planner.controller import build_observation, request_totals
 from components.planner.policy import NEW_DECODE_WORKER_GRACE_PERIOD, pull_figures
 from components.planner.simulated import PlannerPull, SimulatedPlanner
+from components.planner.sla.config import SlaPlannerConfig
 from components.sim import MODEL, FleetSpec, replay
 from components.sim.dynamics import (
     DECODE,
@@ -52,6 +53,7 @@ from components.sim.dynamics import (
     WorkerSpan,
     worker_seconds,
 )
+from components.sim.replay import REQUEST_STATS_INTERVAL_S
 from components.sim.report import RequestTimes
 from components.sim.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
 from components.sim.workload import SimRequest, Workload
@@ -285,11 +287,13 @@ class ScalingSpec:
 
     engine: MockEngineConfig
     initial_workers: int
-    planner: PlannerConfig
+    planner: PlannerConfig | SlaPlannerConfig  # the load planner's config, or the SLA planner's
     startup_s: float = 30.0
     policy: str = "kv"
     metrics_interval_s: float = 0.1  # workers publish their LoadSnapshot this often (WorkerConfig.metrics_interval_ms)
     controller: Controller | None = None
+    # The simulated frontend's request reports (the SLA planner's input), every this many virtual seconds.
+    request_stats_interval_s: float = REQUEST_STATS_INTERVAL_S
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -423,12 +427,23 @@ def simulate(
     )
     scaler: SimulatedPlanner | ControllerScaler
     if spec.controller is not None:
+        if not isinstance(spec.planner, PlannerConfig):
+            raise ValueError("a controller samples the fleet at a load planner's pulls: give it a PlannerConfig")
         scaler = ControllerScaler(spec.controller, spec.planner, planner_from_s, planner_until_s)
     else:
         scaler = SimulatedPlanner(spec.planner, start_s=planner_from_s, until_s=planner_until_s)
     gaps = GapHistogram()
     workload = Workload(source.name, SourceRequests(source, arrivals))
-    res = replay(workload, fleet, spec.policy, seed, scaler=scaler, itl_sink=gaps, itl_from_s=planner_from_s)
+    res = replay(
+        workload,
+        fleet,
+        spec.policy,
+        seed,
+        scaler=scaler,
+        itl_sink=gaps,
+        itl_from_s=planner_from_s,
+        request_stats_interval_s=spec.request_stats_interval_s,
+    )
     if isinstance(scaler, SimulatedPlanner):
         samples = [_planner_sample(p) for p in scaler.pulls]
         adjustments, would = len(scaler.adjustments), dict(scaler.would)
