@@ -5,7 +5,8 @@ Loads (``loads.py``; each relative to the peak fleet's *measured* capacity, foun
 ``sim.find_capacity`` with the load's own request mix):
 
 1. ``sinusoid``: Dynamo's (period 150 s over ``--duration-s`` 600 s, 25-100% of capacity);
-2. ``slow``: 25-100% with a period of 20 x the longest start-up run (``--slow-period-s``; 600 s at 30 s), two periods;
+2. ``slow``: 25-100% with a period of 20 x the longest start-up run (``--slow-period-s``; 600 s at 30 s), two periods
+   (``--slow-periods``);
 3. ``trace``: ``--trace``'s own arrival times (Azure conversations by default), its first ``--trace-rows`` rows (all
    by default), time scaled so their **mean** rate is ``--trace-mean`` (0.5) of capacity; the peak of 10 s windows
    (``--trace-window-s``) is reported;
@@ -243,7 +244,7 @@ def build_load(name: str, args: argparse.Namespace, caps: dict[str, tuple[float,
     if name == "sinusoid":
         shape = dynamo_sinusoid(args.duration_s).scaled(k)
     elif name == "slow":
-        shape = slow_sinusoid(max(startups(args)), args.slow_period_s).scaled(k)
+        shape = slow_sinusoid(max(startups(args)), args.slow_period_s, args.slow_periods).scaled(k)
     else:
         shape = Step.issue_10528(args.duration_s, args.step_high).scaled(k)
     head = warmup_arrivals(shape, warmup_s, capacity, args.seed)
@@ -655,6 +656,7 @@ def add_arguments(p: argparse.ArgumentParser, positive: Any, fraction: Any, leng
         default=None,
         help="--load slow: the period, seconds (default 20 x the longest --startups-s; at least that)",
     )
+    p.add_argument("--slow-periods", type=positive, default=2.0, help="--load slow: periods to run (default 2)")
     p.add_argument(
         "--trace-mean",
         type=fraction,
