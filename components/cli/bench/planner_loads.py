@@ -617,8 +617,9 @@ def plot(name: str, report: dict[str, Any], run: LoadRun, series: dict[str, dict
         top.set_ylabel("workers")
         bottom.set_ylabel("TTFT p99 (ms)")
         bottom.set_xlabel("time (s, simulated clock)")
-        v = report["loads"][name]["runs"][label]["verdict"].get("planner", {})
-        top.set_title(f"{name}, {label}: planner {'meets' if v.get('met') else 'misses'} the targets", fontsize=9)
+        verdicts = report["loads"][name]["runs"][label]["verdict"]
+        said = ", ".join(f"{side} {'meets' if v['met'] else 'misses'}" for side, v in verdicts.items())
+        top.set_title(f"{name}, {label}: {said} the targets", fontsize=9)
         top.grid(True, alpha=0.3)
         bottom.grid(True, alpha=0.3)
         top.legend(fontsize=7, loc="upper right")
