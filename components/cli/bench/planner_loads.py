@@ -472,6 +472,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "saving_vs_fixed_peak": round(saving(sides[side]["worker_seconds"], fixed_ws), 4),
                     "bound_least_worker_seconds": round(least, 1),
                     "bound_most_saving": round(saving(least, fixed_ws), 4),
+                    # With no limit per decision the bound is the need held a start-up ahead: it ignores the
+                    # interval (Oracle.least_worker_seconds), so it is looser than with one worker per decision.
+                    "bound_rule": "Oracle.least_worker_seconds: "
+                    + (
+                        "the need held a start-up ahead (the interval not counted)"
+                        if orc.step_workers is None
+                        else "one worker per decision, the start-up and the interval counted"
+                    ),
                 }
                 sides[side]["clairvoyant"] = clair
                 sides[planner_side]["start_workers"] = _start_workers(r, args.peak_workers)
