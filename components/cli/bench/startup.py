@@ -100,7 +100,13 @@ async def one_run(cfg: RuntimeConfig, kind: str, timeout_s: float, stop_timeout_
         finally:
             ready.cancel()
             stopped = await _stop(proc, stop_timeout_s)
-        return {"registered_s": round(registered, 3), "ready_line_s": round(ready_line, 3), "stop_s": round(stopped, 2)}
+        return {
+            "namespace": namespace,
+            "pid": proc.pid,
+            "registered_s": round(registered, 3),
+            "ready_line_s": round(ready_line, 3),
+            "stop_s": round(stopped, 2),
+        }
     finally:
         await rt.shutdown(drain_timeout_s=1.0)
 
