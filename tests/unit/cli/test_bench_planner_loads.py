@@ -128,3 +128,18 @@ def test_a_load_run_is_picklable_for_the_worker_processes(tmp_path):
     trace = azure_trace(tmp_path / "t.csv", [(float(i), 50, 5) for i in range(4)])
     run = build_load("sinusoid", args_for(trace, duration_s=30.0, warmup_s=0.0), {"t": (2.0, {})})
     assert isinstance(pickle.loads(pickle.dumps(run)), LoadRun)
+
+
+def test_load_flags_that_make_no_sense_are_refused(tmp_path):
+    from components.cli.bench.planner_loads import problems
+
+    trace = azure_trace(tmp_path / "t.csv", [(0.0, 10, 5), (1.0, 10, 5)])
+    assert problems(args_for(trace)) == []  # no --load: nothing of this module's to check
+    assert problems(args_for(trace, load="all")) == []
+    # The default start-ups are 1.23 s and 30 s: a slow period under 20 x 30 s = 600 s is refused.
+    assert problems(args_for(trace, load="slow", slow_period_s=599.0)) == [
+        "--slow-period-s must be at least 20 start-ups (600 s)"
+    ]
+    assert problems(args_for(trace, load="slow", slow_period_s=100.0, startups_s=(5.0,))) == []
+    assert problems(args_for(trace, load="trace", trace_rows=1)) == ["--trace-rows must be >= 2"]
+    assert "not --lengths" in problems(args_for(trace, load="step", lengths=(3000, 150)))[0]
