@@ -6,7 +6,7 @@ the purity of policies checked by importing them in a fresh interpreter.
 - Packages have ranks (``RANKS``, lowest first); a package imports only packages of lower rank, never one of its own
   rank or above, so the drawing of imports has no arrow running back up and no circle (also checked directly).
 - Nothing outside ``components/cli`` imports it; nothing outside ``components/workers`` imports its engines.
-- A *pure config module* (``components/<package>/config.py`` that imports only the standard library and pydantic) is
+- A *pure config module* (``components/<pkg>[/<sub>]/config.py`` importing only the standard library and pydantic) is
   a leaf: any package may import it, whatever the ranks, and such an import is no edge of the package graph. A
   component's config is data (its fields, defaults and validation), not behaviour; a graph file's sections are the
   component configs (components/deploy/graph.py), including the planner's, whose package sits above ``deploy``
@@ -235,9 +235,11 @@ def package_of(name: str) -> str | None:
 
 
 def pure_config_modules(root: Path = ROOT) -> set[str]:
-    """``components.<package>.config`` modules that import only the standard library and pydantic (module docstring)."""
+    """``components.<package>[.<subpackage>].config`` modules that import only the standard library and pydantic
+    (module docstring; a subpackage's, e.g. the SLA planner's ``components.planner.sla.config``, too)."""
     out = set()
-    for path in sorted((root / "components").glob("*/config.py")):
+    components = root / "components"
+    for path in sorted([*components.glob("*/config.py"), *components.glob("*/*/config.py")]):
         names = [name for _, name in imports_of(path, root) if name != "__future__"]
         if all(top(n) in sys.stdlib_module_names or top(n) in CONFIG_THIRD_PARTY for n in names):
             out.add(module_name(path, root))
@@ -383,6 +385,7 @@ def test_a_pure_config_module_is_a_leaf_and_an_impure_one_is_not(tmp_path):
     assert {v.split(" ")[0] for v in rank_violations(tmp_path)} == {"components/deploy/graph.py:2"}
     assert cycles(tmp_path) == []
     assert "components.planner.config" in pure_config_modules()  # the real one qualifies
+    assert "components.planner.sla.config" in pure_config_modules()  # and a subpackage's
 
 
 # ---------------------------------------------------------------------------------------------------------------------

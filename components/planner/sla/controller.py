@@ -24,7 +24,14 @@ Throughput loop (every ``adjustment_interval``)
    fixed cost of both).
 3. Corrections (unless ``no_correction``): ``correction.update_correction`` with the interval's observed mean TTFT
    and ITL against the mean of what the fast loop predicted (uncorrected) at the interval's pulls: TTFT including
-   queue wait, so the factor corrects the engine's speed and not queueing the model already counts.
+   queue wait, so the factor corrects the engine's speed and not queueing the model already counts (the larger of
+   the pools' TTFTs at each pull, for a disaggregated model). An interval without a prediction (no prompt length
+   known yet) or an observation keeps the factor, and so does one in which any worker's predicted TTFT went over
+   target at a pull: while a queue builds or drains, the first tokens sent in an interval are of prompts that
+   waited behind an earlier queue than the pulls saw, so the ratio measures the queue's history (a draining backlog
+   read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's speed. An interval whose pulls
+   caught no worker decoding, though tokens were sent, predicts ITL as a lone sequence's step at the mean context
+   (else a factor raised in a burst would stay up through the quiet after it).
 4. Several workers per step: the new size is absolute (``pool_to_request``'s), not one worker at a time.
 
 Fast loop (every pull)
@@ -32,19 +39,39 @@ Fast loop (every pull)
 Each fresh worker's predicted TTFT for a prompt of the latest mean length, its queue wait included
 (``components.perf.queueing.predicted_ttft_ms``: the router's model), and its predicted ITL (the decode step at its
 reported ``batch_size`` and ``num_kv_tokens``), both corrected; the pool's figure is the mean over its fresh workers
-(the router spreads the load; one busy worker is the router's business, a busy pool the planner's). When the mean
-breaks a target, the pool is raised: TTFT, to the size at which the same backlog spread over more workers waits
-within the target (``n' = ceil(n x wait / (target - own prefill))``; no size helps when a prompt alone is over
-target, and the reason says so); ITL, to the smallest size whose per-worker share of the batch and KV steps within
-target. Raised above the throughput loop's size, never below it; the next throughput decision may bring it back
-down only through the consolidation check.
+(the router spreads the load; one busy worker is the router's business, a busy pool the planner's). A
+disaggregated model's prefill workers pull from one shared queue (``FleetSnapshot.queue``), so the prefill pool's
+TTFT counts each worker an even share of its waiting prompts; its decode workers' TTFT is that of the prompts they
+prefill themselves (short ones, and long ones the full queue turned away), which only they drain. When a pool's
+mean breaks a target the pool is raised, above the throughput loop's size, never below it:
+
+* TTFT: to the throughput sizing of the last ``FAST_WINDOW_PULLS`` pulls' request rate (3 s at the default pull: a
+  step in the load is seen within seconds, not at the next decision). Not by spreading the queue: the queued prompts
+  stay on the workers that hold them, so new workers only take new arrivals, and a pool sized for a backlog would
+  be too large once it drains. When that sizing says the pool suffices (or nothing was heard) but the queue will not
+  be back within target an adjustment interval from now at its recent pace (the last ``FAST_TREND_PULLS`` pulls'
+  mean wait against the 5 before's, extrapolated; same pool, every worker reporting, no change in progress): one
+  more worker, and again only after another 10 settled pulls. That covers a model off for this engine (the queue
+  grows where it should not) and a backlog the pool's spare capacity drains too slowly (a burst's, left on the
+  workers that hold it: more workers take more of the new arrivals off them). No raise when a prompt alone is over
+  the target (no pool size helps), with the reason.
+* ITL: to the smallest size at which each worker's share of the pool's current batch and KV steps within target
+  (the concurrency is what it is; spread over more workers each steps faster), at most ``_FAST_MAX_FACTOR`` x. The
+  trigger is the decode step alone, as the replica formula sizes it; the prefill chunk a worker's own queue adds to
+  its steps is that backlog's, which the TTFT rule handles. The ITL reported (``SlaFigures.predicted_itl_s``) and
+  compared with the frontends' for the correction is the whole step a token sees, chunk included, so that a
+  prefill burst does not read as a slow decode engine.
+
+The next throughput decision may bring a raised pool back down only through the consolidation check.
 
 Scale-down
 ----------
 Only through ``consolidation.consolidation_check``: from N, each survivor re-predicted with N/(N-1) of the load (KV
 use, ITL, TTFT against target x ``scale_down_sensitivity``); repeated step by step (the survivors' loads scaled each
 time) down to the wanted size or the first refusal, whose reason (naming the constraint: KV, ITL or TTFT) is the
-decision's. While a change is in progress no removal is decided (the loads describe a fleet in motion).
+decision's. A disaggregated prefill pool's workers are checked with their even shares of the shared queue (no
+queue reading: refused, saying so). No removal is decided while a change is in progress (the loads describe a fleet
+in motion), nor from a pool whose fast-loop TTFT or ITL is over target at that pull (the reason names it).
 
 Atomic budget
 -------------
@@ -64,6 +91,7 @@ Imports the fleet view's types (rank 3), this package's pure core and the load p
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -93,6 +121,13 @@ __all__ = ["SlaController"]
 
 _TIME_EPS_S = 1e-9  # pulls at 0, 1, ..., 30 s must make 30 s, not 29.999...
 _FAST_MAX_FACTOR = 8  # the ITL raise looks at most this many times the pool (the budget bounds it anyway)
+# The fast loop reads the load of the last 3 pulls (3 s at the default 1 s; frontends report every 1 s): short enough
+# to see a step within seconds, long enough to hold a few reports of each frontend.
+FAST_WINDOW_PULLS = 3
+# The queue's pace (the model says the pool suffices, yet a backlog stays): the mean wait of the last 5 pulls against
+# that of the 5 before, extrapolated an adjustment interval ahead. Means of 5, not one pull against the previous,
+# which reads the queue's noise (at 80 requests/s in the simulator that added 4 workers to the 4 the load needed).
+FAST_TREND_PULLS = 5
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,9 +143,13 @@ class _Fast:
     """One pool's fast-loop reading at this pull."""
 
     ttft_ms: float | None = None  # mean predicted TTFT over fresh workers, uncorrected
-    itl_ms: float | None = None  # mean predicted ITL over fresh workers decoding, uncorrected
+    # mean predicted ITL over fresh workers decoding, uncorrected: the step a token sees, a prefill chunk from the
+    # worker's own queue included (what the frontends observe; the correction and the figures compare it)
+    itl_ms: float | None = None
     need: int | None = None  # the size the fast loop asks for (None: no raise)
     reason: str = ""
+    broken: str = ""  # which corrected prediction is over its target now ("" none): the pool may not shrink
+    ttft_max_ms: float | None = None  # the largest worker's predicted TTFT, uncorrected
 
 
 class SlaController:
@@ -147,8 +186,14 @@ class SlaController:
         self.target: dict[Pool, int] = {}  # what the planner steers to (floor, raised by the fast loop, budgeted)
         self._predicted: tuple[float, float | None, float | None] | None = None  # (rate, isl, osl) for this interval
         self._last_isl: float | None = None  # the latest prompt length heard (the fast loop's TTFT prompt)
+        self._last_osl: float | None = None  # the latest output length heard
         self._ttft_pred: list[float] = []  # this interval's fast-loop TTFT predictions (ms, uncorrected)
+        self._ttft_max = 0.0  # the largest one worker's predicted TTFT at any of this interval's pulls (ms)
         self._itl_pred: list[float] = []  # and ITL
+        # each pool's (size, mean queue wait ms) at its last settled pulls, oldest first
+        self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
+        self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
+        self._asked: dict[Pool, int] = {}  # the fast loop's largest need per pool since the last decision
 
     # ----------------------------------------------------------------------------------------------------------------
     # The controller's surface (PlannerController's)
@@ -163,13 +208,17 @@ class SlaController:
         running, waiting = request_totals(snap, self.model)
         self.num_pulls += 1
         loads = self._pool_loads(snap, obs)
-        aggregated = obs.prefill is None
-        fast = {pool: self._fast(pool, load, aggregated) for pool, load in loads.items()}
-        for pool, f in fast.items():
-            if f.ttft_ms is not None and self._ttft_pool(obs) == pool:
-                self._ttft_pred.append(f.ttft_ms)
-            if f.itl_ms is not None and pool == Pool.DECODE:
-                self._itl_pred.append(f.itl_ms)
+        perf_of = {pool: self._pool_perf(load) for pool, load in loads.items()}
+        fast = {pool: self._fast(pool, loads, obs, snap, perf_of) for pool in loads}
+        # The fleet's predicted TTFT: the larger of its pools' (a disaggregated model's prompts wait in the prefill
+        # queue, or on a decode worker when prefilled there), the one the correction compares with the frontends'.
+        ttfts = [f.ttft_ms for f in fast.values() if f.ttft_ms is not None]
+        if ttfts:
+            self._ttft_pred.append(max(ttfts))
+        self._ttft_max = max([self._ttft_max, *(f.ttft_max_ms for f in fast.values() if f.ttft_max_ms is not None)])
+        itl_ms = fast[Pool.DECODE].itl_ms
+        if itl_ms is not None:
+            self._itl_pred.append(itl_ms)
 
         adj: Adjustment | None = None
         sla = SlaFigures(now_s=now, interval=False)
@@ -178,7 +227,8 @@ class SlaController:
         elif now - self.interval_start_s >= self.config.adjustment_interval - _TIME_EPS_S:
             adj, sla = self._throughput(snap, obs, loads, fast)
             self.interval_start_s = now
-            self._ttft_pred, self._itl_pred = [], []
+            self._ttft_pred, self._itl_pred, self._ttft_max = [], [], 0.0
+            self._asked = {}
         if adj is None:
             adj = self._fast_raise(obs, fast)
         if adj is None:
@@ -187,8 +237,8 @@ class SlaController:
             self.num_adjustments += 1
         sla = dataclasses.replace(
             sla,
-            predicted_ttft_s=self._corrected_s(fast, self._ttft_pool(obs), "ttft"),
-            predicted_itl_s=self._corrected_s(fast, Pool.DECODE, "itl"),
+            predicted_ttft_s=self.ttft_correction * max(ttfts) / 1e3 if ttfts else None,
+            predicted_itl_s=self.itl_correction * itl_ms / 1e3 if itl_ms is not None else None,
             ttft_correction=self.ttft_correction,
             itl_correction=self.itl_correction,
             throughput_prefill=self.floor.get(Pool.PREFILL),
@@ -234,73 +284,139 @@ class SlaController:
             out[Pool.PREFILL] = _PoolLoad(prefill, tuple(i for i in prefill if i.fresh(snap.now_s)))
         return out
 
-    @staticmethod
-    def _ttft_pool(obs: Observation) -> Pool:
-        """The pool whose queue a new prompt waits in: prefill when there is one, else the aggregated pool."""
-        return Pool.DECODE if obs.prefill is None else Pool.PREFILL
-
-    def _corrected_s(self, fast: Mapping[Pool, _Fast], pool: Pool, what: str) -> float | None:
-        f = fast.get(pool)
-        if f is None:
-            return None
-        ms = f.ttft_ms if what == "ttft" else f.itl_ms
-        factor = self.ttft_correction if what == "ttft" else self.itl_correction
-        return None if ms is None else factor * ms / 1e3
-
     # ----------------------------------------------------------------------------------------------------------------
     # Fast loop
 
-    def _fast(self, pool: Pool, load: _PoolLoad, aggregated: bool) -> _Fast:
-        """The pool's mean predicted TTFT and ITL from its fresh load reports, and the size that brings a broken one
-        back within target (module docstring)."""
-        if not load.fresh:
-            return _Fast()
-        cfg = self.config
-        n = len(load.workers)
-        ttft_ms: float | None = None
-        wait_ms = own_ms = 0.0
-        isl = self._last_isl
-        if (pool == Pool.PREFILL or aggregated) and isl is not None:
-            n_isl = max(1, round(isl))
-            totals, waits, owns = [], [], []
+    def _ttft_reading(
+        self, pool: Pool, loads: Mapping[Pool, _PoolLoad], obs: Observation, snap: FleetSnapshot, perf: PerfModel
+    ) -> tuple[float, float, float, bool, float] | None:
+        """(mean predicted TTFT, its queue wait, its own prefill, whether every worker was read, the largest worker's
+        predicted TTFT) in ms, uncorrected,
+        for a new prompt of the latest mean length; None: nothing to read it from.
+
+        Aggregated, and a disaggregated model's decode pool: the pool's workers' own load reports (their queued prompt
+        tokens, the sequences decoding beside). A decode worker of a disaggregated model queues prompts when it
+        prefills locally: short ones, and long ones the full prefill queue turned away (its cap,
+        components/router/policies/disagg.py); only that pool's workers drain that backlog, so it is that pool's
+        reading. The prefill pool: its workers pull from one shared queue, each counting for an even share of its
+        waiting prompts (``waiting x isl / n`` tokens, nothing decoding)."""
+        if self._last_isl is None:
+            return None
+        n_isl = max(1, round(self._last_isl))
+        if pool == Pool.DECODE:
+            load = loads[Pool.DECODE]
+            if not load.fresh:
+                return None
+            totals, owns = [], []
             for inst in load.fresh:
                 assert inst.load is not None
                 s = inst.load.snapshot
-                perf = self._worker_perf(inst)
-                seqs = 0 if pool == Pool.PREFILL else s.num_running
-                kv = 0.0 if pool == Pool.PREFILL else float(s.num_kv_tokens)
-                total = predicted_ttft_ms(perf, n_isl, s.num_waiting_prefill_tokens, seqs, kv)
-                own = perf.chunked_prefill_ms(n_isl)
-                totals.append(total)
-                waits.append(total - own)
-                owns.append(own)
-            ttft_ms = sum(totals) / len(totals)
-            wait_ms, own_ms = sum(waits) / len(waits), sum(owns) / len(owns)
-        itl_ms: float | None = None
+                p = self._worker_perf(inst)
+                seqs, kv = s.num_running, float(s.num_kv_tokens)
+                totals.append(predicted_ttft_ms(p, n_isl, s.num_waiting_prefill_tokens, seqs, kv))
+                owns.append(p.chunked_prefill_ms(n_isl))
+            total, own = sum(totals) / len(totals), sum(owns) / len(owns)
+            return total, total - own, own, len(load.fresh) == len(load.workers), max(totals)
+        view = snap.queue(self.model)
+        n = len(loads[Pool.PREFILL].workers)
+        if view is None or view.waiting is None or n == 0:
+            return None
+        own = perf.chunked_prefill_ms(n_isl)
+        total = predicted_ttft_ms(perf, n_isl, view.waiting * n_isl / n)
+        return total, total - own, own, view.prefill_workers == n, total
+
+    def _fast(
+        self,
+        pool: Pool,
+        loads: Mapping[Pool, _PoolLoad],
+        obs: Observation,
+        snap: FleetSnapshot,
+        perf_of: Mapping[Pool, PerfModel],
+    ) -> _Fast:
+        """The pool's mean predicted TTFT and ITL from its fresh load reports (a disaggregated prefill pool: from the
+        shared prefill queue), and the size that brings a broken one back within target (module docstring)."""
+        cfg = self.config
+        load = loads[pool]
+        n = len(load.workers)
+        reading = self._ttft_reading(pool, loads, obs, snap, perf_of[pool])
+        if reading is None and not load.fresh:
+            return _Fast()
+        ttft_ms, wait_ms, own_ms, settled, ttft_max_ms = (
+            reading if reading is not None else (None, 0.0, 0.0, False, None)
+        )
+        itl_ms: float | None = None  # the decode step alone: what the ITL raise can spread
+        step_itl_ms: float | None = None  # the step a token sees, with the prefill chunk the worker's queue puts in
         batch = kv_tokens = 0.0
         if pool == Pool.DECODE:
             decoding = [i for i in load.fresh if i.load is not None and i.load.snapshot.batch_size > 0]
             if decoding:
-                steps = []
+                steps, full_steps = [], []
                 for inst in decoding:
                     assert inst.load is not None
                     s = inst.load.snapshot
-                    steps.append(self._worker_perf(inst).decode_ms(s.batch_size, s.num_kv_tokens))
+                    p = self._worker_perf(inst)
+                    steps.append(p.decode_ms(s.batch_size, s.num_kv_tokens))
+                    chunk = min(s.num_waiting_prefill_tokens, max(0, p.max_num_batched_tokens - s.batch_size))
+                    full_steps.append(p.step_ms(chunk, s.batch_size, s.num_kv_tokens))
                 itl_ms = sum(steps) / len(steps)
+                step_itl_ms = sum(full_steps) / len(full_steps)
                 batch = sum(i.load.snapshot.batch_size for i in decoding if i.load) / len(decoding)
                 kv_tokens = sum(i.load.snapshot.num_kv_tokens for i in decoding if i.load) / len(decoding)
 
         need: int | None = None
         reasons: list[str] = []
+        wait = self.ttft_correction * wait_ms
+        # Growth is read over the last 2 x FAST_TREND_PULLS pulls of one settled pool, every worker reporting (right
+        # after workers join, the old workers' backlog still shows alone, which is no growth): the mean wait of the
+        # later half over that of the earlier one. One pull against the previous would read the queue's noise
+        # (at 80 requests/s in the simulator it added 4 workers to the 4 the load needed, one each start-up).
+        settled = settled and not self.pending and ttft_ms is not None
+        history = self._waits.setdefault(pool, collections.deque(maxlen=2 * FAST_TREND_PULLS))
+        if not settled or (history and history[-1][0] != n):
+            history.clear()
+        if settled:
+            history.append((n, wait))
+        trend: tuple[float, float] | None = None
+        if len(history) == history.maxlen:
+            earlier = sum(w for _, w in list(history)[:FAST_TREND_PULLS]) / FAST_TREND_PULLS
+            later = sum(w for _, w in list(history)[FAST_TREND_PULLS:]) / FAST_TREND_PULLS
+            trend = (earlier, later)
         if ttft_ms is not None and self.ttft_correction * ttft_ms > cfg.ttft:
-            target, own, wait = cfg.ttft, self.ttft_correction * own_ms, self.ttft_correction * wait_ms
-            seen = f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {target:g} ms target"
-            if own >= target:
+            own = self.ttft_correction * own_ms
+            seen = f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms target"
+            recent = self._recent_load(snap)
+            size: int | None = None
+            if own >= cfg.ttft:
                 reasons.append(f"{seen}, but a prompt alone takes {own:.0f} ms: more workers do not help")
             else:
-                size = max(n + 1, math.ceil(n * wait / (target - own) - 1e-9))
-                need = size
-                reasons.append(f"{seen} ({wait:.0f} ms queue wait on {n}): {size} workers spread it within target")
+                if recent is not None:
+                    rate, r_isl, r_osl = recent
+                    sizes, _ = self._throughput_sizes(
+                        obs, [rate], [r_isl], [r_osl] if r_osl is not None else None, perf_of
+                    )
+                    size = sizes.get(pool)
+                    if size is not None and size > n:
+                        reasons.append(
+                            f"{seen}; the last {self._fast_window_s():g} s' {rate:.1f} requests/s need {size}"
+                        )
+                # Where the wait will be an adjustment interval from now at its recent pace (per pull: the halves'
+                # means are FAST_TREND_PULLS pulls apart).
+                projected = None
+                if trend is not None:
+                    pulls_ahead = cfg.adjustment_interval / cfg.metric_pulling_interval
+                    projected = trend[1] + (trend[1] - trend[0]) / FAST_TREND_PULLS * pulls_ahead
+                if (size is None or size <= n) and projected is not None and projected + own > cfg.ttft:
+                    assert trend is not None
+                    size = n + 1
+                    pace = "grows" if trend[1] > trend[0] else "drains too slowly"
+                    reasons.append(
+                        f"{seen} and the queue wait {pace} (mean {trend[0]:.0f} -> {trend[1]:.0f} ms over the last "
+                        f"{2 * FAST_TREND_PULLS} pulls, {max(0.0, projected):.0f} ms an interval from now) although "
+                        f"the load {'seems served' if recent is not None else 'is unheard'}: one more, {size}"
+                    )
+                    self._waits[pool].clear()
+                if size is not None and size > n:
+                    need = size
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             seen = f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms target"
             perf = self._pool_perf(load)
@@ -317,7 +433,38 @@ class SlaController:
                 size = found
                 reasons.append(f"{seen} (batch {batch:.0f} on each of {n}): {size} workers step within target")
             need = max(need or 0, size)
-        return _Fast(ttft_ms, itl_ms, need, "; ".join(reasons))
+        broken = []
+        if ttft_ms is not None and self.ttft_correction * ttft_ms > cfg.ttft:
+            broken.append(f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms")
+        if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
+            broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
+        return _Fast(ttft_ms, step_itl_ms, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
+
+    def _fast_window_s(self) -> float:
+        return FAST_WINDOW_PULLS * self.config.metric_pulling_interval
+
+    def _recent_load(self, snap: FleetSnapshot) -> tuple[float, float, float | None] | None:
+        """(requests/s, mean prompt length, mean output length or None) over the request reports received in the
+        last ``FAST_WINDOW_PULLS`` pulls; None when none was heard or no prompt length is known. Each frontend's rate
+        is its requests over its reports' own intervals (a report covers its interval, not the window), summed over
+        frontends."""
+        now = snap.now_s
+        records = [r for r in snap.requests.get(self.model, ()) if now - self._fast_window_s() < r.received_s <= now]
+        if not records:
+            return None
+        counts: dict[str, list[float]] = {}
+        for r in records:
+            c = counts.setdefault(r.source, [0.0, 0.0])
+            c[0] += r.report.requests
+            c[1] += r.report.interval_s
+        rate = sum(req / span for req, span in counts.values() if span > 0)
+        requests = sum(r.report.requests for r in records)
+        finished = sum(r.report.finished for r in records)
+        isl = sum(r.report.prompt_tokens for r in records) / requests if requests else self._last_isl
+        osl = sum(r.report.output_tokens for r in records) / finished if finished else self._last_osl
+        if isl is None:
+            return None
+        return rate, isl, osl
 
     def _fast_raise(self, obs: Observation, fast: Mapping[Pool, _Fast]) -> Adjustment | None:
         """At a pull between throughput decisions: raise a pool whose fast-loop need is over what the planner steers
@@ -327,8 +474,11 @@ class SlaController:
         for pool, f in fast.items():
             if f.need is None:
                 continue
-            steer = max(self.target.get(pool, current[pool]), current[pool])
+            # Not again for a need already asked for since the last decision: one the budget cut would otherwise be
+            # asked for, and refused, at every pull.
+            steer = max(self.target.get(pool, current[pool]), current[pool], self._asked.get(pool, 0))
             if f.need > steer:
+                self._asked[pool] = f.need
                 self.target[pool] = max(f.need, self.floor.get(pool, 0))
                 raised[pool] = f"fast loop: {f.reason}"
         if not raised:
@@ -374,6 +524,7 @@ class SlaController:
             self._last_isl = window.mean_isl
         if window.mean_osl is not None:
             self.osl.observe(window.mean_osl)
+            self._last_osl = window.mean_osl
         sla = dataclasses.replace(
             sla,
             observed_request_rate=rate,
@@ -384,12 +535,27 @@ class SlaController:
         )
         notes: list[str] = []
         if not cfg.no_correction:
-            t = correction.update_correction(
-                self.ttft_correction,
-                window.mean_ttft_s,
-                _mean_s(self._ttft_pred),
-            )
-            i = correction.update_correction(self.itl_correction, window.mean_itl_s, _mean_s(self._itl_pred))
+            predicted_ttft_s = _mean_s(self._ttft_pred)
+            if self.ttft_correction * self._ttft_max > cfg.ttft:
+                # A queueing interval: the first tokens sent in it are of prompts that arrived earlier, behind a
+                # different queue than the pulls saw (a backlog's drain reads as a slow engine, by up to the
+                # factor's bound): they measure the queue's history, not the engine's speed.
+                t = correction.Correction(
+                    self.ttft_correction,
+                    None,
+                    f"a worker queued this interval (predicted TTFT up to {self.ttft_correction * self._ttft_max:.0f}"
+                    f" ms > target): keeping {self.ttft_correction:.3f}",
+                )
+            else:
+                t = correction.update_correction(self.ttft_correction, window.mean_ttft_s, predicted_ttft_s)
+            predicted_itl_s = _mean_s(self._itl_pred)
+            if predicted_itl_s is None and self._last_isl is not None and self._last_osl is not None:
+                # No pull caught a worker decoding (light load: short requests between pulls), yet tokens were
+                # sent: a lone sequence at the mean context is what they saw. Without this a factor raised in a
+                # burst would stay up through every quiet interval after it.
+                context = self._last_isl + self._last_osl / 2
+                predicted_itl_s = self._pool_perf(loads[Pool.DECODE]).decode_ms(1, context) / 1e3
+            i = correction.update_correction(self.itl_correction, window.mean_itl_s, predicted_itl_s)
             self.ttft_correction, self.itl_correction = t.factor, i.factor
             notes.append(f"TTFT correction {t.factor:.3f} ({t.reason}); ITL correction {i.factor:.3f} ({i.reason})")
 
@@ -417,8 +583,12 @@ class SlaController:
             f = fast.get(pool)
             if f is not None and f.need is not None and f.need > want:
                 want, reason = f.need, f"{reason}; fast loop: {f.reason}"
-            if want < cur:
-                want, reason = self._scale_down(pool, cur, want, loads[pool], perf[pool], reason, obs.prefill is None)
+            if want < cur and f is not None and f.broken:
+                want, reason = cur, f"{reason}; scale-down to {want} refused: {f.broken} now"
+            elif want < cur:
+                want, reason = self._scale_down(
+                    pool, cur, want, loads[pool], perf[pool], reason, obs.prefill is None, snap
+                )
                 if want < cur:
                     allowed_down.add(pool)
             self.target[pool] = want
@@ -497,7 +667,15 @@ class SlaController:
         return sizes, reasons
 
     def _scale_down(
-        self, pool: Pool, current: int, wanted: int, load: _PoolLoad, perf: PerfModel, reason: str, aggregated: bool
+        self,
+        pool: Pool,
+        current: int,
+        wanted: int,
+        load: _PoolLoad,
+        perf: PerfModel,
+        reason: str,
+        aggregated: bool,
+        snap: FleetSnapshot,
     ) -> tuple[int, str]:
         """How far ``pool`` may shrink toward ``wanted`` through the consolidation check, step by step."""
         if self.pending:
@@ -505,7 +683,17 @@ class SlaController:
         cfg = self.config
         fresh = {i.instance_id for i in load.fresh}
         ws: list[consolidation.WorkerLoad] = []
-        for inst in load.workers:
+        if pool == Pool.PREFILL:
+            # A disaggregated prefill pool: one shared queue, each worker an even share of it (``_ttft_reading``);
+            # KV use only where a worker reports it (a prefill worker hands its KV on; absent, 0).
+            view = snap.queue(self.model)
+            if view is None or view.waiting is None or self._last_isl is None:
+                return current, f"{reason}; scale-down to {wanted} refused: no prefill queue reading to re-predict"
+            share = view.waiting * max(1, round(self._last_isl)) / len(load.workers)
+            for inst in load.workers:
+                kv = inst.load.snapshot.kv_usage if inst.instance_id in fresh and inst.load is not None else 0.0
+                ws.append(consolidation.WorkerLoad(inst.instance_id, kv_usage=kv, queued_prefill_tokens=share))
+        for inst in load.workers if pool == Pool.DECODE else ():
             if inst.instance_id not in fresh or inst.load is None:
                 ws.append(consolidation.WorkerLoad(inst.instance_id))  # no report: the check refuses, saying so
                 continue
@@ -514,8 +702,8 @@ class SlaController:
                 consolidation.WorkerLoad(
                     inst.instance_id,
                     kv_usage=s.kv_usage,
-                    decode_seqs=s.num_running if pool == Pool.DECODE else 0,
-                    kv_tokens=float(s.num_kv_tokens) if pool == Pool.DECODE else 0.0,
+                    decode_seqs=s.num_running,
+                    kv_tokens=float(s.num_kv_tokens),
                     queued_prefill_tokens=float(s.num_waiting_prefill_tokens),
                 )
             )
@@ -606,6 +794,8 @@ class SlaController:
         self.target[Pool.DECODE] = plan.decode
         gpus_before = int(plan.metrics["current_gpus"])
         step = plan.steps[0] if plan.steps and not self.pending else None
+        if step is not None and not cfg.no_operation:
+            self._issued[Pool(step.pool)] = step.workers_to
         metrics_common = {
             "ttft_correction": self.ttft_correction,
             "itl_correction": self.itl_correction,
@@ -641,12 +831,15 @@ class SlaController:
 
     def _waiting_step(self, obs: Observation) -> Adjustment | None:
         """A step of the plan that waited on a change in progress, issued once that change has ended. A pool's
-        target under its current count is not carried over (a removal is decided at its throughput decision only)."""
+        target under its current count is not carried over (a removal is decided at its throughput decision only),
+        unless it is a removal already issued (asked for again: a step is an absolute count)."""
         if self.pending or self.config.no_operation or not self.target:
             return None
         current = self._current(obs)
         for pool, cur in current.items():
-            if pool in self.target and self.target[pool] < cur:
+            # Not a removal already issued that discovery does not show yet (its worker left routing, not the
+            # registry): undoing that target would add back the worker just removed.
+            if pool in self.target and self.target[pool] < cur and self._issued.get(pool) != self.target[pool]:
                 self.target[pool] = cur
         if all(self.target.get(pool, cur) == cur for pool, cur in current.items()):
             return None

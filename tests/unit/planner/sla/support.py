@@ -12,7 +12,7 @@ from components.perf.model import StepTimeModel
 from components.planner.controller import PullOutcome
 from components.planner.policy import Pool
 from components.planner.sla.controller import SlaController
-from components.protocol.messages import LoadSnapshot, RequestStatsReport
+from components.protocol.messages import LoadSnapshot, PrefillQueueReport, RequestStatsReport
 
 MODEL = "m"
 # Prefill 10 ms + 0.04 ms/token (a 1000-token prompt: 50 ms, 20000 tokens/s); decode the defaults,
@@ -31,6 +31,7 @@ class Fleet:
         if prefill is not None:
             self.ids[Pool.PREFILL] = []
         self.load: dict[Pool, dict[str, Any]] = {Pool.DECODE: {}, Pool.PREFILL: {}}
+        self.queue_waiting = 0  # the shared prefill queue's waiting prompts, as every prefill worker reports it
         self.resize(Pool.DECODE, decode)
         if prefill is not None:
             self.resize(Pool.PREFILL, prefill)
@@ -64,7 +65,14 @@ class Fleet:
         self.load[pool] = fields
 
     def report_loads(self, now_s: float) -> None:
+        """Every worker's load report at ``now_s``; and, disaggregated, every prefill worker's queue report (as
+        components/workers/disagg.py publishes it), and no load report from them (as the simulator's)."""
+        for i in self.ids.get(Pool.PREFILL, []):
+            report = PrefillQueueReport(MODEL, self.queue_waiting, 0, 0.0, 0, 0, busy=False)
+            self.state.apply_queue(i, report, now_s)
         for pool, ids in self.ids.items():
+            if pool == Pool.PREFILL:
+                continue
             f = self.load[pool]
             for i in ids:
                 snap = LoadSnapshot(

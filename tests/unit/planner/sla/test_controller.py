@@ -11,6 +11,7 @@ Numbers used throughout (ROUND: prefill 10 ms + 0.04 ms/token; decode 5 ms + 0.0
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import random
@@ -18,10 +19,12 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from components.perf.model import StepTimeModel
 from components.planner.policy import Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
-from tests.unit.planner.sla.support import MODEL, Fleet, pull
+from components.runtime.flags import add_model_arguments, model_from_args
+from tests.unit.planner.sla.support import MODEL, ROUND, Fleet, pull
 
 pytestmark = pytest.mark.unit
 
@@ -80,6 +83,25 @@ def test_config_defaults_are_dynamos_where_it_has_them():
 def test_config_refuses_what_cannot_work_and_says_why(kw, message):
     with pytest.raises(ValidationError, match=message):
         SlaPlannerConfig(**kw)
+
+
+def test_flags_are_derived_from_the_config_with_units_in_their_help():
+    p = argparse.ArgumentParser()
+    add_model_arguments(p, SlaPlannerConfig)
+    args = p.parse_args(
+        ["--ttft", "300", "--load-predictor", "holt-winters", "--load-predictor-season", "5", "--no-correction"]
+    )
+    c = model_from_args(SlaPlannerConfig, args)
+    assert (c.ttft, c.itl, c.load_predictor, c.load_predictor_season, c.no_correction) == (
+        300.0,
+        50.0,
+        "holt-winters",
+        5,
+        True,
+    )
+    help_text = p.format_help()
+    for phrase in ("milliseconds", "Seconds between throughput decisions", "--max-gpu-budget", "--min-endpoint"):
+        assert phrase in help_text
 
 
 def test_a_season_is_accepted_for_holt_winters():
@@ -262,7 +284,7 @@ def swap_fleet() -> tuple[Fleet, SlaController]:
     assert math.ceil(5000 / (rho * 100 / 0.014)) == 1
     assert math.ceil(50000 / (394 / (5 + 0.038 * 394) * 1e3)) == 3
     fleet = Fleet(decode=2, prefill=2)
-    fleet.set_load(Pool.PREFILL, kv_usage=0.05)  # idle prefill workers: the check lets one go
+    # The shared prefill queue is empty (the Fleet's default): the check lets a prefill worker go.
     fleet.set_load(Pool.DECODE, kv_usage=0.3, num_running=40, batch_size=40, num_kv_tokens=24_000)
     ctl = SlaController(config(max_gpu_budget=4), MODEL)
     pull(ctl, fleet, 0.0)
@@ -302,11 +324,13 @@ def test_a_swap_at_full_budget_removes_first_and_adds_only_after_the_removal_end
 
 
 def test_at_full_budget_a_refused_removal_holds_the_addition_instead_of_waiting_for_it():
-    # The same load, but the prefill workers are busy (8000 prompt tokens queued each: one survivor would queue
-    # 16000, 16000 x (10 + 0.04 x 8192) / 8192 + 5 + 14 = 678 ms >= 400 ms): prefill keeps 2, and the decode
-    # addition, which has no GPU, is held with the budget's reason, not issued to wait for a GPU that never frees.
+    # The same load, but 160 prompts of 100 tokens wait in the shared prefill queue: 8000 tokens for each of the two
+    # prefill workers, 16000 for one survivor, whose new prompt would wait 16000 x (10 + 0.04 x 8192) / 8192 + 5 ms
+    # and compute 14: 678 ms >= 500 x 0.8 = 400 ms. Prefill keeps 2, and the decode addition, which has no GPU, is
+    # held with the budget's reason, not issued to wait for a GPU that never frees.
+    assert 16000 * (10 + 0.04 * 8192) / 8192 + 5 + 14 == pytest.approx(678.5, abs=0.1)
     fleet, ctl = swap_fleet()
-    fleet.set_load(Pool.PREFILL, kv_usage=0.05, num_waiting_prefill_tokens=8000)
+    fleet.queue_waiting = 160
     out = pull(ctl, fleet, 30.0, apply=False)
     adj = out.adjustment
     assert adj is not None and adj.changes() == ()
@@ -318,34 +342,91 @@ def test_at_full_budget_a_refused_removal_holds_the_addition_instead_of_waiting_
     assert pull(ctl, fleet, 31.0, apply=False).adjustment is None
 
 
-def test_the_fast_loop_raises_the_pool_above_the_floor_when_queues_build():
+def fast_fleet(**kw) -> tuple[Fleet, SlaController]:
     # Aggregated, min_endpoint 2; 10 requests/s need 0.53 + 0.14 workers: the throughput floor is 2.
     fleet = Fleet(decode=2)
-    ctl = SlaController(config(min_endpoint=2), MODEL)
+    ctl = SlaController(config(min_endpoint=2, **kw), MODEL)
     pull(ctl, fleet, 0.0)
     fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
-    out = pull(ctl, fleet, 30.0)
+    pull(ctl, fleet, 30.0)
     assert ctl.floor == {Pool.DECODE: 2} and fleet.count(Pool.DECODE) == 2
-    # Queues build: 20000 prompt tokens waiting on each worker, nothing decoding. A new 1000-token prompt waits
-    # 20000 x (10 + 0.04 x 8192) / 8192 + 5 = 829.1 ms, then computes 50 ms: 879 ms > 500 ms. Spreading that wait
-    # within 500 - 50 ms: ceil(2 x 829.1 / 450) = 4 workers.
-    wait = 20000 * (10 + 0.04 * 8192) / 8192 + 5
-    assert math.ceil(2 * wait / 450) == 4
+    return fleet, ctl
+
+
+# 20000 prompt tokens waiting on a worker, nothing decoding: a new 1000-token prompt waits
+# 20000 x (10 + 0.04 x 8192) / 8192 + 5 = 829.1 ms, then computes its own 50 ms: 879 ms > the 500 ms target.
+WAIT_MS = 20000 * (10 + 0.04 * 8192) / 8192 + 5
+
+
+def test_the_fast_loop_raises_the_pool_above_the_floor_when_a_burst_builds_queues():
+    fleet, ctl = fast_fleet()
+    # A burst: the frontend's per-second reports say 60 requests/s from 31 s on.
+    for t in (31.0, 32.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+        assert pull(ctl, fleet, t).adjustment is None  # no queue yet: within target, nothing to do
+    # At 33 s the queues have built. The last 3 pulls' reports (31-33 s) say 60 requests/s, which the aggregated
+    # sizing puts at 3.17 + 0.85 = 4.02 -> 5 workers: the pool goes 2 -> 5 now, not at the next decision (60 s).
+    assert math.ceil(prefill_need(60) + decode_need(60)) == 5
+    fleet.requests(33.0, 1.0, rate=60, isl=1000, osl=200)
     fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
-    out = pull(ctl, fleet, 31.0)
-    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx((wait + 50) / 1e3)
+    out = pull(ctl, fleet, 33.0)
+    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx((WAIT_MS + 50) / 1e3)
     assert out.adjustment is not None
     d = out.adjustment.decisions[0]
-    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 4) and "fast loop: predicted TTFT 879" in d.reason
-    assert fleet.count(Pool.DECODE) == 4
-    # The queues drain; the next throughput decision finds the workers idle and goes back to its floor of 2 through
-    # the consolidation check; a fast loop reading under target never takes the pool below the floor.
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 5)
+    assert "fast loop: predicted TTFT 879 ms > 500 ms target; the last 3 s' 60.0 requests/s need 5" in d.reason
+    assert fleet.count(Pool.DECODE) == 5 and ctl.floor == {Pool.DECODE: 2}
+    # The burst ends and the queues drain: the fast loop never takes the pool down; the next decision does, to its
+    # floor, through the consolidation check (the workers idle). Over 30-60 s: 3 s at 60 and 27 s at 10 requests/s,
+    # 15 requests/s, needing 0.79 + 0.21 = 1.004 -> 2 workers (min_endpoint 2 anyway).
     fleet.set_load(Pool.DECODE)
-    assert pull(ctl, fleet, 32.0).adjustment is None
-    fleet.requests(60.0, 30.0, rate=10, isl=1000, osl=200)
+    for t in range(34, 60):
+        fleet.requests(float(t), 1.0, rate=10, isl=1000, osl=200)
+        assert pull(ctl, fleet, float(t)).adjustment is None
+    fleet.requests(60.0, 1.0, rate=10, isl=1000, osl=200)
     out = pull(ctl, fleet, 60.0)
+    assert out.sla is not None and out.sla.observed_request_rate == pytest.approx(15)
     assert out.adjustment is not None and out.adjustment.decisions[0].target == 2
     assert fleet.count(Pool.DECODE) == 2
+
+
+def test_the_fast_loop_adds_one_at_a_time_while_a_queue_grows_that_the_model_says_is_served():
+    # 10 requests/s keep arriving (2 workers are enough by the model), but the queues grow, 2000 prompt tokens more
+    # on each worker every second: the model is wrong about this engine (the correction will say so when the fleet
+    # stops queueing). Over ten settled pulls the later five's mean wait is well over 1.2x the earlier five's, so the
+    # fast loop adds one worker; then the pool (now 3) needs ten pulls of its own before another. The TTFT is over
+    # target from the first of them: 2000 x 5 tokens queued already wait 10000 x 0.04122 + 5 = 417 ms, + 50.
+    fleet, ctl = fast_fleet()
+    sizes = {}
+    for k in range(1, 21):
+        t = 30.0 + k
+        fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
+        fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=2000 * (k + 4))
+        out = pull(ctl, fleet, t)
+        sizes[k] = fleet.count(Pool.DECODE)
+        if out.adjustment is not None:
+            assert "the queue wait grows" in out.adjustment.decisions[0].reason
+    assert (sizes[9], sizes[10], sizes[19], sizes[20]) == (2, 3, 3, 4)
+
+
+def test_the_fast_loop_adds_a_worker_when_a_backlog_would_still_break_target_an_interval_from_now():
+    # The same pool, the same 10 requests/s, and 20000 prompt tokens queued on each worker that do not go down: a new
+    # prompt waits WAIT_MS = 829 ms, and at this pace (flat) still 829 + 50 ms > 500 ms an interval from now. After
+    # ten settled pulls: one more worker, saying the queue drains too slowly.
+    fleet, ctl = fast_fleet()
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    sizes = {}
+    for k in range(1, 11):
+        t = 30.0 + k
+        fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
+        out = pull(ctl, fleet, t)
+        sizes[k] = fleet.count(Pool.DECODE)
+    assert (sizes[9], sizes[10]) == (2, 3)
+    assert out.adjustment is not None
+    assert (
+        f"the queue wait drains too slowly (mean {WAIT_MS:.0f} -> {WAIT_MS:.0f} ms"
+        in out.adjustment.decisions[0].reason
+    )
 
 
 def test_the_correction_factors_move_the_sizing():
@@ -393,3 +474,156 @@ def test_no_operation_reports_what_it_would_do_and_changes_nothing():
     assert "would scale up 1 -> 7" in d.summary()
     assert fleet.count(Pool.DECODE) == 1
     assert pull(ctl, fleet, 31.0).adjustment is None  # not re-issued at every pull
+
+
+def test_a_disaggregated_prefill_pool_is_raised_on_its_shared_queue():
+    # 1 prefill + 1 decode worker at 10 requests/s of 1000-token prompts: prefill needs 10000 / (RHO x 20000) = 0.53
+    # -> 1. A burst (60 requests/s in the last 3 s' reports) fills the shared prefill queue: 40 prompts waiting, all
+    # on the one prefill worker: 40000 tokens x (10 + 0.04 x 8192) / 8192 + 5 = 1654 ms, plus its own 50 ms, over
+    # 500 ms. The prefill pool is sized on the last 3 s' rate: 60000 / (RHO x 20000) = 3.17 -> 4 workers.
+    assert math.ceil(prefill_need(60)) == 4
+    fleet = Fleet(decode=1, prefill=1)
+    ctl = SlaController(config(), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
+    pull(ctl, fleet, 30.0)
+    assert ctl.floor == {Pool.PREFILL: 1, Pool.DECODE: 1}
+    for t in (31.0, 32.0, 33.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+    fleet.queue_waiting = 40
+    out = pull(ctl, fleet, 33.0)
+    wait = 40000 * (10 + 0.04 * 8192) / 8192 + 5
+    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx((wait + 50) / 1e3)
+    assert out.adjustment is not None
+    d = out.adjustment.decision(Pool.PREFILL)
+    assert d is not None and (d.direction, d.current, d.target) == (Direction.UP, 1, 4)
+    assert "the last 3 s' 60.0 requests/s need 4" in d.reason
+    decode = out.adjustment.decision(Pool.DECODE)
+    assert decode is not None and decode.direction == Direction.HOLD  # 60 requests/s still fit one decode worker
+
+
+def test_a_pool_whose_predicted_latency_breaks_target_now_does_not_shrink():
+    # Prompts of 13000 tokens: one alone takes (10 + 0.04 x 8192) + (10 + 0.04 x 4808) = 337.7 + 202.3 = 540 ms,
+    # over the 500 ms TTFT target at any pool size, so the fast loop does not raise (more workers do not help) and
+    # the throughput loop sizes on throughput: 0.1 requests/s need 1 worker. But a pool whose predicted TTFT is over
+    # target now does not shrink, whatever the forecast says, and the reason says why.
+    assert ROUND.chunked_prefill_ms(13000) == pytest.approx(540.0)
+    fleet = Fleet(decode=3)
+    ctl = SlaController(config(), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=0.1, isl=13000, osl=200)
+    pull(ctl, fleet, 30.0)  # the first prompt length is heard here: the fast loop reads TTFT from the next pull
+    fleet.requests(60.0, 30.0, rate=0.1, isl=13000, osl=200)
+    out = pull(ctl, fleet, 60.0)
+    assert out.sla is not None and out.sla.predicted_ttft_s == pytest.approx(0.540)
+    assert out.adjustment is not None and ctl.floor == {Pool.DECODE: 1}
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.HOLD, 3, 3)
+    assert "scale-down to 1 refused: predicted TTFT 540 ms > 500 ms now" in d.reason
+    assert fleet.count(Pool.DECODE) == 3
+
+
+def test_the_predicted_itl_is_the_step_a_token_sees_prefill_chunk_included():
+    # A worker decoding 10 sequences over 11000 KV tokens with 5000 prompt tokens queued: its next step carries them
+    # all (5000 < 8192 - 10) beside the decode: (10 + 0.04 x 5000) + (5 + 0.2 + 0.33) = 215.53 ms, which is what
+    # the frontends will see as that token's gap. The ITL raise reads the decode step alone (5.53 ms, within 50):
+    # the queued prompts are a backlog for the TTFT rule, not a reason to spread the batch.
+    fleet = Fleet(decode=1)
+    fleet.set_load(Pool.DECODE, num_running=10, batch_size=10, num_kv_tokens=11_000, num_waiting_prefill_tokens=5000)
+    ctl = SlaController(config(itl=50.0), MODEL)
+    out = pull(ctl, fleet, 0.0)
+    assert out.sla is not None and out.sla.predicted_itl_s == pytest.approx(0.21553)
+    assert out.adjustment is None
+
+
+def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
+    # Light load: no pull sees a worker decoding, but the frontends report tokens 5.053 ms apart, a lone sequence's
+    # step at the mean context 1000 + 200 / 2 = 1100: 5 + 0.02 + 0.033 ms. That is the prediction, so a factor of 3
+    # (say, left by a burst) moves to 0.5 x 1.0 + 0.5 x 3 = 2.0, not staying at 3 for want of a prediction.
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(no_correction=False), MODEL)
+    ctl.itl_correction = 3.0
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, itl_s=0.005053)
+    pull(ctl, fleet, 30.0)
+    assert ctl.itl_correction == pytest.approx(2.0)
+
+
+def test_an_interval_in_which_a_worker_queued_keeps_the_ttft_factor():
+    # At 40 s the workers' queues put a new prompt's TTFT at 879 ms (WAIT_MS + 50), over the 500 ms target; the
+    # frontends then report a 2 s mean TTFT for the interval, first tokens of prompts that waited behind that queue
+    # as it was before. The ratio (2 s over a ~0.3 s mean prediction) would read the engine 4x slow (the bound);
+    # the factor stays 1.0 and the note says why.
+    fleet = Fleet(decode=2)
+    ctl = SlaController(config(no_correction=False, max_gpu_budget=4), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200, ttft_s=0.05)
+    pull(ctl, fleet, 30.0)
+    assert ctl.ttft_correction == 1.0  # interval 1 had no TTFT prediction (no prompt length yet): kept
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    assert pull(ctl, fleet, 40.0).sla.predicted_ttft_s == pytest.approx((WAIT_MS + 50) / 1e3)  # type: ignore[union-attr]
+    fleet.set_load(Pool.DECODE)
+    fleet.requests(60.0, 30.0, rate=10, isl=1000, osl=200, ttft_s=2.0)
+    out = pull(ctl, fleet, 60.0)
+    assert ctl.ttft_correction == 1.0
+    assert (
+        out.adjustment is not None
+        and "a worker queued this interval (predicted TTFT up to 879 ms" in out.adjustment.note
+    )
+
+
+def test_a_removal_discovery_has_not_caught_up_with_is_not_undone():
+    # The swap at full budget: prefill 2 -> 1 issued and ended, but the fleet view still lists 2 prefill workers at
+    # the next pull (its registration outlives its leaving). The planner must not take 2 as the new target (it would
+    # add back the worker just removed, and never free the decode worker's GPU): it asks for 1 again (an absolute
+    # count: nothing new for the connector) and the decode step follows once the view shows 1.
+    fleet, ctl = swap_fleet()
+    out = pull(ctl, fleet, 30.0, apply=False)
+    assert out.adjustment is not None
+    assert [(d.pool, d.target) for d in out.adjustment.changes()] == [(Pool.PREFILL, 1)]
+    ctl.change_started(Pool.PREFILL, 2, 1)
+    ctl.change_ended(Pool.PREFILL)
+    out = pull(ctl, fleet, 31.0, apply=False)  # still 2 prefill workers registered
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.PREFILL, 2, 1)]
+    assert ctl.target == {Pool.PREFILL: 1, Pool.DECODE: 3}
+    ctl.change_started(Pool.PREFILL, 2, 1)
+    fleet.resize(Pool.PREFILL, 1)
+    ctl.change_ended(Pool.PREFILL)
+    out = pull(ctl, fleet, 32.0, apply=False)
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.DECODE, 2, 3)]
+
+
+def test_a_fast_raise_the_budget_refuses_is_not_asked_again_at_every_pull():
+    # The burst of the fast-loop test asks for 5 workers, but the budget holds 3: the pool goes to 3 (the budget's
+    # cut, said in the reason), and the same need at the next pulls issues nothing more until the next decision.
+    fleet, ctl = fast_fleet(max_gpu_budget=3)
+    for t in (31.0, 32.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+        pull(ctl, fleet, t)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    outs = []
+    for t in (33.0, 34.0, 35.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+        outs.append(pull(ctl, fleet, t))
+    first = outs[0].adjustment
+    assert first is not None and (first.decisions[0].target, fleet.count(Pool.DECODE)) == (3, 3)
+    assert "over the 3-GPU budget" in first.decisions[0].reason
+    assert [o.adjustment for o in outs[1:]] == [None, None]
+
+
+def test_a_given_performance_model_is_sized_with_instead_of_the_announced_one():
+    # The workers announce ROUND (a 1000-token prompt in 50 ms); the controller is given the analytic defaults, a
+    # profile's stand-in: 16.5 + 0.01518 x 1000 + 4.21e-7 x 1000^2 = 32.101 ms a prompt,
+    # rho = 2 (0.5 - 0.032101) / (1 - 0.032101), 100000 tokens/s over rho x 1000 / 0.032101: 3.32 workers' worth;
+    # decode as before (the same decode coefficients): 1.41. 4.73 -> 5, where the announced model gives 7.
+    s = (16.5 + 0.01518 * 1000 + 4.21e-7 * 1000**2) / 1e3
+    rho = 2 * (0.5 - s) / (1 - s)
+    assert math.ceil(100000 / (rho * 1000 / s) + decode_need(100)) == 5
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(), MODEL, perf=StepTimeModel())
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200)
+    pull(ctl, fleet, 30.0)
+    assert fleet.count(Pool.DECODE) == 5
