@@ -9,8 +9,8 @@ stopped (SIGTERM; its process group killed if it has not exited within ``--stop-
 the runs do not overlap. etcd and nats-server are started on free loopback ports unless ``--etcd``/``--nats`` are
 given. Per kind: every run, the median, the smallest and the largest (the spread).
 
-A start-up here includes the Python interpreter and kvmesh's imports (about a second of it on an idle core); on a
-shared 2-core machine the figures move with the load average, which the JSON reports beside them.
+A start-up here runs from the spawn, so it includes starting Python and importing kvmesh; on a shared 2-core machine
+the figures move with the load average, which the JSON reports beside each run.
 
 JSON is the last line on stdout; a line per run goes to stderr.
 """
