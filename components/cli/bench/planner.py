@@ -74,6 +74,10 @@ of the reference replay (the peak fleet at its capacity); on a fleet that runs o
 stays below the scale-down threshold until requests queue, and the planner shrinks the fleet until it is overloaded.
 docs/planner.md has the measured figures.
 
+``--load NAME`` runs issue 25's benchmark instead (``planner_loads``: four loads, the load planner, the SLA planner
+and their clairvoyant schedules against the fixed peak fleet, at each of ``--startups-s``); without it nothing here
+changes.
+
 The runs are deterministic, so the planner and its baselines are compared in one run without ABBA rounds (those
 counter wall-clock noise; there is none to counter here). JSON is the last line on stdout; a table goes to stderr;
 ``--png`` (default ``bench-planner.png``) draws the offered load, KV use and pool sizes over time, one panel per fleet.
