@@ -67,6 +67,7 @@ BENCHMARKS = (
     Command(
         "planner-live", "components.cli.bench.planner_live", "the planner live and simulated on one sinusoid, compared"
     ),
+    Command("startup", "components.cli.bench.startup", "how long a new worker (simulated, vLLM) takes to register"),
 )
 
 

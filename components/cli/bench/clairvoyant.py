@@ -33,6 +33,15 @@ before the load starts.
 Whether meeting the need at a utilisation also meets the latency SLO is what the simulation measures: a fleet run at
 ``u`` = 1.0 is, per worker, as loaded as the peak fleet at the peak that set the SLO.
 
+Several workers per decision (``step_workers``: a number, or None for no limit) is the same schedule with each
+addition and removal counted in up to that many workers: it adds at a decision the largest shortfall that waiting
+for the next decision would leave (at most ``step_workers``), and removes as many as the pool can lose while later
+additions still meet every need (at most ``step_workers``): the clairvoyant counterpart of the SLA planner, which
+moves several workers per step. At ``step_workers`` 1 it is the schedule above, decision for decision.
+
+Any ``scaling.LoadShape`` works as the load (the field keeps its first name, ``sinusoid``): the schedule reads only
+its ``fraction``, ``duration_s`` and ``start``.
+
 Pure: the simulation (``scaling.simulate``, through its ``Controller`` protocol) calls ``decide`` at each decision.
 """
 
@@ -42,7 +51,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from components.cli.bench.scaling import Sinusoid, worker_seconds
+from components.cli.bench.scaling import LoadShape, worker_seconds
 from components.planner.policy import NEW_DECODE_WORKER_GRACE_PERIOD
 
 _EPS = 1e-9
@@ -65,7 +74,7 @@ class Plan:
 class Oracle:
     """One clairvoyant schedule (module docstring); times are on the simulation's clock."""
 
-    sinusoid: Sinusoid  # the load, as a fraction of the peak fleet's measured capacity
+    sinusoid: LoadShape  # the load, as a fraction of the peak fleet's measured capacity (any shape)
     load_start_s: float  # the simulation time of the sinusoid's t = 0 (the warm-up, at its trough, runs before)
     peak_workers: int  # the peak fleet whose capacity the sinusoid is a fraction of
     utilisation: float  # target load per worker, as a fraction of its measured capacity
@@ -74,6 +83,7 @@ class Oracle:
     max_workers: int  # the GPU budget, in workers
     loop_rules: bool = False  # also the planner loop's pause while a change is in progress and its grace period
     grid_s: float = 0.1  # the lookahead's resolution
+    step_workers: int | None = 1  # workers one decision may add or remove; None: any number
 
     def __post_init__(self) -> None:
         if not (0 < self.utilisation <= 1.0):
@@ -82,6 +92,8 @@ class Oracle:
             raise ValueError(f"bad oracle timing: interval {self.interval_s}, startup {self.startup_s}")
         if self.peak_workers < 1 or self.max_workers < 1:
             raise ValueError(f"bad oracle fleet: peak {self.peak_workers}, max {self.max_workers}")
+        if self.step_workers is not None and self.step_workers < 1:
+            raise ValueError(f"step_workers must be >= 1 or None, got {self.step_workers}")
 
     @property
     def add_every_s(self) -> float:
@@ -93,14 +105,17 @@ class Oracle:
         x = t - self.load_start_s
         if x >= self.sinusoid.duration_s:
             return 1
-        frac = self.sinusoid.low if x < 0 else self.sinusoid.fraction(x)
+        frac = self.sinusoid.start if x < 0 else self.sinusoid.fraction(x)
         return min(self.max_workers, max(1, math.ceil(frac * self.peak_workers / self.utilisation - _EPS)))
 
     def ready_by(self, t: float, first_s: float) -> int:
-        """Workers registered by ``t`` when one is added at ``first_s`` and at every chance after it."""
+        """Workers registered by ``t`` when ``step_workers`` are added at ``first_s`` and at every chance after it
+        (with no limit per step, the budget at the first chance: no need can ask for more)."""
         if t < first_s + self.startup_s - _EPS:
             return 0
-        return math.floor((t - first_s - self.startup_s) / self.add_every_s + _EPS) + 1
+        if self.step_workers is None:
+            return self.max_workers
+        return self.step_workers * (math.floor((t - first_s - self.startup_s) / self.add_every_s + _EPS) + 1)
 
     def horizon(self, now: float) -> list[float]:
         """The moments the lookahead checks: far enough that a need beyond it can still be met by later additions
@@ -130,12 +145,13 @@ class Oracle:
             grace = max(0, grace - 1)
             nxt = t + self.interval_s
             if target > len(ready):
-                ready.append(t + self.startup_s)
-                held.append(t)
+                for _ in range(target - len(ready)):
+                    ready.append(t + self.startup_s)
+                    held.append(t)
                 if self.loop_rules:
                     grace = NEW_DECODE_WORKER_GRACE_PERIOD
                     nxt = t + self.startup_s + self.interval_s
-            elif target < len(ready):
+            while target < len(ready):
                 ready.pop()
                 spans.append((held.pop(), t))
             decisions.append((t, len(ready)))
@@ -152,6 +168,7 @@ class Oracle:
         most ``floor(d / add_every_s) + 1`` registrations fall in any d seconds) or is removed (at most
         ``floor(d / interval_s) + 1``). So for s after t, r(t) >= need(s) - floor((s - t) / add_every_s) - 1, and
         for s before t, r(t) >= need(s) - floor((t - s) / interval_s) - 1: the envelope E(t) over s in [t0, t1].
+        With ``step_workers`` m each of those counts is m times as many workers; with no limit, E(t) = need(t).
         A worker routed at t + startup_s was asked for by t and has not left, so it holds a GPU at t: the workers
         held at t are at least max(E(t), E(t + startup_s)). The bound is that integral, on the ``grid_s`` grid.
         """
@@ -179,14 +196,18 @@ class Oracle:
                     seen = i
             last[v], first[v] = lv, fv
 
+        per = self.step_workers
+
         def envelope(i: int) -> int:
             best = need[i] if i < n else 1
+            if per is None:
+                return best
             for v in range(best + 1, top + 1):
                 j, k = last[v][i], first[v][i]
                 if j is not None:
-                    best = max(best, v - math.floor((i - j) * dt / self.interval_s + _EPS) - 1)
+                    best = max(best, v - per * (math.floor((i - j) * dt / self.interval_s + _EPS) + 1))
                 if k is not None:
-                    best = max(best, v - math.floor((k - i) * dt / self.add_every_s + _EPS) - 1)
+                    best = max(best, v - per * (math.floor((k - i) * dt / self.add_every_s + _EPS) + 1))
             return best
 
         env = [envelope(i) for i in range(m)]
@@ -202,21 +223,33 @@ class Oracle:
 
         grid = self.horizon(now)
         nxt = now + self.interval_s
+        step = self.max_workers if self.step_workers is None else self.step_workers
         # Only a moment an addition now can reach (its start-up from now) calls for one: before it, nothing helps.
         # ``need`` never exceeds the budget, and by then every starting worker has registered, so a moment short
-        # means the pool is below the budget.
+        # means the pool is below the budget. One worker per step: the first moment short decides (and names the
+        # reason); several: the largest shortfall.
+        short, first = 0, ""
         for t in grid:
             n = self.need(t)
-            if t >= now + self.startup_s - _EPS and n > avail(t) + self.ready_by(t, nxt):
-                at = f"{n} workers needed at {t - self.load_start_s:+.1f} s of the load"
-                return min(active + 1, self.max_workers), f"add: {at}; waiting for the next decision is too late"
+            gap = n - avail(t) - self.ready_by(t, nxt)
+            if t >= now + self.startup_s - _EPS and gap > 0:
+                if not first:
+                    first = f"{n} workers needed at {t - self.load_start_s:+.1f} s of the load"
+                short = max(short, gap)
+                if step == 1:
+                    break
+        if short > 0:
+            target = min(active + min(short, step), self.max_workers)
+            return target, f"add: {first}; waiting for the next decision is too late"
         if not may_remove:
             return active, "hold: no scale-down in the grace period after an addition"
         if active <= 1 or starting_ready_s:
             return active, "hold"
-        if all(self.need(t) <= avail(t) - 1 + self.ready_by(t, nxt) for t in grid):
+        spare = min(avail(t) + self.ready_by(t, nxt) - self.need(t) for t in grid)
+        cut = min(spare, step, active - 1)
+        if cut >= 1:
             return (
-                active - 1,
-                f"remove: {active - 1} workers (and additions from the next decision) meet every need ahead",
+                active - cut,
+                f"remove: {active - cut} workers (and additions from the next decision) meet every need ahead",
             )
         return active, "hold"

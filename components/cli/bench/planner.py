@@ -74,6 +74,10 @@ of the reference replay (the peak fleet at its capacity); on a fleet that runs o
 stays below the scale-down threshold until requests queue, and the planner shrinks the fleet until it is overloaded.
 docs/planner.md has the measured figures.
 
+``--load NAME`` runs issue 25's benchmark instead (``planner_loads``: four loads, the load planner, the SLA planner
+and their clairvoyant schedules against the fixed peak fleet, at each of ``--startups-s``); without it nothing here
+changes.
+
 The runs are deterministic, so the planner and its baselines are compared in one run without ABBA rounds (those
 counter wall-clock noise; there is none to counter here). JSON is the last line on stdout; a table goes to stderr;
 ``--png`` (default ``bench-planner.png``) draws the offered load, KV use and pool sizes over time, one panel per fleet.
@@ -1036,6 +1040,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="fleets simulated in parallel")
     p.add_argument("--png", default="bench-planner.png", help="where to draw load, KV use and pools ('' for none)")
     add_model_arguments(p, PlannerConfig, skip={"no_operation"})
+    from components.cli.bench import planner_loads  # it imports this module: here, once both are loaded
+
+    planner_loads.add_arguments(p, _positive, _fraction, _lengths)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1071,8 +1078,16 @@ def main(args: argparse.Namespace) -> int:
         ]
     if args.schedule_only and not args.oracle_utilisation:
         problems.append("--schedule-only needs at least one --oracle-utilisation")
+    from components.cli.bench import planner_loads
+
+    problems += planner_loads.problems(args)
+    if args.load is not None and args.schedule_only:
+        problems.append("--load and --schedule-only do not go together")
     if problems:
         print("kvmesh bench planner: " + "; ".join(problems), file=sys.stderr)
         return 2
+    if args.load is not None:
+        print(json.dumps(planner_loads.run(args)), flush=True)
+        return 0
     print(json.dumps(run_schedule_only(args) if args.schedule_only else run(args)), flush=True)
     return 0

@@ -42,6 +42,7 @@ from components.planner.config import PlannerConfig
 from components.planner.controller import build_observation, request_totals
 from components.planner.policy import NEW_DECODE_WORKER_GRACE_PERIOD, pull_figures
 from components.planner.simulated import PlannerPull, SimulatedPlanner
+from components.planner.sla.config import SlaPlannerConfig
 from components.sim import MODEL, FleetSpec, replay
 from components.sim.dynamics import (
     DECODE,
@@ -52,6 +53,7 @@ from components.sim.dynamics import (
     WorkerSpan,
     worker_seconds,
 )
+from components.sim.replay import REQUEST_STATS_INTERVAL_S
 from components.sim.report import RequestTimes
 from components.sim.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
 from components.sim.workload import SimRequest, Workload
@@ -61,6 +63,7 @@ __all__ = [
     "Action",
     "ControllerScaler",
     "GapHistogram",
+    "LoadShape",
     "ModelledConnector",
     "RequestSource",
     "ScalingResult",
@@ -74,6 +77,28 @@ __all__ = [
 ]
 
 # --- the load ---------------------------------------------------------------------------------------------------------
+
+
+class LoadShape(Protocol):
+    """The offered load over ``[0, duration_s)`` as a fraction of the peak fleet's measured capacity."""
+
+    @property
+    def duration_s(self) -> float: ...
+
+    @property
+    def high(self) -> float:
+        """The largest fraction (thinning draws candidates at it)."""
+        ...
+
+    @property
+    def start(self) -> float:
+        """The fraction at t = 0: what the unmeasured warm-up before the load runs at."""
+        ...
+
+    @property
+    def mean(self) -> float: ...
+
+    def fraction(self, t: float) -> float: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +120,11 @@ class Sinusoid:
         """The mean fraction over whole periods."""
         return (self.low + self.high) / 2
 
+    @property
+    def start(self) -> float:
+        """The trough, where it starts (``LoadShape``: the warm-up's level)."""
+        return self.low
+
     def fraction(self, t: float) -> float:
         mid, amp = (self.low + self.high) / 2, (self.high - self.low) / 2
         return mid - amp * math.cos(2 * math.pi * t / self.period_s)
@@ -110,8 +140,9 @@ class Sinusoid:
         return dataclasses.replace(self, period_s=self.period_s / factor, duration_s=self.duration_s / factor)
 
 
-def arrival_times(sinusoid: Sinusoid, peak_rps: float, seed: int) -> list[float]:
-    """Arrival times in [0, duration): a Poisson process whose rate at t is ``peak_rps * sinusoid.fraction(t)``, by
+def arrival_times(sinusoid: LoadShape, peak_rps: float, seed: int) -> list[float]:
+    """Arrival times in [0, duration): a Poisson process whose rate at t is ``peak_rps * sinusoid.fraction(t)`` (any
+    ``LoadShape``; the seed's stream is the same for every shape), by
     thinning (candidates of a Poisson process at the highest rate, each kept with probability rate(t) / highest).
     Dynamo's generator draws a Poisson count per second and spreads it evenly; thinning is the exact process."""
     if peak_rps <= 0:
@@ -237,6 +268,11 @@ class Controller(Protocol):
     @property
     def loop_rules(self) -> bool: ...
 
+    @property
+    def step_workers(self) -> int | None:
+        """Workers one decision may add or remove (None: any number)."""
+        ...
+
     def decide(
         self, now: float, active: int, starting_ready_s: Sequence[float], may_remove: bool
     ) -> tuple[int, str]: ...
@@ -251,11 +287,13 @@ class ScalingSpec:
 
     engine: MockEngineConfig
     initial_workers: int
-    planner: PlannerConfig
+    planner: PlannerConfig | SlaPlannerConfig  # the load planner's config, or the SLA planner's
     startup_s: float = 30.0
     policy: str = "kv"
     metrics_interval_s: float = 0.1  # workers publish their LoadSnapshot this often (WorkerConfig.metrics_interval_ms)
     controller: Controller | None = None
+    # The simulated frontend's request reports (the SLA planner's input), every this many virtual seconds.
+    request_stats_interval_s: float = REQUEST_STATS_INTERVAL_S
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -344,8 +382,13 @@ class ControllerScaler:
         self.grace = max(0, self.grace - 1)
         if target == pool.active:
             return ()
-        if abs(target - pool.active) != 1:
+        step = control.step_workers
+        if step == 1 and abs(target - pool.active) != 1:
             raise ValueError(f"a controller changes the pool by one worker at a time, asked {pool.active} -> {target}")
+        if step is not None and abs(target - pool.active) > step:
+            raise ValueError(
+                f"a controller changes the pool by at most {step} workers, asked {pool.active} -> {target}"
+            )
         if target > pool.active and control.loop_rules:
             self.grace = NEW_DECODE_WORKER_GRACE_PERIOD
         return (Resize(DECODE, pool.active, target, reason),)
@@ -384,12 +427,23 @@ def simulate(
     )
     scaler: SimulatedPlanner | ControllerScaler
     if spec.controller is not None:
+        if not isinstance(spec.planner, PlannerConfig):
+            raise ValueError("a controller samples the fleet at a load planner's pulls: give it a PlannerConfig")
         scaler = ControllerScaler(spec.controller, spec.planner, planner_from_s, planner_until_s)
     else:
         scaler = SimulatedPlanner(spec.planner, start_s=planner_from_s, until_s=planner_until_s)
     gaps = GapHistogram()
     workload = Workload(source.name, SourceRequests(source, arrivals))
-    res = replay(workload, fleet, spec.policy, seed, scaler=scaler, itl_sink=gaps, itl_from_s=planner_from_s)
+    res = replay(
+        workload,
+        fleet,
+        spec.policy,
+        seed,
+        scaler=scaler,
+        itl_sink=gaps,
+        itl_from_s=planner_from_s,
+        request_stats_interval_s=spec.request_stats_interval_s,
+    )
     if isinstance(scaler, SimulatedPlanner):
         samples = [_planner_sample(p) for p in scaler.pulls]
         adjustments, would = len(scaler.adjustments), dict(scaler.would)

@@ -200,6 +200,7 @@ class Scripted:
     interval_s: float
     loop_rules: bool
     script: list[int]
+    step_workers: int | None = 1
     calls: list[tuple[float, int, tuple[float, ...], bool]] = dataclasses.field(default_factory=list)
 
     def decide(self, now: float, active: int, starting_ready_s: Sequence[float], may_remove: bool) -> tuple[int, str]:
