@@ -120,6 +120,14 @@ from components.planner.sla.predictors import Predictor, make_predictor
 __all__ = ["SlaController"]
 
 _TIME_EPS_S = 1e-9  # pulls at 0, 1, ..., 30 s must make 30 s, not 29.999...
+
+
+def _due_slack_s(pull_interval_s: float) -> float:
+    """Half a pull: a decision is due at the pull scheduled one interval on, even when a live pull's clock reading
+    (after an etcd round trip) comes a few ms early (components/planner/policy.py ``adjustment_due``)."""
+    return max(_TIME_EPS_S, 0.5 * pull_interval_s)
+
+
 _FAST_MAX_FACTOR = 8  # the ITL raise looks at most this many times the pool (the budget bounds it anyway)
 # The fast loop reads the load of the last 3 pulls (3 s at the default 1 s; frontends report every 1 s): short enough
 # to see a step within seconds, long enough to hold a few reports of each frontend.
@@ -178,6 +186,9 @@ class SlaController:
         self.lead = startup.lead_intervals(config.worker_startup_s, config.adjustment_interval)
         self.pending: dict[Pool, PendingChange] = {}
         self.num_pulls = 0
+        # One decode worker's KV cache in tokens (the smallest a worker reported: the batch must fit it), kept from
+        # the last pull that heard one; None: none heard yet (the batch is bounded by the ITL target alone).
+        self._kv_capacity_tokens: float | None = None
         self.num_adjustments = 0
         self.interval_start_s: float | None = None
         self.ttft_correction = 1.0
@@ -208,6 +219,7 @@ class SlaController:
         running, waiting = request_totals(snap, self.model)
         self.num_pulls += 1
         loads = self._pool_loads(snap, obs)
+        self._kv_capacity_tokens = kv_capacity_tokens(snap.serving(self.model)) or self._kv_capacity_tokens
         perf_of = {pool: self._pool_perf(load) for pool, load in loads.items()}
         fast = {pool: self._fast(pool, loads, obs, snap, perf_of) for pool in loads}
         # The fleet's predicted TTFT: the larger of its pools' (a disaggregated model's prompts wait in the prefill
@@ -224,7 +236,9 @@ class SlaController:
         sla = SlaFigures(now_s=now, interval=False)
         if self.interval_start_s is None:
             self.interval_start_s = now
-        elif now - self.interval_start_s >= self.config.adjustment_interval - _TIME_EPS_S:
+        elif now - self.interval_start_s >= self.config.adjustment_interval - _due_slack_s(
+            self.config.metric_pulling_interval
+        ):
             adj, sla = self._throughput(snap, obs, loads, fast)
             self.interval_start_s = now
             self._ttft_pred, self._itl_pred, self._ttft_max = [], [], 0.0
@@ -360,8 +374,13 @@ class SlaController:
                     full_steps.append(p.step_ms(chunk, s.batch_size, s.num_kv_tokens))
                 itl_ms = sum(steps) / len(steps)
                 step_itl_ms = sum(full_steps) / len(full_steps)
-                batch = sum(i.load.snapshot.batch_size for i in decoding if i.load) / len(decoding)
-                kv_tokens = sum(i.load.snapshot.num_kv_tokens for i in decoding if i.load) / len(decoding)
+                # The pool's batch and KV spread over all its n workers (the router spreads new requests over
+                # every worker; running ones stay put, but each finishes within its output): a worker that just
+                # joined and decodes nothing yet is part of the pool, not absent from it. Averaging over the decoding
+                # workers only read one busy old worker's batch as every worker's, one pull after a scale-up, and
+                # raised again (kvmesh bench planner-live, seed 0: "batch 14 on each of 2: 4 workers").
+                batch = sum(i.load.snapshot.batch_size for i in decoding if i.load) / n
+                kv_tokens = sum(i.load.snapshot.num_kv_tokens for i in decoding if i.load) / n
 
         need: int | None = None
         reasons: list[str] = []
@@ -417,8 +436,14 @@ class SlaController:
                     self._waits[pool].clear()
                 if size is not None and size > n:
                     need = size
-        if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
-            seen = f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms target"
+        spread_ms = None
+        if itl_ms is not None:
+            spread_ms = self._pool_perf(load).decode_ms(math.ceil(batch - 1e-9), kv_tokens)
+        if itl_ms is not None and spread_ms is not None and self.itl_correction * spread_ms > cfg.itl:
+            seen = (
+                f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms target, "
+                f"{self.itl_correction * spread_ms:.1f} ms with the load spread over the pool"
+            )
             perf = self._pool_perf(load)
             found: int | None = None
             for m in range(n + 1, n * _FAST_MAX_FACTOR + 1):
@@ -631,7 +656,15 @@ class SlaController:
             if osl is None:
                 missing[Pool.DECODE] = "no output length heard yet (no request finished): holding"
                 continue
-            _, sd = replicas.decode_workers(rate, isl, osl, perf[Pool.DECODE], cfg.itl_s, self.itl_correction)
+            _, sd = replicas.decode_workers(
+                rate,
+                isl,
+                osl,
+                perf[Pool.DECODE],
+                cfg.itl_s,
+                self.itl_correction,
+                kv_capacity_tokens=self._kv_capacity_tokens,
+            )
             if obs.prefill is not None:
                 needs[Pool.DECODE].append(max(cfg.min_endpoint, sd.workers))
                 first.setdefault(Pool.DECODE, f"decode: {sd.reason}")
@@ -865,3 +898,16 @@ def _scaled(w: consolidation.WorkerLoad, f: float) -> consolidation.WorkerLoad:
         kv_tokens=w.kv_tokens * f,
         queued_prefill_tokens=w.queued_prefill_tokens * f,
     )
+
+
+def kv_capacity_tokens(instances: Sequence[FleetInstance]) -> float | None:
+    """The smallest KV cache, in tokens, among ``instances`` that reported a load and announce a block size (their
+    total blocks x tokens per block); None when none did. ``replicas.decode_workers`` keeps the batch it counts on
+    within it: without it, a fast engine model (an H100's step times) counts a worker as decoding up to 1,024
+    sequences within the ITL target while its cache holds a few dozen of them (kvmesh bench planner-live: 21)."""
+    caps = [
+        float(i.load.snapshot.num_total_blocks * i.meta.block_size)
+        for i in instances
+        if i.load is not None and i.meta.block_size > 0 and i.load.snapshot.num_total_blocks > 0
+    ]
+    return min(caps) if caps else None

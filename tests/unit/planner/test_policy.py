@@ -494,3 +494,12 @@ def test_state_is_immutable_and_inputs_are_not_changed():
         new.pulls = 5  # type: ignore[misc]
     # Same inputs, same outputs: no clock, no randomness.
     assert interval(PlannerState(), 0.0, kv=0.95)[0] == interval(PlannerState(), 0.0, kv=0.95)[0]
+
+
+def test_a_decision_is_due_at_the_pull_one_interval_on_even_when_its_clock_reading_is_a_few_ms_early():
+    from components.planner.policy import adjustment_due
+
+    cfg = PlannerConfig(adjustment_interval=10.0, metric_pulling_interval=1.0)
+    state = PlannerState(interval_start_s=100.004)  # the interval's first pull read its clock 4 ms late
+    assert adjustment_due(state, 109.998, cfg)  # the pull at 110 s read 2 ms early: due, not one pull later
+    assert not adjustment_due(state, 109.004, cfg)  # the pull before it (9 s on) is not

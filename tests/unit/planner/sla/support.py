@@ -78,8 +78,10 @@ class Fleet:
                 snap = LoadSnapshot(
                     now_s=now_s,
                     kv_usage=f.get("kv_usage", 0.0),
-                    num_total_blocks=1000,
-                    num_active_blocks=int(1000 * f.get("kv_usage", 0.0)),
+                    # A cache that never bounds the batch (16M tokens), unless a test says otherwise: the sizing
+                    # tests derive their batches from the ITL target alone.
+                    num_total_blocks=f.get("num_total_blocks", 10**6),
+                    num_active_blocks=int(f.get("num_total_blocks", 10**6) * f.get("kv_usage", 0.0)),
                     num_running=f.get("num_running", 0),
                     num_waiting=f.get("num_waiting", 0),
                     num_waiting_prefill_tokens=f.get("num_waiting_prefill_tokens", 0),

@@ -19,10 +19,12 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from components.fleet import MemoryFleet
 from components.perf.model import StepTimeModel
 from components.planner.policy import Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
+from components.protocol.messages import LoadSnapshot
 from components.runtime.flags import add_model_arguments, model_from_args
 from tests.unit.planner.sla.support import MODEL, ROUND, Fleet, pull
 
@@ -627,3 +629,65 @@ def test_a_given_performance_model_is_sized_with_instead_of_the_announced_one():
     fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200)
     pull(ctl, fleet, 30.0)
     assert fleet.count(Pool.DECODE) == 5
+
+
+def test_the_throughput_decision_is_due_at_the_pull_one_interval_on_even_when_its_clock_reading_is_early():
+    """Live pulls read the clock after an etcd round trip: the pull scheduled one interval after the interval's first
+    may read a few ms short of it; it still decides (kvmesh bench planner-live saw decisions one pull late)."""
+    from components.planner.sla.controller import SlaController
+
+    cfg = SlaPlannerConfig(adjustment_interval=10.0, metric_pulling_interval=1.0)
+    ctl = SlaController(cfg, "m")
+    fleet = MemoryFleet()
+    fleet.add_instance(1, {"model": "m", "role": "aggregated"}, model="m")
+    ctl.pull(fleet.snapshot(0.004))  # opens the interval
+    for k in range(1, 10):
+        assert ctl.pull(fleet.snapshot(k + 0.004)).adjustment is None
+    assert ctl.pull(fleet.snapshot(9.998)).sla.interval  # 2 ms early, and the interval's decision runs
+
+
+def test_the_fast_loop_reads_a_new_idle_worker_as_part_of_the_pool_not_as_absent():
+    """One pull after a scale-up, the old worker still decodes the whole batch and the new one nothing yet: spread
+    over both (as the router spreads new requests) the step is within target, so no second raise (kvmesh bench
+    planner-live once read "batch 14 on each of 2" and asked for 4)."""
+    itl = ROUND.decode_ms(6, 0) + 0.01  # ms: a batch of 6 steps within target, one of 12 does not
+    assert ROUND.decode_ms(12, 0) > itl
+    fleet = Fleet(decode=2)
+    ctl = SlaController(config(min_endpoint=2, itl=itl), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=1, isl=100, osl=100)
+    pull(ctl, fleet, 30.0)
+    [old, new] = fleet.ids[Pool.DECODE]
+
+    def load(batch: int) -> LoadSnapshot:
+        return LoadSnapshot(31.0, 0.1, 1000, 100, batch, 0, 0, 0, batch_size=batch, num_kv_tokens=0)
+
+    fleet.state.apply_load(old, load(12), 31.0)
+    fleet.state.apply_load(new, load(0), 31.0)
+    out = ctl.pull(fleet.snapshot(31.0))
+    assert out.adjustment is None  # 12 over 2 workers: 6 each, within target
+    fleet.state.apply_load(new, load(12), 32.0)
+    fleet.state.apply_load(old, load(12), 32.0)
+    out = ctl.pull(fleet.snapshot(32.0))
+    assert out.adjustment is not None  # 24 over 2: 12 each, over target; 4 workers step 6 each
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 4) and "batch 12 on each of 2" in d.reason
+
+
+def test_decode_sizing_keeps_the_batch_within_the_workers_kv_cache():
+    """The same load as test_replica_formulas_through_the_controller_disaggregated, on decode workers whose caches
+    hold 100 blocks of 16 tokens (1,600 tokens): a sequence attends to 1000 + 200 / 2 = 1,100 tokens, so one fits
+    per worker, and the decode pool is sized at batch 1 instead of the ITL target's batch."""
+    from components.planner.sla import replicas
+
+    capacity = 100 * 16
+    want, _ = replicas.decode_workers(100, 1000, 200, ROUND, 0.020, kv_capacity_tokens=capacity)
+    free, _ = replicas.decode_workers(100, 1000, 200, ROUND, 0.020)
+    assert want > free == 2
+    fleet = Fleet(decode=1, prefill=1)
+    fleet.set_load(Pool.DECODE, num_total_blocks=100)
+    ctl = SlaController(config(max_gpu_budget=1000), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200)
+    pull(ctl, fleet, 30.0)
+    assert ctl.floor[Pool.DECODE] == want
