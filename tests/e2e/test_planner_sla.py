@@ -170,3 +170,32 @@ async def test_the_sla_planner_grows_the_pool_ahead_of_a_burst_and_shrinks_it_in
     assert max(rates) > 0.5  # the burst was heard through the frontend's request reports
     texts = decision_texts(acc)
     assert any("scale up" in t for t in texts) and any("scale down" in t for t in texts)
+
+
+async def test_the_local_connector_starts_several_workers_of_one_step_together(tmp_path, caplog):
+    """A step of several workers (the SLA planner asks for them at once) takes one start-up, not one per worker:
+    every new watcher is added before the first of them is up."""
+    import logging
+
+    from components.planner.connectors.local import LocalConnector
+    from components.planner.policy import Pool
+    from components.runtime import Runtime, RuntimeConfig
+
+    with serving(tmp_path / "state", *sets("frontend.port=0"), graph=ROOT / "graphs" / "mock_planner.yaml") as serve:
+        serve.wait_ready()
+        st = serve.state(PLANNER_NS)
+        rt = await Runtime.connect(RuntimeConfig(etcd_endpoints=st.etcd_endpoints, nats_url=st.nats_url))
+        try:
+            c = LocalConnector(rt, PLANNER_NS, MODEL, serve.state_dir)
+            with caplog.at_level(logging.INFO, logger="components.planner.connectors.local"):
+                await c.set_pool_size(Pool.DECODE, 3)
+            names = [w.name for w in serve.state(PLANNER_NS).watchers if w.kind == "worker"]
+            assert names == [f"{PLANNER_NS}-mock-{i}" for i in range(3)] and c.num_added == 2
+            lines = [r.getMessage() for r in caplog.records]
+            added = [i for i, m in enumerate(lines) if "added watcher" in m]
+            up = [i for i, m in enumerate(lines) if m.endswith(" is up")]
+            assert len(added) == 2 and len(up) == 2 and max(added) < min(up), lines
+            await c.set_pool_size(Pool.DECODE, 1)
+            assert [w.name for w in serve.state(PLANNER_NS).watchers if w.kind == "worker"] == [names[0]]
+        finally:
+            await rt.shutdown(drain_timeout_s=1.0)

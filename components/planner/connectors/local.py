@@ -340,8 +340,7 @@ class LocalConnector:
                 "%s pool: %d -> %d workers: adding %d watcher(s) like %s", pool, layout.workers, count, adds,
                 layout.template.name,
             )  # fmt: skip
-            for _ in range(adds):
-                await self._add(pool, count, layout.template, ctl)
+            await self._add_many(pool, count, adds, layout.template, ctl)
             return
         victims = watchers_to_remove(layout, count)
         if not victims:
@@ -367,21 +366,42 @@ class LocalConnector:
                 self.num_removed += 1
                 await self._wait_state(pool, count, _without(w.name), f"{w.name} removed")
 
-    async def _add(self, pool: Pool, count: int, template: WatcherState, ctl: CircusController) -> None:
+    async def _add_many(self, pool: Pool, count: int, adds: int, template: WatcherState, ctl: CircusController) -> None:
+        """Add ``adds`` watchers at once: names and GPUs are handed out from one reading of the state, then every
+        watcher starts and is waited for together, so a step of several workers takes one start-up, not one each
+        (the SLA planner asks for several at a time; a vLLM worker starts in ~37 s here). Those the free GPUs allow
+        are started; then a shortfall is a ``NoFreeGpuError``, as is the first failure among the started ones."""
         st = self._ready_state(pool, count)
         group = template.group or template.name
-        names = [w.name for w in st.watchers] + await asyncio.to_thread(ctl.watchers)
-        name, _ = next_replica(names, self.namespace, group)
+        taken = [w.name for w in st.watchers] + await asyncio.to_thread(ctl.watchers)
         need = len(template.gpus)
         free = free_gpus(st)
-        if need > len(free):
-            raise NoFreeGpuError(
-                NAME,
-                pool,
-                count,
-                f"{name} needs {need} GPUs like {template.name}; free: {','.join(free) or 'none'} of "
-                f"{','.join(st.gpus_available) or 'none'}",
-            )
+        plans: list[tuple[str, list[str]]] = []
+        short: str | None = None
+        for k in range(adds):
+            name, _ = next_replica(taken, self.namespace, group)
+            taken.append(name)
+            gpus = free[k * need : (k + 1) * need]
+            if len(gpus) < need:
+                short = (
+                    f"{name} needs {need} GPUs like {template.name}; free: {','.join(free[k * need :]) or 'none'} "
+                    f"of {','.join(st.gpus_available) or 'none'}"
+                )
+                break
+            plans.append((name, gpus))
+        results = await asyncio.gather(
+            *(self._add(pool, count, template, ctl, name, gpus) for name, gpus in plans), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        if short is not None:
+            raise NoFreeGpuError(NAME, pool, count, short)
+
+    async def _add(
+        self, pool: Pool, count: int, template: WatcherState, ctl: CircusController, name: str, free: list[str]
+    ) -> None:
+        need = len(free)
         env = new_replica_env(template, free[:need])
         if hidden := sorted(k for k, v in env.items() if v == REDACTED):
             raise NothingToScaleError(
