@@ -251,6 +251,19 @@ class SlaController:
         )
         return PullOutcome(obs, figures, running, waiting, adj, sla)
 
+    def warm_start(self, requests_per_s: Sequence[float], isl: Sequence[float] = (), osl: Sequence[float] = ()) -> None:
+        """Feed the predictors a history, one value per adjustment interval, oldest first (e.g. the operator's trace
+        cut into intervals: its request rate, mean prompt and output length), before the first live interval, so the
+        first decisions predict from it (a seasonal predictor needs two seasons). The latest lengths also become
+        the fast loop's prompt length until one is heard."""
+        self.rate.warm_start(requests_per_s)
+        self.isl.warm_start(isl)
+        self.osl.warm_start(osl)
+        if isl:
+            self._last_isl = float(isl[-1])
+        if osl:
+            self._last_osl = float(osl[-1])
+
     def change_started(self, pool: Pool, before: int, target: int) -> None:
         """A pool change was handed to whoever carries it out: no further step until ``change_ended``."""
         self.pending[pool] = PendingChange(before=before, target=target)

@@ -137,6 +137,9 @@ def test_replica_formulas_through_the_controller_disaggregated():
     assert (out.sla.observed_isl, out.sla.observed_osl) == (1000, 200)
     assert out.sla.next_request_rate == pytest.approx(100)
     assert (out.sla.throughput_prefill, out.sla.throughput_decode) == (6, 2)
+    scalars = out.sla.scalars()  # what a board or /metrics plots: every number, nothing unknown
+    assert scalars["observed_request_rate"] == pytest.approx(100) and scalars["target_prefill"] == 6.0
+    assert "observed_ttft_s" not in scalars and "now_s" not in scalars  # no TTFT was reported; time is the x axis
     # The next pull (decode's change ended) issues the waiting prefill step, several workers at once.
     out = pull(ctl, fleet, 31.0)
     assert out.adjustment is not None
@@ -627,3 +630,19 @@ def test_a_given_performance_model_is_sized_with_instead_of_the_announced_one():
     fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200)
     pull(ctl, fleet, 30.0)
     assert fleet.count(Pool.DECODE) == 5
+
+
+def test_a_warm_start_lets_the_first_decision_predict_a_season():
+    # Holt-Winters with a season of 4 intervals, warmed with two seasons of 10, 40, 10, 40 requests/s (the trace):
+    # the level is 25 and the season -15, +15, so the first live interval, observed at 10 (phase 0 of season 3),
+    # predicts the next at 40, and the pool is sized for 40 requests/s: 2.11 + 0.57 = 2.68 -> 3 workers, where a
+    # cold constant predictor would size for the 10 it just saw (0.53 + 0.14 -> 1).
+    assert math.ceil(prefill_need(40) + decode_need(40)) == 3
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(load_predictor="holt-winters", load_predictor_season=4), MODEL)
+    ctl.warm_start([10, 40, 10, 40, 10, 40, 10, 40], [1000] * 8, [200] * 8)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
+    out = pull(ctl, fleet, 30.0)
+    assert out.sla is not None and out.sla.next_request_rate == pytest.approx(40, rel=0.05)
+    assert fleet.count(Pool.DECODE) == 3
