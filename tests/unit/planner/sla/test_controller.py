@@ -646,3 +646,37 @@ def test_a_warm_start_lets_the_first_decision_predict_a_season():
     out = pull(ctl, fleet, 30.0)
     assert out.sla is not None and out.sla.next_request_rate == pytest.approx(40, rel=0.05)
     assert fleet.count(Pool.DECODE) == 3
+
+
+def test_prefill_is_raised_on_the_decode_workers_backlog_and_starts_while_a_decode_addition_is_in_progress():
+    # Disaggregated, 1 + 1 workers sized for 10 requests/s. A burst: 60 requests/s in the last 3 s' reports; the
+    # prefill queue is capped (it reads 0 waiting), so the long prompts it turns away queue on the decode worker:
+    # 20000 prompt tokens there, a new prompt's TTFT WAIT_MS + 50 = 879 ms > 500 ms. The prefill pool is raised on
+    # that, to the 60 requests/s sizing: 3.17 -> 4. The decode worker also steps in 5 + 0.02 x 150 + 3e-5 x 500000 =
+    # 23 ms > the 20 ms ITL target; on 2 workers, 75 sequences over 250000 KV tokens step in 14 ms: decode 1 -> 2.
+    # The plan adds decode first; the prefill addition does not wait the decode worker's start-up: it is issued at
+    # the next pull, while decode's is in progress (the plan counts the starting decode worker: 2 + 4 <= 16 GPUs).
+    assert math.ceil(prefill_need(60)) == 4
+    fleet = Fleet(decode=1, prefill=1)
+    ctl = SlaController(config(), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
+    pull(ctl, fleet, 30.0)
+    for t in (31.0, 32.0, 33.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+    fleet.set_load(
+        Pool.DECODE, num_waiting_prefill_tokens=20000, num_running=150, batch_size=150, num_kv_tokens=500_000
+    )
+    out = pull(ctl, fleet, 33.0, apply=False)
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.DECODE, 1, 2)]
+    prefill = out.adjustment.decision(Pool.PREFILL)
+    assert (
+        prefill is not None and "on the decode workers (prompts the full prefill queue turned away)" in prefill.reason
+    )
+    ctl.change_started(Pool.DECODE, 1, 2)
+    fleet.requests(34.0, 1.0, rate=60, isl=1000, osl=200)
+    out = pull(ctl, fleet, 34.0, apply=False)  # the decode worker is still starting
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.PREFILL, 1, 4)]
+    assert out.adjustment.gpus_after == 6
