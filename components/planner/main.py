@@ -103,7 +103,8 @@ def make_controller(cfg: AnyPlannerConfig, model: str) -> PlannerController | Sl
     perf = load_profile_results(cfg.profile_results_dir) if cfg.profile_results_dir else None
     ctl = SlaController(cfg, model, perf)
     if cfg.load_predictor_warmup_trace:
-        warm_start(ctl, warmup_series(cfg.load_predictor_warmup_trace, cfg.adjustment_interval))
+        series = warmup_series(cfg.load_predictor_warmup_trace, cfg.adjustment_interval)
+        ctl.warm_start(series.rates, series.isls, series.osls)
     return ctl
 
 
@@ -119,18 +120,6 @@ def warmup_series(path: str, interval_s: float) -> WarmupSeries:
         return interval_series(rows, interval_s)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-
-
-def warm_start(ctl: SlaController, series: WarmupSeries) -> None:
-    """The controller's predictors observe the series, oldest first; the fast loop's prompt length starts at the
-    last one seen."""
-    ctl.rate.warm_start(series.rates)
-    ctl.isl.warm_start(series.isls)
-    ctl.osl.warm_start(series.osls)
-    if series.isls:
-        ctl._last_isl = series.isls[-1]
-    if series.osls:
-        ctl._last_osl = series.osls[-1]
 
 
 def endpoints_from_state(args: argparse.Namespace, run: PlannerRunConfig) -> None:

@@ -15,5 +15,15 @@ simulator and benchmark call in here.
 * ``correction``: ``update_correction``, the smoothed, bounded ratio of observed to predicted latency that
   ``replicas`` scales the model's times by.
 
+Around the core, in this package but not of it (they may import more, still without I/O:
+tests/unit/planner/sla/test_purity.py):
+
+* ``config``: ``SlaPlannerConfig``, the knobs (``kvmesh planner --mode sla`` flags; pydantic, a pure config leaf).
+* ``controller``: ``SlaController``, one pull of the SLA planner over a ``FleetSnapshot`` with the load planner's
+  controller surface (throughput loop, fast loop, consolidation-checked scale-down, budget steps).
+* ``figures``: ``SlaFigures``, a pull's SLA numbers (``PullOutcome.sla``) for TensorBoard, ``/metrics`` and status.
+
+Reading ``--profile-results-dir`` (file I/O) is ``components.planner.sla_profile``.
+
 Nothing is imported here, so importing one piece loads only what it needs.
 """

@@ -78,9 +78,13 @@ Atomic budget
 ``budget.plan_budget`` turns the wanted sizes into counts within ``max_gpu_budget``/``min_gpu_budget`` and ordered
 steps, removals first. A pool that was not cleared to shrink (by the consolidation check, at this decision) keeps at
 least its current count in the plan, so a budget cut never removes what the check refused. The controller hands out
-one step at a time: a step is issued only when no change is in progress (``change_ended`` closed the previous one), so
-an addition never starts before the removal that frees its GPUs, and no step asks for GPUs the budget does not have
-free, so none waits on a change that cannot complete. The remaining steps follow at the pulls after each change ends.
+one step at a time: a removal only when no change is in progress; nothing while a removal is (``change_ended``
+closes it), so an addition never starts before the removal that frees its GPUs; an addition while only additions to
+the other pool are in progress (their workers counted as there: they hold GPUs from the moment they are asked for),
+so a prefill and a decode addition need not wait a start-up for each other (simulator, a 1 -> 24 requests/s step
+with 4000-token prompts: the prefill pool's waited 30 s behind the decode pool's). One change per pool at a time,
+as the live loop runs them. No step asks for GPUs the budget does not have free, so none waits on a change that
+cannot complete. The remaining steps follow at the pulls after each change ends.
 
 Emitted: an ``Adjustment`` at every throughput decision (holds included), when the fast loop raises a pool, and when
 a waiting step can be issued; otherwise ``PullOutcome.adjustment`` is None. ``no_operation``: decisions are flagged,
@@ -265,6 +269,19 @@ class SlaController:
         )
         return PullOutcome(obs, figures, running, waiting, adj, sla)
 
+    def warm_start(self, requests_per_s: Sequence[float], isl: Sequence[float] = (), osl: Sequence[float] = ()) -> None:
+        """Feed the predictors a history, one value per adjustment interval, oldest first (e.g. the operator's trace
+        cut into intervals: its request rate, mean prompt and output length), before the first live interval, so the
+        first decisions predict from it (a seasonal predictor needs two seasons). The latest lengths also become
+        the fast loop's prompt length until one is heard."""
+        self.rate.warm_start(requests_per_s)
+        self.isl.warm_start(isl)
+        self.osl.warm_start(osl)
+        if isl:
+            self._last_isl = float(isl[-1])
+        if osl:
+            self._last_osl = float(osl[-1])
+
     def change_started(self, pool: Pool, before: int, target: int) -> None:
         """A pool change was handed to whoever carries it out: no further step until ``change_ended``."""
         self.pending[pool] = PendingChange(before=before, target=target)
@@ -353,7 +370,17 @@ class SlaController:
         load = loads[pool]
         n = len(load.workers)
         reading = self._ttft_reading(pool, loads, obs, snap, perf_of[pool])
-        if reading is None and not load.fresh:
+        # A disaggregated prefill pool is also raised (on the recent rate) when the decode workers' own queues break
+        # the target: the prefill queue's cap turns long prompts away to them when the prefill pool is short, so a
+        # capped queue may look fine while prompts wait on the decode side (simulator, a 1 -> 24 requests/s step
+        # with 4000-token prompts: the queue read 3 items, the decode workers' backlog seconds).
+        trigger = reading[0] if reading is not None else None
+        via = ""
+        if pool == Pool.PREFILL:
+            local = self._ttft_reading(Pool.DECODE, loads, obs, snap, perf_of[Pool.DECODE])
+            if local is not None and (trigger is None or local[0] > trigger):
+                trigger, via = local[0], " on the decode workers (prompts the full prefill queue turned away)"
+        if reading is None and trigger is None and not load.fresh:
             return _Fast()
         ttft_ms, wait_ms, own_ms, settled, ttft_max_ms = (
             reading if reading is not None else (None, 0.0, 0.0, False, None)
@@ -400,9 +427,9 @@ class SlaController:
             earlier = sum(w for _, w in list(history)[:FAST_TREND_PULLS]) / FAST_TREND_PULLS
             later = sum(w for _, w in list(history)[FAST_TREND_PULLS:]) / FAST_TREND_PULLS
             trend = (earlier, later)
-        if ttft_ms is not None and self.ttft_correction * ttft_ms > cfg.ttft:
+        if trigger is not None and self.ttft_correction * trigger > cfg.ttft:
             own = self.ttft_correction * own_ms
-            seen = f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms target"
+            seen = f"predicted TTFT {self.ttft_correction * trigger:.0f} ms{via} > {cfg.ttft:g} ms target"
             recent = self._recent_load(snap)
             size: int | None = None
             if own >= cfg.ttft:
@@ -772,12 +799,20 @@ class SlaController:
     # ----------------------------------------------------------------------------------------------------------------
     # Budget and steps
 
-    @staticmethod
-    def _current(obs: Observation) -> dict[Pool, int]:
+    def _current(self, obs: Observation) -> dict[Pool, int]:
+        """Each pool's workers as the plan counts them: registered, or the target of an addition in progress (its
+        workers hold their GPUs from the moment they are asked for)."""
         out = {Pool.DECODE: obs.decode.workers}
         if obs.prefill is not None:
             out[Pool.PREFILL] = obs.prefill.workers
+        for pool, change in self.pending.items():
+            if pool in out and change.target > change.before:
+                out[pool] = max(out[pool], change.target)
         return out
+
+    def _removing(self) -> bool:
+        """A removal is in progress: no step until it ends (what it frees may be what the next step needs)."""
+        return any(c.target < c.before for c in self.pending.values())
 
     def _plan(self, obs: Observation, allowed_down: set[Pool]) -> BudgetPlan:
         """The budgeted counts and ordered steps from the current pools to the targets; a pool not cleared to shrink
@@ -826,7 +861,18 @@ class SlaController:
             self.target[Pool.PREFILL] = plan.prefill
         self.target[Pool.DECODE] = plan.decode
         gpus_before = int(plan.metrics["current_gpus"])
-        step = plan.steps[0] if plan.steps and not self.pending else None
+        step = None
+        if not self.pending:
+            step = plan.steps[0] if plan.steps else None
+        elif not self._removing():
+            # Additions in progress only: an addition to another pool may start now. The plan counts the pending
+            # workers as there (``_current``), so it fits the budget with them; a removal waits for them to settle.
+            step = next(
+                (st for st in plan.steps if not st.is_removal and Pool(st.pool) not in self.pending),
+                None,
+            )
+            if step is not None and plan.steps[0].is_removal:
+                step = None
         if step is not None and not cfg.no_operation:
             self._issued[Pool(step.pool)] = step.workers_to
         metrics_common = {
@@ -853,8 +899,8 @@ class SlaController:
                 )
                 continue
             if want != cur:
-                if self.pending:
-                    wait = f"{', '.join(map(str, self.pending))} change in progress"
+                if pool in self.pending or (self.pending and step is None):
+                    wait = f"after the {', '.join(map(str, self.pending))} change in progress"
                 else:
                     wait = f"after {step.pool} {step.workers_from} -> {step.workers_to}" if step else "waiting"
                 reason = f"{reason}; {pool} {cur} -> {want} {wait}"
@@ -866,7 +912,7 @@ class SlaController:
         """A step of the plan that waited on a change in progress, issued once that change has ended. A pool's
         target under its current count is not carried over (a removal is decided at its throughput decision only),
         unless it is a removal already issued (asked for again: a step is an absolute count)."""
-        if self.pending or self.config.no_operation or not self.target:
+        if self._removing() or self.config.no_operation or not self.target:
             return None
         current = self._current(obs)
         for pool, cur in current.items():

@@ -139,6 +139,9 @@ def test_replica_formulas_through_the_controller_disaggregated():
     assert (out.sla.observed_isl, out.sla.observed_osl) == (1000, 200)
     assert out.sla.next_request_rate == pytest.approx(100)
     assert (out.sla.throughput_prefill, out.sla.throughput_decode) == (6, 2)
+    scalars = out.sla.scalars()  # what a board or /metrics plots: every number, nothing unknown
+    assert scalars["observed_request_rate"] == pytest.approx(100) and scalars["target_prefill"] == 6.0
+    assert "observed_ttft_s" not in scalars and "now_s" not in scalars  # no TTFT was reported; time is the x axis
     # The next pull (decode's change ended) issues the waiting prefill step, several workers at once.
     out = pull(ctl, fleet, 31.0)
     assert out.adjustment is not None
@@ -691,3 +694,53 @@ def test_decode_sizing_keeps_the_batch_within_the_workers_kv_cache():
     fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200)
     pull(ctl, fleet, 30.0)
     assert ctl.floor[Pool.DECODE] == want
+
+
+def test_a_warm_start_lets_the_first_decision_predict_a_season():
+    # Holt-Winters with a season of 4 intervals, warmed with two seasons of 10, 40, 10, 40 requests/s (the trace):
+    # the level is 25 and the season -15, +15, so the first live interval, observed at 10 (phase 0 of season 3),
+    # predicts the next at 40, and the pool is sized for 40 requests/s: 2.11 + 0.57 = 2.68 -> 3 workers, where a
+    # cold constant predictor would size for the 10 it just saw (0.53 + 0.14 -> 1).
+    assert math.ceil(prefill_need(40) + decode_need(40)) == 3
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(load_predictor="holt-winters", load_predictor_season=4), MODEL)
+    ctl.warm_start([10, 40, 10, 40, 10, 40, 10, 40], [1000] * 8, [200] * 8)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
+    out = pull(ctl, fleet, 30.0)
+    assert out.sla is not None and out.sla.next_request_rate == pytest.approx(40, rel=0.05)
+    assert fleet.count(Pool.DECODE) == 3
+
+
+def test_prefill_is_raised_on_the_decode_workers_backlog_and_starts_while_a_decode_addition_is_in_progress():
+    # Disaggregated, 1 + 1 workers sized for 10 requests/s. A burst: 60 requests/s in the last 3 s' reports; the
+    # prefill queue is capped (it reads 0 waiting), so the long prompts it turns away queue on the decode worker:
+    # 20000 prompt tokens there, a new prompt's TTFT WAIT_MS + 50 = 879 ms > 500 ms. The prefill pool is raised on
+    # that, to the 60 requests/s sizing: 3.17 -> 4. The decode worker also steps in 5 + 0.02 x 150 + 3e-5 x 500000 =
+    # 23 ms > the 20 ms ITL target; on 2 workers, 75 sequences over 250000 KV tokens step in 14 ms: decode 1 -> 2.
+    # The plan adds decode first; the prefill addition does not wait the decode worker's start-up: it is issued at
+    # the next pull, while decode's is in progress (the plan counts the starting decode worker: 2 + 4 <= 16 GPUs).
+    assert math.ceil(prefill_need(60)) == 4
+    fleet = Fleet(decode=1, prefill=1)
+    ctl = SlaController(config(), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
+    pull(ctl, fleet, 30.0)
+    for t in (31.0, 32.0, 33.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+    fleet.set_load(
+        Pool.DECODE, num_waiting_prefill_tokens=20000, num_running=150, batch_size=150, num_kv_tokens=500_000
+    )
+    out = pull(ctl, fleet, 33.0, apply=False)
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.DECODE, 1, 2)]
+    prefill = out.adjustment.decision(Pool.PREFILL)
+    assert (
+        prefill is not None and "on the decode workers (prompts the full prefill queue turned away)" in prefill.reason
+    )
+    ctl.change_started(Pool.DECODE, 1, 2)
+    fleet.requests(34.0, 1.0, rate=60, isl=1000, osl=200)
+    out = pull(ctl, fleet, 34.0, apply=False)  # the decode worker is still starting
+    assert out.adjustment is not None
+    assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.PREFILL, 1, 4)]
+    assert out.adjustment.gpus_after == 6
