@@ -176,7 +176,8 @@ class Planner:
         self.metrics.in_progress = self.changes_in_progress
         self._metrics_server = None if metrics_host is None else MetricsServer(self.metrics, metrics_host, metrics_port)
         self.metrics_url = ""
-        self._change_tasks: dict[Pool, asyncio.Task[None]] = {}
+        self._change_tasks: dict[Pool, asyncio.Task[None]] = {}  # each pool's latest change
+        self._superseded: set[asyncio.Task[None]] = set()  # earlier changes a raise went past, still running
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -229,9 +230,10 @@ class Planner:
         if loop_task is not None and loop_task.done() and not loop_task.cancelled() and loop_task.exception():
             logger.error("planner loop died: %r", loop_task.exception())
             code, last = 1, f"DEAD planner loop: {loop_task.exception()!r}"
-        tasks = [*self._tasks, *self._change_tasks.values()]
+        tasks = [*self._tasks, *self._change_tasks.values(), *self._superseded]
         self._tasks.clear()
         self._change_tasks.clear()
+        self._superseded.clear()
         for t in tasks:
             t.cancel()
         # gather, not "await t" under suppress(CancelledError): a stop() that is itself cancelled stays cancelled.
@@ -333,9 +335,15 @@ class Planner:
         is left alone: the policy holds while a change is in progress, so this only happens when a caller applies
         by hand."""
         for d in adj.changes():
+            running = self._pending.get(d.pool)
             if d.pool in self._change_tasks:
-                logger.warning("%s pool: a change is still in progress; not applying %s", d.pool, d.summary())
-                continue
+                # An addition in progress may be raised (the SLA planner does: a larger absolute count, which the
+                # connector applies after the first, adding the rest); anything else waits for it.
+                raising = running is not None and running.target > running.before and d.target > running.target
+                if not raising:
+                    logger.warning("%s pool: a change is still in progress; not applying %s", d.pool, d.summary())
+                    continue
+                self._superseded.add(self._change_tasks[d.pool])
             self.controller.change_started(d.pool, d.current, d.target)
             self._change_tasks[d.pool] = self.runtime.supervisor.spawn(
                 self._change(d.pool, d.target, str(d.direction)), name=f"planner-scale:{d.pool}"
@@ -356,9 +364,12 @@ class Planner:
             self.last_change_error = f"{pool} pool to {target} workers: {e}"
             logger.warning("%s pool to %d workers: %s; the planner decides again later", pool, target, e)
         finally:
-            self.controller.change_ended(pool)
-            if self._change_tasks.get(pool) is asyncio.current_task():
+            task = asyncio.current_task()
+            if self._change_tasks.get(pool) is task:
+                # The pool's latest change ended: it is settled (a superseded one ending first does not say so).
                 del self._change_tasks[pool]
+                self.controller.change_ended(pool)
+            self._superseded.discard(task)  # type: ignore[arg-type]
         self.metrics.change(pool, direction, ok)
         await self._publish_status()
 

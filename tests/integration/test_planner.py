@@ -238,3 +238,65 @@ async def test_kvmesh_planner_command_runs_and_stops_on_sigterm(runtime_config, 
         if proc.poll() is None:
             proc.kill()
             await asyncio.to_thread(proc.wait)
+
+
+class HeldConnector:
+    """A connector whose every change waits until the test releases it (the loop's bookkeeping around
+    ``set_pool_size``, nothing else, is what the test below checks)."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.release: list[asyncio.Event] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def gpus_per_worker(self, pool: Pool) -> int | None:
+        return None
+
+    async def set_pool_size(self, pool: Pool, count: int) -> None:
+        self.calls.append(count)
+        ev = asyncio.Event()
+        self.release.append(ev)
+        await ev.wait()
+
+
+async def test_an_addition_in_progress_can_be_raised_and_the_pool_settles_when_the_latest_change_ends(
+    make_runtime, namespace
+):
+    from components.planner.config import SlaPlannerConfig
+    from components.planner.policy import Adjustment, ScalingDecision
+    from components.planner.sla.controller import SlaController
+
+    cfg = SlaPlannerConfig()
+    connector = HeldConnector()
+    planner = Planner(
+        await make_runtime(),
+        cfg,
+        namespace,
+        MODEL,
+        connector,
+        controller=SlaController(cfg, MODEL),  # type: ignore[arg-type]
+    )
+
+    def step(current: int, target: int) -> Adjustment:
+        direction = Direction.UP if target > current else Direction.DOWN
+        return Adjustment(0.0, (ScalingDecision(Pool.DECODE, direction, current, target, "test", {}),), 1, 1, False)
+
+    planner.apply(step(1, 2))
+    await wait_until(lambda: connector.calls == [2], timeout_s=5)
+    planner.apply(step(2, 5))  # raised while 1 -> 2 runs: a second change, to 5
+    await wait_until(lambda: connector.calls == [2, 5], timeout_s=5)
+    planner.apply(step(5, 4))  # a removal while an addition runs: refused, nothing asked
+    assert connector.calls == [2, 5] and planner.changes_in_progress()[Pool.DECODE].target == 5
+    connector.release[0].set()  # the first change ends: the pool is not settled, the raise still runs
+    await wait_until(lambda: planner.num_changes_applied == 1, timeout_s=5)
+    assert planner.changes_in_progress()[Pool.DECODE].target == 5
+    connector.release[1].set()
+    await wait_until(lambda: planner.num_changes_applied == 2, timeout_s=5)
+    assert planner.changes_in_progress() == {}

@@ -810,6 +810,12 @@ class SlaController:
                 out[pool] = max(out[pool], change.target)
         return out
 
+    def _may_add(self, pool: Pool) -> bool:
+        """Whether an addition to ``pool`` may be issued with changes in progress (additions only): the pool has
+        none, or its own is an addition (which the new, larger count supersedes)."""
+        change = self.pending.get(pool)
+        return change is None or change.target > change.before
+
     def _removing(self) -> bool:
         """A removal is in progress: no step until it ends (what it frees may be what the next step needs)."""
         return any(c.target < c.before for c in self.pending.values())
@@ -867,8 +873,13 @@ class SlaController:
         elif not self._removing():
             # Additions in progress only: an addition to another pool may start now. The plan counts the pending
             # workers as there (``_current``), so it fits the budget with them; a removal waits for them to settle.
+            # An addition in progress on the same pool may be raised too: the plan counts its workers as there, so
+            # a step above that is a further addition (an absolute count the connector starts at once, beside the
+            # workers already starting). Waiting for the first to register cost a whole start-up when the load
+            # stepped up: issue 10528's step at a 30 s start-up went 1 -> 2 (fast loop, 1 s in), then only 30 s
+            # later to the 6 the next pulls already asked for.
             step = next(
-                (st for st in plan.steps if not st.is_removal and Pool(st.pool) not in self.pending),
+                (st for st in plan.steps if not st.is_removal and self._may_add(Pool(st.pool))),
                 None,
             )
             if step is not None and plan.steps[0].is_removal:

@@ -744,3 +744,30 @@ def test_prefill_is_raised_on_the_decode_workers_backlog_and_starts_while_a_deco
     assert out.adjustment is not None
     assert [(d.pool, d.current, d.target) for d in out.adjustment.changes()] == [(Pool.PREFILL, 1, 4)]
     assert out.adjustment.gpus_after == 6
+
+
+def test_an_addition_in_progress_is_raised_when_the_next_pulls_ask_for_more():
+    """The fast loop asks for 2 at a burst's first pull; while those start, the next pull's rate asks for 5: the
+    controller issues 5 now (an absolute count beside the starting worker), not a start-up later."""
+    fleet, ctl = fast_fleet()
+    fleet.requests(31.0, 1.0, rate=60, isl=1000, osl=200)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    fleet.report_loads(31.0)
+    ctl.pull(fleet.snapshot(31.0))
+    # Pretend the first raise is 2 -> 3 in flight (a connector that has not returned): started, not ended.
+    ctl.change_started(Pool.DECODE, 2, 3)
+    fleet.requests(32.0, 1.0, rate=60, isl=1000, osl=200)
+    fleet.requests(33.0, 1.0, rate=60, isl=1000, osl=200)
+    fleet.report_loads(33.0)
+    out = ctl.pull(fleet.snapshot(33.0))
+    assert out.adjustment is not None
+    [d] = out.adjustment.changes()
+    # The last 3 s say 60 requests/s: 5 workers (test_the_fast_loop_raises_the_pool_above_the_floor...); the
+    # pending 3 count as there, so the step is 3 -> 5.
+    assert (d.pool, d.current, d.target) == (Pool.DECODE, 3, 5)
+    # A removal in progress still blocks every step.
+    ctl.change_ended(Pool.DECODE)
+    ctl.change_started(Pool.DECODE, 5, 4)
+    fleet.report_loads(34.0)
+    out = ctl.pull(fleet.snapshot(34.0))
+    assert out.adjustment is None or not out.adjustment.changes()
