@@ -149,7 +149,11 @@ async def test_the_sla_planner_grows_the_pool_ahead_of_a_burst_and_shrinks_it_in
         await streams.run(1, lambda i: f"short {i}", 16, shrunk, max_requests=600, max_s=120)
         assert shrunk(), f"the pool did not shrink; planner log:\n{planner_log(serve)}"
         failures = [o for o in streams.outcomes if not o.complete]
-        assert failures == [] and len(streams.outcomes) >= 20, failures[:3]
+        # Every stream complete: the burst's (ten lanes, at least one each) and the quiet ones sent until the pool
+        # was back at one worker, through the scale-down.
+        burst = [o for o in streams.outcomes if o.max_tokens == 100]
+        quiet = [o for o in streams.outcomes if o.max_tokens == 16]
+        assert failures == [] and len(burst) >= 10 and len(quiet) >= 1, failures[:3]
 
         # What it says: kvmesh status (mode and numbers), /metrics.
         table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--namespace", PLANNER_NS).stdout
