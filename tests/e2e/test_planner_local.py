@@ -282,8 +282,16 @@ async def test_graph_planner_scales_decode_up_under_kv_load_and_back_down_losing
         frontend_log = (serve.state_dir / "logs" / f"{PLANNER_NS}-frontend.log").read_text().splitlines()
         failed = [line for line in frontend_log if f"worker {victim} failed" in line]
         assert all(f"instance {victim} is draining" in line for line in failed), failed
-        heard = [log_time(line) for line in frontend_log if f"worker {victim} takes no new requests" in line]
-        assert heard and all(log_time(line) <= min(heard) + 1.0 for line in failed), (heard, failed)
+        # The frontend hears that the victim takes no new requests (NATS), or that it left (etcd), whichever comes
+        # first: under load the second can come first, and then the first is not logged (a departed worker's late
+        # status is ignored), as a two-worker suite run saw.
+        heard = [
+            log_time(line)
+            for line in frontend_log
+            if f"worker {victim} takes no new requests" in line
+            or ("left: " in line and victim in line.split("left: ")[1])
+        ]
+        assert heard and all(log_time(line) <= min(heard) + 1.0 for line in failed), (victim, heard, failed)
         # The other watchers kept their processes; the state file is back to the graph's watchers.
         st1 = serve.state(PLANNER_NS)
         assert watcher_names(st1) == others
@@ -292,7 +300,8 @@ async def test_graph_planner_scales_decode_up_under_kv_load_and_back_down_losing
         # What the planner says about it: kvmesh status, /metrics, TensorBoard.
         table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--namespace", PLANNER_NS).stdout
         assert f"{PLANNER_NS}: pools {MODEL}: aggregated 1 worker" in table
-        line = next(x for x in table.splitlines() if x.startswith(f"{PLANNER_NS}: planner {MODEL} (local connector"))
+        head = f"{PLANNER_NS}: planner {MODEL} (load mode, local connector"
+        line = next(x for x in table.splitlines() if x.startswith(head))
         assert "last decision" in line and "decode: " in line
         metrics_url = re.search(r"metrics (http://127\.0\.0\.1:\d+/metrics)", line)
         assert metrics_url is not None, line
