@@ -58,6 +58,8 @@ def sets(*items: str) -> list[str]:
 @dataclasses.dataclass
 class Outcome:
     max_tokens: int
+    sent: float = 0.0  # wall clock (time.time()) when sent
+    first: float | None = None  # and when its first text arrived
     finish_reason: str | None = None
     completion_tokens: int | None = None
     chunks: int = 0
@@ -77,7 +79,7 @@ class Streams:
         self.sent = 0
 
     async def one(self, prompt: str, max_tokens: int) -> Outcome:
-        out = Outcome(max_tokens)
+        out = Outcome(max_tokens, sent=time.time())
         self.outcomes.append(out)
         try:
             stream = await self.client.completions.create(
@@ -90,6 +92,8 @@ class Streams:
             )
             async for chunk in stream:
                 out.chunks += 1
+                if out.first is None and chunk.choices and chunk.choices[0].text:
+                    out.first = time.time()
                 if chunk.choices and chunk.choices[0].finish_reason is not None:
                     out.finish_reason = chunk.choices[0].finish_reason
                 if chunk.usage is not None:

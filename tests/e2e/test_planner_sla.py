@@ -14,16 +14,12 @@ and their batch of ten steps in ~70 ms, over the target (the fast loop). A trick
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import time
-
-import openai
 import pytest
 
 from tests.e2e.test_planner_local import (
     MODEL,
     PLANNER_NS,
+    Streams,
     decision_texts,
     log_time,
     long_prompt,
@@ -38,62 +34,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 TTFT_MS = 600.0
 ITL_MS = 60.0
-
-
-@dataclasses.dataclass
-class Timed:
-    max_tokens: int
-    sent: float
-    first: float | None = None
-    tokens: int | None = None
-    finish_reason: str | None = None
-    error: str = ""
-
-    @property
-    def complete(self) -> bool:
-        return not self.error and self.finish_reason == "length" and self.tokens == self.max_tokens
-
-
-class TimedStreams:
-    """Streaming completions through the official openai client, each with its send and first-token times."""
-
-    def __init__(self, url: str) -> None:
-        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=180)
-        self.outcomes: list[Timed] = []
-
-    async def one(self, prompt: str, max_tokens: int) -> None:
-        out = Timed(max_tokens, time.time())
-        self.outcomes.append(out)
-        try:
-            stream = await self.client.completions.create(
-                model=MODEL,
-                prompt=prompt,
-                max_tokens=max_tokens,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )
-            async for chunk in stream:
-                if out.first is None and chunk.choices and chunk.choices[0].text:
-                    out.first = time.time()
-                if chunk.choices and chunk.choices[0].finish_reason is not None:
-                    out.finish_reason = chunk.choices[0].finish_reason
-                if chunk.usage is not None:
-                    out.tokens = chunk.usage.completion_tokens
-        except (openai.APIError, openai.APIConnectionError) as e:
-            out.error = f"{type(e).__name__}: {e}"
-
-    async def run(self, lanes: int, prompt, max_tokens: int, until, max_requests: int, max_s: float) -> None:
-        deadline = time.monotonic() + max_s
-        sent = len(self.outcomes)
-
-        async def lane() -> None:
-            nonlocal sent
-            while not until() and sent < max_requests and time.monotonic() < deadline:
-                sent += 1
-                await self.one(prompt(sent), max_tokens)
-
-        await asyncio.gather(*(lane() for _ in range(lanes)))
 
 
 def up_decisions(serve) -> list[float]:
@@ -125,7 +65,7 @@ async def test_the_sla_planner_grows_the_pool_ahead_of_a_burst_and_shrinks_it_in
         st0 = serve.state(PLANNER_NS)
         [worker] = [w for w in st0.watchers if w.kind == "worker"]
         assert worker.startup_s is not None and worker.startup_s > 0  # serve measured it: the planner's lead
-        streams = TimedStreams(url)
+        streams = Streams(url)
 
         def grown() -> bool:
             w = serve.state(PLANNER_NS).watcher(new)
