@@ -230,7 +230,8 @@ class PlannerRunConfig(BaseModel):
 # ``scale_down_sensitivity`` (0.8: Dynamo PR 9294's ``load_scaling_down_sensitivity``), ``worker_startup_s`` (the
 # start-up lead, 30 s until the measured value is recorded: the issue's benchmark runs both), ``queue_wait`` (the M/D/1
 # queue wait in prefill sizing, on: the fix for ai-dynamo/dynamo issue 10528), ``min_gpu_budget`` (the load planner's
-# name; 0: no minimum beyond ``min_endpoint``), ``load_predictor_season``.
+# name; 0: no minimum beyond ``min_endpoint``), ``load_predictor_season``, ``scale_down_tolerance`` (0.1: the
+# Kubernetes HorizontalPodAutoscaler's default tolerance).
 #
 # This module imports only the standard library and pydantic.
 
@@ -334,6 +335,14 @@ class SlaPlannerConfig(BaseModel):
         le=1,
         description="A pool loses a worker only if every survivor, carrying N/(N-1) of the load, stays under this "
         "fraction of each target (KV capacity, TTFT, ITL).",
+    )
+    scale_down_tolerance: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="A removal is sized for this fraction more than the larger of the predicted and the observed "
+        "load (0.1: 10%, the Kubernetes autoscaler's tolerance), so a load whose need sits at a pool-size boundary "
+        "does not move the pool up and down on its noise.",
     )
     worker_startup_s: float = Field(
         default=30.0,

@@ -50,12 +50,11 @@ from components.planner.connectors.virtual import VirtualConnector
 from components.planner.controller import PlannerController
 from components.planner.loop import Planner
 from components.planner.sla.controller import SlaController
-from components.planner.sla.warmup import WarmupSeries, interval_series
 from components.planner.sla_profile import load_profile_results
+from components.planner.sla_warmup import warmup_series
 from components.runtime import Runtime, eventloop
 from components.runtime.flags import add_model_arguments, given_values, model_from_args
 from components.runtime.process import add_runtime_arguments, run_component
-from components.sim.traces import read_trace
 
 # Exit code for a valid command this build cannot run (argparse uses 2 for usage errors too).
 EXIT_NOT_IMPLEMENTED = 2
@@ -106,20 +105,6 @@ def make_controller(cfg: AnyPlannerConfig, model: str) -> PlannerController | Sl
         series = warmup_series(cfg.load_predictor_warmup_trace, cfg.adjustment_interval)
         ctl.warm_start(series.rates, series.isls, series.osls)
     return ctl
-
-
-def warmup_series(path: str, interval_s: float) -> WarmupSeries:
-    """``--load-predictor-warmup-trace``: the trace's rows with timestamps, cut into intervals (sla/warmup.py).
-    Raises ValueError (with the path) on a trace without timestamps or lengths, or shorter than one interval."""
-    rows = []
-    for row in read_trace(path):
-        if row.timestamp_s is None or row.input_length is None or row.output_length is None:
-            raise ValueError(f"{path}: row {row.index} has no timestamp or no token lengths (Mooncake or Azure)")
-        rows.append((row.timestamp_s, row.input_length, row.output_length))
-    try:
-        return interval_series(rows, interval_s)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
 
 
 def endpoints_from_state(args: argparse.Namespace, run: PlannerRunConfig) -> None:

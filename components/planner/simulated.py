@@ -2,6 +2,8 @@
 or the SLA planner's ``SlaController`` (sla/controller.py, the same surface) as a ``components.sim.dynamics.Scaler``.
 Which one: the config's type (``PlannerConfig``: the load planner, ``SlaPlannerConfig``: the SLA planner), or a
 controller built by the caller (``controller=``, e.g. an ``SlaController`` with a measured profile as its model).
+An SLA planner built from its config is warm-started from the config's ``load_predictor_warmup_trace``, as the live
+planner is (sla_warmup.py).
 ``components.sim.replay`` calls ``pull`` every ``metric_pulling_interval`` with its fleet view's snapshot (fed on the
 virtual clock by the same calls the live view makes) and carries out the pool sizes it returns through its modelled
 connector, which says when a change is done (``resize_done``), as a live connector's ``set_pool_size`` returns.
@@ -24,6 +26,7 @@ from components.planner.policy import Adjustment, Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
 from components.planner.sla_profile import load_profile_results
+from components.planner.sla_warmup import warmup_series
 from components.sim.dynamics import DECODE, PoolState, Resize
 from components.sim.replay import MODEL
 
@@ -58,6 +61,9 @@ class SimulatedPlanner:
             if isinstance(config, SlaPlannerConfig):
                 perf = load_profile_results(config.profile_results_dir) if config.profile_results_dir else None
                 controller = SlaController(config, model, perf)
+                if config.load_predictor_warmup_trace:
+                    series = warmup_series(config.load_predictor_warmup_trace, config.adjustment_interval)
+                    controller.warm_start(series.rates, series.isls, series.osls)
             else:
                 controller = PlannerController(config, model)
         elif controller.config is not config:

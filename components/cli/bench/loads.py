@@ -98,6 +98,12 @@ class Step:
     def fraction(self, t: float) -> float:
         return self.high if self.up_s <= t < self.down_s else self.low
 
+    def constant_spans(self) -> tuple[tuple[float, float], ...]:
+        """The stretches of constant offered load, [start, end) each: before the step, on it, after it."""
+        return tuple(
+            (a, b) for a, b in ((0.0, self.up_s), (self.up_s, self.down_s), (self.down_s, self.duration_s)) if b > a
+        )
+
     def scaled(self, factor: float) -> Step:
         return Step(self.duration_s / factor, self.low, self.high, self.up_s / factor, self.down_s / factor)
 

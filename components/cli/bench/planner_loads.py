@@ -56,9 +56,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import math
 import multiprocessing
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,7 +86,7 @@ from components.cli.bench.scaling import (
     arrival_times,
     simulate,
 )
-from components.planner.config import PlannerConfig
+from components.planner.config import LoadPredictorName, PlannerConfig
 from components.planner.sla.config import SlaPlannerConfig
 from components.sim import FleetSpec
 from components.sim.replay import REQUEST_STATS_INTERVAL_S
@@ -296,6 +298,40 @@ def side_summary(res: ScalingResult, run: LoadRun, slo: Slo) -> dict[str, Any]:
     return out
 
 
+OSCILLATION_INTERVALS = 3  # issue 25: never up, down and up again (or down, up, down) within three intervals
+
+
+def oscillations(actions: Sequence[dict[str, Any]], interval_s: float, shape: LoadShape) -> dict[str, Any]:
+    """Reversals in a side's pool changes (``summarize``'s ``scaling_actions.actions``, times from the load's start):
+    three consecutive changes up, down, up (or down, up, down) whose first and last were decided within
+    ``OSCILLATION_INTERVALS`` adjustment intervals. ``at_constant_load``: those whose three changes fall within one
+    stretch of constant offered load (a step's levels; a sinusoid or a trace has none), which issue 25 forbids;
+    the others are reported, not judged (a pool following a changing load may turn)."""
+    window_s = OSCILLATION_INTERVALS * interval_s
+    bounds = shape.constant_spans() if isinstance(shape, Step) else ()
+    found = []
+    for a, b, c in zip(actions, actions[1:], actions[2:], strict=False):
+        dirs = (a["direction"], b["direction"], c["direction"])
+        if dirs not in (("up", "down", "up"), ("down", "up", "down")):
+            continue
+        if c["decided_s"] - a["decided_s"] > window_s + 1e-9:
+            continue
+        constant = any(lo <= a["decided_s"] and c["decided_s"] < hi for lo, hi in bounds)
+        found.append(
+            {
+                "decided_s": [a["decided_s"], b["decided_s"], c["decided_s"]],
+                "sizes": [a["from"], a["to"], b["to"], c["to"]],
+                "at_constant_load": constant,
+            }
+        )
+    return {
+        "within_s": round(window_s, 6),
+        "count": len(found),
+        "at_constant_load": sum(1 for f in found if f["at_constant_load"]),
+        "found": found,
+    }
+
+
 def saving(ws: float, fixed_ws: float) -> float:
     return 1.0 - ws / fixed_ws if fixed_ws > 0 else 0.0
 
@@ -366,18 +402,57 @@ def oracle_for(run: LoadRun, args: argparse.Namespace, interval_s: float, budget
     )
 
 
-def sla_config(args: argparse.Namespace, startup_s: float) -> SlaPlannerConfig:
+def sla_config(
+    args: argparse.Namespace, startup_s: float, run: LoadRun | None = None, warmup_trace: str | None = None
+) -> SlaPlannerConfig:
     """The SLA planner's defaults, with the peak fleet as its budget (as the load planner's), the side's start-up as
     its start-up lead (``worker_startup_s``: it is start-up aware, told the measured value), and its two intervals
-    divided by the time compression; both on the simulation's clock."""
+    divided by the time compression; both on the simulation's clock. ``--sla-load-predictor``, ``--sla-season``
+    (``period``: the load's period in adjustment intervals) and a warm-up trace (``warm_start_trace``) as asked."""
     cfg = SlaPlannerConfig(max_gpu_budget=args.peak_workers, worker_startup_s=startup_s)
     k = args.time_compression
-    return cfg.model_copy(
-        update={
-            "adjustment_interval": cfg.adjustment_interval / k,
-            "metric_pulling_interval": cfg.metric_pulling_interval / k,
-        }
-    )
+    update: dict[str, Any] = {
+        "adjustment_interval": cfg.adjustment_interval / k,
+        "metric_pulling_interval": cfg.metric_pulling_interval / k,
+    }
+    if args.sla_load_predictor is not None:
+        update["load_predictor"] = args.sla_load_predictor
+    if args.sla_season is not None:
+        season = args.sla_season
+        if season == "period":
+            period = getattr(run.shape, "period_s", None) if run is not None else None
+            season = None if period is None else max(2, round(period / update["adjustment_interval"]))
+        update["load_predictor_season"] = None if season is None else int(season)
+    if warmup_trace is not None:
+        update["load_predictor_warmup_trace"] = warmup_trace
+    return SlaPlannerConfig.model_validate(cfg.model_dump() | update)
+
+
+def warm_start_trace(run: LoadRun, periods: float, directory: Path) -> tuple[str, dict[str, Any]] | None:
+    """``--sla-warm-start-periods``: "yesterday", the same periodic load over ``periods`` periods just before this
+    run (its phase continues into the run's start), drawn with another seed (Poisson arrivals of their own, lengths
+    from the source's rows after the run's), written as an Azure-format trace the SLA planner warm-starts from
+    (``load_predictor_warmup_trace``, the live planner's flag). None for a load without a period (trace, step)."""
+    period = getattr(run.shape, "period_s", None)
+    if periods <= 0 or period is None:
+        return None
+    shape = dataclasses.replace(run.shape, duration_s=periods * period)
+    times = arrival_times(shape, run.capacity_rps, run.seed + 7919)
+    base = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    path = directory / f"yesterday-{run.name}-seed{run.seed}.csv"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+        for i, t in enumerate(times):
+            isl, osl = run.source.lengths(len(run.arrivals) + i)
+            f.write(f"{(base + datetime.timedelta(seconds=t)).isoformat()},{isl},{osl}\n")
+    info = {
+        "periods": periods,
+        "duration_s": round(shape.duration_s, 3),
+        "requests": len(times),
+        "seed": run.seed + 7919,
+        "rule": "the same load's previous periods, ending where the run starts, with arrivals of another seed",
+    }
+    return str(path), info
 
 
 # Each clairvoyant side: the planner side whose rules it takes, and those rules in words.
@@ -414,11 +489,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ups = [s / k for s in startups(args)]
     tasks: list[tuple[Any, ...]] = []
     oracles: dict[tuple[str, float, str], Oracle] = {}
+    tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-planner-")
+    warm = {name: warm_start_trace(r, args.sla_warm_start_periods, Path(tmp.name)) for name, r in runs.items()}
+    slas = {
+        (name, up): sla_config(args, up, r, None if warm[name] is None else warm[name][0])
+        for name, r in runs.items()
+        for up in ups
+    }
     for name, r in runs.items():
         start = _start_workers(r, args.peak_workers)
         tasks.append((simulate_side, r, "fixed_peak", args.peak_workers, fixed_cfg, ups[0]))
         for up in ups:
-            sla = sla_config(args, up)
+            sla = slas[(name, up)]
             tasks.append((simulate_side, r, "planner", start, cfg, up))
             tasks.append((simulate_side, r, "sla", start, sla, up))
             planner_budget = max(1, cfg.max_gpu_budget // cfg.decode_engine_num_gpu)
@@ -433,8 +515,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 o = oracles[(name, up, side)]
                 tasks.append((simulate_side, r, side, o.start_workers(r.warmup_s), fixed_cfg, up, o))
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(min(args.jobs, len(tasks))) as pool:
-        outs = pool.map(_call, tasks, chunksize=1)
+    try:
+        with ctx.Pool(min(args.jobs, len(tasks))) as pool:
+            outs = pool.map(_call, tasks, chunksize=1)
+    finally:
+        tmp.cleanup()
     # Tasks and outputs are in the same order: each task's load is its run's name.
     by_load: dict[str, list[dict[str, Any]]] = {}
     for task, o in zip(tasks, outs, strict=True):
@@ -484,7 +569,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sides[side]["clairvoyant"] = clair
                 sides[planner_side]["start_workers"] = _start_workers(r, args.peak_workers)
                 verdicts[planner_side] = verdict(name, sides[planner_side], fixed, clair)
-            sides["sla"]["sla_config"] = sla_config(args, up).model_dump(mode="json")
+            for side, interval in (
+                ("planner", cfg.adjustment_interval),
+                ("sla", slas[(name, up)].adjustment_interval),
+            ):
+                sides[side]["oscillations"] = oscillations(sides[side]["scaling_actions"]["actions"], interval, r.shape)
+            sides["sla"]["sla_config"] = slas[(name, up)].model_dump(mode="json")
+            sides["sla"]["warm_start"] = None if warm[name] is None else warm[name][1]
             per_startup[label] = {
                 "startup_s": round(up * k, 3),
                 "startup_s_simulated": round(up, 4),
@@ -693,6 +784,27 @@ def add_arguments(p: argparse.ArgumentParser, positive: Any, fraction: Any, leng
         help="--load step: the top level (10528's 24 req/s) as a fraction of capacity; the bottom is 1/24 of it "
         "(default 1.0)",
     )
+    p.add_argument(
+        "--sla-load-predictor",
+        choices=[x.value for x in LoadPredictorName],
+        default=None,
+        help="--load: the SLA planner's --load-predictor (default: its own, kalman)",
+    )
+    p.add_argument(
+        "--sla-season",
+        type=lambda v: v if v == "period" else int(v),
+        default=None,
+        help="--load: the SLA planner's --load-predictor-season, in adjustment intervals, or 'period': the load's "
+        "period over the interval (sinusoid and slow; none for trace and step) (default: unset)",
+    )
+    p.add_argument(
+        "--sla-warm-start-periods",
+        type=float,
+        default=0.0,
+        help="--load: warm-start the SLA planner's predictors (--load-predictor-warmup-trace) with this many periods "
+        "of the same load just before the run, drawn with another seed: an operator's yesterday (sinusoid and slow "
+        "only; default 0: cold)",
+    )
     p.add_argument("--slo-ttft-ms", type=positive, default=SLO_TTFT_MS, help="--load: TTFT target, ms (default 500)")
     p.add_argument("--slo-itl-ms", type=positive, default=SLO_ITL_MS, help="--load: mean ITL target, ms (default 50)")
 
@@ -707,6 +819,10 @@ def problems(args: argparse.Namespace) -> list[str]:
         out.append(f"--slow-period-s must be at least 20 start-ups ({20 * max(args.startups_s):g} s)")
     if args.trace_rows is not None and args.trace_rows < 2:
         out.append("--trace-rows must be >= 2")
+    if args.sla_warm_start_periods < 0:
+        out.append("--sla-warm-start-periods must be >= 0")
+    if args.sla_season is not None and args.sla_season != "period" and args.sla_season < 2:
+        out.append("--sla-season must be at least 2 intervals (or 'period')")
     if args.lengths:
         out.append("--load takes its request mix from --trace (and --step-lengths), not --lengths")
     return out

@@ -15,8 +15,12 @@ Throughput loop (every ``adjustment_interval``)
    change), mean prompt length and mean output length (each only when the interval counted one).
 2. The forecast: ``predict_ahead(lead + 1)`` for each series, ``lead = ceil(worker_startup_s /
    adjustment_interval)``; each interval's pool sizes from ``replicas.prefill_workers`` / ``decode_workers`` with the
-   correction factors; ``startup.pool_to_request`` asks for the most any interval within the lead needs. A predicted
-   rate of 0 needs ``min_endpoint``. A pool whose input is unknown (no output length heard yet) holds, saying so.
+   correction factors; ``startup.pool_to_request`` asks for the most any interval within the lead needs. An interval
+   is sized for the busier of its edges, not its mean rate: the predictors forecast interval means, and a load
+   rising (or falling) through an interval is above its mean at one edge (a 150 s sinusoid at 30 s intervals: by up
+   to 12% of its peak). The rate at an edge is the linear interpolation between the neighbouring means (the last
+   observed interval's before the first), so a flat forecast is unchanged. A predicted rate of 0 needs
+   ``min_endpoint``. A pool whose input is unknown (no output length heard yet) holds, saying so.
    Aggregated deployment (one pool, ``decode``): its workers do both, so it is sized on the sum of both demands'
    worker fractions, ``ceil(prefill demand / (rho x one worker's prefill throughput) + decode demand / one
    worker's decode throughput)``: a worker's time is shared between prefill chunks and decode steps, and a mixed
@@ -66,7 +70,15 @@ The next throughput decision may bring a raised pool back down only through the 
 
 Scale-down
 ----------
-Only through ``consolidation.consolidation_check``: from N, each survivor re-predicted with N/(N-1) of the load (KV
+Never below what the interval just observed needs: a removal is sized on the larger of the forecast and the
+interval's observed rate, prompt and output length (the replica formulas on each, the larger pool), both times
+``1 + scale_down_tolerance`` (10%, the Kubernetes autoscaler's tolerance: a need at a pool-size boundary, 7.0
+workers' worth with a few percent of noise, would otherwise take the pool 7 -> 8 -> 7 -> 8). A forecast
+that lags a step (the Kalman filter, the interval after a step, still below the new level) would otherwise take
+away workers the load is using, and the next decision, the forecast caught up, would add them back: up, down and up
+at a constant load (``kvmesh bench planner --load step``, 1.23 s start-up: 8 -> 6 -> 8 in two decisions). Additions
+still follow the forecast alone (ahead of the load). Then only through
+``consolidation.consolidation_check``: from N, each survivor re-predicted with N/(N-1) of the load (KV
 use, ITL, TTFT against target x ``scale_down_sensitivity``); repeated step by step (the survivors' loads scaled each
 time) down to the wanted size or the first refusal, whose reason (naming the constraint: KV, ITL or TTFT) is the
 decision's. A disaggregated prefill pool's workers are checked with their even shares of the shared queue (no
@@ -612,16 +624,34 @@ class SlaController:
             notes.append(f"TTFT correction {t.factor:.3f} ({t.reason}); ITL correction {i.factor:.3f} ({i.reason})")
 
         steps = self.lead + 1
-        rates = self.rate.predict_ahead(steps)
+        means = self.rate.predict_ahead(steps + 1)
+        # Each interval sized for its busier edge (module docstring, step 2): the linear interpolation between the
+        # interval means, the last observed rate before the first.
+        before = [rate, *means]
+        rates = [max(means[k], (before[k] + means[k]) / 2, (means[k] + means[k + 1]) / 2) for k in range(steps)]
         isls = self.isl.predict_ahead(steps) if self.isl.ready else None
         osls = self.osl.predict_ahead(steps) if self.osl.ready else None
-        self._predicted = (rates[0], isls[0] if isls else None, osls[0] if osls else None)
+        self._predicted = (means[0], isls[0] if isls else None, osls[0] if osls else None)
         sla = dataclasses.replace(
-            sla, next_request_rate=rates[0], next_isl=self._predicted[1], next_osl=osls[0] if osls else None
+            sla, next_request_rate=means[0], next_isl=self._predicted[1], next_osl=osls[0] if osls else None
         )
 
         perf = {pool: self._pool_perf(load) for pool, load in loads.items()}
         wanted, why = self._throughput_sizes(obs, rates, isls, osls, perf)
+        # What the interval's observed load needs: no removal below it (module docstring, "Scale-down").
+        seen_isl = window.mean_isl if window.mean_isl is not None else self._last_isl
+        seen_osl = window.mean_osl if window.mean_osl is not None else self._last_osl
+        seen: dict[Pool, int] = {}
+        margin = 1.0 + cfg.scale_down_tolerance
+        if seen_isl is not None:
+            seen, _ = self._throughput_sizes(
+                obs, [margin * rate], [seen_isl], [seen_osl] if seen_osl is not None else None, perf
+            )
+        if cfg.scale_down_tolerance > 0:
+            tolerant, _ = self._throughput_sizes(obs, [margin * r for r in rates], isls, osls, perf)
+            seen = {p: max(seen.get(p, 0), n) for p, n in tolerant.items()} | {
+                p: n for p, n in seen.items() if p not in tolerant
+            }
         reasons: dict[Pool, str] = {}
         allowed_down: set[Pool] = set()
         for pool, cur in current.items():
@@ -637,7 +667,14 @@ class SlaController:
                 want, reason = f.need, f"{reason}; fast loop: {f.reason}"
             if want < cur and f is not None and f.broken:
                 want, reason = cur, f"{reason}; scale-down to {want} refused: {f.broken} now"
-            elif want < cur:
+            elif want < cur and seen.get(pool, 0) > want:
+                floor_seen = min(cur, seen[pool])
+                reason = (
+                    f"{reason}; not below {floor_seen}: a removal is sized for {margin:g} x the larger of the "
+                    f"forecast and the interval's observed {rate:.2f} requests/s, which need {seen[pool]}"
+                )
+                want = floor_seen
+            if want < cur:
                 want, reason = self._scale_down(
                     pool, cur, want, loads[pool], perf[pool], reason, obs.prefill is None, snap
                 )
@@ -718,7 +755,7 @@ class SlaController:
                 continue
             lead = startup.pool_to_request(needs[p], self.config.worker_startup_s, self.config.adjustment_interval)
             sizes[p] = lead.workers
-            predicted = f"predicted {rates[0]:.2f} req/s"
+            predicted = f"sized for {rates[0]:.2f} req/s"
             if isls:
                 predicted += f", ISL {isls[0]:.0f}"
             if osls:

@@ -143,3 +143,68 @@ def test_load_flags_that_make_no_sense_are_refused(tmp_path):
     assert problems(args_for(trace, load="slow", slow_period_s=100.0, startups_s=(5.0,))) == []
     assert problems(args_for(trace, load="trace", trace_rows=1)) == ["--trace-rows must be >= 2"]
     assert "not --lengths" in problems(args_for(trace, load="step", lengths=(3000, 150)))[0]
+
+
+def action(t: float, direction: str, before: int, to: int) -> dict:
+    return {"decided_s": t, "direction": direction, "from": before, "to": to}
+
+
+def test_oscillations_are_counted_within_three_intervals_and_judged_at_constant_load():
+    from components.cli.bench.planner_loads import oscillations
+
+    step = Step(600.0, 0.05, 1.0, 150.0, 450.0)
+    assert step.constant_spans() == ((0.0, 150.0), (150.0, 450.0), (450.0, 600.0))
+    # Up at 153 s (the step's reaction), down at 180 s, up at 210 s: 57 s <= 3 x 30 s, all on the step's plateau.
+    acts = [
+        action(151.0, "up", 1, 6),
+        action(153.0, "up", 6, 8),
+        action(180.0, "down", 8, 6),
+        action(210.0, "up", 6, 8),
+    ]
+    o = oscillations(acts, 30.0, step)
+    assert (o["count"], o["at_constant_load"], o["within_s"]) == (1, 1, 90.0)
+    assert o["found"][0]["sizes"] == [6, 8, 6, 8] and o["found"][0]["decided_s"] == [153.0, 180.0, 210.0]
+    # The same turns spread over more than three intervals are not an oscillation; across the step they are
+    # counted, but not at constant load (the offered load changed between them).
+    assert oscillations([action(100.0, "up", 1, 2), action(150.0, "down", 2, 1), action(191.0, "up", 1, 2)], 30.0,
+                        step)["count"] == 0  # fmt: skip
+    across = oscillations([action(120.0, "down", 2, 1), action(140.0, "up", 1, 2), action(160.0, "down", 2, 1)], 30.0,
+                          step)  # fmt: skip
+    assert (across["count"], across["at_constant_load"]) == (1, 0)
+    # A sinusoid has no stretch of constant load: counted, never judged.
+    from components.cli.bench.scaling import Sinusoid
+
+    acts = [action(10.0, "up", 1, 2), action(20.0, "down", 2, 1), action(30.0, "up", 1, 2)]
+    assert oscillations(acts, 30.0, Sinusoid())["at_constant_load"] == 0
+
+
+def test_the_sla_side_takes_the_predictor_its_season_and_a_warm_start_from_the_loads_previous_periods(tmp_path):
+    from components.cli.bench.planner_loads import sla_config, warm_start_trace
+    from components.planner.sla_warmup import warmup_series
+
+    trace = azure_trace(tmp_path / "t.csv", [(float(i), 100 + i, 5) for i in range(4)])
+    a = args_for(trace, load="sinusoid", duration_s=150.0, warmup_s=0.0, time_compression=2.0)
+    run = build_load("sinusoid", a, {"t": (20.0, {})})  # capacity 20 req/s given
+    # Cold and with the SLA planner's own predictor by default.
+    cfg = sla_config(a, 15.0, run, None)
+    assert cfg.load_predictor.value == "kalman" and cfg.load_predictor_warmup_trace is None
+    assert cfg.adjustment_interval == 15.0  # 30 s / 2
+    # Holt-Winters with the load's period as its season: 75 s (150 s / 2) over 15 s intervals = 5.
+    a.sla_load_predictor, a.sla_season = "holt-winters", "period"
+    path, info = warm_start_trace(run, 2.0, tmp_path)
+    cfg = sla_config(a, 15.0, run, path)
+    assert cfg.load_predictor.value == "holt-winters" and cfg.load_predictor_season == 5
+    assert cfg.load_predictor_warmup_trace == path
+    # Two periods of "yesterday" (150 s on the compressed clock) at 25-100% of 20 req/s: 0.625 x 20 x 150 = 1,875
+    # arrivals expected, cut into 10 intervals of 15 s (the last, partial one left out: 9 whole ones at least).
+    assert info["periods"] == 2.0 and info["duration_s"] == 150.0
+    assert abs(info["requests"] - 1875) < 4 * 1875**0.5
+    series = warmup_series(path, cfg.adjustment_interval)
+    assert len(series.rates) in (9, 10)
+    # The season shows: the trough's interval (the first) well under the peak's (the third: 30-45 s of 75 s).
+    assert series.rates[0] < 0.6 * series.rates[2]
+    # A load without a period gets no warm start.
+    step = build_load("step", args_for(trace, step_lengths=(800, 100), duration_s=240.0, warmup_s=0.0),
+                      {"fixed_800_100": (24.0, {})})  # fmt: skip
+    assert warm_start_trace(step, 2.0, tmp_path) is None
+    assert warm_start_trace(run, 0.0, tmp_path) is None

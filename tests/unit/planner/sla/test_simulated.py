@@ -184,3 +184,29 @@ def test_the_simulated_sla_planner_reads_the_profile_its_config_names(tmp_path):
     planner = SimulatedPlanner(SlaPlannerConfig(profile_results_dir=str(tmp_path)))
     assert isinstance(planner.controller, SlaController) and planner.controller.perf is not None
     assert planner.controller.perf.prefill_ms(1024) == pytest.approx(50.96)  # 10 + 0.04 x 1024: the profile's
+
+
+def test_the_simulated_sla_planner_warm_starts_from_its_configs_trace_as_the_live_one_does(tmp_path):
+    # Two seasons of 4 intervals (30 s each) at 10, 40, 10, 40 requests/s, as an Azure trace: the simulator's
+    # planner warm-starts its predictors from the config's load_predictor_warmup_trace before any pull (as
+    # components/planner/main.py's make_controller does), so its first forecast is the season's, not nothing.
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    t = 0.0
+    for k in range(8):
+        rate = 10 if k % 2 == 0 else 40
+        for i in range(30 * rate):
+            s = 30.0 * k + i / rate
+            lines.append(f"2023-11-16 18:{int(s // 60):02d}:{s % 60:09.6f},1000,200")
+            t = s
+    lines.append(f"2023-11-16 18:{int((t + 1) // 60):02d}:{(t + 1) % 60:09.6f},1000,200")  # closes the 8th interval
+    path = tmp_path / "yesterday.csv"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = SlaPlannerConfig(
+        load_predictor="holt-winters", load_predictor_season=4, load_predictor_warmup_trace=str(path)
+    )
+    planner = SimulatedPlanner(cfg)
+    assert isinstance(planner.controller, SlaController)
+    assert planner.controller.rate.ready and planner.controller.isl.ready
+    assert planner.controller.rate.predict_ahead(2) == pytest.approx([10, 40], rel=0.05)
+    cold = SimulatedPlanner(SlaPlannerConfig(load_predictor="holt-winters", load_predictor_season=4))
+    assert isinstance(cold.controller, SlaController) and not cold.controller.rate.ready
