@@ -231,7 +231,8 @@ class PlannerRunConfig(BaseModel):
 # start-up lead, 30 s until the measured value is recorded: the issue's benchmark runs both), ``queue_wait`` (the M/D/1
 # queue wait in prefill sizing, on: the fix for ai-dynamo/dynamo issue 10528), ``min_gpu_budget`` (the load planner's
 # name; 0: no minimum beyond ``min_endpoint``), ``load_predictor_season``, ``scale_down_tolerance`` (0.1: the
-# Kubernetes HorizontalPodAutoscaler's default tolerance).
+# Kubernetes HorizontalPodAutoscaler's default tolerance), ``scale_down_window`` (1 interval: the autoscaler's
+# scale-down stabilisation window is 5 min; one 30 s interval here keeps the SLA planner's savings on a 150 s period).
 #
 # This module imports only the standard library and pydantic.
 
@@ -335,6 +336,13 @@ class SlaPlannerConfig(BaseModel):
         le=1,
         description="A pool loses a worker only if every survivor, carrying N/(N-1) of the load, stays under this "
         "fraction of each target (KV capacity, TTFT, ITL).",
+    )
+    scale_down_window: int = Field(
+        default=1,
+        ge=0,
+        le=20,
+        description="A removal goes no lower than what was asked for (the throughput loop's forecast or a fast-loop "
+        "raise) over this many previous adjustment intervals: a stabilisation window, in intervals (0: none).",
     )
     scale_down_tolerance: float = Field(
         default=0.1,

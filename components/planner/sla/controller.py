@@ -73,7 +73,10 @@ Scale-down
 Never below what the interval just observed needs: a removal is sized on the larger of the forecast and the
 interval's observed rate, prompt and output length (the replica formulas on each, the larger pool), both times
 ``1 + scale_down_tolerance`` (10%, the Kubernetes autoscaler's tolerance: a need at a pool-size boundary, 7.0
-workers' worth with a few percent of noise, would otherwise take the pool 7 -> 8 -> 7 -> 8). A forecast
+workers' worth with a few percent of noise, would otherwise take the pool 7 -> 8 -> 7 -> 8), and never below what
+the forecasts or fast-loop raises of the last ``scale_down_window`` intervals asked for (one by default: a
+stabilisation window, as the Kubernetes autoscaler keeps one for scale-down; a Kalman forecast overshooting a step a
+decision after the removal would put the worker back). A forecast
 that lags a step (the Kalman filter, the interval after a step, still below the new level) would otherwise take
 away workers the load is using, and the next decision, the forecast caught up, would add them back: up, down and up
 at a constant load (``kvmesh bench planner --load step``, 1.23 s start-up: 8 -> 6 -> 8 in two decisions). Additions
@@ -221,6 +224,10 @@ class SlaController:
         self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
         self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
         self._asked: dict[Pool, int] = {}  # the fast loop's largest need per pool since the last decision
+        # Per pool, the most asked for (forecast sizing or fast-loop raise) in each of the last scale_down_window
+        # intervals, oldest first.
+        self._asks: dict[Pool, collections.deque[int]] = {}
+        self._forecast: dict[Pool, int] = {}  # the throughput loop's sizes at the last decision
 
     # ----------------------------------------------------------------------------------------------------------------
     # The controller's surface (PlannerController's)
@@ -654,6 +661,15 @@ class SlaController:
             }
         reasons: dict[Pool, str] = {}
         allowed_down: set[Pool] = set()
+        # The interval just ended asked for the forecast at its start and any fast-loop raise in it.
+        held_for: dict[Pool, int] = {}
+        for pool in current:
+            asks = self._asks.setdefault(pool, collections.deque(maxlen=cfg.scale_down_window))
+            if cfg.scale_down_window and pool in self._forecast:
+                asks.append(max(self._forecast[pool], self._asked.get(pool, 0)))
+            if asks:
+                held_for[pool] = max(asks)
+        self._forecast = dict(wanted)
         for pool, cur in current.items():
             if pool not in wanted:
                 reasons[pool] = why[pool]
@@ -667,7 +683,14 @@ class SlaController:
                 want, reason = f.need, f"{reason}; fast loop: {f.reason}"
             if want < cur and f is not None and f.broken:
                 want, reason = cur, f"{reason}; scale-down to {want} refused: {f.broken} now"
-            elif want < cur and seen.get(pool, 0) > want:
+            elif want < cur and held_for.get(pool, 0) > want:
+                held = held_for[pool]
+                reason = (
+                    f"{reason}; not below {min(cur, held)}: {held} asked for within the last "
+                    f"{cfg.scale_down_window} interval(s) (scale_down_window)"
+                )
+                want = min(cur, held)
+            if want < cur and seen.get(pool, 0) > want:
                 floor_seen = min(cur, seen[pool])
                 reason = (
                     f"{reason}; not below {floor_seen}: a removal is sized for {margin:g} x the larger of the "

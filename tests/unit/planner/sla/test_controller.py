@@ -188,10 +188,17 @@ def test_a_burst_grows_the_pool_and_quiet_shrinks_it_to_min_endpoint():
     pull(ctl, fleet, 30.0)
     assert fleet.count(Pool.DECODE) == 7  # as in the aggregated sizing test
     # Quiet: the frontend reports, and no request arrives; the workers idle (KV 2%, nothing running or queued), so
-    # every survivor of every step stays under target x 0.8 and the pool goes to min_endpoint in one decision.
+    # every survivor of every step stays under target x 0.8. The first quiet decision holds: the previous one asked
+    # for 7 (scale_down_window, one interval). The next takes the pool to min_endpoint in one decision.
     fleet.set_load(Pool.DECODE, kv_usage=0.02)
     fleet.requests(60.0, 30.0, rate=0, isl=1000, osl=200)
     out = pull(ctl, fleet, 60.0)
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.target) == (Direction.HOLD, 7)
+    assert "not below 7: 7 asked for within the last 1 interval(s) (scale_down_window)" in d.reason
+    fleet.requests(90.0, 30.0, rate=0, isl=1000, osl=200)
+    out = pull(ctl, fleet, 90.0)
     assert out.adjustment is not None
     d = out.adjustment.decisions[0]
     assert (d.direction, d.current, d.target) == (Direction.DOWN, 7, 2)
@@ -291,15 +298,16 @@ def test_no_oscillation_on_the_plateau_after_a_step():
     # 10 requests/s for 8 intervals, a step to 100 in the middle of the 9th (55 on average), then 100 (+-5%, seeded)
     # for 16 more; eight seeds. 100 requests/s need 5.28 + 1.41 = 6.69 workers, and 105 need 7.02: the need sits at
     # the 7/8 boundary, and the Kalman filter's edge forecasts cross it on the noise. Removals sized on the forecast
-    # alone (tolerance 0) turn the pool 8 -> 7 -> 8 -> 7 on some seeds; sized 10% over the larger of forecast and
-    # observed load, the pool never goes one way, the other and back within three decisions, on any seed.
+    # alone (tolerance 0, no window) turn the pool 8 -> 7 -> 8 -> 7 on some seeds; sized 10% over the larger of
+    # forecast and observed load, and never below what the previous interval asked for, the pool never goes one way,
+    # the other and back within three decisions, on any seed.
     assert math.ceil(prefill_need(100) + decode_need(100)) == 7 and prefill_need(105) + decode_need(105) > 7
 
     def plateau(seed: int) -> list[float]:
         rng = random.Random(seed)
         return [10.0] * 8 + [55.0] + [100 * rng.uniform(0.95, 1.05) for _ in range(16)]
 
-    without = {seed: sizes_under(plateau(seed), scale_down_tolerance=0.0) for seed in range(8)}
+    without = {seed: sizes_under(plateau(seed), scale_down_tolerance=0.0, scale_down_window=0) for seed in range(8)}
     assert any(reversals(s) for s in without.values()), without  # the test bites
     for seed in range(8):
         sizes = sizes_under(plateau(seed))
@@ -438,8 +446,8 @@ def test_the_fast_loop_raises_the_pool_above_the_floor_when_a_burst_builds_queue
     assert (d.direction, d.current, d.target) == (Direction.UP, 2, 5)
     assert "fast loop: predicted TTFT 879 ms > 500 ms target; the last 3 s' 60.0 requests/s need 5" in d.reason
     assert fleet.count(Pool.DECODE) == 5 and ctl.floor == {Pool.DECODE: 2}
-    # The burst ends and the queues drain: the fast loop never takes the pool down; the next decision does, to its
-    # floor, through the consolidation check (the workers idle). Over 30-60 s: 3 s at 60 and 27 s at 10 requests/s,
+    # The burst ends and the queues drain: the fast loop never takes the pool down; the decision after next does, to
+    # its floor, through the consolidation check (the workers idle). Over 30-60 s: 3 s at 60 and 27 s at 10 requests/s,
     # 15 requests/s, needing 0.79 + 0.21 = 1.004 -> 2 workers (min_endpoint 2 anyway).
     fleet.set_load(Pool.DECODE)
     for t in range(34, 60):
@@ -448,6 +456,14 @@ def test_the_fast_loop_raises_the_pool_above_the_floor_when_a_burst_builds_queue
     fleet.requests(60.0, 1.0, rate=10, isl=1000, osl=200)
     out = pull(ctl, fleet, 60.0)
     assert out.sla is not None and out.sla.observed_request_rate == pytest.approx(15)
+    # Not at this decision: the fast loop asked for 5 within the interval (scale_down_window); at the next.
+    assert out.adjustment is not None and out.adjustment.decisions[0].target == 5
+    assert "5 asked for within the last 1 interval(s)" in out.adjustment.decisions[0].reason
+    for t in range(61, 90):
+        fleet.requests(float(t), 1.0, rate=10, isl=1000, osl=200)
+        assert pull(ctl, fleet, float(t)).adjustment is None
+    fleet.requests(90.0, 1.0, rate=10, isl=1000, osl=200)
+    out = pull(ctl, fleet, 90.0)
     assert out.adjustment is not None and out.adjustment.decisions[0].target == 2
     assert fleet.count(Pool.DECODE) == 2
 
