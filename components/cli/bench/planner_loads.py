@@ -438,6 +438,10 @@ def warm_start_trace(run: LoadRun, periods: float, directory: Path) -> tuple[str
         return None
     shape = dataclasses.replace(run.shape, duration_s=periods * period)
     times = arrival_times(shape, run.capacity_rps, run.seed + 7919)
+    # ``interval_series`` counts whole intervals from the first arrival to the last: one more row, a span after the
+    # first arrival, closes the last whole interval (it starts the partial one that is left out), so the series is
+    # every interval of the periods and the live planner's first interval continues its phase.
+    times.append(times[0] + shape.duration_s)
     base = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     path = directory / f"yesterday-{run.name}-seed{run.seed}.csv"
     with open(path, "w", encoding="utf-8") as f:
@@ -448,7 +452,7 @@ def warm_start_trace(run: LoadRun, periods: float, directory: Path) -> tuple[str
     info = {
         "periods": periods,
         "duration_s": round(shape.duration_s, 3),
-        "requests": len(times),
+        "requests": len(times) - 1,
         "seed": run.seed + 7919,
         "rule": "the same load's previous periods, ending where the run starts, with arrivals of another seed",
     }

@@ -239,6 +239,15 @@ class SlaController:
         now = snap.now_s
         obs = build_observation(snap, self.model, self.pending, gpus_per_worker)
         figures = pull_figures(obs, self._gpu_config)
+        if self._last_isl is None or self._last_osl is None:
+            # Before the first throughput decision: the lengths heard so far, so that the fast loop reads the
+            # workers' queues from the first pull (a cold start on a rising load broke TTFT for a whole interval
+            # while it waited for a prompt length).
+            heard = snap.request_window(self.model, now - self.config.adjustment_interval, now)
+            if self._last_isl is None and heard.mean_isl is not None:
+                self._last_isl = heard.mean_isl
+            if self._last_osl is None and heard.mean_osl is not None:
+                self._last_osl = heard.mean_osl
         running, waiting = request_totals(snap, self.model)
         self.num_pulls += 1
         loads = self._pool_loads(snap, obs)

@@ -196,11 +196,11 @@ def test_the_sla_side_takes_the_predictor_its_season_and_a_warm_start_from_the_l
     assert cfg.load_predictor.value == "holt-winters" and cfg.load_predictor_season == 5
     assert cfg.load_predictor_warmup_trace == path
     # Two periods of "yesterday" (150 s on the compressed clock) at 25-100% of 20 req/s: 0.625 x 20 x 150 = 1,875
-    # arrivals expected, cut into 10 intervals of 15 s (the last, partial one left out: 9 whole ones at least).
+    # arrivals expected, cut into 10 intervals of 15 s.
     assert info["periods"] == 2.0 and info["duration_s"] == 150.0
     assert abs(info["requests"] - 1875) < 4 * 1875**0.5
     series = warmup_series(path, cfg.adjustment_interval)
-    assert len(series.rates) in (9, 10)
+    assert len(series.rates) == 10  # every interval of the two periods, the last closed by the end row
     # The season shows: the trough's interval (the first) well under the peak's (the third: 30-45 s of 75 s).
     assert series.rates[0] < 0.6 * series.rates[2]
     # A load without a period gets no warm start.

@@ -412,10 +412,13 @@ def test_at_full_budget_a_refused_removal_holds_the_addition_instead_of_waiting_
     assert pull(ctl, fleet, 31.0, apply=False).adjustment is None
 
 
-def fast_fleet(**kw) -> tuple[Fleet, SlaController]:
-    # Aggregated, min_endpoint 2; 10 requests/s need 0.53 + 0.14 workers: the throughput floor is 2.
+def fast_fleet(queued: int = 0, **kw) -> tuple[Fleet, SlaController]:
+    # Aggregated, min_endpoint 2; 10 requests/s need 0.53 + 0.14 workers: the throughput floor is 2. ``queued``:
+    # prompt tokens waiting on each worker from the start.
     fleet = Fleet(decode=2)
     ctl = SlaController(config(min_endpoint=2, **kw), MODEL)
+    if queued:
+        fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=queued)
     pull(ctl, fleet, 0.0)
     fleet.requests(30.0, 30.0, rate=10, isl=1000, osl=200)
     pull(ctl, fleet, 30.0)
@@ -484,22 +487,23 @@ def test_the_fast_loop_adds_one_at_a_time_while_a_queue_grows_that_the_model_say
         sizes[k] = fleet.count(Pool.DECODE)
         if out.adjustment is not None:
             assert "the queue wait grows" in out.adjustment.decisions[0].reason
-    assert (sizes[9], sizes[10], sizes[19], sizes[20]) == (2, 3, 3, 4)
+    # The ten settled pulls: fast_fleet's at 30 s (nothing queued yet) and the first nine here.
+    assert (sizes[8], sizes[9], sizes[18], sizes[19]) == (2, 3, 3, 4)
 
 
 def test_the_fast_loop_adds_a_worker_when_a_backlog_would_still_break_target_an_interval_from_now():
     # The same pool, the same 10 requests/s, and 20000 prompt tokens queued on each worker that do not go down: a new
     # prompt waits WAIT_MS = 829 ms, and at this pace (flat) still 829 + 50 ms > 500 ms an interval from now. After
-    # ten settled pulls: one more worker, saying the queue drains too slowly.
-    fleet, ctl = fast_fleet()
-    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
-    sizes = {}
+    # ten settled pulls (fast_fleet's at 30 s the first): one more worker, saying the queue drains too slowly.
+    fleet, ctl = fast_fleet(queued=20000)
+    sizes, outs = {}, {}
     for k in range(1, 11):
         t = 30.0 + k
         fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
-        out = pull(ctl, fleet, t)
+        outs[k] = pull(ctl, fleet, t)
         sizes[k] = fleet.count(Pool.DECODE)
-    assert (sizes[9], sizes[10]) == (2, 3)
+    assert (sizes[8], sizes[9]) == (2, 3)  # fast_fleet's pull at 30 s was the first settled one
+    out = outs[9]
     assert out.adjustment is not None
     assert (
         f"the queue wait drains too slowly (mean {WAIT_MS:.0f} -> {WAIT_MS:.0f} ms"
@@ -511,17 +515,17 @@ def test_the_correction_factors_move_the_sizing():
     # Aggregated, 100 requests/s (7 workers uncorrected). The workers report batch 40 over 44000 KV tokens each: the
     # model's step is 5 + 0.8 + 1.32 = 7.12 ms, and the frontends observe 14.24 ms (2x). A new prompt's predicted
     # TTFT is 50 ms (nothing queued); observed 100 ms (2x). Smoothing 0.5: each interval's factor is
-    # 0.5 x 2 + 0.5 x the previous one. Interval 1 has no TTFT prediction (no prompt length known before its end):
-    # at 30 s ITL goes 1.0 -> 1.5 and TTFT stays 1.0; at 60 s ITL 1.5 -> 1.75, TTFT 1.0 -> 1.5.
-    # Sizing at 60 s: a prompt takes 1.5 x 50 = 75 ms, rho = 2 (0.5 - 0.075) / (1 - 0.075), one worker
-    # rho x 1000 / 0.075 tokens/s, 100000 tokens/s need 8.16; decode steps in 1.75 (5 + 0.053 b) <= 20 ms up to
+    # 0.5 x 2 + 0.5 x the previous one. Interval 1's only TTFT prediction is the one at its last pull (30 s: the
+    # prompt length is heard there): at 30 s both go 1.0 -> 1.5; at 60 s both 1.5 -> 1.75.
+    # Sizing at 60 s: a prompt takes 1.75 x 50 = 87.5 ms, rho = 2 (0.5 - 0.0875) / (1 - 0.0875), one worker
+    # rho x 1000 / 0.0875 tokens/s, 100000 tokens/s need 9.68; decode steps in 1.75 (5 + 0.053 b) <= 20 ms up to
     # b = floor((20 / 1.75 - 5) / 0.053) = 121, 20000 tokens/s over 121 / (1.75 x (5 + 0.053 x 121)) ms: 3.30.
-    # 8.16 + 3.30 = 11.46 -> 12 workers, against 7 uncorrected.
-    rho = 2 * (0.5 - 0.075) / (1 - 0.075)
-    prefill = 100000 / (rho * 1000 / 0.075)
+    # 9.68 + 3.30 = 12.98 -> 13 workers, against 7 uncorrected.
+    rho = 2 * (0.5 - 0.0875) / (1 - 0.0875)
+    prefill = 100000 / (rho * 1000 / 0.0875)
     assert math.floor((20 / 1.75 - 5) / 0.053) == 121
     decode = 20000 / (121 / (1.75 * (5 + 0.053 * 121)) * 1e3)
-    assert math.ceil(prefill + decode) == 12
+    assert math.ceil(prefill + decode) == 13
     fleet = Fleet(decode=1)
     fleet.set_load(Pool.DECODE, num_running=40, batch_size=40, num_kv_tokens=44_000)
     ctl = SlaController(config(no_correction=False), MODEL)
@@ -529,15 +533,15 @@ def test_the_correction_factors_move_the_sizing():
         pull(ctl, fleet, t)
     fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=0.01424)
     out = pull(ctl, fleet, 30.0)
-    assert (ctl.ttft_correction, ctl.itl_correction) == (1.0, pytest.approx(1.5))
+    assert (ctl.ttft_correction, ctl.itl_correction) == (pytest.approx(1.5), pytest.approx(1.5))
     assert out.sla is not None and out.sla.observed_itl_s == pytest.approx(0.01424)
     for t in (40.0, 50.0):
         pull(ctl, fleet, t)
     fleet.requests(60.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=0.01424)
     out = pull(ctl, fleet, 60.0)
-    assert (ctl.ttft_correction, ctl.itl_correction) == (pytest.approx(1.5), pytest.approx(1.75))
-    assert fleet.count(Pool.DECODE) == 12
-    assert out.sla is not None and (out.sla.ttft_correction, out.sla.itl_correction) == pytest.approx((1.5, 1.75))
+    assert (ctl.ttft_correction, ctl.itl_correction) == (pytest.approx(1.75), pytest.approx(1.75))
+    assert fleet.count(Pool.DECODE) == 13
+    assert out.sla is not None and (out.sla.ttft_correction, out.sla.itl_correction) == pytest.approx((1.75, 1.75))
 
 
 def test_no_operation_reports_what_it_would_do_and_changes_nothing():
