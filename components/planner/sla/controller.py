@@ -268,6 +268,8 @@ class SlaController:
         sla = SlaFigures(now_s=now, interval=False)
         if self.interval_start_s is None:
             self.interval_start_s = now
+            if self.rate.ready and self.isl.ready and self.osl.ready:
+                adj, sla = self._warm_decision(snap, obs, loads)
         elif now - self.interval_start_s >= self.config.adjustment_interval - _due_slack_s(
             self.config.metric_pulling_interval
         ):
@@ -715,6 +717,39 @@ class SlaController:
             self.target[pool] = want
             reasons[pool] = reason
         return self._emit(obs, reasons, allowed_down, note="; ".join(notes)), sla
+
+    def _warm_decision(
+        self, snap: FleetSnapshot, obs: Observation, loads: Mapping[Pool, _PoolLoad]
+    ) -> tuple[Adjustment, SlaFigures]:
+        """The first pull of warm-started predictors (``warm_start``, the warm-up trace): a throughput decision from
+        the forecast alone, before any interval is observed, so that workers a start-up away are asked for now and
+        not an interval late. It only raises (no observation to shrink on) and corrects nothing."""
+        steps = self.lead + 1
+        means = self.rate.predict_ahead(steps + 1)
+        rates = [max(means[k], (means[k] + means[k + 1]) / 2) for k in range(steps)]
+        isls = self.isl.predict_ahead(steps)
+        osls = self.osl.predict_ahead(steps)
+        self._predicted = (means[0], isls[0], osls[0])
+        sla = SlaFigures(
+            now_s=snap.now_s,
+            interval=True,
+            next_request_rate=means[0],
+            next_isl=isls[0],
+            next_osl=osls[0],
+        )
+        perf = {pool: self._pool_perf(load) for pool, load in loads.items()}
+        wanted, why = self._throughput_sizes(obs, rates, isls, osls, perf)
+        self._forecast = dict(wanted)
+        current = self._current(obs)
+        reasons: dict[Pool, str] = {}
+        for pool, cur in current.items():
+            if pool not in wanted:
+                reasons[pool] = why[pool]
+                continue
+            self.floor[pool] = wanted[pool]
+            self.target[pool] = max(cur, wanted[pool])
+            reasons[pool] = f"warm start (the warm-up trace's forecast, nothing observed yet): {why[pool]}"
+        return self._emit(obs, reasons, allowed_down=set()), sla
 
     def _throughput_sizes(
         self,

@@ -208,3 +208,21 @@ def test_the_sla_side_takes_the_predictor_its_season_and_a_warm_start_from_the_l
                       {"fixed_800_100": (24.0, {})})  # fmt: skip
     assert warm_start_trace(step, 2.0, tmp_path) is None
     assert warm_start_trace(run, 0.0, tmp_path) is None
+
+
+def test_the_reactive_bound_sees_the_load_a_start_up_late():
+    from components.cli.bench.planner_loads import Delayed
+
+    step = Step(600.0, 0.05, 1.0, 150.0, 450.0)
+    late = Delayed(step, 30.0)
+    # Before the delay: the load's start; after: the load 30 s earlier. The step is seen at 180 s, not 150 s.
+    assert [late.fraction(t) for t in (0.0, 29.0, 179.9, 180.0, 479.9, 480.0)] == [0.05, 0.05, 0.05, 1.0, 1.0, 0.05]
+    assert (late.duration_s, late.high, late.start, late.mean) == (600.0, 1.0, 0.05, step.mean)
+    # A clairvoyant schedule on it asks a start-up ahead of 180 s: at 150 s, the moment the real step comes, and
+    # its workers serve from 180 s, a start-up after the step (where the clairvoyant one's serve from 150 s).
+    from components.cli.bench.clairvoyant import Oracle
+
+    kw = dict(load_start_s=0.0, peak_workers=8, utilisation=1.0, interval_s=1.0, startup_s=30.0, max_workers=8,
+              step_workers=None)  # fmt: skip
+    ahead, reactive = Oracle(sinusoid=step, **kw), Oracle(sinusoid=late, **kw)
+    assert ahead.need(150.0) == 8 and reactive.need(150.0) == 1 and reactive.need(180.0) == 8

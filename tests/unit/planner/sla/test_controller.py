@@ -789,6 +789,24 @@ def test_a_warm_start_lets_the_first_decision_predict_a_season():
     assert fleet.count(Pool.DECODE) == 3
 
 
+def test_warm_predictors_decide_at_the_first_pull_a_start_up_ahead():
+    # The same warm start, with a 30 s start-up (lead 1): at the first pull, before any interval is observed, the
+    # forecast for the interval starting now is 10 and for the next 40 (then 10 again). Sized for each interval's
+    # busier edge: max(10, (10 + 40) / 2) = 25 and max(40, (40 + 10) / 2) = 40; the lead asks for the larger, 40
+    # requests/s: 3 workers now, which serve when the season's peak comes. Cold, the first decision is at 30 s.
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(load_predictor="holt-winters", load_predictor_season=4, worker_startup_s=30.0), MODEL)
+    ctl.warm_start([10, 40, 10, 40, 10, 40, 10, 40], [1000] * 8, [200] * 8)
+    out = pull(ctl, fleet, 0.0)
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 1, 3)
+    assert d.reason.startswith("warm start (the warm-up trace's forecast, nothing observed yet)")
+    assert out.sla is not None and out.sla.next_request_rate == pytest.approx(10, rel=0.05)
+    cold = SlaController(config(load_predictor="holt-winters", load_predictor_season=4, worker_startup_s=30.0), MODEL)
+    assert pull(cold, Fleet(decode=1), 0.0).adjustment is None
+
+
 def test_prefill_is_raised_on_the_decode_workers_backlog_and_starts_while_a_decode_addition_is_in_progress():
     # Disaggregated, 1 + 1 workers sized for 10 requests/s. A burst: 60 requests/s in the last 3 s' reports; the
     # prefill queue is capped (it reads 0 waiting), so the long prompts it turns away queue on the decode worker:
