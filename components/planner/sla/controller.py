@@ -13,14 +13,18 @@ Throughput loop (every ``adjustment_interval``)
    decision, every pool holds and the reason says so (STYLE.md habit 3: silence is not zero load). Otherwise the
    predictors observe the interval's request *rate* (requests/s: an interval a pull longer or shorter is not a load
    change), mean prompt length and mean output length (each only when the interval counted one).
-2. The forecast: ``predict_ahead(lead + 1)`` for each series, ``lead = ceil(worker_startup_s /
-   adjustment_interval)``; each interval's pool sizes from ``replicas.prefill_workers`` / ``decode_workers`` with the
-   correction factors; ``startup.pool_to_request`` asks for the most any interval within the lead needs. An interval
-   is sized for the busier of its edges, not its mean rate: the predictors forecast interval means, and a load
-   rising (or falling) through an interval is above its mean at one edge (a 150 s sinusoid at 30 s intervals: by up
-   to 12% of its peak). The rate at an edge is the linear interpolation between the neighbouring means (the last
-   observed interval's before the first), so a flat forecast is unchanged. A predicted rate of 0 needs
-   ``min_endpoint``. A pool whose input is unknown (no output length heard yet) holds, saying so.
+2. The forecast: ``predict_ahead(lead + 2)`` interval means for each series, ``lead = ceil(worker_startup_s /
+   adjustment_interval)``, read as a rate curve over the span the workers asked for now must serve:
+   ``[0, adjustment_interval + worker_startup_s]`` from now (they serve from ``worker_startup_s``; the next
+   decision's from ``adjustment_interval + worker_startup_s``; a worker removed now is gone from 0).
+   ``startup.horizon_points`` interpolates linearly between the means at their intervals' midpoints (the last
+   observed interval's rate before them) and reads the curve where it can peak: now, each midpoint in the span, its
+   end. A load rising or falling through an interval is above the interval's mean at one edge (a 150 s sinusoid at
+   30 s intervals: by up to 12% of its peak), and a 1.23 s start-up needs only the next 31.23 s covered, not a whole
+   interval's lead more. Each point's pool sizes come from ``replicas.prefill_workers`` / ``decode_workers`` with
+   the correction factors, and the pool asked for is the most any point needs. A predicted rate of 0 needs
+   ``min_endpoint``. A pool whose input is unknown (no output length heard yet) holds, saying so. Predictors warmed
+   from a trace (``warm_start``) decide at the first pull from the forecast alone (raising only).
    Aggregated deployment (one pool, ``decode``): its workers do both, so it is sized on the sum of both demands'
    worker fractions, ``ceil(prefill demand / (rho x one worker's prefill throughput) + decode demand / one
    worker's decode throughput)``: a worker's time is shared between prefill chunks and decode steps, and a mixed
@@ -36,7 +40,7 @@ Throughput loop (every ``adjustment_interval``)
    read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's speed. An interval whose pulls
    caught no worker decoding, though tokens were sent, predicts ITL as a lone sequence's step at the mean context
    (else a factor raised in a burst would stay up through the quiet after it).
-4. Several workers per step: the new size is absolute (``pool_to_request``'s), not one worker at a time.
+4. Several workers per step: the new size is absolute, not one worker at a time.
 
 Fast loop (every pull)
 ----------------------
@@ -641,21 +645,14 @@ class SlaController:
             self.ttft_correction, self.itl_correction = t.factor, i.factor
             notes.append(f"TTFT correction {t.factor:.3f} ({t.reason}); ITL correction {i.factor:.3f} ({i.reason})")
 
-        steps = self.lead + 1
-        means = self.rate.predict_ahead(steps + 1)
-        # Each interval sized for its busier edge (module docstring, step 2): the linear interpolation between the
-        # interval means, the last observed rate before the first.
-        before = [rate, *means]
-        rates = [max(means[k], (before[k] + means[k]) / 2, (means[k] + means[k + 1]) / 2) for k in range(steps)]
-        isls = self.isl.predict_ahead(steps) if self.isl.ready else None
-        osls = self.osl.predict_ahead(steps) if self.osl.ready else None
+        means, rates, isls, osls, times = self._horizon(rate)
         self._predicted = (means[0], isls[0] if isls else None, osls[0] if osls else None)
         sla = dataclasses.replace(
-            sla, next_request_rate=means[0], next_isl=self._predicted[1], next_osl=osls[0] if osls else None
+            sla, next_request_rate=means[0], next_isl=self._predicted[1], next_osl=self._predicted[2]
         )
 
         perf = {pool: self._pool_perf(load) for pool, load in loads.items()}
-        wanted, why = self._throughput_sizes(obs, rates, isls, osls, perf)
+        wanted, why = self._throughput_sizes(obs, rates, isls, osls, perf, times)
         # What the interval's observed load needs: no removal below it (module docstring, "Scale-down").
         seen_isl = window.mean_isl if window.mean_isl is not None else self._last_isl
         seen_osl = window.mean_osl if window.mean_osl is not None else self._last_osl
@@ -666,7 +663,7 @@ class SlaController:
                 obs, [margin * rate], [seen_isl], [seen_osl] if seen_osl is not None else None, perf
             )
         if cfg.scale_down_tolerance > 0:
-            tolerant, _ = self._throughput_sizes(obs, [margin * r for r in rates], isls, osls, perf)
+            tolerant, _ = self._throughput_sizes(obs, [margin * r for r in rates], isls, osls, perf, times)
             seen = {p: max(seen.get(p, 0), n) for p, n in tolerant.items()} | {
                 p: n for p, n in seen.items() if p not in tolerant
             }
@@ -718,27 +715,42 @@ class SlaController:
             reasons[pool] = reason
         return self._emit(obs, reasons, allowed_down, note="; ".join(notes)), sla
 
+    def _horizon(
+        self, observed: float | None
+    ) -> tuple[list[float], list[float], list[float] | None, list[float] | None, list[float]]:
+        """The forecast's interval means, and the rates (with their intervals' lengths and how far ahead) over the
+        span the workers asked for now serve (``startup.horizon_points``; ``observed``: the last interval's rate, None:
+        the first forecast stands for it)."""
+        cfg = self.config
+        n = self.lead + 2
+        means = self.rate.predict_ahead(n)
+        isl_i = self.isl.predict_ahead(n) if self.isl.ready else None
+        osl_i = self.osl.predict_ahead(n) if self.osl.ready else None
+        points = startup.horizon_points(
+            means[0] if observed is None else observed, means, cfg.adjustment_interval, cfg.worker_startup_s
+        )
+        rates = [p.rate for p in points]
+        isls = [isl_i[p.interval] for p in points] if isl_i else None
+        osls = [osl_i[p.interval] for p in points] if osl_i else None
+        return means, rates, isls, osls, [p.t_s for p in points]
+
     def _warm_decision(
         self, snap: FleetSnapshot, obs: Observation, loads: Mapping[Pool, _PoolLoad]
     ) -> tuple[Adjustment, SlaFigures]:
         """The first pull of warm-started predictors (``warm_start``, the warm-up trace): a throughput decision from
         the forecast alone, before any interval is observed, so that workers a start-up away are asked for now and
         not an interval late. It only raises (no observation to shrink on) and corrects nothing."""
-        steps = self.lead + 1
-        means = self.rate.predict_ahead(steps + 1)
-        rates = [max(means[k], (means[k] + means[k + 1]) / 2) for k in range(steps)]
-        isls = self.isl.predict_ahead(steps)
-        osls = self.osl.predict_ahead(steps)
-        self._predicted = (means[0], isls[0], osls[0])
+        means, rates, isls, osls, times = self._horizon(None)
+        self._predicted = (means[0], isls[0] if isls else None, osls[0] if osls else None)
         sla = SlaFigures(
             now_s=snap.now_s,
             interval=True,
             next_request_rate=means[0],
-            next_isl=isls[0],
-            next_osl=osls[0],
+            next_isl=self._predicted[1],
+            next_osl=self._predicted[2],
         )
         perf = {pool: self._pool_perf(load) for pool, load in loads.items()}
-        wanted, why = self._throughput_sizes(obs, rates, isls, osls, perf)
+        wanted, why = self._throughput_sizes(obs, rates, isls, osls, perf, times)
         self._forecast = dict(wanted)
         current = self._current(obs)
         reasons: dict[Pool, str] = {}
@@ -758,19 +770,20 @@ class SlaController:
         isls: Sequence[float] | None,
         osls: Sequence[float] | None,
         perf: Mapping[Pool, PerfModel],
+        times: Sequence[float] | None = None,
     ) -> tuple[dict[Pool, int], dict[Pool, str]]:
-        """Each pool's size from the forecast with the start-up lead; a pool missing from the first mapping holds
-        (its reason in the second)."""
+        """Each pool's size: the most any of ``rates`` (with their lengths; ``times``: how far ahead each is, for the
+        reason) needs; a pool missing from the first mapping holds (its reason in the second)."""
         cfg = self.config
         pools = [Pool.DECODE] + ([Pool.PREFILL] if obs.prefill is not None else [])
         needs: dict[Pool, list[int]] = {p: [] for p in pools}
-        first: dict[Pool, str] = {}
+        why_at: dict[Pool, list[str]] = {p: [] for p in pools}
         missing: dict[Pool, str] = {}
         for k, rate in enumerate(rates):
             if rate <= 0:
                 for p in pools:
                     needs[p].append(cfg.min_endpoint)
-                    first.setdefault(p, "no requests predicted")
+                    why_at[p].append("no requests predicted")
                 continue
             isl = isls[k] if isls else None
             osl = osls[k] if osls else None
@@ -783,7 +796,7 @@ class SlaController:
                     rate, isl, perf[Pool.PREFILL], cfg.ttft_s, self.ttft_correction, queue_wait=cfg.queue_wait
                 )
                 needs[Pool.PREFILL].append(max(cfg.min_endpoint, sp.workers))
-                first.setdefault(Pool.PREFILL, f"prefill: {sp.reason}")
+                why_at[Pool.PREFILL].append(f"prefill: {sp.reason}")
             if osl is None:
                 missing[Pool.DECODE] = "no output length heard yet (no request finished): holding"
                 continue
@@ -798,7 +811,7 @@ class SlaController:
             )
             if obs.prefill is not None:
                 needs[Pool.DECODE].append(max(cfg.min_endpoint, sd.workers))
-                first.setdefault(Pool.DECODE, f"decode: {sd.reason}")
+                why_at[Pool.DECODE].append(f"decode: {sd.reason}")
                 continue
             # Aggregated: one pool does both; the sum of both demands' worker fractions (module docstring).
             _, sp = replicas.prefill_workers(
@@ -809,8 +822,7 @@ class SlaController:
             decode_share = dm["demand_tokens_per_s"] / dm["worker_tokens_per_s"]
             n = replicas.workers_for(prefill_share + decode_share, 1.0)
             needs[Pool.DECODE].append(max(cfg.min_endpoint, n))
-            first.setdefault(
-                Pool.DECODE,
+            why_at[Pool.DECODE].append(
                 f"aggregated: prefill {prefill_share:.2f} + decode {decode_share:.2f} workers' worth = {n} "
                 f"(prefill: {sp.reason}; decode: {sd.reason})",
             )
@@ -820,14 +832,21 @@ class SlaController:
             if p in missing:
                 reasons[p] = missing[p]
                 continue
-            lead = startup.pool_to_request(needs[p], self.config.worker_startup_s, self.config.adjustment_interval)
-            sizes[p] = lead.workers
-            predicted = f"sized for {rates[0]:.2f} req/s"
+            at = max(range(len(needs[p])), key=lambda k: (needs[p][k], -k))
+            sizes[p] = needs[p][at]
+            when = f" {times[at]:g} s ahead" if times is not None else ""
+            sized = f"sized for {rates[at]:.2f} req/s{when}"
             if isls:
-                predicted += f", ISL {isls[0]:.0f}"
+                sized += f", ISL {isls[at]:.0f}"
             if osls:
-                predicted += f", OSL {osls[0]:.0f}"
-            reasons[p] = f"{predicted}; {first.get(p, '')}; {lead.reason}"
+                sized += f", OSL {osls[at]:.0f}"
+            span = (
+                f"; the most needed over the next {times[-1]:g} s (start-up {self.config.worker_startup_s:g} s + "
+                f"interval {self.config.adjustment_interval:g} s: until the next decision's workers serve)"
+                if times is not None and len(times) > 1
+                else ""
+            )
+            reasons[p] = f"{sized}; {why_at[p][at]}: {sizes[p]} workers{span}"
         return sizes, reasons
 
     def _scale_down(

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["Lead", "lead_intervals", "pool_to_request"]
+__all__ = ["HorizonPoint", "Lead", "horizon_points", "lead_intervals", "pool_to_request"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,3 +72,39 @@ def pool_to_request(needs: Sequence[int], startup_s: float, interval_s: float) -
         "interval_s": interval_s,
     }
     return Lead(workers, lead, at, reason, metrics)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HorizonPoint:
+    """The forecast rate at ``t_s`` from now, read off the interval means; ``interval``: the interval holding it."""
+
+    t_s: float
+    rate: float
+    interval: int
+
+
+def horizon_points(observed: float, means: Sequence[float], interval_s: float, startup_s: float) -> list[HorizonPoint]:
+    """The forecast over the span the workers asked for now must serve: ``[0, interval_s + startup_s]`` from now (a
+    worker asked now serves from ``startup_s``; the next decision's, from ``interval_s + startup_s``; a worker
+    removed now is gone from 0). The rate is the linear interpolation through the interval means at their midpoints
+    (``means[k]`` at ``(k + 1/2) x interval_s``) and the last observed interval's before them (at ``-interval_s /
+    2``): the predictors forecast means, and a load rising or falling through an interval is above its mean at one
+    edge. A piecewise-linear curve peaks at a breakpoint or an end, so these are the points: 0, every midpoint
+    inside the span, and its end. ``means`` must reach past the end (``lead_intervals + 2`` of them suffice)."""
+    if interval_s <= 0 or not math.isfinite(interval_s):
+        raise ValueError(f"interval_s must be a finite number > 0, got {interval_s}")
+    end = interval_s + startup_s
+    xs = [-interval_s / 2] + [(k + 0.5) * interval_s for k in range(len(means))]
+    ys = [observed, *means]
+    if xs[-1] < end - 1e-9:
+        raise ValueError(f"{len(means)} interval means do not reach {end:g} s ahead")
+
+    def at(t: float) -> float:
+        for i in range(1, len(xs)):
+            if t <= xs[i] + 1e-9:
+                w = (t - xs[i - 1]) / (xs[i] - xs[i - 1])
+                return ys[i - 1] + w * (ys[i] - ys[i - 1])
+        return ys[-1]
+
+    ts = [0.0] + [x for x in xs[1:] if 0.0 < x < end - 1e-9] + [end]
+    return [HorizonPoint(t, max(0.0, at(t)), min(int(t // interval_s), len(means) - 1)) for t in ts]

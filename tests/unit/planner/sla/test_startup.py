@@ -87,3 +87,30 @@ def test_predictors_forecast_ahead_consistently_with_their_next_value():
     hw = HoltWintersPredictor(season_length=4)
     hw.warm_start([1, 5, 1, 5, 1, 5, 1, 5])
     assert hw.predict_ahead(4) == pytest.approx([1, 5, 1, 5])
+
+
+def test_the_horizon_reads_the_interpolated_forecast_where_it_can_peak():
+    from components.planner.sla.startup import horizon_points
+
+    # Means 40, 50, 60, 70 at the midpoints 15, 45, 75, 105 s; observed 30 at -15 s. A 60 s start-up and 30 s
+    # decisions: the span is 90 s. Points: now (halfway from 30 to 40: 35), the midpoints inside (15, 45, 75) and the
+    # end (90 s: halfway from 60 to 70, 65), each with the interval holding it.
+    pts = horizon_points(30.0, [40.0, 50.0, 60.0, 70.0], 30.0, 60.0)
+    assert [(p.t_s, p.rate, p.interval) for p in pts] == [
+        (0.0, 35.0, 0),
+        (15.0, 40.0, 0),
+        (45.0, 50.0, 1),
+        (75.0, 60.0, 2),
+        (90.0, 65.0, 3),
+    ]
+    # A 1.23 s start-up: the span ends at 31.23 s, 16.23 s past the first midpoint toward the second:
+    # 40 + 10 x 16.23 / 30.
+    pts = horizon_points(30.0, [40.0, 50.0, 60.0], 30.0, 1.23)
+    assert [p.t_s for p in pts] == [0.0, 15.0, 31.23] and pts[-1].rate == pytest.approx(40 + 10 * 16.23 / 30)
+    # A falling load peaks now: halfway between the observed 100 and the first mean 60.
+    assert max(p.rate for p in horizon_points(100.0, [60.0, 40.0], 30.0, 0.0)) == 80.0
+    # A flat forecast is flat; a forecast too short for the span is refused; rates are never negative.
+    assert {p.rate for p in horizon_points(5.0, [5.0, 5.0, 5.0], 30.0, 30.0)} == {5.0}
+    with pytest.raises(ValueError, match="do not reach 60 s ahead"):
+        horizon_points(5.0, [5.0], 30.0, 30.0)
+    assert min(p.rate for p in horizon_points(0.0, [0.0, -10.0], 30.0, 0.0)) == 0.0
