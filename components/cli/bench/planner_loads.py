@@ -33,7 +33,8 @@ at the load's starting level (``--warmup-s``):
 * ``reactive_sla`` (the step's, and every load's with ``--reactive-bound``): the ``clairvoyant_sla`` schedule on
   the load seen a start-up late (``Delayed``): it adds workers the moment the load changes, no sooner. Its goodput
   is the most any planner without a forecast can keep under these rules (a step comes unannounced): the target's
-  reachability, reported beside the verdict (``reactive_bound_share_of_fixed_peak``, ``reactive_bound_points_below_fixed_peak``).
+  reachability, reported beside the verdict (``reactive_bound_share_of_fixed_peak``,
+  ``reactive_bound_points_below_fixed_peak``).
 
 A clairvoyant schedule routes the load's need at 100% of the measured capacity per worker: under targets looser than
 what the fixed peak fleet delivers at its peak, a smaller fleet may still meet them, so a planner can save more than
