@@ -45,7 +45,15 @@ def test_bench_planner_runs_every_load_with_every_side(tmp_path):
         assert set(load["runs"]) == {"startup_1s", "startup_20s"}, name
         for label, run in load["runs"].items():
             assert run["startup_s_simulated"] == pytest.approx(run["startup_s"] / 20)
-            assert set(run["sides"]) == SIDES, (name, label)
+            # The step also replays the reactive bound (the clairvoyant schedule on the load seen a start-up late).
+            assert set(run["sides"]) == SIDES | ({"reactive_sla"} if name == "step" else set()), (name, label)
+            for side in ("planner", "sla"):
+                o = run["sides"][side]["oscillations"]
+                assert o["count"] == len(o["found"]) >= o["at_constant_load"] >= 0, (name, label, side)
+            if name == "step":
+                g = run["verdict"]["sla"]["goodput"]
+                assert 0 <= g["reactive_bound_share_of_fixed_peak"] <= 1.5
+                assert "reactive_bound_points_below_fixed_peak" in run["verdict"]["sla"]["attainment"]
             for side, f in run["sides"].items():
                 # The same measured requests, every one finished, in every side.
                 assert f["requests"] == load["shape"]["requests"] > 0, (name, label, side)

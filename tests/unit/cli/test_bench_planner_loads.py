@@ -226,3 +226,16 @@ def test_the_reactive_bound_sees_the_load_a_start_up_late():
               step_workers=None)  # fmt: skip
     ahead, reactive = Oracle(sinusoid=step, **kw), Oracle(sinusoid=late, **kw)
     assert ahead.need(150.0) == 8 and reactive.need(150.0) == 1 and reactive.need(180.0) == 8
+
+
+def test_the_sla_flags_of_the_load_bench_are_checked(tmp_path):
+    from components.cli.bench.planner_loads import problems
+
+    trace = azure_trace(tmp_path / "t.csv", [(0.0, 10, 5), (1.0, 10, 5)])
+    assert problems(args_for(trace, load="sinusoid", sla_season=1)) == [
+        "--sla-season must be at least 2 intervals (or 'period')"
+    ]
+    assert problems(args_for(trace, load="sinusoid", sla_warm_start_periods=-1.0)) == [
+        "--sla-warm-start-periods must be >= 0"
+    ]
+    assert problems(args_for(trace, load="sinusoid", sla_season="period", sla_warm_start_periods=2.0)) == []
