@@ -232,6 +232,7 @@ class SlaController:
         # intervals, oldest first.
         self._asks: dict[Pool, collections.deque[int]] = {}
         self._forecast: dict[Pool, int] = {}  # the throughput loop's sizes at the last decision
+        self._held_for: dict[Pool, int] = {}  # at this decision: the most asked for within the window
 
     # ----------------------------------------------------------------------------------------------------------------
     # The controller's surface (PlannerController's)
@@ -590,7 +591,17 @@ class SlaController:
             predicted_osl=predicted[2] if predicted else None,
         )
         current = self._current(obs)
+        # The interval just ended asked for the forecast at its start and any fast-loop raise in it: the removal
+        # floor of scale_down_window (module docstring, "Scale-down").
+        self._held_for = {}
+        for pool in current:
+            asks = self._asks.setdefault(pool, collections.deque(maxlen=cfg.scale_down_window))
+            if cfg.scale_down_window and (pool in self._forecast or pool in self._asked):
+                asks.append(max(self._forecast.get(pool, 0), self._asked.get(pool, 0)))
+            if asks:
+                self._held_for[pool] = max(asks)
         if window.reports == 0:
+            self._forecast = {}
             reason = (
                 f"no request reports heard in ({self.interval_start_s:g}, {now:g}] s: no throughput decision "
                 "(silence is not zero load)"
@@ -669,14 +680,7 @@ class SlaController:
             }
         reasons: dict[Pool, str] = {}
         allowed_down: set[Pool] = set()
-        # The interval just ended asked for the forecast at its start and any fast-loop raise in it.
-        held_for: dict[Pool, int] = {}
-        for pool in current:
-            asks = self._asks.setdefault(pool, collections.deque(maxlen=cfg.scale_down_window))
-            if cfg.scale_down_window and pool in self._forecast:
-                asks.append(max(self._forecast[pool], self._asked.get(pool, 0)))
-            if asks:
-                held_for[pool] = max(asks)
+        held_for = self._held_for
         self._forecast = dict(wanted)
         for pool, cur in current.items():
             if pool not in wanted:

@@ -471,6 +471,30 @@ def test_the_fast_loop_raises_the_pool_above_the_floor_when_a_burst_builds_queue
     assert fleet.count(Pool.DECODE) == 2
 
 
+def test_a_fast_raise_before_the_first_decision_holds_the_pool_through_it():
+    # Cold: no throughput decision yet. A burst at 1-3 s (60 requests/s, 20000 prompt tokens queued on the worker)
+    # is raised by the fast loop to 5 at 3 s; the load falls back to 10 requests/s. The first decision (30 s) would
+    # size for 10 (1 worker) but the interval asked for 5: the pool holds; the decision after it removes.
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    for t in (1.0, 2.0, 3.0):
+        fleet.requests(t, 1.0, rate=60, isl=1000, osl=200)
+        pull(ctl, fleet, t)
+    assert fleet.count(Pool.DECODE) == 5
+    fleet.set_load(Pool.DECODE)
+    for t in range(4, 31):
+        fleet.requests(float(t), 1.0, rate=10, isl=1000, osl=200)
+        out = pull(ctl, fleet, float(t))
+    assert out.adjustment is not None and out.adjustment.decisions[0].target == 5
+    assert "5 asked for within the last 1 interval(s) (scale_down_window)" in out.adjustment.decisions[0].reason
+    for t in range(31, 61):
+        fleet.requests(float(t), 1.0, rate=10, isl=1000, osl=200)
+        out = pull(ctl, fleet, float(t))
+    assert out.adjustment is not None and out.adjustment.decisions[0].target < 5
+
+
 def test_the_fast_loop_adds_one_at_a_time_while_a_queue_grows_that_the_model_says_is_served():
     # 10 requests/s keep arriving (2 workers are enough by the model), but the queues grow, 2000 prompt tokens more
     # on each worker every second: the model is wrong about this engine (the correction will say so when the fleet
