@@ -31,10 +31,12 @@ at the load's starting level (``--warmup-s``):
 * ``clairvoyant_sla``: the same schedule under the SLA planner's decision interval with any number of workers per
   decision and no pause (the most a schedule deciding that often can save);
 * ``reactive_sla`` (the step's, and every load's with ``--reactive-bound``): the ``clairvoyant_sla`` schedule on
-  the load seen a start-up late (``Delayed``): it adds workers the moment the load changes, no sooner. Its goodput
-  is the most any planner without a forecast can keep under these rules (a step comes unannounced): the target's
-  reachability, reported beside the verdict (``reactive_bound_share_of_fixed_peak``,
-  ``reactive_bound_points_below_fixed_peak``).
+  the load seen a start-up late (``Delayed``): it adds workers the moment the load changes, no sooner. On the step
+  (flat before and after one instant, which falls on a decision) that is the most any planner without a forecast
+  can do under these rules: the goodput target's reachability, reported beside the verdict
+  (``reactive_bound_share_of_fixed_peak``, ``reactive_bound_points_below_fixed_peak``). On a load that changes
+  within an interval the schedule still knows the interval after each decision (it plans a start-up plus an
+  interval ahead on the delayed load), so there it is a reference, not a bound (``--reactive-bound``).
 
 A clairvoyant schedule routes the load's need at 100% of the measured capacity per worker: under targets looser than
 what the fixed peak fleet delivers at its peak, a smaller fleet may still meet them, so a planner can save more than
@@ -846,8 +848,9 @@ def add_arguments(p: argparse.ArgumentParser, positive: Any, fraction: Any, leng
     p.add_argument(
         "--reactive-bound",
         action="store_true",
-        help="--load: also replay the reactive_sla side (the clairvoyant schedule on the load seen a start-up late: "
-        "what no planner without a forecast can beat) on every load, not only the step's (default: the step only)",
+        help="--load: also replay the reactive_sla side on every load, not only the step's. On a load that changes "
+        "within an interval it still knows the interval ahead of each decision: a reference, not a bound (the step, "
+        "flat after its instant, gains nothing from that) (default: the step only)",
     )
     p.add_argument(
         "--sla-load-predictor",
