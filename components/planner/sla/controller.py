@@ -233,8 +233,6 @@ class SlaController:
         self._asks: dict[Pool, collections.deque[int]] = {}
         self._forecast: dict[Pool, int] = {}  # the throughput loop's sizes at the last decision
         self._held_for: dict[Pool, int] = {}  # at this decision: the most asked for within the window
-        # each pool's (size, mean batch, mean KV tokens, mean decode step ms or None) at its last pulls, oldest first
-        self._steps: dict[Pool, collections.deque[tuple[int, float, float, float | None]]] = {}
 
     # ----------------------------------------------------------------------------------------------------------------
     # The controller's surface (PlannerController's)
@@ -500,21 +498,6 @@ class SlaController:
                     self._waits[pool].clear()
                 if size is not None and size > n:
                     need = size
-        # The ITL rule reads the decode step over the last FAST_WINDOW_PULLS pulls of one pool size (the mean batch,
-        # KV and step), as the TTFT rule reads the last pulls' rate: one pull's batch is Poisson noise at the
-        # threshold (live, seed 0 of the planner-live bench: 44, 47, 52, 50, 39, 55, 73, 33 ms at consecutive pulls
-        # near the peak), and the target is a request's mean inter-token latency, not one step's.
-        if pool == Pool.DECODE:
-            seen_steps = self._steps.setdefault(pool, collections.deque(maxlen=FAST_WINDOW_PULLS))
-            if seen_steps and seen_steps[-1][0] != n:
-                seen_steps.clear()
-            seen_steps.append((n, batch, kv_tokens, itl_ms))
-            # Pulls at which no worker decoded have no step to average (a step time is undefined, not 0).
-            stepping = [x for x in seen_steps if x[3] is not None]
-            if itl_ms is not None:
-                batch = sum(x[1] for x in stepping) / len(stepping)
-                kv_tokens = sum(x[2] for x in stepping) / len(stepping)
-                itl_ms = sum(x[3] for x in stepping if x[3] is not None) / len(stepping)
         spread_ms = None
         if itl_ms is not None:
             spread_ms = self._pool_perf(load).decode_ms(math.ceil(batch - 1e-9), kv_tokens)
