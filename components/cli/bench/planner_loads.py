@@ -471,9 +471,9 @@ def warm_start_trace(run: LoadRun, periods: float, directory: Path) -> tuple[str
     run (its phase continues into the run's start), drawn with another seed (Poisson arrivals of their own, lengths
     from the source's rows after the run's), written as an Azure-format trace the SLA planner warm-starts from
     (``load_predictor_warmup_trace``, the live planner's flag). None for a load without a period (trace, step)."""
-    period = getattr(run.shape, "period_s", None)
-    if periods <= 0 or period is None:
+    if periods <= 0 or not isinstance(run.shape, Sinusoid):
         return None
+    period = run.shape.period_s
     shape = dataclasses.replace(run.shape, duration_s=periods * period)
     times = arrival_times(shape, run.capacity_rps, run.seed + 7919)
     # ``interval_series`` counts whole intervals from the first arrival to the last: one more row, a span after the
@@ -533,11 +533,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     oracles: dict[tuple[str, float, str], Oracle] = {}
     tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-planner-")
     warm = {name: warm_start_trace(r, args.sla_warm_start_periods, Path(tmp.name)) for name, r in runs.items()}
-    slas = {
-        (name, up): sla_config(args, up, r, None if warm[name] is None else warm[name][0])
-        for name, r in runs.items()
-        for up in ups
-    }
+    paths = {name: (None if w is None else w[0]) for name, w in warm.items()}
+    infos = {name: (None if w is None else w[1]) for name, w in warm.items()}
+    slas = {(name, up): sla_config(args, up, r, paths[name]) for name, r in runs.items() for up in ups}
     for name, r in runs.items():
         start = _start_workers(r, args.peak_workers)
         tasks.append((simulate_side, r, "fixed_peak", args.peak_workers, fixed_cfg, ups[0]))
@@ -636,7 +634,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ):
                 sides[side]["oscillations"] = oscillations(sides[side]["scaling_actions"]["actions"], interval, r.shape)
             sides["sla"]["sla_config"] = slas[(name, up)].model_dump(mode="json")
-            sides["sla"]["warm_start"] = None if warm[name] is None else warm[name][1]
+            sides["sla"]["warm_start"] = infos[name]
             per_startup[label] = {
                 "startup_s": round(up * k, 3),
                 "startup_s_simulated": round(up, 4),

@@ -696,12 +696,12 @@ class SlaController:
             if want < cur and f is not None and f.broken:
                 want, reason = cur, f"{reason}; scale-down to {want} refused: {f.broken} now"
             elif want < cur and held_for.get(pool, 0) > want:
-                held = held_for[pool]
+                asked = held_for[pool]
                 reason = (
-                    f"{reason}; not below {min(cur, held)}: {held} asked for within the last "
+                    f"{reason}; not below {min(cur, asked)}: {asked} asked for within the last "
                     f"{cfg.scale_down_window} interval(s) (scale_down_window)"
                 )
-                want = min(cur, held)
+                want = min(cur, asked)
             if want < cur and seen.get(pool, 0) > want:
                 floor_seen = min(cur, seen[pool])
                 reason = (
