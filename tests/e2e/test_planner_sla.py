@@ -133,8 +133,9 @@ async def test_the_local_connector_starts_several_workers_of_one_step_together(t
             c = LocalConnector(rt, PLANNER_NS, MODEL, serve.state_dir)
             with caplog.at_level(logging.INFO, logger="components.planner.connectors.local"):
                 await c.set_pool_size(Pool.DECODE, 3)
-            names = [w.name for w in serve.state(PLANNER_NS).watchers if w.kind == "worker"]
-            assert names == [f"{PLANNER_NS}-mock-{i}" for i in range(3)] and c.num_added == 2
+            # The two new watchers are added concurrently: the state file lists them in either order.
+            names = sorted(w.name for w in serve.state(PLANNER_NS).watchers if w.kind == "worker")
+            assert names == [f"{PLANNER_NS}-mock-{i}" for i in range(3)] and c.num_added == 2, names
             lines = [r.getMessage() for r in caplog.records]
             added = [i for i, m in enumerate(lines) if "added watcher" in m]
             up = [i for i, m in enumerate(lines) if m.endswith(" is up")]
