@@ -13,6 +13,8 @@ from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import FinishReason, GenerateRequest, KvEvent, KvEventKind, SamplingParams, TokenChunk
 from components.workers.engines.base import Engine, EngineDeadError, EngineRequestError
 from components.workers.engines.mock import MockEngine, MockEngineConfig
+from components.workers.engines.mock import engine as mock_engine_module
+from components.workers.engines.mock.engine import MAX_CATCH_UP_S, step_end_s
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.unit
@@ -118,6 +120,40 @@ async def test_finite_speedup_sleeps_the_modelled_time():
     # far more than the ~0.05 ms of Python a step costs.
     assert engine.simulated_time_s == pytest.approx(0.037, abs=0.002)
     assert engine.num_timed_sleeps >= 1  # not == 5: a loaded CI machine may stall one step past its deadline
+
+
+def test_a_step_ends_on_the_schedule_of_the_busy_engine():
+    # 47 ms steps. The previous step was due at 1.000 s; this one started 3 ms late: it still ends 47 ms after 1.000.
+    assert step_end_s(1.003, 0.047, 1.000) == pytest.approx(1.047)
+    # A timer that fired early changes nothing either.
+    assert step_end_s(0.999, 0.047, 1.000) == pytest.approx(1.047)
+    # After idling (no previous end) or a stall beyond the catch-up bound, the step counts from its own start.
+    assert step_end_s(1.003, 0.047, None) == pytest.approx(1.050)
+    late = 1.000 + MAX_CATCH_UP_S + 0.001
+    assert step_end_s(late, 0.047, 1.000) == pytest.approx(late + 0.047)
+
+
+async def test_late_timers_do_not_slow_the_modelled_engine(monkeypatch):
+    # A virtual clock and a sleep that always wakes 3 ms late (a busy event loop). Each step's sleep is shortened by
+    # the previous one's lateness, so the engine's elapsed time is the modelled time plus the last step's 3 ms, not
+    # plus 3 ms for every step (which is what sleeping each step's full time from its own start would give).
+    now = [0.0]
+    real_sleep = asyncio.sleep
+
+    async def late_sleep(delay: float, *args: Any) -> None:
+        if delay > 0:
+            now[0] += delay + 0.003
+        await real_sleep(0)
+
+    monkeypatch.setattr(mock_engine_module.asyncio, "sleep", late_sleep)
+    engine = MockEngine(make_config(speedup_ratio=1.0), name="late", clock=lambda: now[0])
+    await engine.start()
+    try:
+        await collect(engine.generate(make_request("a", 32, max_tokens=20)))
+    finally:
+        await engine.shutdown()
+    assert engine.num_steps == 20
+    assert now[0] == pytest.approx(engine.simulated_time_s + 0.003, abs=1e-6)
 
 
 async def test_an_idle_engine_waits_instead_of_spinning():

@@ -6,9 +6,13 @@ KV events. It waits on an ``asyncio.Event`` while there is nothing to do, so an 
 ``speedup_ratio = inf`` it never sleeps: each step ends with ``asyncio.sleep(0)``, a bare yield, so a few hundred
 engines interleave on one event loop at the speed of the CPU.
 
-Timing: the sleep after a step is ``step_time / speedup - (time spent computing the step)``, not the full step time,
-so Python overhead (0.1-1 ms per step with 256 running requests) does not slow the simulated GPU down; when the
-overhead exceeds the modelled time the step simply does not sleep (it does not catch up later either).
+Timing: steps keep a schedule. A step ends ``step_time / speedup`` after the previous step's scheduled end while the
+engine stays busy (``step_end_s``), so neither the Python of a step (0.1-1 ms with 256 running requests) nor a timer
+that fires late (the event loop busy handing out tokens) slows the simulated GPU down: a step that ended late is paid
+back by the next ones. Before this, each step slept its time from its own start, and the lateness added up: 9
+sequences for 100 steps at ``speedup_ratio`` 1 took 1.15x their modelled time on the 2-core VM (14-16% with and
+without two CPU burners; /tmp script, 28 Nov 2026). Lateness beyond ``MAX_CATCH_UP_S`` is not paid back: that is a
+stalled host, and a real engine starved of its host CPU stalls too.
 
 Tokens reach ``generate()`` through one ``asyncio.Queue`` per request; tokens that pile up while the consumer is busy
 are merged into one chunk. KV events go into a bounded buffer (``max_pending_kv_event_batches``); when it overflows
@@ -47,11 +51,28 @@ from .config import MockEngineConfig
 from .perf_model import transfer_time_s
 from .scheduler import DuplicateRequestError, Scheduler, StepOutput
 
-__all__ = ["MockEngine"]
+__all__ = ["MAX_CATCH_UP_S", "MockEngine", "step_end_s"]
 
 logger = logging.getLogger(__name__)
 
 _QueueItem = TokenChunk | EngineError
+
+# How late a step may start against the previous step's scheduled end and still be paid back by shorter sleeps: a
+# few late timer firings (~1 ms each on the 2-core VM) are, a stall of a starved host (tens of ms and more) is not.
+MAX_CATCH_UP_S = 0.05
+
+
+def step_end_s(started_s: float, step_s: float, previous_end_s: float | None) -> float:
+    """When a step that started at ``started_s`` and is modelled to take ``step_s`` should end.
+
+    Counted from the previous step's scheduled end while the engine stayed busy (``previous_end_s``; None after idling)
+    and the step started at most ``MAX_CATCH_UP_S`` after it, otherwise from the step's own start. Example: steps of
+    47 ms, the previous one scheduled to end at 1.000 s, this one started at 1.003 s (a late timer): it ends at
+    1.047 s, not 1.050 s.
+    """
+    if previous_end_s is not None and started_s - previous_end_s <= MAX_CATCH_UP_S:
+        return previous_end_s + step_s
+    return started_s + step_s
 
 
 class MockEngine:
@@ -413,8 +434,10 @@ class MockEngine:
         sched = self._scheduler
         infinite = self.config.is_infinitely_fast
         speedup = self.config.speedup_ratio
+        previous_end_s: float | None = None  # the last step's scheduled end while the engine stays busy
         while True:
             if not sched.has_unfinished_requests():
+                previous_end_s = None
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -429,13 +452,16 @@ class MockEngine:
                 # a step that preempts has changed state); waiting for the next request or abort beats spinning at
                 # 100% CPU if it ever does.
                 logger.warning("mock engine %s: nothing schedulable with %d waiting", self.name, len(sched.waiting))
+                previous_end_s = None
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             if infinite:
                 await asyncio.sleep(0)
             else:
-                delay_s = out.step_time_s / speedup - (self._clock() - started_s)
+                end_s = step_end_s(started_s, out.step_time_s / speedup, previous_end_s)
+                previous_end_s = end_s
+                delay_s = end_s - self._clock()
                 if delay_s > 0:
                     self.num_timed_sleeps += 1
                     await asyncio.sleep(delay_s)
