@@ -458,7 +458,7 @@ def sla_config(
     if args.sla_season is not None:
         season = args.sla_season
         if season == "period":
-            period = getattr(run.shape, "period_s", None) if run is not None else None
+            period = None if run is None else recurrence_s(run.shape)
             season = None if period is None else max(2, round(period / update["adjustment_interval"]))
         update["load_predictor_season"] = None if season is None else int(season)
     if warmup_trace is not None:
@@ -466,20 +466,46 @@ def sla_config(
     return SlaPlannerConfig.model_validate(cfg.model_dump() | update)
 
 
+def recurrence_s(shape: LoadShape) -> float | None:
+    """How often the load repeats, for ``--sla-season period`` and ``--sla-warm-start-periods``: a sinusoid's period;
+    the step's whole run (a step that comes at the same time every day, as a nightly batch or a working day's start
+    does: the run is one "day"); None for the trace, which does not repeat."""
+    if isinstance(shape, Sinusoid):
+        return shape.period_s
+    if isinstance(shape, Step):
+        return shape.duration_s
+    return None
+
+
+def _previous_periods(shape: LoadShape, periods: float, capacity_rps: float, seed: int) -> list[float]:
+    """Arrivals of ``periods`` periods of a repeating load, on [0, periods x period), phase continuing into the run's
+    start: a sinusoid is drawn whole; a step (one period per run) is drawn once per period, each with its own seed."""
+    if isinstance(shape, Sinusoid):
+        return arrival_times(dataclasses.replace(shape, duration_s=periods * shape.period_s), capacity_rps, seed)
+    period = recurrence_s(shape)
+    assert period is not None
+    whole = math.ceil(periods - 1e-9)
+    cut = (whole - periods) * period  # a fractional count keeps the last part of the first period
+    out = [i * period + t for i in range(whole) for t in arrival_times(shape, capacity_rps, seed + 104729 * i)]
+    return [t - cut for t in out if t >= cut]
+
+
 def warm_start_trace(run: LoadRun, periods: float, directory: Path) -> tuple[str, dict[str, Any]] | None:
-    """``--sla-warm-start-periods``: "yesterday", the same periodic load over ``periods`` periods just before this
-    run (its phase continues into the run's start), drawn with another seed (Poisson arrivals of their own, lengths
-    from the source's rows after the run's), written as an Azure-format trace the SLA planner warm-starts from
-    (``load_predictor_warmup_trace``, the live planner's flag). None for a load without a period (trace, step)."""
-    if periods <= 0 or not isinstance(run.shape, Sinusoid):
+    """``--sla-warm-start-periods``: "yesterday", the same repeating load over ``periods`` periods just before this
+    run (its phase continues into the run's start; ``recurrence_s``), drawn with another seed (Poisson arrivals of
+    their own, lengths from the source's rows after the run's), written as an Azure-format trace the SLA planner
+    warm-starts from (``load_predictor_warmup_trace``, the live planner's flag). None for the trace, which does not
+    repeat."""
+    period = recurrence_s(run.shape)
+    if periods <= 0 or period is None:
         return None
-    period = run.shape.period_s
-    shape = dataclasses.replace(run.shape, duration_s=periods * period)
-    times = arrival_times(shape, run.capacity_rps, run.seed + 7919)
+    shape = run.shape
+    times = _previous_periods(shape, periods, run.capacity_rps, run.seed + 7919)
+    duration_s = periods * period
     # ``interval_series`` counts whole intervals from the first arrival to the last: one more row, a span after the
     # first arrival, closes the last whole interval (it starts the partial one that is left out), so the series is
     # every interval of the periods and the live planner's first interval continues its phase.
-    times.append(times[0] + shape.duration_s)
+    times.append(times[0] + duration_s)
     base = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     path = directory / f"yesterday-{run.name}-seed{run.seed}.csv"
     with open(path, "w", encoding="utf-8") as f:
@@ -489,7 +515,7 @@ def warm_start_trace(run: LoadRun, periods: float, directory: Path) -> tuple[str
             f.write(f"{(base + datetime.timedelta(seconds=t)).isoformat()},{isl},{osl}\n")
     info = {
         "periods": periods,
-        "duration_s": round(shape.duration_s, 3),
+        "duration_s": round(duration_s, 3),
         "requests": len(times) - 1,
         "seed": run.seed + 7919,
         "rule": "the same load's previous periods, ending where the run starts, with arrivals of another seed",
@@ -861,15 +887,16 @@ def add_arguments(p: argparse.ArgumentParser, positive: Any, fraction: Any, leng
         type=lambda v: v if v == "period" else int(v),
         default=None,
         help="--load: the SLA planner's --load-predictor-season, in adjustment intervals, or 'period': the load's "
-        "period over the interval (sinusoid and slow; none for trace and step) (default: unset)",
+        "recurrence over the interval (sinusoid and slow: the period; step: the run, a step that recurs daily; none "
+        "for the trace) (default: unset)",
     )
     p.add_argument(
         "--sla-warm-start-periods",
         type=float,
         default=0.0,
         help="--load: warm-start the SLA planner's predictors (--load-predictor-warmup-trace) with this many periods "
-        "of the same load just before the run, drawn with another seed: an operator's yesterday (sinusoid and slow "
-        "only; default 0: cold)",
+        "of the same load just before the run, drawn with another seed: an operator's yesterday (sinusoid, slow "
+        "and step, whose period is the run; not the trace; default 0: cold)",
     )
     p.add_argument("--slo-ttft-ms", type=positive, default=SLO_TTFT_MS, help="--load: TTFT target, ms (default 500)")
     p.add_argument("--slo-itl-ms", type=positive, default=SLO_ITL_MS, help="--load: mean ITL target, ms (default 50)")

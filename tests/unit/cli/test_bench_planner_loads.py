@@ -203,11 +203,35 @@ def test_the_sla_side_takes_the_predictor_its_season_and_a_warm_start_from_the_l
     assert len(series.rates) == 10  # every interval of the two periods, the last closed by the end row
     # The season shows: the trough's interval (the first) well under the peak's (the third: 30-45 s of 75 s).
     assert series.rates[0] < 0.6 * series.rates[2]
-    # A load without a period gets no warm start.
-    step = build_load("step", args_for(trace, step_lengths=(800, 100), duration_s=240.0, warmup_s=0.0),
-                      {"fixed_800_100": (24.0, {})})  # fmt: skip
-    assert warm_start_trace(step, 2.0, tmp_path) is None
     assert warm_start_trace(run, 0.0, tmp_path) is None
+
+
+def test_the_step_recurs_once_per_run_and_the_trace_never(tmp_path):
+    from components.cli.bench.planner_loads import recurrence_s, sla_config, warm_start_trace
+    from components.planner.sla_warmup import warmup_series
+
+    trace = azure_trace(tmp_path / "t.csv", [(float(i), 100 + i, 5) for i in range(4)])
+    a = args_for(trace, step_lengths=(800, 100), duration_s=240.0, warmup_s=0.0, sla_load_predictor="holt-winters",
+                 sla_season="period")  # fmt: skip
+    step = build_load("step", a, {"fixed_800_100": (24.0, {})})
+    # The step is a day: it recurs with the run's length, 240 s, so its season is 240 / 30 = 8 intervals.
+    assert recurrence_s(step.shape) == 240.0
+    path, info = warm_start_trace(step, 1.5, tmp_path)
+    assert sla_config(a, 30.0, step, path).load_predictor_season == 8
+    # 1.5 "days": the second half of one and a whole one, 360 s. The step is at 1/24 of 24 req/s (1 req/s) outside
+    # [60, 180) s of each day and at 24 req/s on it: 1 x 240 + 24 x 120 = 3,120 a day; half a day from its middle
+    # (120-240 s) has 24 x 60 + 1 x 60 = 1,500. Each within four standard deviations.
+    assert info["duration_s"] == 360.0
+    assert abs(info["requests"] - 4620) < 4 * 4620**0.5
+    series = warmup_series(path, 30.0)
+    assert len(series.rates) == 12
+    # Intervals 0-1 are the first day's 120-180 s (on the step), 2-3 its 180-240 s, 4-5 the second day's 0-60 s,
+    # 6-9 its step (60-180 s), 10-11 its end, which the run continues: ~24 req/s against ~1.
+    on, off = [0, 1, 6, 7, 8, 9], [2, 3, 4, 5, 10, 11]
+    assert min(series.rates[i] for i in on) > 10 * max(series.rates[i] for i in off)
+    # The trace does not repeat: no season and no warm start.
+    t = build_load("trace", args_for(trace, trace_rows=4), {"t": (20.0, {})})
+    assert recurrence_s(t.shape) is None and warm_start_trace(t, 2.0, tmp_path) is None
 
 
 def test_the_reactive_bound_sees_the_load_a_start_up_late():
