@@ -54,9 +54,10 @@ prefill themselves (short ones, and long ones the full queue turned away), which
 mean breaks a target the pool is raised, above the throughput loop's size, never below it:
 
 * TTFT: to the throughput sizing of the last ``FAST_WINDOW_PULLS`` pulls' request rate (3 s at the default pull: a
-  step in the load is seen within seconds, not at the next decision), or of the last pull's alone when it is higher
-  (a step's first second: the 3 s window still holds the level before it, and read 4.0, 7.5, then 11.5 requests/s
-  on a step to 9.45, one decision a pull, where each second the pool is short queues ~9 long prompts on it).
+  step in the load is seen within seconds, not at the next decision), or of each frontend's latest report in it when
+  that is higher (a step's first second: the 3 s window still holds the level before it, and read 4.0, 7.5, then
+  11.5 requests/s on a step to 9.45, one decision a pull, where each second the pool is short queues ~9 long
+  prompts on it).
   Not by spreading the queue: the queued prompts stay on the workers that hold them, so new workers only take new
   arrivals, and a pool sized for a backlog would be too large once it drains. When that sizing says the pool
   suffices (or nothing was heard) but the queue will not
@@ -124,7 +125,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from components.fleet.model import FleetInstance, FleetSnapshot
+from components.fleet.model import FleetInstance, FleetSnapshot, RequestRecord
 from components.perf.model import DEFAULT_MODEL
 from components.perf.profile import PerfModel
 from components.perf.queueing import predicted_ttft_ms
@@ -481,12 +482,12 @@ class SlaController:
         if trigger is not None and self.ttft_correction * trigger > cfg.ttft:
             own = self.ttft_correction * own_ms
             seen = f"predicted TTFT {self.ttft_correction * trigger:.0f} ms{via} > {cfg.ttft:g} ms target"
-            recent = self._recent_load(snap, FAST_WINDOW_PULLS)
-            latest = self._recent_load(snap, 1)
+            recent = self._recent_load(snap)
+            latest = self._recent_load(snap, latest=True)
             if latest is not None and (recent is None or latest[0] > recent[0]):
-                recent, window_s = latest, cfg.metric_pulling_interval
+                recent, heard = latest, "the frontends' latest reports'"
             else:
-                window_s = self._fast_window_s()
+                heard = f"the last {self._fast_window_s():g} s'"
             size: int | None = None
             if own >= cfg.ttft:
                 reasons.append(f"{seen}, but a prompt alone takes {own:.0f} ms: more workers do not help")
@@ -498,7 +499,7 @@ class SlaController:
                     )
                     size = sizes.get(pool)
                     if size is not None and size > n:
-                        reasons.append(f"{seen}; the last {window_s:g} s' {rate:.1f} requests/s need {size}")
+                        reasons.append(f"{seen}; {heard} {rate:.1f} requests/s need {size}")
                 # Where the wait will be an adjustment interval from now at its recent pace (per pull: the halves'
                 # means are FAST_TREND_PULLS pulls apart).
                 projected = None
@@ -551,14 +552,19 @@ class SlaController:
     def _fast_window_s(self) -> float:
         return FAST_WINDOW_PULLS * self.config.metric_pulling_interval
 
-    def _recent_load(self, snap: FleetSnapshot, pulls: int) -> tuple[float, float, float | None] | None:
+    def _recent_load(self, snap: FleetSnapshot, latest: bool = False) -> tuple[float, float, float | None] | None:
         """(requests/s, mean prompt length, mean output length or None) over the request reports received in the
-        last ``pulls`` pulls; None when none was heard or no prompt length is known. Each frontend's rate
-        is its requests over its reports' own intervals (a report covers its interval, not the window), summed over
-        frontends."""
+        last ``FAST_WINDOW_PULLS`` pulls (``latest``: each frontend's last one of them); None when none was heard or
+        no prompt length is known. Each frontend's rate is its requests over its reports' own intervals (a report
+        covers its interval, not the window), summed over frontends."""
         now = snap.now_s
-        window_s = pulls * self.config.metric_pulling_interval
-        records = [r for r in snap.requests.get(self.model, ()) if now - window_s < r.received_s <= now]
+        records = [r for r in snap.requests.get(self.model, ()) if now - self._fast_window_s() < r.received_s <= now]
+        if latest:
+            last: dict[str, RequestRecord] = {}
+            for r in records:
+                if r.source not in last or r.received_s >= last[r.source].received_s:
+                    last[r.source] = r
+            records = list(last.values())
         if not records:
             return None
         counts: dict[str, list[float]] = {}

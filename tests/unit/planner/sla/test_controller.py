@@ -475,8 +475,8 @@ def test_the_fast_loop_sizes_a_step_on_its_first_second_not_on_the_window_that_s
     fleet, ctl = fast_fleet()
     # 10 requests/s until 32 s, then a step to 60: the report at 33 s is the step's first second. The last 3 pulls'
     # reports (31-33 s) say (10 + 10 + 60) / 3 = 26.7 requests/s, which needs 1.41 + 0.38 = 1.79 -> 2 workers: no
-    # raise at all. The last pull's alone says 60, which needs 5 (as in the burst test above): the pool goes 2 -> 5
-    # at the step's first second.
+    # raise at all. The frontend's latest report alone says 60, which needs 5 (as in the burst test above): the pool
+    # goes 2 -> 5 at the step's first second.
     assert math.ceil(prefill_need(80 / 3) + decode_need(80 / 3)) == 2
     assert math.ceil(prefill_need(60) + decode_need(60)) == 5
     for t in (31.0, 32.0):
@@ -488,7 +488,7 @@ def test_the_fast_loop_sizes_a_step_on_its_first_second_not_on_the_window_that_s
     assert out.adjustment is not None
     d = out.adjustment.decisions[0]
     assert (d.direction, d.current, d.target) == (Direction.UP, 2, 5)
-    assert "predicted TTFT 879 ms > 500 ms target; the last 1 s' 60.0 requests/s need 5" in d.reason
+    assert "predicted TTFT 879 ms > 500 ms target; the frontends' latest reports' 60.0 requests/s need 5" in d.reason
 
 
 def test_a_fast_raise_before_the_first_decision_holds_the_pool_through_it():
