@@ -72,9 +72,7 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   trigger is the decode step alone, as the replica formula sizes it; the prefill chunk a worker's own queue adds to
   its steps is that backlog's, which the TTFT rule handles. The ITL reported (``SlaFigures.predicted_itl_s``) and
   compared with the frontends' for the correction is the whole step a token sees, chunk included, so that a
-  prefill burst does not read as a slow decode engine; over an interval the correction's prediction is that step
-  per token, as the frontends average it (``_itl_per_token_ms``: a pull catches a long chunk step in proportion to
-  its time, a token sees it once).
+  prefill burst does not read as a slow decode engine.
 
 The next throughput decision may bring a raised pool back down only through the consolidation check.
 
@@ -183,10 +181,6 @@ class _Fast:
     # mean predicted ITL over fresh workers decoding, uncorrected: the step a token sees, a prefill chunk from the
     # worker's own queue included (what the frontends observe; the correction and the figures compare it)
     itl_ms: float | None = None
-    # The same steps as the frontends average them, per token: the decoding workers' sequences (tokens a step) and
-    # sequences over step time (tokens a ms): ``_itl_per_token_ms`` (the correction's prediction).
-    itl_tokens: float = 0.0
-    itl_tokens_per_ms: float = 0.0
     need: int | None = None  # the size the fast loop asks for (None: no raise)
     reason: str = ""
     broken: str = ""  # which corrected prediction is over its target now ("" none): the pool may not shrink
@@ -233,9 +227,7 @@ class SlaController:
         self._last_osl: float | None = None  # the latest output length heard
         self._ttft_pred: list[float] = []  # this interval's fast-loop TTFT predictions (ms, uncorrected)
         self._ttft_max = 0.0  # the largest one worker's predicted TTFT at any of this interval's pulls (ms)
-        # and ITL: this interval's decode steps as tokens and tokens per ms, summed over pulls and workers
-        self._itl_tokens = 0.0
-        self._itl_tokens_per_ms = 0.0
+        self._itl_pred: list[float] = []  # and ITL
         # each pool's (size, mean queue wait ms) at its last settled pulls, oldest first
         self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
         self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
@@ -278,8 +270,8 @@ class SlaController:
             self._ttft_pred.append(max(ttfts))
         self._ttft_max = max([self._ttft_max, *(f.ttft_max_ms for f in fast.values() if f.ttft_max_ms is not None)])
         itl_ms = fast[Pool.DECODE].itl_ms
-        self._itl_tokens += fast[Pool.DECODE].itl_tokens
-        self._itl_tokens_per_ms += fast[Pool.DECODE].itl_tokens_per_ms
+        if itl_ms is not None:
+            self._itl_pred.append(itl_ms)
 
         adj: Adjustment | None = None
         sla = SlaFigures(now_s=now, interval=False)
@@ -292,8 +284,7 @@ class SlaController:
         ):
             adj, sla = self._throughput(snap, obs, loads, fast)
             self.interval_start_s = now
-            self._ttft_pred, self._ttft_max = [], 0.0
-            self._itl_tokens = self._itl_tokens_per_ms = 0.0
+            self._ttft_pred, self._itl_pred, self._ttft_max = [], [], 0.0
             self._asked = {}
         if adj is None:
             adj = self._fast_raise(obs, fast)
@@ -435,7 +426,6 @@ class SlaController:
         )
         itl_ms: float | None = None  # the decode step alone: what the ITL raise can spread
         step_itl_ms: float | None = None  # the step a token sees, with the prefill chunk the worker's queue puts in
-        tokens = tokens_per_ms = 0.0
         batch = kv_tokens = 0.0
         if pool == Pool.DECODE:
             decoding = [i for i in load.fresh if i.load is not None and i.load.snapshot.batch_size > 0]
@@ -447,10 +437,7 @@ class SlaController:
                     p = self._worker_perf(inst)
                     steps.append(p.decode_ms(s.batch_size, s.num_kv_tokens))
                     chunk = min(s.num_waiting_prefill_tokens, max(0, p.max_num_batched_tokens - s.batch_size))
-                    full = p.step_ms(chunk, s.batch_size, s.num_kv_tokens)
-                    full_steps.append(full)
-                    tokens += s.batch_size
-                    tokens_per_ms += s.batch_size / full
+                    full_steps.append(p.step_ms(chunk, s.batch_size, s.num_kv_tokens))
                 itl_ms = sum(steps) / len(steps)
                 step_itl_ms = sum(full_steps) / len(full_steps)
                 # The pool's batch and KV spread over all its n workers (the router spreads new requests over
@@ -545,9 +532,7 @@ class SlaController:
             broken.append(f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms")
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
-        return _Fast(
-            ttft_ms, step_itl_ms, tokens, tokens_per_ms, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms
-        )
+        return _Fast(ttft_ms, step_itl_ms, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
 
     def _fast_window_s(self) -> float:
         return FAST_WINDOW_PULLS * self.config.metric_pulling_interval
@@ -673,7 +658,7 @@ class SlaController:
                 )
             else:
                 t = correction.update_correction(self.ttft_correction, window.mean_ttft_s, predicted_ttft_s)
-            predicted_itl_s = _itl_per_token_ms(self._itl_tokens, self._itl_tokens_per_ms)
+            predicted_itl_s = _mean_s(self._itl_pred)
             if predicted_itl_s is None and self._last_isl is not None and self._last_osl is not None:
                 # No pull caught a worker decoding (light load: short requests between pulls), yet tokens were
                 # sent: a lone sequence at the mean context is what they saw. Without this a factor raised in a
@@ -1099,19 +1084,6 @@ class SlaController:
 
 def _mean_s(ms: Sequence[float]) -> float | None:
     return sum(ms) / len(ms) / 1e3 if ms else None
-
-
-def _itl_per_token_ms(tokens: float, tokens_per_ms: float) -> float | None:
-    """The mean gap between a request's tokens that the pulls' step predictions imply, in s: what the frontends
-    average (the sum of gaps over the tokens). A pull samples each worker at a moment, so long steps (one with a
-    prompt's prefill chunk) are caught in proportion to their time, and a step of ``b`` sequences gives ``b`` tokens:
-    per token, the mean step is sum(b) / sum(b / step). Example: a worker caught in an 8,000-token chunk step (420 ms)
-    at 47% of the pulls and in 20 ms decode steps at 53% (batch 8 in both): 1 / (0.47 / 420 + 0.53 / 20) = 36 ms a
-    token, where the mean over pulls, 208 ms, read a decode engine 5.8x slower than the one the tokens saw (the
-    correction fell to ~0.4 on the step load's plateau: docs/planner.md)."""
-    if tokens <= 0 or tokens_per_ms <= 0:
-        return None
-    return tokens / tokens_per_ms / 1e3
 
 
 def _scaled(w: consolidation.WorkerLoad, f: float) -> consolidation.WorkerLoad:

@@ -662,30 +662,6 @@ def test_the_predicted_itl_is_the_step_a_token_sees_prefill_chunk_included():
     assert out.adjustment is None
 
 
-def test_the_itl_correction_averages_the_pulls_steps_per_token_as_the_frontends_do():
-    # One worker decoding 10 sequences over 11000 KV tokens (a decode step of 5 + 0.2 + 0.33 = 5.53 ms), caught by
-    # the pulls at 0, 10, 20 and 30 s with 5000 prompt tokens queued (the step then carries them: 200 + 10 + 5.53 =
-    # 215.53 ms) and by those at 5, 15 and 25 s with none. Pulls sample time: the worker spent 4/7 of it in chunk
-    # steps and 3/7 in decode steps, so per ms it made 4/7 / 215.53 + 3/7 / 5.53 steps of 10 tokens each, and per
-    # token the mean gap is 1 / (4/7 / 215.53 + 3/7 / 5.53) = 12.48 ms (the batch is the same in both: its weights
-    # cancel). The frontends report exactly that: the factor stays 1. The mean over pulls, (4 x 215.53 + 3 x 5.53)
-    # / 7 = 125.53 ms, would read a decode engine 10x faster than modelled and pull the factor to 0.5 x 1 + 0.5 x
-    # 12.48 / 125.53 = 0.55.
-    per_token_ms = 1 / (4 / 7 / 215.53 + 3 / 7 / 5.53)
-    assert per_token_ms == pytest.approx(12.48, abs=0.01)
-    fleet = Fleet(decode=1)
-    ctl = SlaController(config(no_correction=False), MODEL)
-    for t in (0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0):
-        queued = 5000 if t % 10 == 0 else 0
-        fleet.set_load(
-            Pool.DECODE, num_running=10, batch_size=10, num_kv_tokens=11_000, num_waiting_prefill_tokens=queued
-        )
-        if t == 30.0:
-            fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, itl_s=per_token_ms / 1e3)
-        pull(ctl, fleet, t)
-    assert ctl.itl_correction == pytest.approx(1.0, abs=1e-3)
-
-
 def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
     # Light load: no pull sees a worker decoding, but the frontends report tokens 5.053 ms apart, a lone sequence's
     # step at the mean context 1000 + 200 / 2 = 1100: 5 + 0.02 + 0.033 ms. That is the prediction, so a factor of 3
