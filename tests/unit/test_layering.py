@@ -54,6 +54,7 @@ RANKS = {
     "migration": 4,
     "workers": 5,
     "frontend": 5,
+    "rescheduler": 5,
     "sim": 6,
     "deploy": 7,
     "planner": 8,
