@@ -18,8 +18,8 @@ Outcomes, per pair (``PairResult``) and summed per policy (``ExecutionCounts``):
   source's handler, and a migration in flight there aborts by the agent's own rules);
 - ``empty``: calls that ended with no report (the source had no request the selection picked).
 
-Which sources have a call in flight is ``in_flight`` (the loop passes it to the policies, so that a source is not
-chosen again while it still moves requests).
+Which pairs have a call in flight is ``in_flight`` ((source, destination) ids; the loop passes them to the policies,
+so that a source is not chosen again while it still moves requests, nor the reverse of a running pair).
 
 Owns nothing but the calls it makes; imports ``components.runtime``'s client API and the protocol, no mesh client.
 """
@@ -174,13 +174,17 @@ class MigrationExecutor:
             raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
         self.client = client
         self.call_timeout_s = call_timeout_s
-        self._in_flight: dict[int, int] = {}  # source id -> calls in flight
+        self._in_flight: dict[tuple[int, int], int] = {}  # (source, destination) -> calls in flight
         self.totals: dict[str, ExecutionCounts] = {}  # by policy, since start
 
     @property
-    def in_flight(self) -> frozenset[int]:
-        """Sources with a ``migrate`` call in flight."""
+    def in_flight(self) -> frozenset[tuple[int, int]]:
+        """(source, destination) of every ``migrate`` call in flight."""
         return frozenset(self._in_flight)
+
+    @property
+    def in_flight_sources(self) -> frozenset[int]:
+        return frozenset(src for src, _ in self._in_flight)
 
     async def execute(self, orders: Sequence[MigrationOrder]) -> list[PairResult]:
         """Run every order concurrently; returns one result per order, in order. Never raises for a pair's failure;
@@ -193,8 +197,8 @@ class MigrationExecutor:
         return list(results)
 
     async def _one(self, order: MigrationOrder) -> PairResult:
-        src = order.source_id
-        self._in_flight[src] = self._in_flight.get(src, 0) + 1
+        key = (order.source_id, order.destination_id)
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
         t0 = time.monotonic()
         reports: list[MigrationReport] = []
         try:
@@ -209,11 +213,11 @@ class MigrationExecutor:
         except (KeyError, TypeError, ValueError) as e:  # a report that does not parse (a peer of another version)
             result = PairResult(order, CallOutcome.FAILED, reports, f"bad report: {e!r}")
         finally:
-            n = self._in_flight[src] - 1
+            n = self._in_flight[key] - 1
             if n:
-                self._in_flight[src] = n
+                self._in_flight[key] = n
             else:
-                del self._in_flight[src]
+                del self._in_flight[key]
         result.duration_s = time.monotonic() - t0
         log = logger.info if result.outcome == CallOutcome.DONE else logger.warning
         log(

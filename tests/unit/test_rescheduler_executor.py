@@ -46,7 +46,7 @@ class ScriptedCaller:
         self.script = script
         self.asked: list[tuple[int, MigrateRequest]] = []
         self.streams: list[_Stream] = []
-        self.in_flight_seen: list[frozenset[int]] = []
+        self.in_flight_seen: list[frozenset[tuple[int, int]]] = []
         self.executor: MigrationExecutor | None = None
 
     async def direct(self, request: Any, instance_id: int) -> _Stream:
@@ -127,7 +127,7 @@ async def test_failures_and_timeouts_are_counted_and_never_stop_the_other_pairs(
     assert ex.in_flight == frozenset()
     # Concurrent: source 5's call was made while source 3's hung call was still in flight (one after the other, it
     # would have waited for 3's timeout first and seen nothing in flight but itself).
-    assert caller.in_flight_seen[-1] == frozenset({3, 5})
+    assert caller.in_flight_seen[-1] == frozenset({(3, 9), (5, 9)})
 
     m = ReschedulerMetrics("standalone")
     m.results(results)
@@ -153,7 +153,8 @@ async def test_a_cancelled_cycle_cancels_its_calls_and_leaves_nothing_in_flight(
     ex = MigrationExecutor(caller, call_timeout_s=60)
     task = asyncio.ensure_future(ex.execute([order(1, 3, "x"), order(2, 3, "x")]))
     await _until(lambda: len(caller.streams) == 2)
-    assert ex.in_flight == frozenset({1, 2})
+    assert ex.in_flight == frozenset({(1, 3), (2, 3)})
+    assert ex.in_flight_sources == frozenset({1, 2})
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
