@@ -44,7 +44,10 @@ IO_CLIENTS = ("nats", "aetcd", "aiohttp", "circus", "kubernetes", "kubernetes_as
 # performance model (standard library only); runtime: etcd/NATS; fleet: one view of the fleet; router and migration
 # (its per-worker agent is used by workers) sit below workers and frontend; sim runs the real policies on a virtual
 # clock; deploy (graphs, watcher plans, circus, state) is used by the planner's connectors and by the command line,
-# which imports everyone. A package named here that does not exist in a tree is harmless.
+# which imports everyone. rescheduler (5) runs fleet views (3) through the migration agent (4) with perf's (1)
+# predictions, and sim (6) must run the same cycle, so it sits between them; at the frontend's rank so that the
+# frontend cannot import it: the command line wires a colocated rescheduler into the frontend process. A package
+# named here that does not exist in a tree is harmless.
 RANKS = {
     "protocol": 0,
     "perf": 1,

@@ -1,0 +1,309 @@
+"""The rescheduler's knobs: one pydantic model, ``ReschedulerConfig``; the flags of ``kvmesh rescheduler`` (and of a
+colocated rescheduler) are derived from it by components/runtime/flags.py, so every default lives here once.
+
+Names and defaults are Llumnix's (its rescheduler and llumlet documents, ../shared/seeds/llumnix-rescheduler.txt and
+llumnix-llumlet.txt, and its scheduler's flag definitions in AlibabaPAI/llumnix ``pkg/consts``). Where the two
+disagree the field's comment says which one this takes and why; docs/rescheduler.md tabulates them.
+
+Left out: ``--standalone-rescheduling-mode`` (``kvmesh rescheduler`` is the standalone mode), the load-metric flags'
+other metrics (Llumnix's rescheduler takes only ``kv_cache_usage_ratio_projected``), ``--enable-adaptive-pd`` and
+``--scheduling-policy`` (dispatch, not rescheduling) and ``--llumlet-grpc-connection-pool-size`` (no gRPC here: the
+migration agent answers on the request plane).
+
+Pure config module (tests/unit/test_layering.py): the standard library and pydantic only, so a graph file's schema
+(components/deploy) and the simulator may import it whatever their rank; the rescheduler's policies read it (their
+own package's config, STYLE.md habit 1).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Policy(enum.StrEnum):
+    """The rescheduling policies, by Llumnix's names (pkg/consts: ``ReschedulingPolicy*``)."""
+
+    DECODE_LOAD = "decode_load"  # balance decode workers' projected KV use
+    NEUTRAL_LOAD = "neutral_load"  # balance aggregated ("neutral") workers' projected KV use
+    PREFILL_FAILOVER = "prefill_failover"  # empty failing prefill workers
+    DECODE_FAILOVER = "decode_failover"  # empty failing decode workers
+    NEUTRAL_FAILOVER = "neutral_failover"  # empty failing aggregated workers
+    BINPACKING_MITIGATION = "binpacking_mitigation"  # move decode requests off a worker above the TPOT ceiling
+    BINPACKING_CONSOLIDATION = "binpacking_consolidation"  # empty a worker below the TPOT floor into a fuller one
+
+
+class LoadBalanceScope(enum.StrEnum):
+    CLUSTER = "cluster"  # sources and destinations anywhere (one model's workers of one role)
+    UNIT = "unit"  # sources and destinations within one failure unit
+
+
+class FailoverDomain(enum.StrEnum):
+    """What fails with a failing worker (Llumnix's ``FailoverDomain*``): no destination is chosen inside it."""
+
+    INSTANCE = "instance"  # the worker itself
+    NODE = "node"  # every worker on its node
+    INSTANCE_UNIT = "instance-unit"  # every worker of its failure unit
+    NODE_UNIT = "node-unit"  # every worker of every unit that has a worker on its node
+
+
+# The migration agent's request selection (components/migration/types.py: ``SelectRule``/``SelectOrder``), its
+# readable names and the seed's abbreviations. Spelled out here because a pure config module may not import the
+# migration package; tests/unit/test_rescheduler_config.py checks both tables against it.
+SELECT_RULES = {"NUM_REQ": "num_requests", "TOKEN": "tokens", "RATIO": "kv_ratio"}
+SELECT_ORDERS = {
+    "LCR": "last_come_running",
+    "FCR": "first_come_running",
+    "LR": "longest_running",
+    "SR": "shortest_running",
+    "FCW": "first_come_waiting",
+    "FCWSR": "first_come_waiting_then_shortest_running",
+}
+
+# Llumnix's default policy list (its flag's default in both the document and the code).
+DEFAULT_POLICIES = (
+    Policy.DECODE_LOAD,
+    Policy.PREFILL_FAILOVER,
+    Policy.DECODE_FAILOVER,
+    Policy.NEUTRAL_FAILOVER,
+)
+
+
+def _canonical(kind: str, table: dict[str, str], text: str) -> str:
+    key = text.strip()
+    if key.upper() in table:
+        return table[key.upper()]
+    if key.lower() in table.values():
+        return key.lower()
+    names = ", ".join([*table.values(), *table])
+    raise ValueError(f"unknown {kind} {text!r}; known: {names}")
+
+
+class ReschedulerConfig(BaseModel):
+    """How the rescheduler decides: which policies run, how often, their thresholds and what a pair moves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enable_rescheduling: bool = Field(
+        default=False,
+        description="Run the rescheduler at all (Llumnix's switch): a frontend with --colocated-rescheduling-mode "
+        "and a graph's rescheduler: section run it only when this is on.",
+    )
+    colocated_rescheduling_mode: bool = Field(
+        default=False,
+        description="Run the rescheduler inside the frontend process (Llumnix: inside the scheduler) rather than as "
+        "its own process (kvmesh rescheduler).",
+    )
+    rescheduling_interval_ms: int = Field(
+        default=500,
+        gt=0,
+        description="Milliseconds between two cycles; each cycle reads the fleet view, runs every policy and starts "
+        "the migrations it chose. Llumnix suggests 100 for the bin-packing policies.",
+    )
+    rescheduling_policies: list[Policy] = Field(
+        default_factory=lambda: list(DEFAULT_POLICIES),
+        description="The policies a cycle runs, in this order (a pair an earlier policy chose wins over a "
+        "conflicting later one): decode_load, neutral_load, prefill_failover, decode_failover, neutral_failover, "
+        "binpacking_mitigation, binpacking_consolidation.",
+    )
+    rescheduling_decode_load_metric: Literal["kv_cache_usage_ratio_projected"] = Field(
+        default="kv_cache_usage_ratio_projected",
+        description="Load metric of decode_load: projected KV use, (blocks in use + blocks the waiting requests will "
+        "need) / total blocks (components/rescheduler/policies/load.py). The only one Llumnix's rescheduler takes.",
+    )
+    rescheduling_neutral_load_metric: Literal["kv_cache_usage_ratio_projected"] = Field(
+        default="kv_cache_usage_ratio_projected",
+        description="Load metric of neutral_load (as --rescheduling-decode-load-metric).",
+    )
+    rescheduling_decode_load_threshold: float = Field(
+        default=1.0,
+        gt=0,
+        description="decode_load, cluster scope: decode workers whose projected KV use is at or above this are "
+        "sources, those below it destinations. Projected use may pass 1 (waiting demand beyond the free blocks).",
+    )
+    rescheduling_neutral_load_threshold: float = Field(
+        default=1.0,
+        gt=0,
+        description="neutral_load, cluster scope: the same threshold for aggregated workers.",
+    )
+    # Llumnix's document says 0.0, its code (pkg/consts DefaultReschedulingLoadBalanceThreshold) 0.01. 0.01 taken: in
+    # unit scope no load threshold separates sources from destinations, and at 0 two workers 0.001 apart would make
+    # a pair every 500 ms cycle, moving 1,024 tokens back and forth for a difference of one block in a thousand.
+    rescheduling_load_balance_threshold: float = Field(
+        default=0.01,
+        ge=0,
+        lt=1,
+        description="decode_load/neutral_load make a pair only when the source's projected KV use exceeds the "
+        "destination's by more than this (a fraction of KV blocks).",
+    )
+    rescheduling_load_balance_scope: LoadBalanceScope = Field(
+        default=LoadBalanceScope.CLUSTER,
+        description="cluster: balance across all workers of a model and role, sources at or above the load "
+        "threshold to destinations below it; unit: balance within each failure unit, at any load (no threshold, "
+        "as in Llumnix): the unit's most loaded worker to its least loaded, and so on inwards.",
+    )
+    instance_staleness_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="A worker whose last load report is older than this many seconds is failing: the failover "
+        "policies empty it and no policy sends requests to it (Llumnix's default 60).",
+    )
+    # Llumnix's document says instance, its code (DefaultFailoverDomain) instance-unit. instance taken: kvmesh's unit
+    # is the worker's node unless the deployment labels one (components/fleet/model.py), so instance-unit would fence
+    # off the failing worker's whole node, and on a one-node deployment (every `kvmesh serve` here) leave no
+    # destination at all.
+    failover_domain: FailoverDomain = Field(
+        default=FailoverDomain.INSTANCE,
+        description="What is presumed to fail with a failing worker; no policy chooses a destination inside it: "
+        "instance (the worker), node (its node), instance-unit (its failure unit), node-unit (every unit with a "
+        "worker on its node).",
+    )
+    # Llumnix's document says 50 ms (its adaptive PD example), its code (DefaultTpotSlo) 125. 50 taken: the
+    # documented examples (ceiling 47.5 ms, dispatch 42.5 ms, floor 30 ms) are computed from it.
+    tpot_slo: float = Field(
+        default=50.0,
+        gt=0,
+        description="Target time per output token, in milliseconds, that the bin-packing policies compare each "
+        "worker's predicted TPOT with.",
+    )
+    tpot_slo_dispatch_threshold: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="Fraction of --tpot-slo below which a worker's predicted TPOT makes it a bin-packing "
+        "destination (0.85 x 50 = 42.5 ms).",
+    )
+    tpot_migrate_out_ceil_threshold: float = Field(
+        default=0.95,
+        gt=0,
+        le=1,
+        description="binpacking_mitigation: a worker whose predicted TPOT is at or above this fraction of --tpot-slo "
+        "is a source (0.95 x 50 = 47.5 ms).",
+    )
+    # Llumnix's document and its current code say 0.60; an earlier version of the code said 0.50.
+    tpot_migrate_out_floor_threshold: float = Field(
+        default=0.60,
+        gt=0,
+        le=1,
+        description="binpacking_consolidation: a worker running decode requests whose predicted TPOT is below this "
+        "fraction of --tpot-slo is a source, emptied into the fullest destination (0.60 x 50 = 30 ms).",
+    )
+    rescheduling_req_select_rule: str = Field(
+        default="tokens",
+        description="What a load-balancing or mitigation migration's budget counts: num_requests (NUM_REQ), tokens "
+        "(TOKEN) or kv_ratio (RATIO, a fraction of the source's KV capacity); Llumnix's abbreviations are accepted. "
+        "Failover empties a worker (every request) and consolidation moves all its running requests, whatever this.",
+    )
+    rescheduling_req_select_order: str = Field(
+        default="shortest_running",
+        description="Which requests a migration takes first: last_come_running (LCR), first_come_running (FCR), "
+        "longest_running (LR), shortest_running (SR), first_come_waiting (FCW), "
+        "first_come_waiting_then_shortest_running (FCWSR). The bin-packing policies move decode requests only and "
+        "take SR in place of FCW/FCWSR.",
+    )
+    # Llumnix's document and current code say 1024; an earlier version of the code said 1 (one token: with TOKEN,
+    # the single shortest request).
+    rescheduling_req_select_value: float = Field(
+        default=1024,
+        description="The budget's size: requests (-1: all), tokens, or a fraction 0..1 of the KV capacity.",
+    )
+    # Llumnix: --llumlet-grpc-timeout-seconds, 5 in the document (-1, no timeout, in the code). 5 taken: a call with
+    # no bound would hold a cycle's source forever when its worker hangs mid-migration.
+    rescheduling_migrate_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Longest wait for one migrate call (a source worker's agent selecting and moving requests) "
+        "before it counts as failed; the cycle's other migrations go on.",
+        json_schema_extra={"cli_aliases": ["--llumlet-grpc-timeout-seconds"]},
+    )
+    rescheduling_max_migrations_per_source: int = Field(
+        default=1,
+        ge=1,
+        description="Migrations one source worker takes part in at once, over all policies and those still running "
+        "from earlier cycles (Llumnix: one). A worker's agent runs max_migration_concurrency migrations at once "
+        "(default 1) and queues the rest.",
+    )
+
+    @field_validator("rescheduling_policies", mode="before")
+    @classmethod
+    def _known_policies(cls, value: object) -> object:
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list | tuple):
+            return value
+        out: list[str] = []
+        for raw in names:
+            if isinstance(raw, Policy):
+                name = raw.value
+            elif isinstance(raw, str):
+                name = raw.strip().lower()
+            else:
+                raise ValueError(f"a rescheduling policy is a name, got {raw!r}")
+            if name not in {p.value for p in Policy}:
+                known = ", ".join(p.value for p in Policy)
+                raise ValueError(f"unknown rescheduling policy {raw!r}; known: {known}")
+            if name in out:
+                raise ValueError(f"rescheduling policy {name!r} is listed twice")
+            out.append(name)
+        return out
+
+    @field_validator("rescheduling_req_select_rule", mode="before")
+    @classmethod
+    def _rule(cls, value: object) -> object:
+        return _canonical("request select rule", SELECT_RULES, value) if isinstance(value, str) else value
+
+    @field_validator("rescheduling_req_select_order", mode="before")
+    @classmethod
+    def _order(cls, value: object) -> object:
+        return _canonical("request select order", SELECT_ORDERS, value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> ReschedulerConfig:
+        for name in (
+            "rescheduling_decode_load_threshold",
+            "rescheduling_neutral_load_threshold",
+            "tpot_slo",
+            "rescheduling_req_select_value",
+        ):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        floor, dispatch, ceil = (
+            self.tpot_migrate_out_floor_threshold,
+            self.tpot_slo_dispatch_threshold,
+            self.tpot_migrate_out_ceil_threshold,
+        )
+        # A floor at or above the dispatch threshold would let consolidation pick a source that is also a
+        # destination candidate of its own kind; a dispatch threshold at or above the ceiling would let mitigation
+        # move requests onto a worker that is itself above the ceiling after one more step.
+        if not floor < dispatch < ceil:
+            raise ValueError(
+                f"the TPOT thresholds must be ordered floor < dispatch < ceiling, got "
+                f"tpot_migrate_out_floor_threshold {floor}, tpot_slo_dispatch_threshold {dispatch}, "
+                f"tpot_migrate_out_ceil_threshold {ceil}"
+            )
+        value, rule = self.rescheduling_req_select_value, self.rescheduling_req_select_rule
+        if rule == "num_requests" and not (value == -1 or (value >= 1 and value == int(value))):
+            raise ValueError(f"rescheduling_req_select_value for num_requests is a count >= 1 or -1, got {value:g}")
+        if rule == "tokens" and value < 1:
+            raise ValueError(f"rescheduling_req_select_value for tokens must be >= 1, got {value:g}")
+        if rule == "kv_ratio" and not 0 < value <= 1:
+            raise ValueError(f"rescheduling_req_select_value for kv_ratio lies in (0, 1], got {value:g}")
+        return self
+
+    @property
+    def interval_s(self) -> float:
+        return self.rescheduling_interval_ms / 1000.0
+
+    @property
+    def tpot_ceiling_ms(self) -> float:
+        return self.tpot_slo * self.tpot_migrate_out_ceil_threshold
+
+    @property
+    def tpot_dispatch_ms(self) -> float:
+        return self.tpot_slo * self.tpot_slo_dispatch_threshold
+
+    @property
+    def tpot_floor_ms(self) -> float:
+        return self.tpot_slo * self.tpot_migrate_out_floor_threshold
