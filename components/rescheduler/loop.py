@@ -3,8 +3,8 @@ snapshot in, validated migration pairs out):
 
 - every ``rescheduling_interval_ms`` one cycle: a snapshot of its fleet view (``components.fleet.live.LiveFleet``:
   membership watched in etcd, the ``load_metrics`` and ``worker_status`` topics, stamped with the rescheduler's
-  clock, as the planner reads it), the plan (``CyclePlanner``: the policies' ``plan_cycle`` over the snapshot's
-  instance views, given the sources that still have a migration in flight), then the pairs run concurrently
+  clock, as the planner reads it), the plan (``CyclePlanner``; ``policy_planner``: the policies' ``plan_cycle``
+  over the snapshot's instance views, given the migrations still in flight), then the pairs run concurrently
   through the sources' ``migrate`` endpoints (``MigrationExecutor``, each call under the per-call timeout). A pair
   whose source has a call in flight is dropped, whatever the plan said. The loop awaits its pairs before the next
   cycle: cycles never overlap; one that overran skips the slots it missed rather than bunching cycles together;
@@ -36,6 +36,7 @@ from typing import Any
 
 from components.fleet.live import LiveFleet
 from components.fleet.model import FleetSnapshot
+from components.rescheduler.config import ReschedulerConfig
 from components.rescheduler.executor import (
     MigrationExecutor,
     MigrationOrder,
@@ -45,7 +46,9 @@ from components.rescheduler.executor import (
     totals_to_dict,
 )
 from components.rescheduler.metrics import MetricsServer, ReschedulerMetrics
+from components.rescheduler.policies import plan_cycle
 from components.rescheduler.status import status_key
+from components.rescheduler.views import instance_views
 from components.runtime import Client, Runtime, RuntimeMeshError
 
 logger = logging.getLogger(__name__)
@@ -57,10 +60,11 @@ STATUS_REPEAT_S = 5.0
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RejectedPair:
-    """A candidate pair the policies' validation refused, and why."""
+    """A candidate pair a policy or the cycle's validation refused, and why (``destination_id`` None: no
+    destination was found)."""
 
     source_id: int
-    destination_id: int
+    destination_id: int | None
     policy: str
     reason: str
 
@@ -81,8 +85,33 @@ class CycleDecision:
     rejected: tuple[RejectedPair, ...] = ()
 
 
-# snapshot, sources with a migration in flight -> decision (the policies; components/rescheduler/cycle.py).
-CyclePlanner = Callable[[FleetSnapshot, frozenset[int]], CycleDecision]
+# snapshot, (source, destination) of the migrations in flight -> decision (``policy_planner``: the policies).
+CyclePlanner = Callable[[FleetSnapshot, frozenset[tuple[int, int]]], CycleDecision]
+
+
+def policy_planner(config: ReschedulerConfig) -> CyclePlanner:
+    """The policies' cycle as the loop calls it: the snapshot's instance views (views.py) through ``plan_cycle``
+    (policies/cycle.py, the same function the simulator calls), its pairs as the executor's orders (each asks the
+    source's agent for the pair's selection, ``trigger`` = the policy)."""
+
+    def plan(snapshot: FleetSnapshot, in_flight: frozenset[tuple[int, int]]) -> CycleDecision:
+        cycle = plan_cycle(instance_views(snapshot), config, sorted(in_flight))
+        orders = tuple(
+            MigrationOrder(
+                source_id=p.source_id,
+                destination_id=p.destination_id,
+                policy=str(p.policy),
+                reason=p.reason,
+                select_rule=p.select_rule,
+                select_order=p.select_order,
+                select_value=p.select_value,
+            )
+            for p in cycle.pairs
+        )
+        rejected = tuple(RejectedPair(r.source_id, r.destination_id, str(r.policy), r.reason) for r in cycle.rejected)
+        return CycleDecision(orders, rejected)
+
+    return plan
 
 
 @dataclasses.dataclass(slots=True)
@@ -162,7 +191,8 @@ class Rescheduler:
         self.cycle_done = asyncio.Event()  # set after every cycle (tests and embedders wait on it)
 
     @property
-    def in_flight(self) -> frozenset[int]:
+    def in_flight(self) -> frozenset[tuple[int, int]]:
+        """(source, destination) of the migrate calls in flight."""
         return frozenset() if self.executor is None else self.executor.in_flight
 
     # --- life -------------------------------------------------------------------------------------------------------
@@ -253,8 +283,10 @@ class Rescheduler:
         in_flight = self.executor.in_flight
         decision = self.plan(snapshot, in_flight)
         plan_s = time.monotonic() - t0
-        orders = [o for o in decision.orders if o.source_id not in in_flight]
-        skipped = [o for o in decision.orders if o.source_id in in_flight]
+        # The policies were told; a plan that still names a busy source is not run (one migrate call per source).
+        busy = {src for src, _ in in_flight}
+        orders = [o for o in decision.orders if o.source_id not in busy]
+        skipped = [o for o in decision.orders if o.source_id in busy]
         record = CycleRecord(
             number=self.num_cycles,
             walltime=time.time(),
@@ -300,7 +332,7 @@ class Rescheduler:
             "num_cycles": self.num_cycles,
             "pairs_by_policy": dict(sorted(self.pairs_by_policy.items())),
             "totals": totals,
-            "in_flight": sorted(self.in_flight),
+            "in_flight": [list(p) for p in sorted(self.in_flight)],
             "last_cycle": None if self.last_cycle is None else self.last_cycle.to_dict(),
             "metrics_url": self.metrics_url,
         }

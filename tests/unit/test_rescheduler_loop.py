@@ -60,9 +60,9 @@ async def test_cycles_never_overlap_and_the_last_cycle_and_the_status_say_what_m
     # Each migration takes 3 intervals: a loop that started cycles on the clock would overlap them.
     sources = Sources(hold_s=0.15)
     await start_sources(mesh, sources)
-    plans: list[tuple[float, frozenset[int]]] = []
+    plans: list[tuple[float, frozenset[tuple[int, int]]]] = []
 
-    def plan(snapshot: FleetSnapshot, in_flight: frozenset[int]) -> CycleDecision:
+    def plan(snapshot: FleetSnapshot, in_flight: frozenset[tuple[int, int]]) -> CycleDecision:
         plans.append((asyncio.get_running_loop().time(), in_flight))
         if len(plans) > 3:
             return CycleDecision()
@@ -112,7 +112,7 @@ async def test_the_status_key_holds_the_last_cycle_and_goes_with_the_lease() -> 
     await start_sources(mesh, sources)
     asked = []
 
-    def plan(snapshot: FleetSnapshot, in_flight: frozenset[int]) -> CycleDecision:
+    def plan(snapshot: FleetSnapshot, in_flight: frozenset[tuple[int, int]]) -> CycleDecision:
         asked.append(1)
         return CycleDecision(
             orders=(MigrationOrder(2, 1, "decode_failover", reason="stale"),) if len(asked) == 1 else ()
