@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 # The status key is rewritten at least this often, so ``kvmesh status`` can tell a live rescheduler that has had
 # nothing to do (its ``walltime`` is recent) from one that is stuck.
 STATUS_REPEAT_S = 5.0
+# Cycles that ran pairs kept in ``Rescheduler.history``: at 2 cycles a second, the last half minute or more.
+HISTORY = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -185,10 +187,25 @@ class Rescheduler:
         self.metrics_url = ""
         self.num_cycles = 0
         self.last_cycle: CycleRecord | None = None  # the last one that chose or refused a pair
+        # The latest cycles that ran pairs, oldest first (tests, embedders; the status shows the last only).
+        self.history: collections.deque[CycleRecord] = collections.deque(maxlen=HISTORY)
         self.pairs_by_policy: collections.Counter[str] = collections.Counter()
         self._loop_task: asyncio.Task[None] | None = None
         self._status_at = -math.inf
         self.cycle_done = asyncio.Event()  # set after every cycle (tests and embedders wait on it)
+
+    @classmethod
+    def from_config(cls, runtime: Runtime, namespace: str, config: ReschedulerConfig, **kw: Any) -> Rescheduler:
+        """A rescheduler running the policies of ``config`` (``policy_planner``) at its interval and call timeout."""
+        return cls(
+            runtime,
+            namespace,
+            policy_planner(config),
+            interval_s=config.interval_s,
+            call_timeout_s=config.rescheduling_migrate_timeout_s,
+            policies=[str(p) for p in config.rescheduling_policies],
+            **kw,
+        )
 
     @property
     def in_flight(self) -> frozenset[tuple[int, int]]:
@@ -308,6 +325,7 @@ class Rescheduler:
             )
             record.results = await self.executor.execute(orders)
             self.metrics.results(record.results)
+            self.history.append(record)
         record.duration_s = time.monotonic() - t0
         chose = bool(orders or decision.rejected or skipped)
         if chose:
