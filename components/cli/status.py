@@ -191,7 +191,8 @@ def attach_reschedulers(rows: Sequence[dict[str, Any]], reschedulers: Sequence[M
 
 def format_rescheduler(p: Mapping[str, Any], now: float) -> str:
     """One rescheduler's status as a line: where it runs, its last cycle that chose or refused a pair (each pair
-    with its outcome and reason, the refused candidates), and its totals by policy."""
+    with its outcome and reason, the refused candidates), the last that ran pairs when that is an earlier one, and
+    its totals by policy."""
     policies = ", ".join(str(x) for x in p.get("policies") or []) or "-"
     extra = f", metrics {p['metrics_url']}" if p.get("metrics_url") else ""
     interval = p.get("interval_ms")
@@ -200,22 +201,10 @@ def format_rescheduler(p: Mapping[str, Any], now: float) -> str:
     parts = [f"{p.get('num_cycles', 0)} cycles"]
     last = p.get("last_cycle")
     if last:
-        when = last.get("walltime")
-        ago = f" {format_age(max(0.0, now - when))} ago" if isinstance(when, int | float) else ""
-        pairs = [
-            f"{x['policy']} {int(x['source']):x} -> {int(x['destination']):x} {x['outcome']}"
-            f" ({x['committed']} committed, {x['aborted']} aborted{', ' + x['error'] if x.get('error') else ''})"
-            + (f" [{x['reason']}]" if x.get("reason") else "")
-            for x in last.get("pairs", [])
-        ]
-        rejected = [
-            f"{x['policy']} {int(x['source']):x} -> {int(x['destination']):x}: {x['reason']}"
-            for x in last.get("rejected", [])
-        ]
-        text = f"last cycle #{last.get('number', '?')}{ago}: " + ("; ".join(pairs) or "no pair")
-        if rejected:
-            text += "; refused " + "; ".join(rejected)
-        parts.append(text)
+        parts.append(_cycle_text("last cycle", last, now))
+        moved = p.get("last_pairs_cycle")
+        if moved and moved.get("number") != last.get("number"):
+            parts.append(_cycle_text("last pairs", moved, now))
     else:
         parts.append("no pair chosen yet")
     totals = p.get("totals") or {}
@@ -230,6 +219,25 @@ def format_rescheduler(p: Mapping[str, Any], now: float) -> str:
             )
         )
     return f"{head} " + "; ".join(parts)
+
+
+def _cycle_text(what: str, cycle: Mapping[str, Any], now: float) -> str:
+    """One recorded cycle: its pairs with their outcomes and reasons, then the candidates refused."""
+    when = cycle.get("walltime")
+    ago = f" {format_age(max(0.0, now - when))} ago" if isinstance(when, int | float) else ""
+    pairs = [
+        f"{x['policy']} {int(x['source']):x} -> {int(x['destination']):x} {x['outcome']}"
+        f" ({x['committed']} committed, {x['aborted']} aborted{', ' + x['error'] if x.get('error') else ''})"
+        + (f" [{x['reason']}]" if x.get("reason") else "")
+        for x in cycle.get("pairs", [])
+    ]
+    rejected = [
+        f"{x['policy']} {int(x['source']):x} -> "
+        f"{'-' if x.get('destination') is None else format(int(x['destination']), 'x')}: {x['reason']}"
+        for x in cycle.get("rejected", [])
+    ]
+    text = f"{what} #{cycle.get('number', '?')}{ago}: " + ("; ".join(pairs) or "no pair")
+    return text + ("; refused " + "; ".join(rejected) if rejected else "")
 
 
 def planner_rows_of(namespace: str, values: Any) -> list[dict[str, Any]]:

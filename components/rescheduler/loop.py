@@ -352,6 +352,7 @@ class Rescheduler:
             "totals": totals,
             "in_flight": [list(p) for p in sorted(self.in_flight)],
             "last_cycle": None if self.last_cycle is None else self.last_cycle.to_dict(),
+            "last_pairs_cycle": self.history[-1].to_dict() if self.history else None,
             "metrics_url": self.metrics_url,
         }
 

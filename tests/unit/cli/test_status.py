@@ -230,7 +230,8 @@ def test_a_rescheduler_line_says_its_last_cycle_with_each_pair_and_refusal_and_i
     order = MigrationOrder(0xA1, 0xB2, "decode_failover", reason="unschedulable: draining")
     reports = [MigrationReport("r1", "committed", mode="live"), MigrationReport("r2", "aborted_by_source")]
     result = PairResult(order, CallOutcome.DONE, reports)
-    record = CycleRecord(7, NOW - 75, 0.0, 3, [result], (RejectedPair(0xB2, 0xA1, "decode_load", "reverse pair"),), [])
+    refused = (RejectedPair(0xB2, 0xA1, "decode_load", "reverse pair"), RejectedPair(0xC3, None, "decode_load", "none"))
+    record = CycleRecord(7, NOW - 75, 0.0, 3, [result], refused, [])
     status = {
         "where": "standalone",
         "interval_ms": 500.0,
@@ -244,7 +245,20 @@ def test_a_rescheduler_line_says_its_last_cycle_with_each_pair_and_refusal_and_i
     assert format_rescheduler(row, NOW) == (
         "ns: rescheduler (standalone, every 500 ms, policies decode_failover, decode_load): 40 cycles; "
         "last cycle #7 1m15s ago: decode_failover a1 -> b2 done (1 committed, 1 aborted) [unschedulable: draining]; "
-        "refused decode_load b2 -> a1: reverse pair; totals decode_failover 1 committed/3 attempted (1 failed)"
+        "refused decode_load b2 -> a1: reverse pair; decode_load c3 -> -: none; "
+        "totals decode_failover 1 committed/3 attempted (1 failed)"
+    )
+    # A later cycle that only refused: the last one that ran pairs is shown too.
+    later = CycleRecord(9, NOW - 5, 0.0, 3, [], refused[1:], []).to_dict()
+    [row] = rescheduler_rows_of(
+        "ns", [json.dumps(status | {"last_cycle": later, "last_pairs_cycle": record.to_dict()})]
+    )
+    assert format_rescheduler(row, NOW) == (
+        "ns: rescheduler (standalone, every 500 ms, policies decode_failover, decode_load): 40 cycles; "
+        "last cycle #9 5s ago: no pair; refused decode_load c3 -> -: none; "
+        "last pairs #7 1m15s ago: decode_failover a1 -> b2 done (1 committed, 1 aborted) [unschedulable: draining]; "
+        "refused decode_load b2 -> a1: reverse pair; decode_load c3 -> -: none; "
+        "totals decode_failover 1 committed/3 attempted (1 failed)"
     )
     idle = {**status, "last_cycle": None, "totals": {}}
     [row] = rescheduler_rows_of("ns", [json.dumps(idle).encode()])
