@@ -183,7 +183,7 @@ class ReschedulerConfig(BaseModel):
         description="binpacking_mitigation: a worker whose predicted TPOT is at or above this fraction of --tpot-slo "
         "is a source (0.95 x 50 = 47.5 ms).",
     )
-    # Llumnix's document and its current code say 0.60; an earlier version of the code said 0.50.
+    # Llumnix's document says 0.60, as does one version of its code; another version says 0.50.
     tpot_migrate_out_floor_threshold: float = Field(
         default=0.60,
         gt=0,
@@ -204,7 +204,7 @@ class ReschedulerConfig(BaseModel):
         "first_come_waiting_then_shortest_running (FCWSR). The bin-packing policies move decode requests only and "
         "take SR in place of FCW/FCWSR.",
     )
-    # Llumnix's document and current code say 1024; an earlier version of the code said 1 (one token: with TOKEN,
+    # Llumnix's document says 1024, as does one version of its code; another says 1 (one token: with TOKEN,
     # the single shortest request).
     rescheduling_req_select_value: float = Field(
         default=1024,
