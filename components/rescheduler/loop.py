@@ -192,7 +192,6 @@ class Rescheduler:
         self.pairs_by_policy: collections.Counter[str] = collections.Counter()
         self._loop_task: asyncio.Task[None] | None = None
         self._status_at = -math.inf
-        self.cycle_done = asyncio.Event()  # set after every cycle (tests and embedders wait on it)
 
     @classmethod
     def from_config(cls, runtime: Runtime, namespace: str, config: ReschedulerConfig, **kw: Any) -> Rescheduler:
@@ -332,8 +331,6 @@ class Rescheduler:
             self.last_cycle = record
         if chose or time.monotonic() - self._status_at >= STATUS_REPEAT_S:
             await self._publish_status()
-        self.cycle_done.set()
-        self.cycle_done.clear()
         return record
 
     # --- status -----------------------------------------------------------------------------------------------------
