@@ -39,9 +39,14 @@ COMMANDS = (
         run="stop_main",
     ),
     Command("logs", "components.cli.logs", "print or follow (-f) a served component's log, state/logs/NAME.log"),
-    Command("frontend", "components.frontend.main", "serve the OpenAI API for a namespace's workers (from etcd)"),
+    Command(
+        "frontend",
+        "components.cli.frontend",
+        "serve the OpenAI API for a namespace's workers (from etcd); --colocated-rescheduling-mode: and reschedule",
+    ),
     Command("router", "components.router.main", "a standalone router: serves 'route'/'report' for a namespace"),
     Command("planner", "components.planner.main", "scale prefill/decode pools on KV use and the prefill queue"),
+    Command("rescheduler", "components.cli.rescheduler", "move running requests between workers (Llumnix's policies)"),
     Command("profile", "components.cli.profile", "measure an engine's step times into a profile (JSON + PNG)"),
     Command(
         "simulate", "components.cli.simulate", "what-if: a graph's fleet and router replayed on a trace, simulated"

@@ -32,6 +32,13 @@ planner runs for the model (its status at ``kvmesh/<ns>/planner/status/<model>``
 ``NS: planner MODEL (local connector, metrics URL): ...`` with its last decision, how long ago, each pool's decision
 with its reason, the changes in progress and the last change that failed. In ``--json`` a worker row of such a model
 carries ``planner`` (that status as the planner published it).
+
+Reschedulers: one line per rescheduler running for a namespace (standalone, or colocated in a frontend; each puts its
+status at ``kvmesh/<ns>/rescheduler/status/<lease>``, components/rescheduler/status.py), ``NS: rescheduler
+(standalone, every 500 ms, policies ...): N cycles; last cycle #K T ago: POLICY SRC -> DST OUTCOME ...`` with the
+last cycle that chose or refused a pair (each pair's outcome and reason, the candidates refused and why) and the
+totals by policy. In ``--json`` a worker row of that namespace carries ``reschedulers`` (their statuses as
+published).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from components.planner.status import status_prefix
 from components.protocol.endpoints import TOPIC_LOAD_METRICS, TOPIC_PREFILL_QUEUE
 from components.protocol.messages import LoadSnapshot
 from components.protocol.metadata import RemotePrefillMode, WorkerMetadata, WorkerRole
+from components.rescheduler.status import status_prefix as rescheduler_status_prefix
 from components.runtime import EventSubscription, InstanceInfo, Runtime, RuntimeConfig, RuntimeMeshError
 
 
@@ -128,10 +136,14 @@ class Heard:
 
 
 async def collect(
-    cfg: RuntimeConfig, namespaces: Sequence[str], load_wait_s: float
+    cfg: RuntimeConfig,
+    namespaces: Sequence[str],
+    load_wait_s: float,
+    reschedulers: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(one row per instance id: its endpoints, metadata, latest load and age; one row per prefill queue heard; one
-    planner status per (namespace, model) a planner publishes)."""
+    planner status per (namespace, model) a planner publishes). Given ``reschedulers``, the reschedulers' published
+    statuses are appended to it (and attached to the worker rows of their namespace)."""
     rt = await Runtime.connect(cfg, name="kvmesh-status")
     try:
         prefixes = [f"kvmesh/{ns}/instances/" for ns in namespaces] or ["kvmesh/"]
@@ -143,6 +155,9 @@ async def collect(
         for ns in sorted(set(namespaces) | {i.namespace for i in infos}):
             listing = await rt.discovery.get_prefix(status_prefix(ns))
             planners += planner_rows_of(ns, listing.values())
+            if reschedulers is not None:
+                listing = await rt.discovery.get_prefix(rescheduler_status_prefix(ns))
+                reschedulers += rescheduler_rows_of(ns, listing.values())
         heard = await _listen(rt, sorted({i.namespace for i in infos}), load_wait_s) if infos else Heard()
     finally:
         await rt.shutdown(drain_timeout_s=1.0)
@@ -150,7 +165,79 @@ async def collect(
     queues = queue_rows_of(rows, heard.queue_views(), heard.listened)
     attach_queues(rows, queues)
     attach_planners(rows, planners)
+    if reschedulers:
+        attach_reschedulers(rows, reschedulers)
     return rows, queues, planners
+
+
+def rescheduler_rows_of(namespace: str, values: Any) -> list[dict[str, Any]]:
+    """The reschedulers' published statuses (JSON) in ``namespace``; unreadable values are skipped."""
+    out = []
+    for raw in values:
+        with contextlib.suppress(ValueError, TypeError):
+            row = json.loads(raw)
+            if isinstance(row, dict) and "num_cycles" in row:
+                out.append({**row, "namespace": namespace})
+    return sorted(out, key=lambda r: (str(r.get("where", "")), str(r.get("walltime", ""))))
+
+
+def attach_reschedulers(rows: Sequence[dict[str, Any]], reschedulers: Sequence[Mapping[str, Any]]) -> None:
+    """Give each worker row the statuses of the reschedulers of its namespace (``reschedulers``) for ``--json``."""
+    for r in rows:
+        mine = [dict(x) for x in reschedulers if x["namespace"] == r["namespace"]]
+        if r.get("role") and mine:
+            r["reschedulers"] = mine
+
+
+def format_rescheduler(p: Mapping[str, Any], now: float) -> str:
+    """One rescheduler's status as a line: where it runs, its last cycle that chose or refused a pair (each pair
+    with its outcome and reason, the refused candidates), the last that ran pairs when that is an earlier one, and
+    its totals by policy."""
+    policies = ", ".join(str(x) for x in p.get("policies") or []) or "-"
+    extra = f", metrics {p['metrics_url']}" if p.get("metrics_url") else ""
+    interval = p.get("interval_ms")
+    every = f"every {interval:g} ms, " if isinstance(interval, int | float) else ""
+    head = f"{p['namespace']}: rescheduler ({p.get('where', '?')}, {every}policies {policies}{extra}):"
+    parts = [f"{p.get('num_cycles', 0)} cycles"]
+    last = p.get("last_cycle")
+    if last:
+        parts.append(_cycle_text("last cycle", last, now))
+        moved = p.get("last_pairs_cycle")
+        if moved and moved.get("number") != last.get("number"):
+            parts.append(_cycle_text("last pairs", moved, now))
+    else:
+        parts.append("no pair chosen yet")
+    totals = p.get("totals") or {}
+    if totals:
+        parts.append(
+            "totals "
+            + ", ".join(
+                f"{policy} {c.get('committed', 0)} committed/{c.get('attempted', 0)} attempted"
+                + (f" ({c['failed']} failed)" if c.get("failed") else "")
+                + (f" ({c['timed_out']} timed out)" if c.get("timed_out") else "")
+                for policy, c in totals.items()
+            )
+        )
+    return f"{head} " + "; ".join(parts)
+
+
+def _cycle_text(what: str, cycle: Mapping[str, Any], now: float) -> str:
+    """One recorded cycle: its pairs with their outcomes and reasons, then the candidates refused."""
+    when = cycle.get("walltime")
+    ago = f" {format_age(max(0.0, now - when))} ago" if isinstance(when, int | float) else ""
+    pairs = [
+        f"{x['policy']} {int(x['source']):x} -> {int(x['destination']):x} {x['outcome']}"
+        f" ({x['committed']} committed, {x['aborted']} aborted{', ' + x['error'] if x.get('error') else ''})"
+        + (f" [{x['reason']}]" if x.get("reason") else "")
+        for x in cycle.get("pairs", [])
+    ]
+    rejected = [
+        f"{x['policy']} {int(x['source']):x} -> "
+        f"{'-' if x.get('destination') is None else format(int(x['destination']), 'x')}: {x['reason']}"
+        for x in cycle.get("rejected", [])
+    ]
+    text = f"{what} #{cycle.get('number', '?')}{ago}: " + ("; ".join(pairs) or "no pair")
+    return text + ("; refused " + "; ".join(rejected) if rejected else "")
 
 
 def planner_rows_of(namespace: str, values: Any) -> list[dict[str, Any]]:
@@ -428,13 +515,13 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 
 async def _run(
-    args: argparse.Namespace,
+    args: argparse.Namespace, reschedulers: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
     queues: list[dict[str, Any]] = []
     planners: list[dict[str, Any]] = []
     for cfg, namespaces in targets(args):
-        more_rows, more_queues, more_planners = await collect(cfg, namespaces, args.load_wait_s)
+        more_rows, more_queues, more_planners = await collect(cfg, namespaces, args.load_wait_s, reschedulers)
         rows += more_rows
         queues += more_queues
         planners += more_planners
@@ -443,8 +530,9 @@ async def _run(
 
 
 def main(args: argparse.Namespace) -> int:
+    reschedulers: list[dict[str, Any]] = []
     try:
-        rows, queues, planners = asyncio.run(_run(args))
+        rows, queues, planners = asyncio.run(_run(args, reschedulers))
     except NothingServedError as e:
         print(f"kvmesh status: {e}")
         return e.exit_code
@@ -464,6 +552,8 @@ def main(args: argparse.Namespace) -> int:
         now = time.time()
         for p in planners:
             print(format_planner(p, now))
+        for r in reschedulers:
+            print(format_rescheduler(r, now))
         for q in queues:
             print(format_queue(q))
         states = [st for st in live_states(resolve_state_dir(args.state_dir)) if args.namespace in ("", st.namespace)]

@@ -52,8 +52,15 @@ name a model the graph's workers serve. A relative ``log_dir`` resolves against 
 it is a pure config module (standard library and pydantic only), a leaf any package may import
 (tests/unit/test_layering.py).
 
-Not in the schema yet: a rescheduler section. It is added with its component; until then a graph that has one is
-rejected as having an unknown field.
+``rescheduler`` (optional) is the rescheduler's configs, ``ReschedulerConfig`` (policies, interval, thresholds, what a
+pair moves, the call timeout) and ``ReschedulerRunConfig`` (the workers' component, Prometheus host and port), less
+``namespace`` and ``state_dir`` (serve's), plus ``graceful_timeout_s``. The section is the switch:
+``enable_rescheduling`` defaults to true in it (false keeps the section and runs nothing). With it, ``kvmesh serve``
+starts ``kvmesh rescheduler`` as one more watcher, ``<namespace>-rescheduler``; with ``colocated_rescheduling_mode:
+true`` it starts none and the frontend runs the loop instead (``kvmesh frontend --enable-rescheduling
+--colocated-rescheduling-mode`` and the section's policy fields): that needs the graph's frontend, with ``replicas:
+1``, and takes none of ``ReschedulerRunConfig``'s fields (a colocated rescheduler calls the ``backend`` workers and
+serves its metrics on a free loopback port).
 """
 
 from __future__ import annotations
@@ -86,6 +93,8 @@ from components.deploy.errors import GraphError, GraphProblem, OverrideError
 from components.frontend.config import FrontendConfig
 from components.planner.config import PlannerConfig, PlannerRunConfig, SlaPlannerConfig, policy_config
 from components.protocol.metadata import WorkerRole
+from components.rescheduler.config import ReschedulerConfig
+from components.rescheduler.run_config import ReschedulerRunConfig
 from components.runtime.config import RuntimeConfig, parse_host_port
 from components.runtime.errors import ConfigError
 from components.runtime.flags import flag_problem
@@ -305,6 +314,58 @@ class PlannerSpec(PlannerConfig, SlaPlannerConfig, PlannerRunConfig):
         return {k: getattr(self, k) for k in sorted(keys)}
 
 
+_RESCHEDULER_ELSEWHERE = {
+    "namespace": _SET_BY_GRAPH,
+    "state_dir": "the rescheduler uses kvmesh serve's own state directory",
+}
+# Where a rescheduler runs: the graph decides it from the section itself (a watcher, or the frontend).
+_RESCHEDULER_SWITCHES = {"enable_rescheduling", "colocated_rescheduling_mode"}
+
+
+class ReschedulerSpec(ReschedulerConfig, ReschedulerRunConfig):
+    """The rescheduler (``kvmesh rescheduler --help``): every ``ReschedulerConfig`` and ``ReschedulerRunConfig`` field
+    but those the graph decides, plus how the deployment runs it (module docstring)."""
+
+    model_config = _strict(ReschedulerConfig)
+
+    enable_rescheduling: bool = Field(
+        default=True,
+        description="Run the rescheduler: the section's presence turns it on; false keeps the section and runs none.",
+    )
+    graceful_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="After SIGTERM, how long the rescheduler may run before it is killed. It stops at once: a "
+        "migrate call in flight is closed, and the source's agent aborts a migration it had not committed.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _set_elsewhere(cls, data: Any) -> Any:
+        return _not_here(data, _RESCHEDULER_ELSEWHERE)
+
+    @property
+    def runs(self) -> bool:
+        return self.enable_rescheduling
+
+    @property
+    def colocated(self) -> bool:
+        return self.enable_rescheduling and self.colocated_rescheduling_mode
+
+    def component_values(self) -> dict[str, Any]:
+        """The ``kvmesh rescheduler`` options this section sets: those given."""
+        own = (set(ReschedulerConfig.model_fields) | set(ReschedulerRunConfig.model_fields)) - set(
+            _RESCHEDULER_ELSEWHERE
+        )
+        return {k: getattr(self, k) for k in sorted((self.model_fields_set & own) - _RESCHEDULER_SWITCHES)}
+
+    def colocated_values(self) -> dict[str, Any]:
+        """The ``kvmesh frontend`` options that run this section's rescheduler inside the frontend: both switches
+        and the policy fields given."""
+        given = {k: getattr(self, k) for k in sorted(self.model_fields_set & set(ReschedulerConfig.model_fields))}
+        return given | {"enable_rescheduling": True, "colocated_rescheduling_mode": True}
+
+
 class _GroupFields(BaseModel):
     """What a worker group adds to the worker's and its engine's configs: how many processes, GPUs, environment.
     (What a graph asks more of the worker's own fields than ``kvmesh worker`` does is in ``_TIGHTENED``.)"""
@@ -457,6 +518,11 @@ def planner_watcher(namespace: str) -> str:
     return f"{namespace}-planner"
 
 
+def rescheduler_watcher(namespace: str) -> str:
+    """Never a replica's name: those end in -<index>."""
+    return f"{namespace}-rescheduler"
+
+
 def replica_watcher(namespace: str, group: str, replica: int) -> str:
     """Watchers (and so log files) carry the namespace: two deployments can share a state directory."""
     return f"{namespace}-{group}-{replica}"
@@ -490,7 +556,13 @@ class Graph(_Strict):
         description="Scale the worker pools of one model on their load (kvmesh planner); absent: no planner.",
     )
 
-    @field_validator("planner", mode="before")
+    rescheduler: ReschedulerSpec | None = Field(
+        default=None,
+        description="Move running requests between workers by Llumnix's policies (kvmesh rescheduler, or inside the "
+        "frontend with colocated_rescheduling_mode); absent: no rescheduler.",
+    )
+
+    @field_validator("planner", "rescheduler", mode="before")
     @classmethod
     def _empty_planner(cls, v: Any) -> Any:
         return {} if v is None else v  # `planner:` with nothing under it: a planner with its defaults
@@ -518,7 +590,13 @@ class Graph(_Strict):
     def watcher_names(self) -> list[str]:
         front = [frontend_watcher(self.namespace)] if self.frontend.enabled else []
         planner = [planner_watcher(self.namespace)] if self.planner is not None else []
-        return front + [w for g in self.workers for w in g.watcher_names(self.namespace)] + planner
+        resched = [rescheduler_watcher(self.namespace)] if self.rescheduler_watcher_runs() else []
+        return front + [w for g in self.workers for w in g.watcher_names(self.namespace)] + planner + resched
+
+    def rescheduler_watcher_runs(self) -> bool:
+        """A ``kvmesh rescheduler`` watcher runs (a section that is on and not colocated in the frontend)."""
+        r = self.rescheduler
+        return r is not None and r.runs and not r.colocated
 
     def num_workers_expected(self) -> int:
         return sum(g.replicas * g.num_workers for g in self.workers)
@@ -657,12 +735,45 @@ def _semantic_problems(graph: Graph, base: Path) -> list[tuple[Loc, str]]:
     if graph.planner is not None:
         out += _planner_problems(graph)
         sections.append((("planner",), graph.planner, graph.planner.component_values()))
+    if graph.rescheduler is not None:
+        out += _rescheduler_problems(graph)
+        sections.append((("rescheduler",), graph.rescheduler, graph.rescheduler.component_values()))
     for loc, section, values in sections:
         for key, value in values.items():
             if value is None and type(section).model_fields[key].get_default(call_default_factory=True) is not None:
                 out.append(((*loc, key), "null cannot be passed to the component; leave it out for its default"))
             elif (why := flag_problem(key, value)) is not None:
                 out.append(((*loc, key), why.removeprefix(f"{key}: ")))
+    return out
+
+
+def _rescheduler_problems(graph: Graph) -> list[tuple[Loc, str]]:
+    """A colocated rescheduler runs in the graph's one frontend process, and takes no field of the standalone's."""
+    r = graph.rescheduler
+    assert r is not None
+    if not r.colocated:
+        return []
+    loc: Loc = ("rescheduler", "colocated_rescheduling_mode")
+    out: list[tuple[Loc, str]] = []
+    if not graph.frontend.enabled:
+        out.append((loc, "the rescheduler runs inside the frontend, and this graph runs none (frontend.enabled)"))
+    elif graph.frontend.replicas != 1:
+        n = "its default (one per two cores)" if graph.frontend.replicas is None else str(graph.frontend.replicas)
+        out.append(
+            (
+                loc,
+                f"the rescheduler runs inside one frontend process; frontend.replicas is {n}: set frontend.replicas: "
+                "1, or leave colocated_rescheduling_mode out for a rescheduler watcher of its own",
+            )
+        )
+    for key in sorted(r.model_fields_set & set(ReschedulerRunConfig.model_fields)):
+        out.append(
+            (
+                ("rescheduler", key),
+                "a colocated rescheduler does not take it (it calls the backend workers and "
+                "serves its metrics on a free loopback port)",
+            )
+        )
     return out
 
 
@@ -887,6 +998,8 @@ def _settable(model: type[BaseModel]) -> list[str]:
         elsewhere = _NAMESPACE_ELSEWHERE
     elif issubclass(model, PlannerSpec):
         elsewhere = _PLANNER_ELSEWHERE
+    elif issubclass(model, ReschedulerSpec):
+        elsewhere = _RESCHEDULER_ELSEWHERE
     names = [n for n in model.model_fields if n not in elsewhere]
     if issubclass(model, _GroupFields):
         rank = {n: i for i, n in enumerate([*_GroupFields.model_fields, *WorkerConfig.model_fields])}

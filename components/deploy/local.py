@@ -443,7 +443,7 @@ def registered_workers_by_pid(instances: Iterable[InstanceInfo]) -> dict[int, in
     return by_pid
 
 
-_SUBCOMMANDS = ("worker", "frontend", "planner")
+_SUBCOMMANDS = ("worker", "frontend", "planner", "rescheduler")
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -518,6 +518,12 @@ def ready_message(state: ServeState, state_dir: Path, elapsed_s: float) -> str:
             f"  planner   {w.name} scales {w.model} (kvmesh status shows its decisions; kvmesh logs {w.name})"
             for w in state.watchers
             if w.kind == "planner"
+        ),
+        *(
+            f"  rescheduler {w.name} moves requests between workers (kvmesh status shows its last cycle; kvmesh logs "
+            f"{w.name})"
+            for w in state.watchers
+            if w.kind == "rescheduler"
         ),
         f"  state     {state_path(state_dir, state.namespace)}",
         f"  logs      {log_dir(state_dir)}/<watcher>.log  (kvmesh logs {example} -f)",

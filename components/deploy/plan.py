@@ -5,9 +5,11 @@
   ``<namespace>-<group>-<i>``, each with its argv (``python -m components.cli.main ... worker|frontend``, every
   option derived from the graph section through ``components.runtime.flags.argv_for``), the environment kvmesh
   adds, its GPUs, its log;
-- ``plan_frontend``, ``plan_replica`` and ``plan_planner`` plan one watcher each (the planner's is
-  ``<namespace>-planner``, when the graph has a ``planner:`` section: ``kvmesh planner --environment local`` on
-  serve's state directory).
+- ``plan_frontend``, ``plan_replica``, ``plan_planner`` and ``plan_rescheduler`` plan one watcher each (the
+  planner's is ``<namespace>-planner``, when the graph has a ``planner:`` section: ``kvmesh planner --environment
+  local`` on serve's state directory; the rescheduler's ``<namespace>-rescheduler``, when the graph has a
+  ``rescheduler:`` section that is not colocated: ``kvmesh rescheduler`` on serve's state directory; a colocated one
+  adds its flags to the frontend's command instead).
 
 Used by ``kvmesh serve`` (``components.deploy.local``) and by the planner's circus connector alike.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from components.deploy.errors import GpuAssignmentError
-from components.deploy.graph import Graph, frontend_watcher, planner_watcher, replica_watcher
+from components.deploy.graph import Graph, frontend_watcher, planner_watcher, replica_watcher, rescheduler_watcher
 from components.runtime.flags import argv_for
 
 REDACTED = "<redacted>"
@@ -33,7 +35,7 @@ class WatcherPlan:
     """One watcher to start: what it runs, with which environment and GPUs, where its output goes."""
 
     name: str
-    kind: Literal["frontend", "worker", "planner"]
+    kind: Literal["frontend", "worker", "planner", "rescheduler"]
     cmd: list[str]
     env: dict[str, str]  # on top of kvmesh serve's own environment
     log: Path
@@ -112,6 +114,8 @@ def plan_frontend(
     # The frontend routes to every component the graph's workers register under, unless told otherwise.
     values.setdefault("components", list(dict.fromkeys(g.component for g in graph.workers)))
     args = ["frontend", "--namespace", graph.namespace, *runtime_argv(graph), *argv_for(values)]
+    if graph.rescheduler is not None and graph.rescheduler.colocated:
+        args += argv_for(graph.rescheduler.colocated_values())
     env = base_env(etcd_endpoints, nats_url)
     if api_key:
         # The environment, not argv: argv is world-readable in the process list (the frontend reads both).
@@ -192,6 +196,33 @@ def plan_planner(
     )
 
 
+def plan_rescheduler(
+    graph: Graph,
+    *,
+    etcd_endpoints: Sequence[str],
+    nats_url: str,
+    state_dir: Path,
+    log_dir: Path,
+    python: str = sys.executable,
+) -> WatcherPlan:
+    """The rescheduler's watcher: ``kvmesh rescheduler`` on this deployment (its state file in ``state_dir``), with
+    the graph's ``rescheduler:`` fields as flags."""
+    if graph.rescheduler is None:
+        raise ValueError(f"graph {graph.namespace!r} has no rescheduler section")
+    args = ["rescheduler", "--namespace", graph.namespace, "--state-dir", str(state_dir)]
+    args += [*runtime_argv(graph), *argv_for(graph.rescheduler.component_values())]
+    name = rescheduler_watcher(graph.namespace)
+    return WatcherPlan(
+        name=name,
+        kind="rescheduler",
+        cmd=kvmesh_argv(python, graph.log_level, *args),
+        env=base_env(etcd_endpoints, nats_url),
+        log=log_dir / f"{name}.log",
+        graceful_timeout_s=graph.rescheduler.graceful_timeout_s,
+        component=graph.rescheduler.component,
+    )
+
+
 def plan_watchers(
     graph: Graph,
     *,
@@ -203,9 +234,9 @@ def plan_watchers(
     state_dir: Path | None = None,
     python: str = sys.executable,
 ) -> list[WatcherPlan]:
-    """Every watcher of ``graph``: the frontend first, then each group's replicas in order, then the planner (it needs
-    ``state_dir``). Circus stops them all at once; the planner changes nothing once the state file says the
-    deployment is no longer ``ready`` (components/planner/connectors/local.py)."""
+    """Every watcher of ``graph``: the frontend first, then each group's replicas in order, then the planner and the
+    rescheduler (they need ``state_dir``). Circus stops them all at once; the planner changes nothing once the state
+    file says the deployment is no longer ``ready`` (components/planner/connectors/local.py)."""
     where = {"etcd_endpoints": etcd_endpoints, "nats_url": nats_url, "log_dir": log_dir, "python": python}
     plans: list[WatcherPlan] = []
     if graph.frontend.enabled:
@@ -217,4 +248,8 @@ def plan_watchers(
         if state_dir is None:
             raise ValueError("a graph with a planner section needs the state directory its planner reads")
         plans.append(plan_planner(graph, state_dir=state_dir, **where))  # type: ignore[arg-type]
+    if graph.rescheduler_watcher_runs():
+        if state_dir is None:
+            raise ValueError("a graph with a rescheduler section needs the state directory its rescheduler reads")
+        plans.append(plan_rescheduler(graph, state_dir=state_dir, **where))  # type: ignore[arg-type]
     return plans

@@ -77,11 +77,11 @@ class ProcessRecord(BaseModel):
             return False
 
 
-WatcherKind = Literal["frontend", "worker", "planner"]
+WatcherKind = Literal["frontend", "worker", "planner", "rescheduler"]
 
 
 class WatcherState(BaseModel):
-    """One circus watcher: the frontend, one worker replica, or the planner."""
+    """One circus watcher: the frontend, one worker replica, the planner or the rescheduler."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -113,6 +113,10 @@ class Worker:
             )
         # Set when it stops taking new requests (its engine died, it drains): why, for the worker_status topic.
         self.unschedulable_reason: str | None = None
+        # A fault for tests: True stops the load reports (a hung publisher, a worker cut off from the event plane)
+        # while the worker goes on serving; the fleet view then calls it stale (components/fleet/rules.py) and the
+        # rescheduler's failover moves its requests off (tests/integration/test_rescheduler.py).
+        self.load_reports_paused = False
         self._generate_served: ServedEndpoint | None = None
         self._counters_sent: dict[str, Any] | None = None
         self._counters_sent_s = 0.0
@@ -252,7 +256,9 @@ class Worker:
         interval_s = self.config.metrics_interval_ms / 1000
         while True:
             try:
-                await events.publish(TOPIC_LOAD_METRICS, self.engine.snapshot().to_dict(), source_id=self.instance_id)
+                if not self.load_reports_paused:
+                    snapshot = self.engine.snapshot().to_dict()
+                    await events.publish(TOPIC_LOAD_METRICS, snapshot, source_id=self.instance_id)
             except Exception as e:  # noqa: BLE001 - NATS reconnecting: skip this sample, the next one follows
                 logger.debug("publishing load metrics: %s", e)
             if self.unschedulable_reason is not None:

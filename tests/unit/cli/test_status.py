@@ -215,3 +215,54 @@ def test_worker_rows_of_a_planned_model_carry_the_planner_status_for_json():
     assert by_id["c"]["planner"]["connector"] == "local" and by_id["a"]["planner"]["model"] == "m"
     assert "planner" not in by_id["f"]
     json.dumps(rows)
+
+
+# -- reschedulers ----------------------------------------------------------------------------------------------------
+
+
+def test_a_rescheduler_line_says_its_last_cycle_with_each_pair_and_refusal_and_its_totals():
+    from components.cli.status import format_rescheduler, rescheduler_rows_of
+    from components.protocol.migration import MigrationReport
+    from components.rescheduler.executor import CallOutcome, ExecutionCounts, MigrationOrder, PairResult, totals_to_dict
+    from components.rescheduler.loop import CycleRecord, RejectedPair
+
+    # A cycle as the loop records it (its own to_dict), 75 s before NOW: one pair committed one of two requests.
+    order = MigrationOrder(0xA1, 0xB2, "decode_failover", reason="unschedulable: draining")
+    reports = [MigrationReport("r1", "committed", mode="live"), MigrationReport("r2", "aborted_by_source")]
+    result = PairResult(order, CallOutcome.DONE, reports)
+    refused = (RejectedPair(0xB2, 0xA1, "decode_load", "reverse pair"), RejectedPair(0xC3, None, "decode_load", "none"))
+    record = CycleRecord(7, NOW - 75, 0.0, 3, [result], refused, [])
+    status = {
+        "where": "standalone",
+        "interval_ms": 500.0,
+        "policies": ["decode_failover", "decode_load"],
+        "num_cycles": 40,
+        "totals": totals_to_dict({"decode_failover": ExecutionCounts(pairs=2, attempted=3, committed=1, failed=1)}),
+        "last_cycle": record.to_dict(),
+        "metrics_url": "",
+    }
+    [row] = rescheduler_rows_of("ns", [json.dumps(status).encode(), b"not json", b'{"no": "cycles"}'])
+    assert format_rescheduler(row, NOW) == (
+        "ns: rescheduler (standalone, every 500 ms, policies decode_failover, decode_load): 40 cycles; "
+        "last cycle #7 1m15s ago: decode_failover a1 -> b2 done (1 committed, 1 aborted) [unschedulable: draining]; "
+        "refused decode_load b2 -> a1: reverse pair; decode_load c3 -> -: none; "
+        "totals decode_failover 1 committed/3 attempted (1 failed)"
+    )
+    # A later cycle that only refused: the last one that ran pairs is shown too.
+    later = CycleRecord(9, NOW - 5, 0.0, 3, [], refused[1:], []).to_dict()
+    [row] = rescheduler_rows_of(
+        "ns", [json.dumps(status | {"last_cycle": later, "last_pairs_cycle": record.to_dict()})]
+    )
+    assert format_rescheduler(row, NOW) == (
+        "ns: rescheduler (standalone, every 500 ms, policies decode_failover, decode_load): 40 cycles; "
+        "last cycle #9 5s ago: no pair; refused decode_load c3 -> -: none; "
+        "last pairs #7 1m15s ago: decode_failover a1 -> b2 done (1 committed, 1 aborted) [unschedulable: draining]; "
+        "refused decode_load b2 -> a1: reverse pair; decode_load c3 -> -: none; "
+        "totals decode_failover 1 committed/3 attempted (1 failed)"
+    )
+    idle = {**status, "last_cycle": None, "totals": {}}
+    [row] = rescheduler_rows_of("ns", [json.dumps(idle).encode()])
+    assert format_rescheduler(row, NOW) == (
+        "ns: rescheduler (standalone, every 500 ms, policies decode_failover, decode_load): 40 cycles; "
+        "no pair chosen yet"
+    )

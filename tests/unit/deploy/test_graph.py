@@ -117,7 +117,11 @@ def test_the_planned_commands_parse_as_kvmesh_commands(graph, tmp_path):
             ":2: workerz:",
             "unknown field 'workerz'; did you mean 'workers'?; allowed here: namespace, base_dir",
         ),
-        ("namespace: t\nrescheduler: {}\n", ":2: rescheduler:", "unknown field 'rescheduler'"),
+        (
+            "namespace: t\nrescheduler: {rescheduling_intervl_ms: 3}\n",
+            ":2: rescheduler.rescheduling_intervl_ms:",
+            "unknown field 'rescheduling_intervl_ms'; did you mean 'rescheduling_interval_ms'?",
+        ),
         (
             "namespace: t\nplanner: {adjustment_intervl: 3}\n",
             ":2: planner.adjustment_intervl:",

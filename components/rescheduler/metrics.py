@@ -1,0 +1,145 @@
+"""The rescheduler's Prometheus metrics and the small HTTP server that exposes them (``GET /metrics``, loopback by
+default; port 0 = a free one, announced on the READY line and in ``kvmesh status``). A registry of its own, as the
+planner's and the frontend's: several reschedulers in one test process must not share one.
+
+Counters (``mode`` is the migration mode that ran, as the source reported it: ``live``, ``kv_transfer``,
+``recompute``; for a call that ended without a report, the mode asked for, ``auto`` when the source's own):
+
+    kvmesh_rescheduler_cycles_total{rescheduler}                                    cycles run
+    kvmesh_rescheduler_pairs_total{rescheduler,policy}                              pairs chosen (validated)
+    kvmesh_rescheduler_rejected_pairs_total{rescheduler,policy}                     candidates the validation refused
+    kvmesh_rescheduler_migrations_attempted_total{rescheduler,policy,mode}          migrations tried
+    kvmesh_rescheduler_migrations_succeeded_total{rescheduler,policy,mode}          committed
+    kvmesh_rescheduler_migrations_failed_total{rescheduler,policy,mode,outcome}     aborted, failed, timed_out
+
+and the gauge ``kvmesh_rescheduler_in_flight_sources{rescheduler}`` (sources with a ``migrate`` call in flight).
+``rescheduler`` is ``standalone`` or ``colocated``, where it runs.
+
+Imports prometheus_client and aiohttp; nothing of the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, exposition, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from components.rescheduler.executor import CallOutcome, PairResult
+
+CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
+AUTO_MODE = "auto"
+
+
+class ReschedulerMetrics:
+    """What ``/metrics`` shows for one rescheduler (module docstring)."""
+
+    def __init__(self, where: str, in_flight: Callable[[], int] = lambda: 0) -> None:
+        self.where = where
+        self.registry = CollectorRegistry()
+        labels = ["rescheduler"]
+        self.cycles = Counter("kvmesh_rescheduler_cycles", "Rescheduling cycles run", labels, registry=self.registry)
+        self.pairs = Counter(
+            "kvmesh_rescheduler_pairs", "Migration pairs chosen, by policy", [*labels, "policy"], registry=self.registry
+        )
+        self.rejected = Counter(
+            "kvmesh_rescheduler_rejected_pairs",
+            "Candidate pairs the validation refused, by policy",
+            [*labels, "policy"],
+            registry=self.registry,
+        )
+        self.attempted = Counter(
+            "kvmesh_rescheduler_migrations_attempted",
+            "Migrations tried, by policy and mode",
+            [*labels, "policy", "mode"],
+            registry=self.registry,
+        )
+        self.succeeded = Counter(
+            "kvmesh_rescheduler_migrations_succeeded",
+            "Migrations committed, by policy and mode",
+            [*labels, "policy", "mode"],
+            registry=self.registry,
+        )
+        self.failed = Counter(
+            "kvmesh_rescheduler_migrations_failed",
+            "Migrations not done, by policy, mode and outcome (aborted, failed, timed_out)",
+            [*labels, "policy", "mode", "outcome"],
+            registry=self.registry,
+        )
+        self.in_flight = in_flight
+        self.registry.register(_Gauges(self))
+
+    def cycle(self, pairs_by_policy: dict[str, int], rejected_by_policy: dict[str, int]) -> None:
+        self.cycles.labels(self.where).inc()
+        for policy, n in pairs_by_policy.items():
+            self.pairs.labels(self.where, policy).inc(n)
+        for policy, n in rejected_by_policy.items():
+            self.rejected.labels(self.where, policy).inc(n)
+
+    def results(self, results: list[PairResult]) -> None:
+        for r in results:
+            policy = r.order.policy
+            for rep in r.reports:
+                mode = rep.mode or r.order.mode or AUTO_MODE
+                self.attempted.labels(self.where, policy, mode).inc()
+                if rep.state == "committed":
+                    self.succeeded.labels(self.where, policy, mode).inc()
+                else:
+                    self.failed.labels(self.where, policy, mode, "aborted").inc()
+            if not r.reports and r.outcome != CallOutcome.DONE:
+                mode = r.order.mode or AUTO_MODE
+                self.attempted.labels(self.where, policy, mode).inc()
+                self.failed.labels(self.where, policy, mode, str(r.outcome)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Gauges(Collector):
+    def __init__(self, metrics: ReschedulerMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kvmesh_rescheduler_in_flight_sources", "Sources with a migrate call in flight", labels=["rescheduler"]
+        )
+        g.add_metric([self.m.where], float(self.m.in_flight()))
+        yield g
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (0: a free port) for one ``ReschedulerMetrics``."""
+
+    def __init__(self, metrics: ReschedulerMetrics, host: str, port: int) -> None:
+        self.metrics = metrics
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/metrics", self._handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        host, port = runner.addresses[0][:2]
+        shown = f"[{host}]" if ":" in str(host) else host
+        self.url = f"http://{shown}:{port}/metrics"
+        return self.url
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
