@@ -793,9 +793,37 @@ def test_the_fast_loop_reads_a_new_idle_worker_as_part_of_the_pool_not_as_absent
     fleet.state.apply_load(new, load(12), 32.0)
     fleet.state.apply_load(old, load(12), 32.0)
     out = ctl.pull(fleet.snapshot(32.0))
-    assert out.adjustment is not None  # 24 over 2: 12 each, over target; 4 workers step 6 each
+    assert out.adjustment is not None  # 24 over 2: 12 each, over target beyond its edge; 4 workers step 6 each
     d = out.adjustment.decisions[0]
     assert (d.direction, d.current, d.target) == (Direction.UP, 2, 4) and "batch 12 on each of 2" in d.reason
+
+
+def test_an_itl_breach_that_does_not_hold_two_pulls_running_raises_nothing():
+    """A batch at the target's edge (7 where 6 fit: one sequence fewer steps within it): over it on one pull, within
+    it on the next, over again (a pull is an instant of the batch): no raise, since no two pulls running broke the
+    target. Then two pulls running at 7: raised to 3 workers (14 over 3: 5 each)."""
+    itl = ROUND.decode_ms(6, 0) + 0.01  # ms: a batch of 6 steps within target, one of 7 does not
+    assert ROUND.decode_ms(7, 0) > itl
+    fleet = Fleet(decode=2)
+    ctl = SlaController(config(min_endpoint=2, itl=itl), MODEL)
+    pull(ctl, fleet, 0.0)
+    fleet.requests(30.0, 30.0, rate=1, isl=100, osl=100)
+    pull(ctl, fleet, 30.0)
+    ids = fleet.ids[Pool.DECODE]
+    for t, batch in ((31.0, 7), (32.0, 6), (33.0, 7), (34.0, 6)):
+        for i in ids:
+            fleet.state.apply_load(
+                i, LoadSnapshot(t, 0.1, 1000, 100, batch, 0, 0, 0, batch_size=batch, num_kv_tokens=0), t
+            )
+        out = ctl.pull(fleet.snapshot(t))
+        assert out.adjustment is None, (t, out.adjustment)
+    for t in (35.0, 36.0):
+        for i in ids:
+            fleet.state.apply_load(i, LoadSnapshot(t, 0.1, 1000, 100, 7, 0, 0, 0, batch_size=7, num_kv_tokens=0), t)
+        out = ctl.pull(fleet.snapshot(t))
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 3) and "2 pulls running" in d.reason, d.reason
 
 
 def test_decode_sizing_keeps_the_batch_within_the_workers_kv_cache():
