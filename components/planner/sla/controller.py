@@ -444,6 +444,14 @@ class SlaController:
                     p = self._worker_perf(inst)
                     steps.append(p.decode_ms(s.batch_size, s.num_kv_tokens))
                     chunk = min(s.num_waiting_prefill_tokens, max(0, p.max_num_batched_tokens - s.batch_size))
+                    if inst.meta.block_size > 0 and s.num_total_blocks > 0:
+                        # A prompt is prefilled only into free KV blocks: a worker whose cache is full steps its
+                        # decodes alone however many prompts wait (they wait for memory, not for the token
+                        # budget). Counting a chunk there read every step of a full worker as a chunk step: on the
+                        # step's plateau (8,000-token prompts) the ITL correction fell to ~0.4 and the decode pool
+                        # was sized at 1.88 workers' worth, 8 -> 6 (kvmesh bench planner --load step --seed 1).
+                        free = max(0, s.num_total_blocks - s.num_active_blocks) * inst.meta.block_size
+                        chunk = min(chunk, free)
                     full_steps.append(p.step_ms(chunk, s.batch_size, s.num_kv_tokens))
                 itl_ms = sum(steps) / len(steps)
                 step_itl_ms = sum(full_steps) / len(full_steps)

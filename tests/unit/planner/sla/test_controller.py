@@ -662,6 +662,26 @@ def test_the_predicted_itl_is_the_step_a_token_sees_prefill_chunk_included():
     assert out.adjustment is None
 
 
+def test_a_worker_whose_cache_is_full_steps_its_decodes_without_a_prefill_chunk():
+    # The worker of the test above, its 1,000-block cache (16 tokens a block) full: the 5000 queued prompt tokens wait
+    # for memory, not for the token budget, so its next step is the decode alone, 5.53 ms (the step time's decode
+    # part, as above). With 10 blocks free (160 tokens) the chunk is those 160: (10 + 0.04 x 160) + 5.53 = 21.93 ms.
+    for kv_usage, expected_s in ((1.0, 0.00553), (0.99, 0.02193)):
+        fleet = Fleet(decode=1)
+        fleet.set_load(
+            Pool.DECODE,
+            num_running=10,
+            batch_size=10,
+            num_kv_tokens=11_000,
+            num_waiting_prefill_tokens=5000,
+            num_total_blocks=1000,
+            kv_usage=kv_usage,
+        )
+        ctl = SlaController(config(itl=50.0), MODEL)
+        out = pull(ctl, fleet, 0.0)
+        assert out.sla is not None and out.sla.predicted_itl_s == pytest.approx(expected_s), kv_usage
+
+
 def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
     # Light load: no pull sees a worker decoding, but the frontends report tokens 5.053 ms apart, a lone sequence's
     # step at the mean context 1000 + 200 / 2 = 1100: 5 + 0.02 + 0.033 ms. That is the prediction, so a factor of 3
