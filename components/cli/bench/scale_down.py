@@ -1,0 +1,372 @@
+"""``kvmesh bench scale-down``: how long removing a worker with long outputs in flight takes, drain by waiting vs
+migration-assisted (issue 26; docs/rescheduler.md, "Migration-assisted scale-down").
+
+Real processes on loopback: etcd and nats-server (started here unless ``--etcd``/``--nats``), two ``kvmesh worker``
+processes of simulated engines in real time (``--speedup-ratio``), and on the migration side a ``kvmesh rescheduler``
+process with its defaults (500 ms cycles, the default policy list: the leaving aggregated worker is emptied by
+``neutral_failover``). Each round:
+
+1. start the two workers (and the rescheduler on the migration side) in a namespace of their own;
+2. stream ``--requests`` requests of ``--prompt-tokens`` + ``--output-tokens`` to the worker that will leave (a
+   scale-down picks its victim; pinning the load to it makes every request a request in flight during the
+   scale-down), and wait until each has ``--warm-tokens`` outputs;
+3. the decision: SIGTERM to the leaving worker's process, as the planner's local connector sends it a few ms after
+   its decision (components/planner/connectors/local.py, which then polls for the exit every 0.2 s and removes the
+   watcher: the same on both sides, left out here so that the figure is the worker's own, to the ms); right after,
+   ``--new-requests`` requests arrive at the staying worker (where a router sends new work during the scale-down);
+4. the scale-down time: from the SIGTERM to the process's exit (``waitpid``); then every stream is read to its end.
+
+Per round it records the scale-down time, the in-flight requests' inter-token gaps between the SIGTERM and the exit
+and their largest gap at any time after the SIGTERM (a migrated request's pause), the new requests' TTFT, and the
+failures: a stream that raised, ended short, or whose chunk positions skipped or repeated a token. Sides alternate
+ABBA (drain, migrate, migrate, drain, ...) for ``--rounds`` pairs, so a drift of the shared machine falls on both.
+JSON on stdout's last line: every round, each side's median and spread, the ratio of the medians and of each ABBA
+pair; ``--png``: the scale-down times per round.
+
+Bounded: at most ``--rounds`` x 2 rounds, each limited by ``--round-timeout-s``; loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
+from components.runtime import Runtime, RuntimeConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+DRAIN, MIGRATE = "drain", "migrate"
+VOCAB = 1000
+
+
+# --- pure pieces ----------------------------------------------------------------------------------------------------
+
+
+def abba(rounds: int) -> list[str]:
+    """The sides in ABBA order: ``rounds`` pairs, drain first in every even pair."""
+    out: list[str] = []
+    for r in range(rounds):
+        out += [DRAIN, MIGRATE] if r % 2 == 0 else [MIGRATE, DRAIN]
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank percentile (``q`` in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[k]
+
+
+def gaps_in(times: list[float], start: float, end: float) -> list[float]:
+    """Gaps between consecutive chunk arrival ``times`` whose later chunk arrived within [start, end]."""
+    return [b - a for a, b in itertools.pairwise(times) if start <= b <= end]
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each side's scale-down times (median, min, max), failures, and the drain/migrate ratios: of the medians and
+    of each ABBA pair (round 2k with 2k+1)."""
+    out: dict[str, Any] = {}
+    for side in (DRAIN, MIGRATE):
+        rs = [r for r in rounds if r["side"] == side]
+        times = [r["scale_down_s"] for r in rs]
+        out[side] = {
+            "scale_down_s": times,
+            "median_s": statistics.median(times) if times else None,
+            "min_s": min(times, default=None),
+            "max_s": max(times, default=None),
+            "failed": sum(r["failed"] for r in rs),
+            "requests": sum(r["requests"] + r["new_requests"] for r in rs),
+            "itl_during_p50_ms": statistics.median([r["itl_during_p50_ms"] for r in rs if r["itl_during_p50_ms"]])
+            if any(r["itl_during_p50_ms"] for r in rs)
+            else None,
+            "max_gap_ms": max((r["max_gap_ms"] for r in rs), default=None),
+            "new_ttft_p50_ms": statistics.median([r["new_ttft_p50_ms"] for r in rs if r["new_ttft_p50_ms"]])
+            if any(r["new_ttft_p50_ms"] for r in rs)
+            else None,
+        }
+    d, m = out[DRAIN]["median_s"], out[MIGRATE]["median_s"]
+    out["ratio_of_medians"] = round(d / m, 2) if d and m else None
+    pairs = []
+    for k in range(0, len(rounds) - 1, 2):
+        a, b = rounds[k], rounds[k + 1]
+        by = {a["side"]: a["scale_down_s"], b["side"]: b["scale_down_s"]}
+        if set(by) == {DRAIN, MIGRATE} and by[MIGRATE] > 0:
+            pairs.append(round(by[DRAIN] / by[MIGRATE], 2))
+    out["ratio_per_pair"] = pairs
+    out["failed"] = out[DRAIN]["failed"] + out[MIGRATE]["failed"]
+    return out
+
+
+# --- one round ------------------------------------------------------------------------------------------------------
+
+
+class TimedStream:
+    """One request's stream read in the background: arrival time and position of every chunk, positions checked."""
+
+    def __init__(self, stream: Any, max_tokens: int) -> None:
+        self.stream = stream
+        self.max_tokens = max_tokens
+        self.t_sent = time.monotonic()
+        self.times: list[float] = []
+        self.num_tokens = 0
+        self.error: str | None = None
+        self.task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for item in self.stream:
+                chunk = TokenChunk.from_dict(item)
+                if chunk.position != self.num_tokens:
+                    self.error = f"position {chunk.position} after {self.num_tokens} tokens"
+                    return
+                self.num_tokens += len(chunk.token_ids)
+                self.times.append(time.monotonic())
+        except Exception as e:  # noqa: BLE001 - a failed request is a result of the bench, counted
+            self.error = f"{type(e).__name__}: {e}"
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or self.num_tokens != self.max_tokens
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return (self.times[0] - self.t_sent) * 1000 if self.times else None
+
+
+def _env(cfg: RuntimeConfig) -> dict[str, str]:
+    return os.environ | {"KVMESH_ETCD_ENDPOINTS": cfg.etcd_endpoints[0], "KVMESH_NATS_URL": cfg.nats_url}
+
+
+def _spawn(cfg: RuntimeConfig, *argv: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "WARNING", *argv]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(cfg), stdout=subprocess.PIPE, text=True)
+
+
+async def _ready(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout_s)
+    if not line.startswith("READY "):
+        raise RuntimeError(f"process did not start: {line!r}")
+    return line.strip()
+
+
+def _worker(cfg: RuntimeConfig, ns: str, args: argparse.Namespace) -> subprocess.Popen[str]:
+    return _spawn(
+        cfg,
+        "worker",
+        "--namespace",
+        ns,
+        "--speedup-ratio",
+        str(args.speedup_ratio),
+        "--num-gpu-blocks",
+        str(args.num_gpu_blocks),
+        "--vocab-size",
+        str(VOCAB),
+        "--eos-token-id",
+        str(VOCAB - 1),
+    )
+
+
+async def _stop(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.to_thread(proc.wait, timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _request(rid: str, prompt_tokens: int, max_tokens: int, salt: int) -> GenerateRequest:
+    prompt = [(31 * i + 7 * salt) % (VOCAB - 1) for i in range(prompt_tokens)]
+    return GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def _migrations_committed(metrics_url: str) -> float | None:
+    """``kvmesh_rescheduler_migrations_succeeded_total`` summed over its labels, from the rescheduler's /metrics."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession() as s, s.get(metrics_url) as r:
+            text = await r.text()
+    except aiohttp.ClientError:
+        return None
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvmesh_rescheduler_migrations_succeeded_total")
+    )
+
+
+async def one_round(cfg: RuntimeConfig, args: argparse.Namespace, index: int, side: str) -> dict[str, Any]:
+    ns = f"scaledown{os.getpid()}r{index}"
+    leaving, staying = _worker(cfg, ns, args), _worker(cfg, ns, args)
+    procs = [leaving, staying]
+    rt: Runtime | None = None
+    try:
+        leaving_id = int((await _ready(leaving)).split(": ")[1], 16)
+        staying_id = int((await _ready(staying)).split(": ")[1], 16)
+        metrics_url = ""
+        if side == MIGRATE:
+            resched = _spawn(cfg, "rescheduler", "--namespace", ns)
+            procs.append(resched)
+            metrics_url = (await _ready(resched)).rsplit(" ", 1)[1]
+        rt = await Runtime.connect(cfg)
+        gen = await rt.namespace(ns).component("backend").endpoint("generate").client()
+        await gen.wait_for_instances(2, timeout_s=30)
+        n, out = args.requests, args.output_tokens
+        streams = [
+            TimedStream(
+                await gen.direct(_request(f"r{index}-{i}", args.prompt_tokens, out, i).to_dict(), leaving_id), out
+            )
+            for i in range(n)
+        ]
+        deadline = time.monotonic() + args.round_timeout_s
+        while not all(s.num_tokens >= args.warm_tokens or s.task.done() for s in streams):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the requests did not start decoding")
+            await asyncio.sleep(0.01)
+        tokens_at_sigterm = [s.num_tokens for s in streams]
+        t_term = time.monotonic()
+        leaving.send_signal(signal.SIGTERM)
+        new = []
+        for i in range(args.new_requests):
+            req = _request(f"n{index}-{i}", args.prompt_tokens, args.new_output_tokens, 100 + i)
+            new.append(TimedStream(await gen.direct(req.to_dict(), staying_id), args.new_output_tokens))
+        rc = await asyncio.to_thread(leaving.wait, args.round_timeout_s)
+        t_exit = time.monotonic()
+        in_flight_at_exit = sum(not s.task.done() for s in streams)
+        await asyncio.wait_for(asyncio.gather(*(s.task for s in streams + new)), args.round_timeout_s)
+        committed = await _migrations_committed(metrics_url) if metrics_url else None
+        during = [g for s in streams for g in gaps_in(s.times, t_term, t_exit)]
+        after = [g for s in streams for g in gaps_in(s.times, t_term, float("inf"))]
+        ttfts = [t for s in new if (t := s.ttft_ms) is not None]
+        failures = [s.error or f"{s.num_tokens} of {s.max_tokens} tokens" for s in streams + new if s.failed]
+        return {
+            "round": index,
+            "side": side,
+            "scale_down_s": round(t_exit - t_term, 3),
+            "exit_code": rc,
+            "requests": n,
+            "new_requests": len(new),
+            "in_flight_at_exit": in_flight_at_exit,
+            "tokens_at_sigterm": [min(tokens_at_sigterm), max(tokens_at_sigterm)],
+            "migrations_committed": committed,
+            "failed": len(failures),
+            "failures": sorted(set(failures))[:3],
+            "itl_during_p50_ms": round(statistics.median(during) * 1000, 2) if during else None,
+            "itl_during_p99_ms": round(p * 1000, 2) if (p := percentile(during, 99)) is not None else None,
+            "max_gap_ms": round(max(after) * 1000, 1) if after else None,
+            "new_ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+            "new_ttft_max_ms": round(max(ttfts), 1) if ttfts else None,
+        }
+    finally:
+        if rt is not None:
+            with contextlib.suppress(Exception):
+                await rt.shutdown(drain_timeout_s=1.0)
+        for p in reversed(procs):
+            await _stop(p)
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+
+def plot(report: dict[str, Any], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for side, marker in ((DRAIN, "o"), (MIGRATE, "s")):
+        rs = [r for r in report["rounds"] if r["side"] == side]
+        ax.plot([r["round"] for r in rs], [r["scale_down_s"] for r in rs], marker, label=f"{side}", markersize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("round (ABBA order)")
+    ax.set_ylabel("SIGTERM to process exit (s)")
+    s = report["summary"]
+    ax.set_title(f"Scale-down with {report['settings']['output_tokens']}-token outputs: {s['ratio_of_medians']}x")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from components.runtime.servers import EtcdServer, NatsServer
+
+    servers: list[Any] = []
+    try:
+        etcd, nats_url = args.etcd, args.nats
+        if not etcd:
+            servers.append(e := EtcdServer())
+            e.start()
+            etcd = e.endpoint
+        if not nats_url:
+            servers.append(n := NatsServer(jetstream=False))
+            n.start()
+            nats_url = n.url
+        cfg = RuntimeConfig(etcd_endpoints=[etcd], nats_url=nats_url)
+        rounds = []
+        for i, side in enumerate(abba(args.rounds)):
+            r = await one_round(cfg, args, i, side)
+            rounds.append(r)
+            print(
+                f"round {i} {side}: scale-down {r['scale_down_s']:.2f} s, {r['in_flight_at_exit']} of {r['requests']} "
+                f"still running at exit, {r['failed']} failed, largest gap {r['max_gap_ms']} ms",
+                file=sys.stderr,
+            )
+        settings = {
+            k: getattr(args, k)
+            for k in ("rounds", "requests", "prompt_tokens", "output_tokens", "warm_tokens", "new_requests",
+                      "new_output_tokens", "speedup_ratio", "num_gpu_blocks")
+        }  # fmt: skip
+        return {"bench": "scale-down", "settings": settings, "rounds": rounds, "summary": summarize(rounds)}
+    finally:
+        for s in servers:
+            s.cleanup()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=2, help="ABBA pairs (each: one drain round, one migration round)")
+    p.add_argument("--requests", type=int, default=8, help="long-output requests in flight on the leaving worker")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of every request")
+    p.add_argument("--output-tokens", type=int, default=1500, help="outputs of each in-flight request")
+    p.add_argument("--warm-tokens", type=int, default=16, help="outputs every request has before the SIGTERM")
+    p.add_argument("--new-requests", type=int, default=4, help="requests sent to the staying worker at the SIGTERM")
+    p.add_argument("--new-output-tokens", type=int, default=100, help="outputs of each new request")
+    p.add_argument("--speedup-ratio", type=float, default=1.0, help="the simulated engines' speed (1: real time)")
+    p.add_argument("--num-gpu-blocks", type=int, default=2048, help="KV blocks of each worker")
+    p.add_argument("--round-timeout-s", type=float, default=120.0, help="bound of each wait in a round")
+    p.add_argument("--png", default="bench-scale-down.png", help="where to draw the rounds ('' for none)")
+    p.add_argument("--etcd", default="", help="etcd endpoint; default: start one on a free loopback port")
+    p.add_argument("--nats", default="", help="NATS URL; default: start one on a free loopback port")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = asyncio.run(run(args))
+    if args.png:
+        drawn = plot(report, args.png)
+        report["png"] = args.png if drawn else None
+        if not drawn:
+            print(
+                "bench scale-down: matplotlib is not installed (pip install 'kvmesh[bench]'): no PNG", file=sys.stderr
+            )
+    print(json.dumps(report))
+    return 0
