@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -66,7 +67,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[k]
 
 
@@ -82,6 +83,11 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for side in (DRAIN, MIGRATE):
         rs = [r for r in rounds if r["side"] == side]
         times = [r["scale_down_s"] for r in rs]
+
+        def median_of(key: str, rs: list[dict[str, Any]] = rs) -> float | None:
+            values = [r[key] for r in rs if r[key] is not None]
+            return statistics.median(values) if values else None
+
         out[side] = {
             "scale_down_s": times,
             "median_s": statistics.median(times) if times else None,
@@ -89,14 +95,12 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "max_s": max(times, default=None),
             "failed": sum(r["failed"] for r in rs),
             "requests": sum(r["requests"] + r["new_requests"] for r in rs),
-            "itl_during_p50_ms": statistics.median([r["itl_during_p50_ms"] for r in rs if r["itl_during_p50_ms"]])
-            if any(r["itl_during_p50_ms"] for r in rs)
-            else None,
-            "max_gap_ms": max((r["max_gap_ms"] for r in rs), default=None),
-            "new_ttft_p50_ms": statistics.median([r["new_ttft_p50_ms"] for r in rs if r["new_ttft_p50_ms"]])
-            if any(r["new_ttft_p50_ms"] for r in rs)
-            else None,
-        }
+            "itl_during_p50_ms": median_of("itl_during_p50_ms"),
+            "itl_during_p99_ms": max((r["itl_during_p99_ms"] for r in rs if r["itl_during_p99_ms"] is not None),
+                                     default=None),
+            "max_gap_ms": max((r["max_gap_ms"] for r in rs if r["max_gap_ms"] is not None), default=None),
+            "new_ttft_p50_ms": median_of("new_ttft_p50_ms"),
+        }  # fmt: skip
     d, m = out[DRAIN]["median_s"], out[MIGRATE]["median_s"]
     out["ratio_of_medians"] = round(d / m, 2) if d and m else None
     pairs = []
