@@ -9,19 +9,23 @@ process with its defaults (500 ms cycles, the default policy list: the leaving a
 1. start the two workers (and the rescheduler on the migration side) in a namespace of their own;
 2. stream ``--requests`` requests of ``--prompt-tokens`` + ``--output-tokens`` to the worker that will leave (a
    scale-down picks its victim; pinning the load to it makes every request a request in flight during the
-   scale-down), and wait until each has ``--warm-tokens`` outputs;
+   scale-down), wait until each has ``--warm-tokens`` outputs, then a further random part of one rescheduling
+   interval (``--seed``), so that the decision falls at a random phase of the rescheduler's cycle as a planner's
+   would (the bench's steps take nearly the same time each round, so without it every round would find the
+   rescheduler at the same phase and the spread would hide the wait of up to one interval);
 3. the decision: SIGTERM to the leaving worker's process, as the planner's local connector sends it a few ms after
    its decision (components/planner/connectors/local.py, which then polls for the exit every 0.2 s and removes the
    watcher: the same on both sides, left out here so that the figure is the worker's own, to the ms); right after,
    ``--new-requests`` requests arrive at the staying worker (where a router sends new work during the scale-down);
 4. the scale-down time: from the SIGTERM to the process's exit (``waitpid``); then every stream is read to its end.
 
-Per round it records the scale-down time, the in-flight requests' inter-token gaps between the SIGTERM and the exit
-and their largest gap at any time after the SIGTERM (a migrated request's pause), the new requests' TTFT, and the
-failures: a stream that raised, ended short, or whose chunk positions skipped or repeated a token. Sides alternate
-ABBA (drain, migrate, migrate, drain, ...) for ``--rounds`` pairs, so a drift of the shared machine falls on both.
-JSON on stdout's last line: every round, each side's median and spread, the ratio of the medians and of each ABBA
-pair; ``--png``: the scale-down times per round.
+Per round it records the scale-down time, how many in-flight requests were still running at the exit, the
+rescheduler's committed migrations (its /metrics), the in-flight requests' inter-token gaps between the SIGTERM and
+the exit and their largest gap at any time after the SIGTERM (a migrated request's pause would show there), the new
+requests' TTFT, and the failures: a stream that raised, ended short, or whose chunk positions skipped or repeated a
+token. Sides alternate ABBA (drain, migrate, migrate, drain, ...) for ``--rounds`` pairs, so a drift of the shared
+machine falls on both. JSON on stdout's last line: every round, each side's median and spread, the ratio of the
+medians and of each ABBA pair; ``--png``: the scale-down times per round.
 
 Bounded: at most ``--rounds`` x 2 rounds, each limited by ``--round-timeout-s``; loopback only.
 """
@@ -35,6 +39,7 @@ import itertools
 import json
 import math
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -214,7 +219,9 @@ async def _migrations_committed(metrics_url: str) -> float | None:
     )
 
 
-async def one_round(cfg: RuntimeConfig, args: argparse.Namespace, index: int, side: str) -> dict[str, Any]:
+async def one_round(
+    cfg: RuntimeConfig, args: argparse.Namespace, index: int, side: str, rng: random.Random
+) -> dict[str, Any]:
     ns = f"scaledown{os.getpid()}r{index}"
     leaving, staying = _worker(cfg, ns, args), _worker(cfg, ns, args)
     procs = [leaving, staying]
@@ -224,7 +231,8 @@ async def one_round(cfg: RuntimeConfig, args: argparse.Namespace, index: int, si
         staying_id = int((await _ready(staying)).split(": ")[1], 16)
         metrics_url = ""
         if side == MIGRATE:
-            resched = _spawn(cfg, "rescheduler", "--namespace", ns)
+            interval = str(args.rescheduling_interval_ms)
+            resched = _spawn(cfg, "rescheduler", "--namespace", ns, "--rescheduling-interval-ms", interval)
             procs.append(resched)
             metrics_url = (await _ready(resched)).rsplit(" ", 1)[1]
         rt = await Runtime.connect(cfg)
@@ -242,6 +250,9 @@ async def one_round(cfg: RuntimeConfig, args: argparse.Namespace, index: int, si
             if time.monotonic() > deadline:
                 raise RuntimeError("the requests did not start decoding")
             await asyncio.sleep(0.01)
+        # The decision falls anywhere in the rescheduler's cycle (its loop runs on its own clock): without this the
+        # bench's fixed sequence of steps would land it at nearly the same phase every round.
+        await asyncio.sleep(rng.uniform(0.0, args.rescheduling_interval_ms / 1000))
         tokens_at_sigterm = [s.num_tokens for s in streams]
         t_term = time.monotonic()
         leaving.send_signal(signal.SIGTERM)
@@ -327,9 +338,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             n.start()
             nats_url = n.url
         cfg = RuntimeConfig(etcd_endpoints=[etcd], nats_url=nats_url)
+        rng = random.Random(args.seed)
         rounds = []
         for i, side in enumerate(abba(args.rounds)):
-            r = await one_round(cfg, args, i, side)
+            r = await one_round(cfg, args, i, side, rng)
             rounds.append(r)
             print(
                 f"round {i} {side}: scale-down {r['scale_down_s']:.2f} s, {r['in_flight_at_exit']} of {r['requests']} "
@@ -339,7 +351,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         settings = {
             k: getattr(args, k)
             for k in ("rounds", "requests", "prompt_tokens", "output_tokens", "warm_tokens", "new_requests",
-                      "new_output_tokens", "speedup_ratio", "num_gpu_blocks")
+                      "new_output_tokens", "speedup_ratio", "num_gpu_blocks", "rescheduling_interval_ms", "seed")
         }  # fmt: skip
         return {"bench": "scale-down", "settings": settings, "rounds": rounds, "summary": summarize(rounds)}
     finally:
@@ -357,6 +369,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-output-tokens", type=int, default=100, help="outputs of each new request")
     p.add_argument("--speedup-ratio", type=float, default=1.0, help="the simulated engines' speed (1: real time)")
     p.add_argument("--num-gpu-blocks", type=int, default=2048, help="KV blocks of each worker")
+    p.add_argument(
+        "--rescheduling-interval-ms", type=int, default=500, help="the rescheduler's cycle (its default: 500 ms)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds where in the rescheduler's cycle each SIGTERM falls")
     p.add_argument("--round-timeout-s", type=float, default=120.0, help="bound of each wait in a round")
     p.add_argument("--png", default="bench-scale-down.png", help="where to draw the rounds ('' for none)")
     p.add_argument("--etcd", default="", help="etcd endpoint; default: start one on a free loopback port")
