@@ -314,7 +314,8 @@ def plot(report: dict[str, Any], path: str) -> bool:
     ax.set_xlabel("round (ABBA order)")
     ax.set_ylabel("SIGTERM to process exit (s)")
     s = report["summary"]
-    ax.set_title(f"Scale-down with {report['settings']['output_tokens']}-token outputs: {s['ratio_of_medians']}x")
+    tokens = report["settings"]["output_tokens"]
+    ax.set_title(f"Scale-down, {tokens}-token outputs: drain / migrate medians {s['ratio_of_medians']}x")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
