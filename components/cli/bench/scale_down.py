@@ -291,8 +291,8 @@ async def one_round(
         if rt is not None:
             with contextlib.suppress(Exception):
                 await rt.shutdown(drain_timeout_s=1.0)
-        for p in reversed(procs):
-            await _stop(p)
+        for proc in reversed(procs):
+            await _stop(proc)
 
 
 # --- the command ----------------------------------------------------------------------------------------------------
