@@ -122,7 +122,26 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 # --- one round ------------------------------------------------------------------------------------------------------
 
 
-class TimedStream:
+class _Timing:
+    """What a round reads of one stream: when it was sent, when each chunk arrived, how many tokens, why it failed."""
+
+    max_tokens: int
+    t_sent: float
+    times: list[float]
+    num_tokens: int
+    error: str | None
+    task: asyncio.Future[None]
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or self.num_tokens != self.max_tokens
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return (self.times[0] - self.t_sent) * 1000 if self.times else None
+
+
+class TimedStream(_Timing):
     """One request's stream read in the background: arrival time and position of every chunk, positions checked."""
 
     def __init__(self, stream: Any, max_tokens: int) -> None:
@@ -145,14 +164,6 @@ class TimedStream:
                 self.times.append(time.monotonic())
         except Exception as e:  # noqa: BLE001 - a failed request is a result of the bench, counted
             self.error = f"{type(e).__name__}: {e}"
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None or self.num_tokens != self.max_tokens
-
-    @property
-    def ttft_ms(self) -> float | None:
-        return (self.times[0] - self.t_sent) * 1000 if self.times else None
 
 
 def _env(cfg: RuntimeConfig) -> dict[str, str]:
@@ -295,6 +306,160 @@ async def one_round(
             await _stop(proc)
 
 
+# --- one round through kvmesh serve and the planner's connector ------------------------------------------------------
+
+
+class SseStream(_Timing):
+    """One completion streamed from the frontend (OpenAI SSE): arrival time of every event with text, the usage's
+    token count, an error event or HTTP status as the failure."""
+
+    def __init__(self, session: Any, url: str, body: dict[str, Any]) -> None:
+        self.max_tokens = int(body["max_tokens"])
+        self.t_sent = time.monotonic()
+        self.times: list[float] = []
+        self.num_tokens = 0
+        self.error: str | None = None
+        self.task = asyncio.ensure_future(self._read(session, url, body))
+
+    async def _read(self, session: Any, url: str, body: dict[str, Any]) -> None:
+        import aiohttp
+
+        try:
+            async with session.post(url + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    self.error = f"HTTP {r.status}"
+                    return
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = str(event["error"].get("message", event["error"]))[:200]
+                        return
+                    if event.get("choices"):
+                        self.times.append(time.monotonic())
+                    if event.get("usage"):
+                        self.num_tokens = int(event["usage"]["completion_tokens"])
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.error = f"{type(e).__name__}: {e}"
+
+
+def _kvmesh(*argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "components.cli.main", *argv]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+async def serve_round(args: argparse.Namespace, index: int, side: str, rng: random.Random) -> dict[str, Any]:
+    """``kvmesh serve`` of ``--graph`` (its rescheduler section on or off), ``--requests`` streams per worker through
+    the frontend (round robin), then the planner's decision: ``LocalConnector.set_pool_size(decode, 1)``, timed to
+    the victim's exit (its pid polled every 5 ms) and to the call's return (the watcher removed, serve's state
+    refreshed)."""
+    import tempfile
+
+    import aiohttp
+
+    from components.deploy.state import read_state
+    from components.planner.connectors.local import LocalConnector
+    from components.planner.policy import Pool
+
+    ns = f"scaledown{os.getpid()}s{index}"
+    with tempfile.TemporaryDirectory(prefix="kvmesh-scale-down-") as tmp:
+        state_dir = Path(tmp)
+        sets = [
+            f"namespace={ns}",
+            f"rescheduler.enable_rescheduling={'true' if side == MIGRATE else 'false'}",
+            f"rescheduler.rescheduling_interval_ms={args.rescheduling_interval_ms}",
+            f"workers[0].speedup_ratio={args.speedup_ratio}",
+            f"workers[0].num_gpu_blocks={args.num_gpu_blocks}",
+        ]
+        flags = [x for v in sets for x in ("--set", v)]
+        started = await asyncio.to_thread(
+            _kvmesh, "serve", str(ROOT / args.graph), "--detach", "--state-dir", tmp, *flags
+        )
+        if started.returncode != 0:
+            raise RuntimeError(f"kvmesh serve failed: {started.stdout[-1500:]}{started.stderr[-1500:]}")
+        rt: Runtime | None = None
+        try:
+            state = read_state(state_dir / f"{ns}.json")
+            workers = [w for w in state.watchers if w.kind == "worker"]
+            victim = workers[-1]  # the connector removes the pool's last active watcher
+            pid = victim.processes[0].pid
+            rt = await Runtime.connect(RuntimeConfig(etcd_endpoints=state.etcd_endpoints, nats_url=state.nats_url))
+            gen = await rt.namespace(ns).component("backend").endpoint("generate").client()
+            await gen.wait_for_instances(len(workers), timeout_s=60)
+            model = workers[0].model
+            if model is None:
+                raise RuntimeError(f"{args.graph}: its worker group names no model")
+
+            def body(i: int, max_tokens: int) -> dict[str, Any]:
+                prompt = [1 + (31 * k + 7 * i) % 250 for k in range(args.prompt_tokens)]
+                return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                        "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+            url = str(state.frontend_url)
+            timeout = aiohttp.ClientTimeout(total=args.round_timeout_s)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                n = args.requests * len(workers)
+                streams = [SseStream(session, url, body(i, args.output_tokens)) for i in range(n)]
+                deadline = time.monotonic() + args.round_timeout_s
+                while not all(len(s.times) >= args.warm_tokens or s.task.done() for s in streams):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the requests did not start decoding")
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(rng.uniform(0.0, args.rescheduling_interval_ms / 1000))
+                connector = LocalConnector(rt, ns, model, state_dir)
+                t0 = time.monotonic()
+                change = asyncio.ensure_future(connector.set_pool_size(Pool.DECODE, len(workers) - 1))
+                new = [SseStream(session, url, body(100 + i, args.new_output_tokens)) for i in range(args.new_requests)]
+                while not _gone(pid):
+                    if time.monotonic() - t0 > args.round_timeout_s:
+                        raise RuntimeError(f"{victim.name} did not exit")
+                    await asyncio.sleep(0.005)
+                t_exit = time.monotonic()
+                in_flight_at_exit = sum(not s.task.done() for s in streams)
+                await change
+                t_done = time.monotonic()
+                await asyncio.wait_for(asyncio.gather(*(s.task for s in streams + new)), args.round_timeout_s)
+            during = [g for s in streams for g in gaps_in(s.times, t0, t_exit)]
+            after = [g for s in streams for g in gaps_in(s.times, t0, float("inf"))]
+            ttfts = [t for s in new if (t := s.ttft_ms) is not None]
+            failures = [s.error or f"{s.num_tokens} of {s.max_tokens} tokens" for s in streams + new if s.failed]
+            return {
+                "round": index,
+                "side": side,
+                "via": "serve",
+                "scale_down_s": round(t_exit - t0, 3),
+                "set_pool_size_s": round(t_done - t0, 3),
+                "requests": n,
+                "new_requests": len(new),
+                "in_flight_at_exit": in_flight_at_exit,
+                "failed": len(failures),
+                "failures": sorted(set(failures))[:3],
+                "itl_during_p50_ms": round(statistics.median(during) * 1000, 2) if during else None,
+                "itl_during_p99_ms": round(p * 1000, 2) if (p := percentile(during, 99)) is not None else None,
+                "max_gap_ms": round(max(after) * 1000, 1) if after else None,
+                "new_ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+                "new_ttft_max_ms": round(max(ttfts), 1) if ttfts else None,
+            }
+        finally:
+            if rt is not None:
+                with contextlib.suppress(Exception):
+                    await rt.shutdown(drain_timeout_s=1.0)
+            stopped = await asyncio.to_thread(_kvmesh, "stop", ns, "--state-dir", tmp)
+            if stopped.returncode != 0:
+                print(f"bench scale-down: kvmesh stop {ns}: {stopped.stderr[-500:]}", file=sys.stderr)
+
+
 # --- the command ----------------------------------------------------------------------------------------------------
 
 
@@ -327,6 +492,8 @@ def plot(report: dict[str, Any], path: str) -> bool:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from components.runtime.servers import EtcdServer, NatsServer
 
+    if args.via == "serve":
+        return await run_serve(args)
     servers: list[Any] = []
     try:
         etcd, nats_url = args.etcd, args.nats
@@ -349,20 +516,49 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"still running at exit, {r['failed']} failed, largest gap {r['max_gap_ms']} ms",
                 file=sys.stderr,
             )
-        settings = {
-            k: getattr(args, k)
-            for k in ("rounds", "requests", "prompt_tokens", "output_tokens", "warm_tokens", "new_requests",
-                      "new_output_tokens", "speedup_ratio", "num_gpu_blocks", "rescheduling_interval_ms", "seed")
-        }  # fmt: skip
-        return {"bench": "scale-down", "settings": settings, "rounds": rounds, "summary": summarize(rounds)}
+        return {"bench": "scale-down", "settings": _settings(args), "rounds": rounds, "summary": summarize(rounds)}
     finally:
         for s in servers:
             s.cleanup()
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("via", "rounds", "requests", "prompt_tokens", "output_tokens", "warm_tokens", "new_requests",
+             "new_output_tokens", "speedup_ratio", "num_gpu_blocks", "rescheduling_interval_ms", "seed")  # fmt: skip
+    return {k: getattr(args, k) for k in names} | ({"graph": args.graph} if args.via == "serve" else {})
+
+
+async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    rounds = []
+    for i, side in enumerate(abba(args.rounds)):
+        r = await serve_round(args, i, side, rng)
+        rounds.append(r)
+        print(
+            f"round {i} {side} (serve): decision to exit {r['scale_down_s']:.2f} s (set_pool_size returned after "
+            f"{r['set_pool_size_s']:.2f} s), {r['in_flight_at_exit']} of {r['requests']} still running at exit, "
+            f"{r['failed']} failed",
+            file=sys.stderr,
+        )
+    return {"bench": "scale-down", "settings": _settings(args), "rounds": rounds, "summary": summarize(rounds)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--via",
+        choices=("processes", "serve"),
+        default="processes",
+        help="processes: worker and rescheduler processes of the bench's own, SIGTERM timed to exit; serve: kvmesh "
+        "serve of --graph, the planner's local connector's set_pool_size timed to the victim's exit",
+    )
+    p.add_argument("--graph", default="graphs/mock_scale_down.yaml", help="--via serve: the graph (2 worker watchers)")
     p.add_argument("--rounds", type=int, default=2, help="ABBA pairs (each: one drain round, one migration round)")
-    p.add_argument("--requests", type=int, default=8, help="long-output requests in flight on the leaving worker")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=8,
+        help="long-output requests in flight on the leaving worker (serve: per worker)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of every request")
     p.add_argument("--output-tokens", type=int, default=1500, help="outputs of each in-flight request")
     p.add_argument("--warm-tokens", type=int, default=16, help="outputs every request has before the SIGTERM")
