@@ -106,6 +106,9 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "max_gap_ms": max((r["max_gap_ms"] for r in rs if r["max_gap_ms"] is not None), default=None),
             "new_ttft_p50_ms": median_of("new_ttft_p50_ms"),
         }  # fmt: skip
+        if rs and all("set_pool_size_s" in r for r in rs):  # --via serve: the connector's whole call too
+            out[side]["set_pool_size_s"] = [r["set_pool_size_s"] for r in rs]
+            out[side]["set_pool_size_median_s"] = median_of("set_pool_size_s")
     d, m = out[DRAIN]["median_s"], out[MIGRATE]["median_s"]
     out["ratio_of_medians"] = round(d / m, 2) if d and m else None
     pairs = []

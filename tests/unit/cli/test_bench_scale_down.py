@@ -55,3 +55,14 @@ def test_summary_medians_spread_and_ratios():
     assert s[DRAIN]["requests"] == 2 * (8 + 4)
     assert s[MIGRATE]["itl_during_p99_ms"] == 9.0
     assert s[DRAIN]["new_ttft_p50_ms"] == 50.0  # round 0 had none: only round 3's counts
+
+
+def test_summary_of_serve_rounds_adds_the_connectors_call():
+    # --via serve rounds carry set_pool_size_s: drain 8.0 and 8.4 (median 8.2), migrate 0.7 and 0.9 (median 0.8).
+    rounds = [_round(0, DRAIN, 7.6), _round(1, MIGRATE, 0.4), _round(2, MIGRATE, 0.6), _round(3, DRAIN, 7.9)]
+    for r, t in zip(rounds, (8.0, 0.7, 0.9, 8.4), strict=True):
+        r["set_pool_size_s"] = t
+    s = summarize(rounds)
+    assert s[DRAIN]["set_pool_size_s"] == [8.0, 8.4] and s[DRAIN]["set_pool_size_median_s"] == pytest.approx(8.2)
+    assert s[MIGRATE]["set_pool_size_median_s"] == pytest.approx(0.8)
+    assert "set_pool_size_s" not in summarize([_round(0, DRAIN, 1.0)])[DRAIN]  # a processes round: none
