@@ -87,3 +87,14 @@ def test_views_mark_a_draining_worker_as_leaving_and_a_dead_one_as_not():
     assert (v1.schedulable, v1.leaving) == (False, True)
     assert (v2.schedulable, v2.leaving) == (False, False)
     assert (v3.schedulable, v3.leaving) == (True, False)
+
+
+def test_a_leaving_worker_with_nowhere_to_go_is_refused_with_the_reason_and_drains_by_waiting():
+    # The last worker of its model and role leaves (the other worker serves another model): no pair, a rejection that
+    # names the leave; the worker then waits for its requests as without a rescheduler.
+    views = [view(1, 0.6, schedulable=False, leaving=True), view(2, 0.1, model="other")]
+    plan = plan_cycle(views, cfg("decode_failover"))
+    assert plan.pairs == ()
+    [why] = plan.rejected
+    assert (why.source_id, why.destination_id) == (1, None)
+    assert why.reason.startswith("unschedulable (leaving: draining); no healthy decode worker of 'm'")
