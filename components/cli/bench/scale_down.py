@@ -385,6 +385,8 @@ async def serve_round(args: argparse.Namespace, index: int, side: str, rng: rand
             f"workers[0].speedup_ratio={args.speedup_ratio}",
             f"workers[0].num_gpu_blocks={args.num_gpu_blocks}",
         ]
+        if args.colocated:
+            sets.append("rescheduler.colocated_rescheduling_mode=true")
         flags = [x for v in sets for x in ("--set", v)]
         started = await asyncio.to_thread(
             _kvmesh, "serve", str(ROOT / args.graph), "--detach", "--state-dir", tmp, *flags
@@ -528,7 +530,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     names = ("via", "rounds", "requests", "prompt_tokens", "output_tokens", "warm_tokens", "new_requests",
              "new_output_tokens", "speedup_ratio", "num_gpu_blocks", "rescheduling_interval_ms", "seed")  # fmt: skip
-    return {k: getattr(args, k) for k in names} | ({"graph": args.graph} if args.via == "serve" else {})
+    return {k: getattr(args, k) for k in names} | (
+        {"graph": args.graph, "colocated": args.colocated} if args.via == "serve" else {}
+    )
 
 
 async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -555,6 +559,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "serve of --graph, the planner's local connector's set_pool_size timed to the victim's exit",
     )
     p.add_argument("--graph", default="graphs/mock_scale_down.yaml", help="--via serve: the graph (2 worker watchers)")
+    p.add_argument(
+        "--colocated", action="store_true", help="--via serve: the rescheduler runs in the frontend's process"
+    )
     p.add_argument("--rounds", type=int, default=2, help="ABBA pairs (each: one drain round, one migration round)")
     p.add_argument(
         "--requests",
