@@ -106,6 +106,9 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "max_gap_ms": max((r["max_gap_ms"] for r in rs if r["max_gap_ms"] is not None), default=None),
             "new_ttft_p50_ms": median_of("new_ttft_p50_ms"),
         }  # fmt: skip
+        if any(r.get("pairs_cycle_s") is not None for r in rs):  # the rescheduler's record: wait, then migrations
+            out[side]["pairs_cycle_at_s"] = [r["pairs_cycle_at_s"] for r in rs]
+            out[side]["pairs_cycle_s"] = [r["pairs_cycle_s"] for r in rs]
         if rs and all("set_pool_size_s" in r for r in rs):  # --via serve: the connector's whole call too
             out[side]["set_pool_size_s"] = [r["set_pool_size_s"] for r in rs]
             out[side]["set_pool_size_median_s"] = median_of("set_pool_size_s")
@@ -233,6 +236,17 @@ async def _migrations_committed(metrics_url: str) -> float | None:
     )
 
 
+async def _last_pairs_cycle(rt: Runtime, ns: str) -> dict[str, Any] | None:
+    """The rescheduler's ``last_pairs_cycle`` from its status key (components/rescheduler/status.py)."""
+    from components.rescheduler.status import status_prefix
+
+    for raw in (await rt.discovery.get_prefix(status_prefix(ns))).values():
+        cycle = json.loads(raw).get("last_pairs_cycle")
+        if cycle:
+            return dict(cycle)
+    return None
+
+
 async def one_round(
     cfg: RuntimeConfig, args: argparse.Namespace, index: int, side: str, rng: random.Random
 ) -> dict[str, Any]:
@@ -268,7 +282,7 @@ async def one_round(
         # bench's fixed sequence of steps would land it at nearly the same phase every round.
         await asyncio.sleep(rng.uniform(0.0, args.rescheduling_interval_ms / 1000))
         tokens_at_sigterm = [s.num_tokens for s in streams]
-        t_term = time.monotonic()
+        t_term, wall_term = time.monotonic(), time.time()
         leaving.send_signal(signal.SIGTERM)
         new = []
         for i in range(args.new_requests):
@@ -279,6 +293,7 @@ async def one_round(
         in_flight_at_exit = sum(not s.task.done() for s in streams)
         await asyncio.wait_for(asyncio.gather(*(s.task for s in streams + new)), args.round_timeout_s)
         committed = await _migrations_committed(metrics_url) if metrics_url else None
+        cycle = await _last_pairs_cycle(rt, ns) if side == MIGRATE else None
         during = [g for s in streams for g in gaps_in(s.times, t_term, t_exit)]
         after = [g for s in streams for g in gaps_in(s.times, t_term, float("inf"))]
         ttfts = [t for s in new if (t := s.ttft_ms) is not None]
@@ -293,6 +308,10 @@ async def one_round(
             "in_flight_at_exit": in_flight_at_exit,
             "tokens_at_sigterm": [min(tokens_at_sigterm), max(tokens_at_sigterm)],
             "migrations_committed": committed,
+            # The rescheduler's own record of its last cycle that ran pairs (its status for kvmesh status): when its
+            # migrate call began after the SIGTERM, and how long the cycle took (the migrations, one at a time).
+            "pairs_cycle_at_s": round(cycle["walltime"] - wall_term, 3) if cycle else None,
+            "pairs_cycle_s": cycle["duration_s"] if cycle else None,
             "failed": len(failures),
             "failures": sorted(set(failures))[:3],
             "itl_during_p50_ms": round(statistics.median(during) * 1000, 2) if during else None,
