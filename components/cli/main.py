@@ -72,6 +72,9 @@ BENCHMARKS = (
     Command(
         "planner-live", "components.cli.bench.planner_live", "the planner live and simulated on one sinusoid, compared"
     ),
+    Command(
+        "scale-down", "components.cli.bench.scale_down", "remove a worker with long outputs: drain vs migration, live"
+    ),
     Command("startup", "components.cli.bench.startup", "how long a new worker (simulated, vLLM) takes to register"),
 )
 

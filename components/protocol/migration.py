@@ -275,6 +275,13 @@ class AbortReply:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
+# ``WorkerStatus.reason`` of a worker that was told to leave (SIGTERM: a planner's scale-down, a person's stop) and
+# drains with a healthy engine; any other reason (its engine died, an owner saw it gone) is a failure. The rescheduler
+# tells the two apart: a leaving worker's node or unit is healthy and may take its requests (docs/rescheduler.md,
+# "Migration-assisted scale-down").
+DRAINING_REASON = "draining"
+
+
 @dataclasses.dataclass(slots=True)
 class WorkerStatus:
     """Published on ``worker_status`` (source id: the worker's instance id) when a worker stops taking new requests

@@ -39,6 +39,9 @@ class InstanceView:
     (60 s) is the much longer rule that calls a worker failing. ``migratable``: it runs a migration agent (its
     registration names a migration mode), so it can send and receive requests.
 
+    ``leaving``: it drains because it was told to leave (its ``WorkerStatus`` reason is the protocol's
+    ``DRAINING_REASON``), e.g. a planner's scale-down; a failover policy empties it like a failing worker.
+
     ``num_waiting_blocks``: the KV blocks its waiting and partly prefilled requests still need (their prompt tokens
     not yet prefilled, over the block size, rounded up). ``predicted_tpot_ms``: its decode step time at the current
     batch and KV tokens by its announced performance model (None without a load report).
@@ -48,6 +51,9 @@ class InstanceView:
     model: str
     role: Role
     schedulable: bool = True
+    # Unschedulable because it was told to leave (it drains with a healthy engine: a scale-down), not because it
+    # failed; only meaningful when ``schedulable`` is False (policies/common.py: it fences only itself).
+    leaving: bool = False
     migratable: bool = True
     fresh: bool = True
     report_age_s: float | None = 0.0

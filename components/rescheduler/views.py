@@ -23,6 +23,7 @@ import math
 
 from components.fleet.model import FleetInstance, FleetSnapshot
 from components.perf.model import BLOCK_SIZE
+from components.protocol.migration import DRAINING_REASON
 from components.rescheduler.types import InstanceView, Role
 
 
@@ -36,6 +37,7 @@ def instance_view(instance: FleetInstance, now_s: float) -> InstanceView:
         model=instance.model,
         role=Role(str(instance.role)),
         schedulable=instance.schedulable,
+        leaving=not instance.schedulable and instance.unschedulable_reason == DRAINING_REASON,
         migratable=bool(instance.meta.migration_mode),
         fresh=record is not None and record.fresh(now_s),
         report_age_s=None if record is None else max(0.0, now_s - record.received_s),

@@ -54,7 +54,7 @@ from components.protocol.endpoints import (
 from components.protocol.kv_hashing import HASH_SCHEME_VERSION
 from components.protocol.messages import GenerateRequest, KvEvent
 from components.protocol.metadata import WorkerMetadata, WorkerRole
-from components.protocol.migration import WorkerStatus
+from components.protocol.migration import DRAINING_REASON, WorkerStatus
 from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.workers.config import WorkerConfig
 from components.workers.disagg import PrefillLoop, RemotePrefiller, supports_remote_decode
@@ -322,7 +322,7 @@ class Worker:
         if self.prefill_loop is not None:
             # No more pops; the item in hand is prefilled, delivered and acked first (queued ones stay queued).
             await self.prefill_loop.stop()
-        await self._stop_scheduling(self.unschedulable_reason or "draining")
+        await self._stop_scheduling(self.unschedulable_reason or DRAINING_REASON)
         if self._generate_served is not None:
             # Refuse new requests and let those in flight finish while still registered (the rescheduler may move
             # them off meanwhile); only then deregister.

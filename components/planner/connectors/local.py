@@ -30,10 +30,13 @@ Removing a worker
 -----------------
 The victim is the pool's last active watcher (never the template). In this order:
 
-1. SIGTERM to its process (circus ``signal``), first, a few ms after the decision: the worker deregisters from etcd
-   at once, so the router sends it nothing from then on (frontends follow etcd), and drains: a decode worker
-   finishes its requests in flight, a prefill worker finishes, delivers and acks the queue item in hand
-   (components/workers/disagg.py), then it exits 0;
+1. SIGTERM to its process (circus ``signal``), first, a few ms after the decision: the worker says at once that it
+   takes no new requests (``worker_status``, reason ``draining``), so routers send it nothing from then on, and
+   drains: a decode worker finishes its requests in flight (its ``generate`` stays registered meanwhile), a prefill
+   worker finishes, delivers and acks the queue item in hand (components/workers/disagg.py), then it exits 0. When a
+   rescheduler runs (standalone, colocated or a graph's ``rescheduler:`` section), its failover policy moves the
+   draining worker's requests to the others and the drain ends as soon as the last one has left: migration-assisted
+   scale-down, seconds sooner with long outputs (docs/rescheduler.md). Without one it waits for them;
 2. the ``before_spawn`` hook ``refuse_spawn`` on the watcher, so circus does not replace the process when it exits
    (one it replaced in the few ms before the hook was in place is sent SIGTERM too);
 3. wait for the process to exit, up to the watcher's ``graceful_timeout_s`` (then SIGKILL, as circus itself would);

@@ -20,6 +20,12 @@ not failing (a starting worker has nothing to go stale). The fence is every work
 destination in it, and the load and bin-packing policies take no source from it either (Llumnix applies its failover
 filter to them too: a failing domain is the failover policies' to empty).
 
+A worker that drains because it was told to leave (``InstanceView.leaving``: a planner's scale-down, its engine
+healthy) is failing too, so its role's failover policy empties it (migration-assisted scale-down), but it fences only
+itself, whatever the domain: nothing failed on its node or unit. With ``--failover-domain node`` on a one-node
+deployment, fencing its node would leave its requests no destination and the scale-down would fall back to waiting
+for them; it would also stop load balancing on the node for as long as it drains.
+
 Pure: the standard library and this package only.
 """
 
@@ -50,7 +56,7 @@ def is_stale(view: InstanceView, config: ReschedulerConfig) -> bool:
 def failing_reason(view: InstanceView, config: ReschedulerConfig) -> str:
     """Why the worker is failing ("" when it is not)."""
     if not view.schedulable:
-        return "unschedulable"
+        return "unschedulable (leaving: draining)" if view.leaving else "unschedulable"
     if is_stale(view, config):
         return f"stale: last report {view.report_age_s:.1f} s ago > {config.instance_staleness_seconds:g} s"
     return ""
@@ -73,7 +79,9 @@ def fence(views: Sequence[InstanceView], config: ReschedulerConfig) -> set[int]:
     """Every worker inside some failing worker's failure domain (module docstring)."""
     out: set[int] = set()
     for v in views:
-        if failing_reason(v, config):
+        if not v.schedulable and v.leaving:
+            out.add(v.instance_id)  # a scale-down, not a failure: its node and unit stay healthy
+        elif failing_reason(v, config):
             out |= domain_of(v, views, config.failover_domain)
     return out
 
