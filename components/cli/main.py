@@ -72,6 +72,11 @@ BENCHMARKS = (
     Command(
         "planner-live", "components.cli.bench.planner_live", "the planner live and simulated on one sinusoid, compared"
     ),
+    Command(
+        "rescheduling-live",
+        "components.cli.bench.rescheduling_live",
+        "an imbalanced live fleet converging under the rescheduler, losing no token",
+    ),
     Command("startup", "components.cli.bench.startup", "how long a new worker (simulated, vLLM) takes to register"),
 )
 
