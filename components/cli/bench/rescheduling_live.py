@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "speedup_ratio",
                 "sample_ms",
             )
-        },  # fmt: skip
+        },
         "live": {
             "add_s": live["add_s"],
             "added_s": live["added_s"],
