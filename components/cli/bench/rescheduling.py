@@ -245,7 +245,9 @@ def run_cell(
     samples = _KvSamples()
     resched = None
     if policies is not None:
-        resched = PolicyRescheduler(ReschedulerConfig(enable_rescheduling=True, rescheduling_policies=list(policies)))
+        resched = PolicyRescheduler(
+            ReschedulerConfig(enable_rescheduling=True, rescheduling_policies=[Policy(p) for p in policies])
+        )
     t0 = time.process_time()
     res = sim.replay(w, fleet, dispatch, spec.seed, observer=samples, rescheduler=resched)
     ttft_p99 = pct(res.ttft_s, 0.99)
@@ -349,7 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             entry["points"][d] = {}
             entry["targets"][d] = {}
             for load in args.loads:
-                by_side = {}
+                by_side: dict[str, dict[str, Any]] = {}
                 for side, _ in sides:
                     runs = cells[n, d, side, load]
                     by_side[side] = {
