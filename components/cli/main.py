@@ -68,6 +68,9 @@ BENCHMARKS = (
         "kv-transfer", "components.cli.bench.kv_transfer", "a vLLM decode engine's first token: KV pull vs recompute"
     ),
     Command("migration", "components.cli.bench.migration", "migration downtime (live vs recompute) and failover"),
+    Command(
+        "rescheduling", "components.cli.bench.rescheduling", "the rescheduler's policies off vs on, simulated fleets"
+    ),
     Command("planner", "components.cli.bench.planner", "planner vs fixed fleets under a sinusoidal load, simulated"),
     Command(
         "planner-live", "components.cli.bench.planner_live", "the planner live and simulated on one sinusoid, compared"
