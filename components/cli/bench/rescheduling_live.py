@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import sys
@@ -72,12 +73,19 @@ def convergence(samples: list[dict[str, Any]], fleet_size: int, threshold: float
     after = [s for s in samples if s["t"] >= joined["t"]]
     conv = next((s for s in after if max(s["use"].values()) < threshold), None)
     dt = None if conv is None else conv["t"] - joined["t"]
+    # After converging, how long some worker was a source again (growing outputs push a worker back over the
+    # threshold; the rescheduler may or may not find a request to move), each sample counting until the next.
+    again = 0.0
+    if conv is not None:
+        later = [s for s in after if s["t"] >= conv["t"]]
+        again = sum(b["t"] - a["t"] for a, b in itertools.pairwise(later) if max(a["use"].values()) >= threshold)
     return {
         "joined_s": round(joined["t"], 3),
         "max_use_at_join": round(max(joined["use"].values()), 4),
         "converged_s": None if conv is None else round(conv["t"], 3),
         "seconds": None if dt is None else round(dt, 3),
         "cycles": None if dt is None else math.ceil(dt / interval_s - 1e-9),
+        "source_again_s": round(again, 3),
     }
 
 
@@ -190,10 +198,18 @@ async def _live(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 await asyncio.sleep(args.sample_ms / 1e3)
 
         sampling = asyncio.ensure_future(sampler())
+        add_s = added_s = math.nan
+        results: list[dict[str, Any]] = []
         try:
             client = await rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
             await client.wait_for_instances(1, timeout_s=60)
             streaming: set[int] = set()
+            # The clock starts with the load (the simulated side's t = 0); earlier samples have t < 0.
+            shift = time.monotonic() - t0
+            for s in samples:
+                s["t"] -= shift
+            t0 += shift
+            wall0 += shift
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.request_timeout_s)) as session:
                 load = asyncio.ensure_future(
                     asyncio.gather(
@@ -269,6 +285,92 @@ def migrations_of(status: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+class _JoinAt:
+    """A ``Scaler`` (components/sim/dynamics.py) that asks once, at ``decide_s``, for ``target`` workers."""
+
+    interval_s = 0.01
+    start_s = 0.0
+
+    def __init__(self, decide_s: float, target: int) -> None:
+        self.decide_s = decide_s
+        self.target = target
+        self.until_s = decide_s + 1.0
+        self.done = False
+
+    def pull(self, now_s: float, fleet: Any, pools: Any) -> list[Any]:
+        from components.sim.dynamics import DECODE, Resize
+
+        if self.done or now_s < self.decide_s:
+            return []
+        self.done = True
+        return [Resize(DECODE, pools[DECODE].active, self.target, "bench: the live side's scale-up")]
+
+    def resize_done(self, pool: str, now_s: float) -> None:
+        pass
+
+
+def simulate_same_start(args: argparse.Namespace, live_add_s: float, live_joined_s: float) -> dict[str, Any]:
+    """The live start in ``replay`` with the rescheduler's policies (``PolicyRescheduler``): the same worker config
+    and rescheduler settings (the graph with the same ``--set``s), the same requests at t = 0 on one worker, the
+    scale-up asked for at the live ``add_s`` with the live start-up (``joined_s - add_s``), so the new workers
+    register when the live ones were first all seen. Samples at every load report (0.1 s): projected KV use per
+    routed worker, as ``projected_kv_use`` reads a view (blocks in use plus the waiting prompt's, over all)."""
+    import dataclasses
+
+    from components.rescheduler.config import ReschedulerConfig
+    from components.sim.replay import FleetSpec, Sample, replay
+    from components.sim.rescheduling import PolicyRescheduler
+    from components.sim.workload import SimRequest, Workload
+    from components.workers.engines.mock import MockEngineConfig
+
+    graph = load_graph(ROOT / args.graph, overrides(args)[1::2])
+    group = graph.workers[0]
+    assert graph.rescheduler is not None, "the graph has no rescheduler section"
+    fields = {k: v for k, v in group.model_dump().items() if k in MockEngineConfig.model_fields}
+    engine = MockEngineConfig(**fields)
+    workload = Workload(
+        "rescheduling-live",
+        tuple(
+            SimRequest(0.0, tuple(prompt_of(args.prompt_tokens, i, PROMPT_VOCAB)), args.max_tokens)
+            for i in range(args.requests)
+        ),
+    )
+    startup_s = max(0.0, live_joined_s - live_add_s)
+    spec = dataclasses.replace(
+        FleetSpec(workers=1, engine=engine, metrics_interval_s=0.1), startup_s=startup_s, connector_delay_s=0.0
+    )
+    samples: list[dict[str, Any]] = []
+
+    def observe(s: Sample) -> None:
+        use = {}
+        for i, ld in enumerate(s.loads):
+            if ld.num_total_blocks:
+                waiting = math.ceil(ld.num_waiting_prefill_tokens / group.block_size)
+                use[f"w{i}"] = (ld.num_active_blocks + waiting) / ld.num_total_blocks
+        samples.append({"t": s.now_s, "use": use})
+
+    # The graph's section holds ReschedulerConfig's fields (and where it runs, which the simulator has no use for).
+    section = graph.rescheduler.model_dump()
+    config = ReschedulerConfig(**{k: v for k, v in section.items() if k in ReschedulerConfig.model_fields})
+    resched = PolicyRescheduler(config)
+    result = replay(
+        workload,
+        spec,
+        graph.frontend.router_policy,
+        args.seed,
+        observer=observe,
+        scaler=_JoinAt(max(0.0, live_add_s), 1 + args.add_workers),
+        rescheduler=resched,
+    )
+    return {
+        "startup_s": round(startup_s, 3),
+        "rescheduler": resched.counters(),
+        "migrations": result.migrations,
+        "output_tokens_by_request": result.output_tokens_by_request,
+        "samples": samples,
+    }
+
+
 def _draw(path: Path, live: list[dict[str, Any]], sim: list[dict[str, Any]] | None, threshold: float) -> bool:
     try:
         import matplotlib
@@ -333,9 +435,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (out / "live-samples.json").write_text(json.dumps(live["samples"]))
     sim_samples = None
     if args.sim and conv["joined_s"] is not None:
-        from components.cli.bench.rescheduling_live_sim import simulate_same_start
-
-        sim = simulate_same_start(args, conv["joined_s"], out / "sim")
+        sim = simulate_same_start(args, live["add_s"], conv["joined_s"])
         sim_samples = sim.pop("samples")
         sconv = convergence(sim_samples, 1 + args.add_workers, args.threshold, interval_s)
         sim["convergence"] = sconv
@@ -365,19 +465,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", default="graphs/mock_rescheduler.yaml", help="graph to serve (relative to the root)")
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--out", default="runs/bench-rescheduling-live", help="directory of the JSON, PNG, state, logs")
-    p.add_argument("--requests", type=int, default=8, help="streams, all on the one worker")
-    p.add_argument("--prompt-tokens", type=int, default=400)
-    p.add_argument("--max-tokens", type=int, default=1200)
+    p.add_argument("--requests", type=int, default=16, help="streams, all on the one worker")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=1000)
     p.add_argument("--add-workers", type=int, default=3, help="workers added once the first is loaded")
-    p.add_argument("--add-at", type=float, default=0.45, help="the first worker's projected KV use that adds them")
-    p.add_argument("--threshold", type=float, default=0.35, help="neutral_load's threshold (projected KV use)")
+    p.add_argument("--add-at", type=float, default=0.3, help="the first worker's projected KV use that adds them")
+    p.add_argument("--threshold", type=float, default=0.25, help="neutral_load's threshold (projected KV use)")
     p.add_argument("--interval-ms", type=int, default=500, help="the rescheduler's cycle")
-    p.add_argument("--num-gpu-blocks", type=int, default=1024, help="each worker's KV cache (16-token blocks)")
+    p.add_argument("--num-gpu-blocks", type=int, default=2048, help="each worker's KV cache (16-token blocks)")
     p.add_argument("--speedup-ratio", type=float, default=0.25, help="the simulated engines' speed (1: modelled)")
     p.add_argument("--sample-ms", type=int, default=250, help="how often the fleet is read")
     p.add_argument("--request-timeout-s", type=float, default=300)
     p.add_argument("--agree-cycles", type=int, default=2, help="live and simulated convergence agree within this")
     p.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True, help="also run the simulated side")
+    p.add_argument("--seed", type=int, default=0, help="the simulated side's seed")
     p.add_argument("--png", action=argparse.BooleanOptionalAction, default=True)
 
 
