@@ -269,6 +269,8 @@ def integrity(results: list[dict[str, Any]], expected: dict[int, str], max_token
         "failures": sorted({str(r["error"]) for r in failed})[:3],
         "wrong_token_count": [(r["index"], r["tokens"]) for r in short],
         "text_differs_from_unmoved": differ,
+        # The comparison has teeth only if the unmoved texts are non-empty and tell the streams apart.
+        "unmoved_texts_distinct": len({t for t in expected.values() if t}) == len(expected),
         "intact": not failed and not short and not differ,
     }
 
