@@ -131,11 +131,12 @@ async def unmoved_texts(args: argparse.Namespace) -> dict[int, str]:
     """Each stream's text on an unmoved in-process MockEngine of the graph's worker config (module docstring, 6)."""
     from components.frontend.tokenizer import IncrementalDetokenizer, load_tokenizer
     from components.protocol.messages import GenerateRequest, SamplingParams
-    from components.workers.engines.mock import MockEngine, MockEngineConfig
+    from components.workers.config import EngineKind, build_engine
+    from components.workers.simulated import MockEngineConfig
 
     group = load_graph(ROOT / args.graph, overrides(args)[1::2]).workers[0]
     fields = {k: v for k, v in group.model_dump().items() if k in MockEngineConfig.model_fields}
-    engine = MockEngine(MockEngineConfig(**{**fields, "speedup_ratio": float("inf")}), name="unmoved")
+    engine = build_engine(EngineKind.MOCK, MockEngineConfig(**{**fields, "speedup_ratio": float("inf")}), "unmoved")
     tok = await asyncio.to_thread(load_tokenizer, str(group.model_path))
     await engine.start()
     try:
@@ -323,7 +324,7 @@ def simulate_same_start(args: argparse.Namespace, live_add_s: float, live_joined
     from components.sim.replay import FleetSpec, Sample, replay
     from components.sim.rescheduling import PolicyRescheduler
     from components.sim.workload import SimRequest, Workload
-    from components.workers.engines.mock import MockEngineConfig
+    from components.workers.simulated import MockEngineConfig
 
     graph = load_graph(ROOT / args.graph, overrides(args)[1::2])
     group = graph.workers[0]
@@ -347,7 +348,7 @@ def simulate_same_start(args: argparse.Namespace, live_add_s: float, live_joined
         use = {}
         for i, ld in enumerate(s.loads):
             if ld.num_total_blocks:
-                waiting = math.ceil(ld.num_waiting_prefill_tokens / group.block_size)
+                waiting = math.ceil(ld.num_waiting_prefill_tokens / engine.block_size)
                 use[f"w{i}"] = (ld.num_active_blocks + waiting) / ld.num_total_blocks
         samples.append({"t": s.now_s, "use": use})
 
