@@ -18,9 +18,11 @@
    detokenised as the frontend does (``IncrementalDetokenizer``). The mock engine's token ``i`` is a hash of every
    token before it (components/workers/engines/mock/scheduler.py), so a token lost or repeated anywhere changes
    every later token, and the text with it.
-7. ``--sim`` (default on): ``kvmesh simulate`` on the same start (the same graph and settings, the same requests at
-   t = 0 on one worker, ``--add-workers`` joining at the live side's ``joined_s``), the same convergence rule on its
-   per-worker KV use, compared: agreement = the two convergences within ``--agree-cycles`` cycles.
+7. ``--sim`` (default on): the same start in ``replay`` with ``PolicyRescheduler`` (components/sim/rescheduling.py:
+   the live loop's planner and the agent's selection), in this process: the same graph and settings, the same
+   requests at t = 0 on one worker, the scale-up asked for at the live ``add_s`` with the live start-up, so the new
+   workers register at the live ``joined_s`` (``simulate_same_start``); the same convergence rule on its load reports,
+   compared: agreement = the two convergences within ``--agree-cycles`` cycles.
 
 JSON on stdout's last line (also ``--out``/rescheduling-live.json); ``--png``: projected KV use per worker over time.
 """
@@ -328,7 +330,8 @@ def simulate_same_start(args: argparse.Namespace, live_add_s: float, live_joined
 
     graph = load_graph(ROOT / args.graph, overrides(args)[1::2])
     group = graph.workers[0]
-    assert graph.rescheduler is not None, "the graph has no rescheduler section"
+    if graph.rescheduler is None:
+        raise RuntimeError(f"{args.graph} has no rescheduler section: nothing to simulate")
     fields = {k: v for k, v in group.model_dump().items() if k in MockEngineConfig.model_fields}
     engine = MockEngineConfig(**fields)
     workload = Workload(

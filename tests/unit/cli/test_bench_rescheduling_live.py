@@ -48,3 +48,31 @@ def test_integrity_names_failed_short_and_altered_streams():
     assert r["wrong_token_count"] == [(2, 4)] and r["text_differs_from_unmoved"] == [3]
     assert r["intact"] is False
     assert integrity(results[:1], expected, 5)["intact"] is True
+
+
+def test_the_default_start_is_imbalanced_movable_and_ends_well_below_the_threshold():
+    """The shipped graph with the command's defaults: the settings the docs' figures rest on."""
+    import argparse
+    from pathlib import Path
+
+    from components.cli.bench.rescheduling_live import add_arguments, overrides
+    from components.deploy.graph import load_graph
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args([])
+    root = Path(__file__).resolve().parents[3]
+    g = load_graph(root / a.graph, overrides(a)[1::2])
+    assert g.rescheduler is not None and [str(x) for x in g.rescheduler.rescheduling_policies] == ["neutral_load"]
+    assert g.rescheduler.rescheduling_neutral_load_threshold == a.threshold == 0.25
+    assert g.workers[0].replicas == 1 and g.workers[0].num_gpu_blocks == a.num_gpu_blocks == 2048
+    capacity = a.num_gpu_blocks * 16  # tokens of one worker's KV
+    per_request_end = a.prompt_tokens + a.max_tokens  # 1256
+    # One worker holds all 16 to their end without preempting: 16 x 1256 / 32768 = 0.61.
+    assert a.requests * per_request_end / capacity == pytest.approx(0.613, abs=1e-3)
+    # Spread over 1 + 3 workers they end at 0.15, well below 0.25.
+    assert a.requests * per_request_end / ((1 + a.add_workers) * capacity) == pytest.approx(0.153, abs=1e-3)
+    # At --add-at each request holds 0.3 x 32768 / 16 = 614 tokens: under the default selection's 1024-token budget
+    # (rescheduling_req_select_value), so the first pairs find requests to move.
+    assert a.add_at * capacity / a.requests == pytest.approx(614.4)
+    assert a.add_at * capacity / a.requests < g.rescheduler.rescheduling_req_select_value == 1024
