@@ -68,12 +68,20 @@ BENCHMARKS = (
         "kv-transfer", "components.cli.bench.kv_transfer", "a vLLM decode engine's first token: KV pull vs recompute"
     ),
     Command("migration", "components.cli.bench.migration", "migration downtime (live vs recompute) and failover"),
+    Command(
+        "rescheduling", "components.cli.bench.rescheduling", "the rescheduler's policies off vs on, simulated fleets"
+    ),
     Command("planner", "components.cli.bench.planner", "planner vs fixed fleets under a sinusoidal load, simulated"),
     Command(
         "planner-live", "components.cli.bench.planner_live", "the planner live and simulated on one sinusoid, compared"
     ),
     Command(
         "scale-down", "components.cli.bench.scale_down", "remove a worker with long outputs: drain vs migration, live"
+    ),
+    Command(
+        "rescheduling-live",
+        "components.cli.bench.rescheduling_live",
+        "an imbalanced live fleet converging under the rescheduler, losing no token",
     ),
     Command("startup", "components.cli.bench.startup", "how long a new worker (simulated, vLLM) takes to register"),
 )

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic import ValidationError
+
 from components.cli.overrides import add_override_argument
 from components.deploy.errors import DeployError
 from components.deploy.graph import load_graph
@@ -43,11 +45,15 @@ from components.deploy.whatif import SimulatedDeployment, WhatIfError, simulated
 from components.planner.config import AnyPlannerConfig, PlannerConfig, SlaPlannerConfig, policy_config
 from components.planner.main import make_controller
 from components.planner.simulated import SimulatedPlanner
+from components.rescheduler.config import ReschedulerConfig
+from components.rescheduler.run_config import flag_problems
+from components.runtime.flags import add_model_arguments, model_from_args
 from components.sim import RunResult, Sample, SimRequest, Workload, replay
 from components.sim.dynamics import DECODE, PREFILL
 from components.sim.errors import TraceFormatError
 from components.sim.replay import MODEL
 from components.sim.report import Slo, summarize
+from components.sim.rescheduling import PolicyRescheduler
 from components.sim.workloads import from_trace
 
 # Dynamo's SLA planner defaults for its TTFT and ITL targets.
@@ -141,6 +147,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--no-png", action="store_true", help="do not draw simulate.png")
     p.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard event files")
+    # The rescheduler's flags, as `kvmesh rescheduler` takes them; --enable-rescheduling runs its cycle in the replay
+    # (components/sim/rescheduling.py). Where it runs live does not matter here: the colocation switch is left out.
+    add_model_arguments(p, ReschedulerConfig, skip={"colocated_rescheduling_mode"})
 
 
 class _Series:
@@ -327,10 +336,16 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
             # Through one more adjustment after the last arrival (its pull at last + interval included).
             until_s=last + planner_config.adjustment_interval + planner_config.metric_pulling_interval,
         )
+    rescheduler: PolicyRescheduler | None = None
+    rescheduler_config = _rescheduler_config(args)
+    if rescheduler_config.enable_rescheduling:
+        rescheduler = PolicyRescheduler(rescheduler_config)
     series = _Series(deployment, len(workload.requests), workload.span_s, progress)
     cpu0 = time.process_time()
     try:
-        res = replay(workload, fleet, deployment.router, args.seed, observer=series, scaler=planner)
+        res = replay(
+            workload, fleet, deployment.router, args.seed, observer=series, scaler=planner, rescheduler=rescheduler
+        )
     finally:
         series.close()
     cpu_s = time.process_time() - cpu0
@@ -368,6 +383,13 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         },
         "simulation_cpu_s": round(cpu_s, 2),
     }
+    if rescheduler is not None:
+        report["rescheduler"] = {
+            "policies": [str(x) for x in rescheduler_config.rescheduling_policies],
+            "interval_ms": rescheduler_config.rescheduling_interval_ms,
+            **rescheduler.counters(),
+            "migrations_landed": res.migrations,
+        }
     if not args.no_tensorboard:
         if planner is not None:
             _planner_board(planner, out / "tensorboard")
@@ -381,6 +403,13 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
     report["requests_csv"] = str(out / "requests.csv")
     (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
+
+
+def _rescheduler_config(args: argparse.Namespace) -> ReschedulerConfig:
+    try:
+        return model_from_args(ReschedulerConfig, args)
+    except ValidationError as e:
+        raise WhatIfError(f"rescheduler flags: {flag_problems(e)}") from None
 
 
 def main(args: argparse.Namespace) -> int:

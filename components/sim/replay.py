@@ -205,6 +205,8 @@ class RunResult:
     actions: list[Action] = dataclasses.field(default_factory=list)
     spans: dict[str, list[tuple[float, float | None]]] = dataclasses.field(default_factory=dict)
     migrations: int = 0  # requests moved by the rescheduler
+    # Each request's output tokens as its client received them, in the workload's order.
+    output_tokens_by_request: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def drain_s(self) -> float:
@@ -333,6 +335,12 @@ def replay(
     }
     if disagg:
         meta["role"] = str(WorkerRole.DECODE)
+    if rescheduler is not None:
+        # Its workers run a migration agent (the live rescheduler's policies move requests only between those); the
+        # replay's migration is a KV transfer of the request's context, as the simulated engines' live mode.
+        meta["migration_mode"] = "live"
+    # Told when a migration is over (its request landed, or finished before leaving), as a live migrate call returns.
+    migration_done: Callable[[str, float], None] | None = getattr(rescheduler, "migration_done", None)
     prefill_meta = {**meta, "role": str(WorkerRole.PREFILL), "step_time": step_time_of(spec.engine)}
     # The routed workers that take requests now, and the prefill workers that pop the queue now, in id order.
     routed: list[_Worker] = list(workers.values())
@@ -554,7 +562,13 @@ def replay(
     def running_requests() -> dict[int, list[RunningRequest]]:
         out: dict[int, list[RunningRequest]] = {w.iid: [] for w in routed}
         for rid, t in reqs.items():
-            if t.first_s >= 0 and t.output_tokens < t.max_tokens and t.worker in out and rid not in migrating:
+            if (
+                t.first_s >= 0
+                and t.output_tokens < t.max_tokens
+                and t.worker in out
+                and rid not in migrating
+                and t.landing is None  # in transit: on no worker yet
+            ):
                 out[t.worker].append(RunningRequest(rid, t.worker, t.prompt_len, t.output_tokens, t.max_tokens))
         return out
 
@@ -564,6 +578,8 @@ def replay(
             t = reqs[rid]
             dst = migrating.pop(rid)
             if t.output_tokens >= t.max_tokens or not w.engine.abort(rid):
+                if migration_done is not None:
+                    migration_done(rid, now)
                 continue  # it finished in this step
             context = t.prompt_len + t.output_tokens
             t.worker = dst
@@ -593,6 +609,8 @@ def replay(
             router.apply_kv_events(w.iid, events)
         if w.engine.has_work and not w.busy:
             start_step(w, now)
+        if migration_done is not None:
+            migration_done(rid, now)
 
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
@@ -735,6 +753,7 @@ def replay(
         ttft_by_request_s=[t.first_s - t.arrival_s for t in order],
         mean_itl_by_request_s=[_mean_itl(t) for t in order],
         worker_by_request=[t.worker for t in order],
+        output_tokens_by_request=[t.output_tokens for t in order],
         itl_s=itl if itl_sink is None else [],
         e2e_s=e2e,
         prompt_tokens=sum(t.prompt_len for t in order),

@@ -166,3 +166,35 @@ def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0, scale: floa
     reqs.sort(key=lambda r: r.arrival_s)
     reqs = reqs[:n]
     return Workload(name, tuple(reqs))
+
+
+# Llumnix's setting (``kvmesh bench rescheduling``): independent requests whose outputs are mostly short with a few
+# very long ones, so that a worker that drew several long ones fills its KV cache (and preempts) while its
+# neighbours idle: the imbalance its migration was built for (Llumnix's paper, OSDI '24, mixes short and long
+# generation lengths with long tails for this reason). Not one of ``SHAPES``: ``kvmesh bench routing``'s defaults
+# stay what they were.
+SHORT_LONG_LONG_FRACTION = 0.1  # one request in ten is a long one
+SHORT_LONG_PROMPT_MEDIAN = 512
+SHORT_LONG_SHORT_OUTPUT_MEDIAN = 64
+SHORT_LONG_LONG_OUTPUT_MEDIAN = 2048
+SHORT_LONG_LONG_OUTPUT_MAX = 6144
+
+
+def short_long_mix(n: int, *, vocab_size: int, seed: int = 0) -> Workload:
+    """``n`` independent requests at a nominal 1 request/s (Poisson): prompts log-normal around 512 tokens (sigma
+    0.6, 16 to 4,096), outputs short (log-normal around 64, sigma 0.6, 4 to 512) with probability 0.9, else very long
+    (log-normal around 2,048, sigma 0.4, 512 to 6,144); no shared prefixes (each prompt its own ids). Named
+    ``llumnix_short_long``."""
+    rng = random.Random(f"{seed}:short_long")
+    reqs: list[SimRequest] = []
+    t = 0.0
+    for i in range(n):
+        prompt = tuple(token_ids(f"{seed}:short_long:p{i}", _lognormal(rng, SHORT_LONG_PROMPT_MEDIAN, 0.6, 16, 4096),
+                                 vocab_size))  # fmt: skip
+        if rng.random() < SHORT_LONG_LONG_FRACTION:
+            out = _lognormal(rng, SHORT_LONG_LONG_OUTPUT_MEDIAN, 0.4, 512, SHORT_LONG_LONG_OUTPUT_MAX)
+        else:
+            out = _lognormal(rng, SHORT_LONG_SHORT_OUTPUT_MEDIAN, 0.6, 4, 512)
+        reqs.append(SimRequest(t, prompt, out))
+        t += rng.expovariate(1.0)
+    return Workload("llumnix_short_long", tuple(reqs))

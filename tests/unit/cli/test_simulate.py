@@ -278,3 +278,39 @@ def test_a_graph_with_an_sla_planner_runs_the_sla_controller_on_the_trace(tmp_pa
     assert {"sla/observed_request_rate", "sla/target_decode", "pull/decode_workers"} <= tags
     rates = [e.value for e in acc.Scalars("sla/observed_request_rate")]
     assert max(rates) == pytest.approx(10.0, rel=0.2)  # the trace's 10 requests/s, as the frontend reports count it
+
+
+def test_enable_rescheduling_runs_the_policies_in_the_replay_and_reports_their_counters(tmp_path, capsys):
+    from components.rescheduler.config import ReschedulerConfig
+    from components.sim.rescheduling import PolicyRescheduler
+
+    trace = mooncake(tmp_path / "t.jsonl", 40, gap_ms=50)
+    flags = ["--enable-rescheduling", "--rescheduling-policies", "neutral_load,binpacking_consolidation"]
+    code, stdout, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *SMALL,
+                            "--out", str(tmp_path / "on"), "--no-png", "--no-tensorboard", "--no-progress",
+                            *flags)  # fmt: skip
+    assert code == 0, err
+    report = json.loads(stdout.strip().splitlines()[-1])
+    # The same replay through the library, with the same config: the command's counters are the adapter's.
+    deployment = simulated_deployment(load_graph(GRAPHS / "mock_agg.yaml", SMALL[1::2]))
+    w = from_trace(trace, 10**9, vocab_size=deployment.vocab_size)
+    cfg = ReschedulerConfig(rescheduling_policies=["neutral_load", "binpacking_consolidation"])
+    r = PolicyRescheduler(cfg)
+    res = replay(w, deployment.fleet, deployment.router, 0, rescheduler=r)
+    assert report["rescheduler"] == {
+        "policies": ["neutral_load", "binpacking_consolidation"],
+        "interval_ms": 500,
+        **r.counters(),
+        "migrations_landed": res.migrations,
+    }
+    assert report["rescheduler"]["cycles"] > 0
+    # Without the flag: no rescheduler, and no key.
+    code, stdout, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *SMALL,
+                            "--out", str(tmp_path / "off"), "--no-png", "--no-tensorboard",
+                            "--no-progress")  # fmt: skip
+    assert code == 0 and "rescheduler" not in json.loads(stdout.strip().splitlines()[-1])
+    # A policy it does not know is a clear error.
+    code, _, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *SMALL,
+                       "--out", str(tmp_path / "bad"), "--no-progress", "--enable-rescheduling",
+                       "--rescheduling-policies", "nope")  # fmt: skip
+    assert code != 0 and "--rescheduling-policies" in err

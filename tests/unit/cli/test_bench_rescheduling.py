@@ -1,0 +1,106 @@
+"""``kvmesh bench rescheduling``: its pure parts (the imbalance metric, each target's verdict, median and spread)
+and one tiny end-to-end run of the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.cli.bench import rescheduling as rb
+from components.cli.main import main as cli_main
+from components.sim.workloads import short_long_mix
+
+pytestmark = pytest.mark.unit
+
+
+def test_kv_imbalance_is_the_p95_of_max_minus_min_per_instant():
+    assert rb.kv_spread([0.9, 0.3, 0.5]) == pytest.approx(0.6)
+    assert rb.kv_spread([]) == 0.0
+    # 20 instants: spreads 0.00, 0.05, ..., 0.95 (worker 1 at k/20, worker 2 at 0). Nearest rank P95 of 20 values is
+    # the 19th smallest (ceil(0.95 x 20) = 19): 18/20 = 0.90.
+    samples = [(k / 20, 0.0) for k in range(20)]
+    assert rb.kv_imbalance(samples) == pytest.approx(0.90)
+    assert rb.kv_imbalance([]) is None
+
+
+def test_ttft_target_by_speedup_or_by_the_way_to_the_causal_floor():
+    # 1.5x: off 300 ms needs on <= 200.
+    assert rb.judge_ttft(300.0, 200.0, None).status == rb.MET
+    assert rb.judge_ttft(300.0, 201.0, 100.0).status == rb.NOT_MET  # floor 100 < 200: the 1.5x rule holds
+    # Floor 250 above off / 1.5 = 200: 80% of the way from 300 to 250 is 300 - 0.8 x 50 = 260.
+    assert rb.judge_ttft(300.0, 260.0, 250.0).status == rb.MET
+    assert rb.judge_ttft(300.0, 261.0, 250.0).status == rb.NOT_MET
+    assert rb.judge_ttft(None, 10.0, None).status == rb.NOT_JUDGED
+
+
+def test_cuts_throughput_and_hit_rate_and_what_is_not_judged():
+    assert rb.judge_at_most("preemptions", 10, 5, rb.PREEMPTION_CUT).status == rb.MET
+    assert rb.judge_at_most("preemptions", 10, 6, rb.PREEMPTION_CUT).status == rb.NOT_MET
+    # No preemption to halve: not judged, never met.
+    v = rb.judge_at_most("preemptions", 0, 0, rb.PREEMPTION_CUT)
+    assert v.status == rb.NOT_JUDGED and "nothing to cut" in v.why
+    assert rb.judge_at_most("imbalance", 0.5, 0.4, rb.IMBALANCE_CUT).status == rb.MET  # 0.4 = 0.8 x 0.5
+    assert rb.judge_at_most("imbalance", 0.5, 0.41, rb.IMBALANCE_CUT).status == rb.NOT_MET
+    assert rb.judge_throughput(1000.0, 980.0).status == rb.MET
+    assert rb.judge_throughput(1000.0, 979.0).status == rb.NOT_MET
+    assert rb.judge_hit_rate(0.50, 0.48).status == rb.MET  # 2 points down: the limit
+    assert rb.judge_hit_rate(0.50, 0.479).status == rb.NOT_MET
+
+
+def test_judge_judges_ttft_only_on_llumnixs_setting_at_08_and_10():
+    off = {"ttft_p99_ms": 300.0, "preemptions": 0, "output_tokens_per_s": 100.0, "kv_imbalance_p95": 0.5,
+           "hit_rate": 0.1}  # fmt: skip
+    on = dict(off, ttft_p99_ms=150.0)
+    assert rb.judge("llumnix", 0.8, off, on, None)["ttft_p99"]["status"] == rb.MET
+    assert rb.judge("llumnix", 0.6, off, on, None)["ttft_p99"]["status"] == rb.NOT_JUDGED
+    assert rb.judge("trace", 1.0, off, on, None)["ttft_p99"]["status"] == rb.NOT_JUDGED
+    verdicts = rb.judge("llumnix", 1.0, off, on, None)
+    assert verdicts["preemptions"]["status"] == rb.NOT_JUDGED
+    assert verdicts["kv_imbalance_p95"]["status"] == rb.NOT_MET  # 0.5 -> 0.5: not 20% lower
+
+
+def test_spread_is_median_min_max_without_missing_values():
+    assert rb.spread([3.0, 1.0, None, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert rb.spread([None]) == {"median": None, "min": None, "max": None}
+
+
+def test_the_short_long_mix_is_mostly_short_with_a_tenth_very_long():
+    w = short_long_mix(2000, vocab_size=32_000, seed=0)
+    outs = [r.max_tokens for r in w.requests]
+    long = sum(1 for x in outs if x >= 512)
+    # 10% long (at least 512 tokens by their bounds); a short one reaches 512 only at its cap (log-normal around 64,
+    # sigma 0.6: 512 is 3.5 sigma up): about 200 of 2,000, binomial sd ~13.
+    assert 150 < long < 250
+    assert max(outs) <= 6144 and sorted(outs)[len(outs) // 2] < 100
+    assert w.requests == short_long_mix(2000, vocab_size=32_000, seed=0).requests  # seeded
+
+
+def test_the_command_runs_a_tiny_sweep_and_reports_every_cell_and_verdict(tmp_path, capsys):
+    png = tmp_path / "r.png"
+    code = cli_main(["bench", "rescheduling", "--workloads", "llumnix", "--requests", "40", "--seeds", "2",
+                     "--workers", "1", "--loads", "1.0", "--jobs", "1", "--png", str(png)])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    entry = report["workloads"]["llumnix"]
+    assert report["seeds"] == [0, 1] and entry["requests"] == 40 and entry["capacity_rps"] > 0
+    for d in ("least_loaded", "kv"):
+        cell = entry["points"][d]["1"]
+        for side in ("off", "on"):
+            assert len(cell[side]["per_seed"]) == 2
+            s = cell[side]["spread"]["ttft_p99_ms"]
+            assert s["min"] <= s["median"] <= s["max"]
+        assert cell["off"]["per_seed"][0]["rescheduler"] is None
+        assert cell["on"]["per_seed"][0]["rescheduler"]["cycles"] > 0
+        assert set(entry["targets"][d]["1"]) == {
+            "ttft_p99",
+            "preemptions",
+            "throughput",
+            "kv_imbalance_p95",
+            "hit_rate",
+        }
+    counts = report["target_counts"]
+    assert sum(counts.values()) == 2 * 5
+    assert png.stat().st_size > 10_000
+    assert "== llumnix" in err
