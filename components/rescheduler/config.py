@@ -319,9 +319,10 @@ class ReplicationConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # 500 ms: on the documents shape (components/sim/workloads.py) one cold 8k-token document costs its worker about
-    # 0.6-0.9 s of prefill by the perf defaults, so a holder predicted past 500 ms has at least one such request's
-    # worth of queued work ahead of the next hit; below it a hit on the holder still beats a cold prefill elsewhere.
+    # 500 ms: on the documents shape (components/sim/workloads.py) a cold copy of the median document (12,000
+    # tokens) costs a worker 250 ms of prefill by the perf defaults (StepTimeModel.chunked_prefill_ms), so a holder
+    # predicted past 500 ms makes a hit wait longer than two cold prefills elsewhere, while a copy costs the
+    # transfer (512 blocks: 22 ms at 400 Gb/s) and no request's TTFT. Not tuned on a measurement (none was run).
     prefix_replication_target_ttft_ms: float = Field(
         default=500.0,
         gt=0,
