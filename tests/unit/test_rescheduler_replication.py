@@ -136,3 +136,22 @@ def test_config_rejects_a_cold_rate_at_or_above_the_hot_rate() -> None:
         ReplicationConfig(prefix_replication_cold_rate_per_s=0.5, prefix_replication_min_rate_per_s=0.5)
     with pytest.raises(ValidationError):
         ReplicationConfig(prefix_replication_max_holders=1)
+
+
+def test_prefix_rates_keep_the_shared_run_and_count_the_window() -> None:
+    # Three requests on one document (blocks 1, 2, 3) with different questions (blocks 40, 50, 60), at 0, 10 and
+    # 20 s; one on another (blocks 7, 8) at 25 s. At 25 s with a 30 s window: the document is blocks (1, 2, 3) at
+    # 3 / 30 = 0.1 req/s, the other (7, 8) at 1 / 30. At 31 s the request at 0 has left: 2 / 30.
+    from components.rescheduler.policies.prefix_rates import PrefixRates
+
+    rates = PrefixRates(window_s=30.0)
+    for t, q in ((0.0, 40), (10.0, 50), (20.0, 60)):
+        rates.observe([1, 2, 3, q], t)
+    rates.observe([7, 8], 25.0)
+    holders = {(1, 2, 3): [4, 2], (7, 8): []}
+    loads = rates.loads(25.0, lambda hs: holders[tuple(hs)])
+    assert loads == [PrefixLoad(3, 3, (2, 4), pytest.approx(0.1)), PrefixLoad(8, 2, (), pytest.approx(1 / 30))]
+    assert rates.block_hashes(3) == (1, 2, 3)
+    assert rates.loads(31.0, lambda hs: holders[tuple(hs)])[0].requests_per_s == pytest.approx(2 / 30)
+    # All gone after the window: forgotten.
+    assert rates.loads(100.0, lambda hs: ()) == [] and rates.block_hashes(3) == ()
