@@ -314,7 +314,7 @@ class ReplicationConfig(BaseModel):
     replication"). Not a Llumnix policy, so no Llumnix names: every flag starts with ``prefix_replication_``.
 
     Kept apart from ``ReschedulerConfig`` until the loop runs the policy (it plans KV copies, not migration pairs):
-    the live copy is not built yet, and a policy name the loop accepted and ignored would mislead.
+    the loop does not build the policy's snapshot yet, and a policy name it accepted and ignored would mislead.
     """
 
     model_config = ConfigDict(extra="forbid")
