@@ -22,3 +22,6 @@ TOPIC_WORKER_STATUS = "worker_status"
 TOPIC_MIGRATION_COUNTERS = "migration_counters"
 # payload: RequestStatsReport.to_dict(); source id: the frontend's (each frontend replica reports its own requests)
 TOPIC_REQUEST_STATS = "request_stats"
+# Hot-prefix replication (components/protocol/replication.py): served by workers whose engine can import KV with no
+# request (simulated engines). body: ImportPrefixRequest.to_dict(); stream: one ImportPrefixReply.to_dict()
+ENDPOINT_IMPORT_PREFIX = "import_prefix"

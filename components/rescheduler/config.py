@@ -307,3 +307,73 @@ class ReschedulerConfig(BaseModel):
     @property
     def tpot_floor_ms(self) -> float:
         return self.tpot_slo * self.tpot_migrate_out_floor_threshold
+
+
+class ReplicationConfig(BaseModel):
+    """Hot-prefix replication's knobs (components/rescheduler/policies/replication.py; docs/rescheduler.md, "Hot-prefix
+    replication"). Not a Llumnix policy, so no Llumnix names: every flag starts with ``prefix_replication_``.
+
+    Kept apart from ``ReschedulerConfig`` until the loop runs the policy (it plans KV copies, not migration pairs):
+    the loop does not build the policy's snapshot yet, and a policy name it accepted and ignored would mislead.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    # 500 ms: on the documents shape (components/sim/workloads.py) a cold copy of the median document (12,000
+    # tokens) costs a worker 250 ms of prefill by the perf defaults (StepTimeModel.chunked_prefill_ms), so a holder
+    # predicted past 500 ms makes a hit wait longer than two cold prefills elsewhere, while a copy costs the
+    # transfer (512 blocks: 22 ms at 400 Gb/s) and no request's TTFT. Not tuned on a measurement (none was run).
+    prefix_replication_target_ttft_ms: float = Field(
+        default=500.0,
+        gt=0,
+        description="A prefix is hot when its holders' mean predicted TTFT (the router's kv cost) is at or above this "
+        "many ms; it then needs ceil(holders x mean / target) holders, and a copy goes only to a worker predicted "
+        "below it.",
+    )
+    prefix_replication_min_rate_per_s: float = Field(
+        default=0.5,
+        ge=0,
+        description="Requests per second that must carry a prefix before it is copied: a prefix used once is not "
+        "hot, whatever its holder's queue.",
+    )
+    prefix_replication_min_blocks: int = Field(
+        default=16,
+        ge=1,
+        description="Shortest prefix copied, in KV blocks (16 blocks = 256 tokens at block size 16): a shorter one "
+        "is cheaper to recompute than to track.",
+    )
+    prefix_replication_max_holders: int = Field(
+        default=4,
+        ge=2,
+        description="Most workers that hold one prefix (its holders before replication included); docs/router.md: "
+        "the documents shape's hottest document needs 3-4.",
+    )
+    prefix_replication_max_copies_per_cycle: int = Field(
+        default=2,
+        ge=1,
+        description="KV copies one cycle starts, over all prefixes (hottest first); at most one per prefix and one "
+        "per destination, so the next cycle sees the effect of a copy before adding another.",
+    )
+    prefix_replication_cold_rate_per_s: float = Field(
+        default=0.1,
+        ge=0,
+        description="A replica this policy made is cold, and dropped, when its prefix's requests per second over "
+        "its holders falls below this (and the holders are below the target TTFT).",
+    )
+    prefix_replication_min_age_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A replica younger than this many seconds is never dropped (a burst's lull does not undo it).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ReplicationConfig:
+        if not math.isfinite(self.prefix_replication_target_ttft_ms):
+            raise ValueError("prefix_replication_target_ttft_ms must be finite")
+        # A cold rate at or above the hot rate would drop a replica the same cycle could copy again.
+        if self.prefix_replication_cold_rate_per_s >= max(self.prefix_replication_min_rate_per_s, 1e-12):
+            raise ValueError(
+                f"prefix_replication_cold_rate_per_s ({self.prefix_replication_cold_rate_per_s}) must be below "
+                f"prefix_replication_min_rate_per_s ({self.prefix_replication_min_rate_per_s})"
+            )
+        return self

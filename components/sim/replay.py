@@ -58,6 +58,7 @@ from components.router.policies.disagg import (
     PrefillKind,
     decide_prefill,
 )
+from components.sim.replication import PolicyReplicator, PrefixCopy
 from components.workers.simulated import MockEngineConfig, StepOutput, VirtualEngine, step_time_of
 
 from .dynamics import (
@@ -277,6 +278,8 @@ class _Worker:
 
 # Event kinds. At one instant events run in the order they were scheduled (the heap's second key is a counter).
 _STEP, _ARRIVAL, _REPORT, _PF_STEP, _DELIVER, _READY, _PULL, _RESIZE, _RESCHEDULE, _LAND, _STATS = range(11)
+# Hot-prefix replication (components/sim/replication.py): a replicator's cycle, a copy's KV arriving.
+_REPLICATE, _IMPORT = 11, 12
 
 
 def replay(
@@ -288,6 +291,7 @@ def replay(
     observer: Callable[[Sample], None] | None = None,
     scaler: Scaler | None = None,
     rescheduler: Rescheduler | None = None,
+    replicator: PolicyReplicator | None = None,
     itl_sink: Sink | None = None,
     itl_from_s: float = -math.inf,
     request_stats_interval_s: float = REQUEST_STATS_INTERVAL_S,
@@ -407,6 +411,10 @@ def replay(
         seq += 1
     if rescheduler is not None and n_requests:
         heapq.heappush(heap, (requests[0].arrival_s + rescheduler.interval_s, seq, _RESCHEDULE, 0))
+        seq += 1
+    pending_copies: list[PrefixCopy] = []  # with a replicator: copies in transit, by index
+    if replicator is not None and n_requests:
+        heapq.heappush(heap, (requests[0].arrival_s + replicator.interval_s, seq, _REPLICATE, 0))
         seq += 1
     # Scaler bookkeeping: pools with a change in progress, resizes waiting for the connector, actions taken.
     changing: set[str] = set()
@@ -652,6 +660,8 @@ def replay(
             req = router.prepare(RouteRequest(r.prompt, MODEL, now, program_id=r.program_id))
             decision = router.select(req)
             router.on_routed(rid, decision, req)
+            if replicator is not None and req.block_hashes is not None:
+                replicator.observe(req.block_hashes, now)
             kinds[str(decision.kind)] = kinds.get(str(decision.kind), 0) + 1
             if decision.instance_id is None:
                 raise RuntimeError(f"no worker to route request {payload} to at t={now:.3f}: {decision.reason}")
@@ -741,6 +751,26 @@ def replay(
             stats.reset()
             if remaining > 0 or now < until_s:
                 push((payload + 1) * request_stats_interval_s, _STATS, payload + 1)
+        elif kind == _REPLICATE:
+            assert replicator is not None
+            free = {w.iid: w.engine.num_free_blocks for w in routed}
+            for c in replicator.cycle(now, router, free):
+                pending_copies.append(c)
+                dst_engine = workers[c.dst].engine
+                transfer_s = dst_engine.kv_transfer_time_s(len(c.block_hashes) * dst_engine.block_size)
+                push(now + transfer_s, _IMPORT, len(pending_copies) - 1)
+            if remaining > 0:
+                push(now + replicator.interval_s, _REPLICATE, 0)
+        elif kind == _IMPORT:  # a replicated prefix's KV arrived: cached free on its destination, announced
+            assert replicator is not None
+            c = pending_copies[payload]
+            dst = workers[c.dst]
+            got = dst.engine.import_prefix(c.block_hashes) if dst.span.registered(now) else None
+            imported = -1 if got is None else got
+            events = dst.engine.take_kv_events()
+            if events and index_kv:
+                router.apply_kv_events(dst.iid, events)
+            replicator.copy_done(c, now, imported)
         else:  # _LAND: a migrated request's KV arrived at its destination
             land(f"r{payload}", now)
     if remaining:

@@ -23,9 +23,10 @@ The public face of the private ``engines`` package for the command line (tests/u
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from components.protocol.messages import GenerateRequest, KvEvent, LoadSnapshot, TokenChunk
+from components.workers.engines.mock.block_pool import NoFreeBlocksError
 from components.workers.engines.mock.config import MockEngineConfig
 from components.workers.engines.mock.perf_model import transfer_time_s
 from components.workers.engines.mock.scheduler import Scheduler, StepOutput
@@ -117,3 +118,17 @@ class VirtualEngine:
             latency_ms=cfg.kv_transfer_latency_ms,
         )
         return s if self._ratio == 1.0 else s / self._ratio
+
+    def import_prefix(self, block_hashes: Sequence[int]) -> int | None:
+        """Cache a prefix's blocks whose KV another engine sent, with no request (hot-prefix replication's copy,
+        ``BlockPool.import_prefix``; its ``BLOCK_STORED`` comes out of ``take_kv_events``): the blocks imported, or
+        None, changing nothing, when the cache has no room for them."""
+        try:
+            return self.scheduler.pool.import_prefix(block_hashes)
+        except NoFreeBlocksError:
+            return None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free KV blocks, cached free ones included (what an import may take)."""
+        return self.scheduler.pool.num_free_blocks

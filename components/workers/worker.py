@@ -44,6 +44,7 @@ from components.migration.engine import MigratableEngine, supports_migration
 from components.perf.profile import Profile
 from components.protocol.endpoints import (
     ENDPOINT_GENERATE,
+    ENDPOINT_IMPORT_PREFIX,
     ENDPOINT_KV_STATE,
     ENDPOINT_PREFILL_RESULT,
     TOPIC_KV_EVENTS,
@@ -59,6 +60,7 @@ from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.workers.config import WorkerConfig
 from components.workers.disagg import PrefillLoop, RemotePrefiller, supports_remote_decode
 from components.workers.engines.base import Engine, remote_prefill_mode_of
+from components.workers.replication import PrefixImporter, can_import
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ class Worker:
         self.instance_id = secrets.randbits(63)
         self.lease = 0
         self._served: list[ServedEndpoint] = []
+        self._importer: PrefixImporter | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pending_events: list[KvEvent] = []
         self._events_ready = asyncio.Event()
@@ -162,6 +165,17 @@ class Worker:
                 self._kv_state, metadata=meta, lease=self.lease, instance_id=self.instance_id
             )
         )
+        if self.prefill_loop is None and can_import(self.engine):
+            # Hot-prefix replication's destination side (workers/replication.py): a copy makes this worker a holder
+            # routers can send the prefix to, so only a worker that takes requests serves it.
+            self._importer = PrefixImporter(
+                self.runtime, self.config.namespace, self.config.component, self.engine, self.instance_id
+            )
+            self._served.append(
+                await comp.endpoint(ENDPOINT_IMPORT_PREFIX).serve(
+                    self._importer.handle, metadata=meta, lease=self.lease, instance_id=self.instance_id
+                )
+            )
         if self.remote is not None:
             # Before generate (and stopped after it): a remote prefill's result must find its way back while the
             # requests waiting for it drain.
@@ -338,6 +352,11 @@ class Worker:
                 logger.warning("stopping %s: %s", served.info.subject, e)
         if self.remote is not None:
             await self.remote.stop()
+        if self._importer is not None:
+            try:
+                await self._importer.close()
+            except Exception as e:  # noqa: BLE001 - keep releasing the rest
+                logger.warning("closing the prefix importer: %s", e)
         if self.agent is not None:
             await self.agent.stop()
         for t in self._tasks:

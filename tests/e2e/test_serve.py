@@ -269,8 +269,10 @@ def test_status_shows_every_worker_with_model_load_and_age(mock_agg):
     workers = [r for r in rows if r["component"] == "backend"]
     assert len(workers) == 16
     assert {r["model"] for r in workers} == {"tiny-llama"}
-    # Simulated workers move requests too (components/migration/agent.py): migrate, migrate_in, abort.
-    assert all(sorted(r["endpoints"]) == ["abort", "generate", "kv_state", "migrate", "migrate_in"] for r in workers)
+    # Simulated workers move requests too (components/migration/agent.py): migrate, migrate_in, abort; and receive
+    # hot-prefix copies (components/workers/replication.py): import_prefix.
+    expected = ["abort", "generate", "import_prefix", "kv_state", "migrate", "migrate_in"]
+    assert all(sorted(r["endpoints"]) == expected for r in workers)
     assert all(
         r["load"] is not None and 0.0 <= r["load"]["kv_usage"] <= 1.0 for r in workers
     )  # every 100 ms, heard in 1 s

@@ -234,3 +234,42 @@ def test_a_reset_clears_the_host_tier_too_and_without_one_nothing_is_written():
     assert plain.kv_state().host_block_hashes == []
     with pytest.raises(ValueError, match="num_host_blocks"):
         BlockPool(8, BS, num_host_blocks=-1)
+
+
+def test_import_prefix_caches_the_missing_tail_free_and_announces_it():
+    # A 3-block prefix; the pool already holds its first block (a request stored then freed it). Importing caches
+    # blocks 2 and 3 under one BLOCK_STORED whose parent is block 1's hash, and leaves all three cached free.
+    pool = make_pool(8)
+    tokens = list(range(12))
+    hashes = block_hashes(tokens, BS)
+    head, _ = store_sequence(pool, tokens[:4])
+    pool.free(head)
+    pool.take_events()
+    assert pool.import_prefix(hashes) == 2
+    [ev] = pool.take_events()
+    assert (ev.kind, ev.block_hashes, ev.parent_hash) == (KvEventKind.BLOCK_STORED, hashes[1:], hashes[0])
+    assert len(pool.lookup_prefix(hashes)) == 3
+    assert pool.num_active_blocks == 0 and pool.num_free_blocks == 8
+    # Again: all cached, nothing imported, no event.
+    assert pool.import_prefix(hashes) == 0 and pool.take_events() == []
+    check_counts(pool)
+
+
+def test_import_prefix_never_evicts_its_own_head_and_fails_whole_when_full():
+    # 4 blocks, all cached free: the prefix's first block and 3 others. Importing the 3-block prefix needs 2 more
+    # blocks; the LRU order would evict the head first (freed first), but it is taken during the allocation.
+    pool = make_pool(4)
+    hashes = block_hashes(list(range(12)), BS)
+    head, _ = store_sequence(pool, list(range(4)))
+    pool.free(head)
+    others, _ = store_sequence(pool, list(range(100, 112)))
+    pool.free(others)
+    assert pool.import_prefix(hashes) == 2
+    assert len(pool.lookup_prefix(hashes)) == 3
+    # With every block active, the import is refused and changes nothing.
+    busy = make_pool(2)
+    taken = busy.allocate(2)
+    with pytest.raises(NoFreeBlocksError):
+        busy.import_prefix(hashes)
+    assert busy.lookup_prefix(hashes) == [] and [busy.ref_cnt(b) for b in taken] == [1, 1]
+    check_counts(pool)

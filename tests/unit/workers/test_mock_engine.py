@@ -350,3 +350,22 @@ async def test_a_crashed_step_loop_fails_consumers_with_engine_dead():
             await collect(engine.generate(make_request("b")))
     finally:
         await engine.shutdown()
+
+
+async def test_an_imported_prefix_is_announced_and_hit_by_a_later_request():
+    # Hot-prefix replication's copy on a simulated engine: engine 2 imports the 4-block (64-token) prefix that
+    # engine 1 computed, with no request. Its BLOCK_STORED names the 4 hashes, and a 70-token request with that
+    # prefix then finds 64 tokens cached on engine 2 (the 4 full blocks), where it would have found 0.
+    e1, e2 = await make_engine(), await make_engine()
+    try:
+        await collect(e1.generate(make_request("a", 64, max_tokens=1)))
+        hashes = e1.kv_state().block_hashes[:4]
+        assert hashes == block_hashes(list(range(64)), 16)
+        assert e2.import_prefix(hashes) == 4
+        batch = await anext(e2.kv_events())
+        assert [(e.kind, e.block_hashes) for e in batch] == [(KvEventKind.BLOCK_STORED, hashes)]
+        chunks = await collect(e2.generate(make_request("b", 70, max_tokens=1)))
+    finally:
+        await e1.shutdown()
+        await e2.shutdown()
+    assert chunks[0].num_cached_tokens == 64

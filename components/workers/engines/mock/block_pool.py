@@ -226,6 +226,33 @@ class BlockPool:
         if self.num_host_blocks:
             self._host_store(hashes, parent_hash)
 
+    def import_prefix(self, hashes: Sequence[int], parent_hash: int | None = None) -> int:
+        """Cache a prefix whose KV arrives from another engine, with no request: hot-prefix replication's copy
+        (components/rescheduler/policies/replication.py). ``hashes`` is the prefix's chained block hashes from its
+        start (``parent_hash`` None) or after ``parent_hash``.
+
+        The blocks already cached are kept (taken while the rest are allocated, so the allocation cannot evict the
+        prefix's own head); the missing tail is allocated, announced with ``BLOCK_STORED`` like a prefill's blocks,
+        and freed at once: the copy is cached free KV, evicted by the same LRU as any other (tail first). Returns the
+        blocks imported (0 with caching off or when all were cached). ``NoFreeBlocksError`` when the free blocks
+        (cached free ones included) are too few for the missing tail.
+        """
+        if not self.enable_caching or not hashes:
+            return 0
+        have = self.lookup_prefix(hashes)
+        missing = list(hashes[len(have) :])
+        if not missing:
+            return 0
+        self.touch(have)
+        try:
+            new = self.allocate(len(missing))
+        except NoFreeBlocksError:
+            self.free(have)
+            raise
+        self.cache_full_blocks(new, missing, hashes[len(have) - 1] if have else parent_hash)
+        self.free([*have, *new])
+        return len(new)
+
     # --- host-memory tier -------------------------------------------------------------------------------------------
 
     @property

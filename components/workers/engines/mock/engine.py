@@ -393,6 +393,14 @@ class MockEngine:
                 await self._kv_ready.wait()
             yield self._kv_batches.popleft()
 
+    def import_prefix(self, block_hashes: list[int]) -> int:
+        """Cache a prefix's blocks whose KV another engine sent, with no request (hot-prefix replication's copy;
+        ``BlockPool.import_prefix``): their ``BLOCK_STORED`` event follows on ``kv_events()``, so the router sees
+        the new holder. The caller charges the transfer (``transfer_time_s``). Returns the blocks imported."""
+        n = self._scheduler.pool.import_prefix(block_hashes)
+        self._publish_kv_events(self._scheduler.take_kv_events())
+        return n
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (an ``ALL_CLEARED`` event follows on ``kv_events()``)."""
         self._scheduler.reset_prefix_cache()

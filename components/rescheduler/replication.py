@@ -1,0 +1,35 @@
+"""The rescheduler's side of hot-prefix replication's copy: ``copy_prefix`` asks a destination worker's
+``import_prefix`` endpoint (components/workers/replication.py) to copy a prefix's KV from a source worker.
+
+The adapter around the pure policy (policies/replication.py) calls it for each ``COPY`` action; the loop that
+builds the policy's snapshot (prefix holders and rates from a KV index, the holders' predicted TTFT) is not built
+yet (docs/rescheduler.md, "Hot-prefix replication").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from components.protocol.endpoints import ENDPOINT_IMPORT_PREFIX
+from components.protocol.replication import ImportPrefixReply, ImportPrefixRequest
+from components.runtime import Client, Runtime
+
+
+async def import_prefix_client(runtime: Runtime, namespace: str, component: str) -> Client:
+    """A client of the workers' ``import_prefix`` endpoint (close it when done)."""
+    return await runtime.namespace(namespace).component(component).endpoint(ENDPOINT_IMPORT_PREFIX).client()
+
+
+async def copy_prefix(
+    client: Client, destination_id: int, source_id: int, block_hashes: Sequence[int], timeout_s: float
+) -> ImportPrefixReply:
+    """Copy the prefix named by ``block_hashes`` (chained, from its start) from ``source_id`` to ``destination_id``;
+    the destination's reply (its ``error`` says why nothing was copied). ``TimeoutError`` past ``timeout_s``."""
+    body = ImportPrefixRequest(source_id, tuple(block_hashes)).to_dict()
+
+    async def call() -> ImportPrefixReply:
+        items = [item async for item in await client.direct(body, destination_id)]
+        return ImportPrefixReply.from_dict(items[0]) if items else ImportPrefixReply(error="no reply")
+
+    return await asyncio.wait_for(call(), timeout_s)
