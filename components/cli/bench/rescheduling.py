@@ -35,10 +35,11 @@ tokens of KV each, about LLaMA-7B's KV room on a 24 GB A10, the GPU of Llumnix's
 weights at 512 KiB per token), raised to hold a workload's longest request. A small cache is the point: with the
 mock engine's default 262,144 tokens per worker nothing here would ever fill one.
 
-Default size: 400 requests per workload, 3 seeds, 2 processes: about 10 minutes of CPU on 2 cores (``--requests``
-and ``--seeds`` shrink it; the end-to-end test runs 40 requests, one load, one seed). JSON is the last line on
-stdout, a table per workload on stderr, ``--png`` (default ``bench-rescheduling.png``) draws TTFT p99 against load,
-off (dashed) and on (solid) per dispatch policy, one panel per workload.
+Default size: 400 requests per workload, 3 seeds, 2 processes: 384 s wall on 2 shared cores when it was run
+(``--requests`` and ``--seeds`` shrink it; the end-to-end test runs 40 requests on one worker, one load, two
+seeds). JSON is the last line on stdout, a table per workload on stderr, ``--png`` (default
+``bench-rescheduling.png``) draws TTFT p99 against load, off (dashed) and on (solid) per dispatch policy, one panel
+per workload.
 """
 
 from __future__ import annotations
