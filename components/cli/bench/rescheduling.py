@@ -35,10 +35,11 @@ tokens of KV each, about LLaMA-7B's KV room on a 24 GB A10, the GPU of Llumnix's
 weights at 512 KiB per token), raised to hold a workload's longest request. A small cache is the point: with the
 mock engine's default 262,144 tokens per worker nothing here would ever fill one.
 
-Default size: 600 requests per workload, 3 seeds, 2 processes: about 10 minutes of CPU on 2 cores (``--requests``
-and ``--seeds`` shrink it; the end-to-end test runs 40 requests, one load, one seed). JSON is the last line on
-stdout, a table per workload on stderr, ``--png`` (default ``bench-rescheduling.png``) draws TTFT p99 against load,
-off (dashed) and on (solid) per dispatch policy, one panel per workload.
+Default size: 400 requests per workload, 3 seeds, 2 processes: 384 s wall on 2 shared cores when it was run
+(``--requests`` and ``--seeds`` shrink it; the end-to-end test runs 40 requests on one worker, one load, two
+seeds). JSON is the last line on stdout, a table per workload on stderr, ``--png`` (default
+``bench-rescheduling.png``) draws TTFT p99 against load, off (dashed) and on (solid) per dispatch policy, one panel
+per workload.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ LOADS = (0.6, 0.8, 1.0, 1.2)
 POLICIES_ON = ("neutral_load", "binpacking_mitigation")
 DEFAULT_WORKERS = 4
 DEFAULT_GPU_BLOCKS = 1280  # 20,480 tokens: LLaMA-7B's KV room on a 24 GB A10 (module docstring)
-DEFAULT_REQUESTS = 600
+DEFAULT_REQUESTS = 400
 DEFAULT_SEEDS = 3
 # Targets (issue 26).
 TTFT_SPEEDUP = 1.5
@@ -216,10 +217,11 @@ def build(spec: Spec) -> Workload:
     raise ValueError(f"unknown workload {spec.name!r}; known: {', '.join(WORKLOADS)}")
 
 
-def fleet_for(w: Workload, workers: int, num_gpu_blocks: int, block_size: int = 16) -> FleetSpec:
-    """``workers`` mock engines of ``num_gpu_blocks`` blocks, the context (and the cache) raised to hold the
-    workload's longest request (as ``kvmesh bench routing``'s ``fleet_for``)."""
-    longest = max(len(r.prompt) + r.max_tokens for r in w.requests)
+def fleet_for(ws: Sequence[Workload], workers: int, num_gpu_blocks: int, block_size: int = 16) -> FleetSpec:
+    """``workers`` mock engines of ``num_gpu_blocks`` blocks, the context (and the cache) raised to hold the longest
+    request of any of the workloads (every seed's: a seed draws other lengths), as ``kvmesh bench routing``'s
+    ``fleet_for``."""
+    longest = max(len(r.prompt) + r.max_tokens for w in ws for r in w.requests)
     max_len = max(MockEngineConfig().max_model_len, -(-longest // 1024) * 1024)
     blocks = max(num_gpu_blocks, -(-max_len // block_size) + 1)
     engine = MockEngineConfig(max_model_len=max_len, num_gpu_blocks=blocks, block_size=block_size)
@@ -294,9 +296,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.workloads
         for s in seeds
     }
-    # One fleet per workload, sized on the first seed's workload (every seed gets the same engines).
+    # One fleet per workload, holding every seed's longest request (every seed gets the same engines).
     fleets = {
-        name: fleet_for(build(specs[name, seeds[0]]), args.workers, args.num_gpu_blocks) for name in args.workloads
+        name: fleet_for([build(specs[name, s]) for s in seeds], args.workers, args.num_gpu_blocks)
+        for name in args.workloads
     }
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(args.jobs) as pool:
@@ -493,7 +496,7 @@ def _loads(s: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", type=_list(WORKLOADS, "workload"), default=list(WORKLOADS), help="comma-separated")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="the shared trace of the 'trace' workload")
-    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="requests per workload (default 600)")
+    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="requests per workload (default 400)")
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds per cell (default 3)")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
     p.add_argument("--loads", type=_loads, default=list(LOADS), help="fractions of measured capacity")

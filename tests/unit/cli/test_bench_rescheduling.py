@@ -104,3 +104,15 @@ def test_the_command_runs_a_tiny_sweep_and_reports_every_cell_and_verdict(tmp_pa
     assert sum(counts.values()) == 2 * 5
     assert png.stat().st_size > 10_000
     assert "== llumnix" in err
+
+
+def test_the_fleet_holds_the_longest_request_of_every_seed():
+    # Regression: the fleet was sized on the first seed's workload, and another seed's longer document was refused
+    # by the engines (PromptTooLongError) in the middle of the sweep.
+    from components.sim import SimRequest, Workload
+
+    short = Workload("a", (SimRequest(0.0, tuple(range(100)), 10),))
+    long = Workload("b", (SimRequest(0.0, tuple(range(9000)), 100),))
+    fleet = rb.fleet_for([short, long], workers=2, num_gpu_blocks=64)
+    # 9,100 tokens round up to 9,216 (9 x 1,024); the cache holds one such sequence: 9,216 / 16 + 1 = 577 blocks.
+    assert fleet.engine.max_model_len == 9_216 and fleet.engine.num_gpu_blocks == 577
