@@ -53,7 +53,7 @@ import multiprocessing
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,16 +239,34 @@ class _KvSamples:
             self.samples.append(tuple(x.kv_usage for x in s.loads))
 
 
+def _config_field(text: str) -> tuple[str, str]:
+    """``FIELD=VALUE`` of ``--set``: a ReschedulerConfig field (checked when the config is built: pydantic's error)."""
+    field, sep, value = text.partition("=")
+    if not sep or field not in ReschedulerConfig.model_fields:
+        raise argparse.ArgumentTypeError(
+            f"expected FIELD=VALUE with FIELD one of ReschedulerConfig's: {', '.join(ReschedulerConfig.model_fields)}"
+        )
+    return field, value
+
+
 def run_cell(
-    spec: Spec, fleet: FleetSpec, dispatch: str, policies: Sequence[str] | None, rate: float
+    spec: Spec,
+    fleet: FleetSpec,
+    dispatch: str,
+    policies: Sequence[str] | None,
+    rate: float,
+    overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One replay: ``policies`` None = rescheduling off."""
+    """One replay: ``policies`` None = rescheduling off; ``overrides``: ReschedulerConfig fields of the 'on' side
+    (``--set``)."""
     w = build(spec).at_rate(rate)
     samples = _KvSamples()
     resched = None
     if policies is not None:
         resched = PolicyRescheduler(
-            ReschedulerConfig(enable_rescheduling=True, rescheduling_policies=[Policy(p) for p in policies])
+            ReschedulerConfig(
+                enable_rescheduling=True, rescheduling_policies=[Policy(p) for p in policies], **dict(overrides or {})
+            )
         )
     t0 = time.process_time()
     res = sim.replay(w, fleet, dispatch, spec.seed, observer=samples, rescheduler=resched)
@@ -319,7 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ]
         pol = dict(sides)
         jobs: list[tuple[Any, ...]] = [
-            (run_cell, specs[n, s], fleets[n], d, pol[side], capacity[n]["capacity_rps"] * load)
+            (run_cell, specs[n, s], fleets[n], d, pol[side], capacity[n]["capacity_rps"] * load, dict(args.set))
             for n, d, side, load, s in tasks
         ]
         jobs += [
@@ -379,8 +397,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["rules"] = {
         "load": "fractions of round-robin's capacity (the highest rate at which its queues drain, searched as "
         "kvmesh bench routing does) on the first seed's workload",
-        "on": f"PolicyRescheduler with policies {list(args.policies_on)}, every other ReschedulerConfig field at its "
-        "default (Llumnix's)",
+        "on": f"PolicyRescheduler with policies {list(args.policies_on)}, fields set {dict(args.set)}, every other "
+        "ReschedulerConfig field at its default (Llumnix's)",
         "kv_imbalance_p95": "P95 over load-report ticks (every 100 ms, while a request is in flight) of max - min "
         "of the workers' KV use (blocks in use / total)",
         "median": f"over seeds {seeds}; spread: min and max",
@@ -506,6 +524,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_list([str(x) for x in Policy], "rescheduling policy"),
         default=list(POLICIES_ON),
         help="the rescheduling policies of the 'on' side (default neutral_load,binpacking_mitigation)",
+    )
+    p.add_argument(
+        "--set",
+        type=_config_field,
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a ReschedulerConfig field of the 'on' side (repeatable), e.g. rescheduling_req_select_rule=num_requests "
+        "--set rescheduling_req_select_value=1; every other field keeps its default (Llumnix's)",
     )
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="simulated workers (default 4)")
     p.add_argument("--num-gpu-blocks", type=int, default=DEFAULT_GPU_BLOCKS, help="KV blocks per worker (1280)")

@@ -116,3 +116,14 @@ def test_the_fleet_holds_the_longest_request_of_every_seed():
     fleet = rb.fleet_for([short, long], workers=2, num_gpu_blocks=64)
     # 9,100 tokens round up to 9,216 (9 x 1,024); the cache holds one such sequence: 9,216 / 16 + 1 = 577 blocks.
     assert fleet.engine.max_model_len == 9_216 and fleet.engine.num_gpu_blocks == 577
+
+
+def test_set_takes_a_rescheduler_config_field_and_refuses_another():
+    import argparse
+
+    from components.cli.bench.rescheduling import _config_field
+
+    assert _config_field("rescheduling_req_select_value=1") == ("rescheduling_req_select_value", "1")
+    for bad in ("rescheduling_req_select_value", "no_such_field=1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="FIELD=VALUE"):
+            _config_field(bad)
