@@ -136,25 +136,30 @@ def test_token_budget_stops_once_spent_reaches_it() -> None:
     assert ids("TOKEN", 55, "SR") == ["b"]
 
 
-def test_a_request_costing_more_than_the_whole_budget_is_passed_over_for_a_smaller_one() -> None:
-    # LR: c (330) > 200 passed over, a (110) taken, 110 < 200 -> b (55) taken: 165.
-    assert ids("TOKEN", 200, "LR") == ["a", "b"]
+def test_a_request_is_taken_when_it_brings_the_total_closer_to_the_budget_and_passed_over_when_not() -> None:
+    # The llumlet's "closest to this value". LR, 200: c (330) leaves the total 130 from 200, nothing leaves it 200
+    # from it: taken, and 330 >= 200 ends it.
+    assert ids("TOKEN", 200, "LR") == ["c"]
+    # LR, 150: c (330) would leave it 180 away, nothing 150: passed over; a (110): 40 away, taken; b (55): 15 away
+    # against 40: taken, 165.
+    assert ids("TOKEN", 150, "LR") == ["a", "b"]
 
 
 def test_ratio_budget_is_a_fraction_of_the_kv_capacity_in_tokens() -> None:
     # 0.2 x 1000 = 200 tokens: the same as TOKEN 200.
     sel = select_requests(TABLE, "RATIO", 0.2, "LR")
-    assert sel.request_ids == ("a", "b")
+    assert sel.request_ids == ("c",)
     assert sel.budget == 200
-    assert ids("RATIO", 0.05, "LR") == []  # 50 tokens: every running request costs more
+    # 50 tokens: c (330) and a (110) would leave the total further from 50 than nothing does; b (55) 5 from it.
+    assert ids("RATIO", 0.05, "LR") == ["b"]
 
 
 def test_fcwsr_under_a_token_budget_gives_the_running_part_only_what_the_waiting_part_left() -> None:
-    # waiting: w1 (40) taken, w2 (500) > 100 passed over, w3 (10) taken -> 50 spent; running with the 50 left:
-    # b costs 55 > 50 passed over, a and c too: nothing more.
-    assert ids("TOKEN", 100, "FCWSR") == ["w1", "w3"]
-    # 110: waiting 50, running budget 60 -> b (55).
-    assert ids("TOKEN", 110, "FCWSR") == ["w1", "w3", "b"]
+    # 60: waiting w1 (40) taken (20 away against 60), w2 (500) passed over, w3 (10) taken (10 away against 20): 50
+    # spent; the running part gets the 10 left: b (55) would leave it 45 away against 10, a and c more: nothing.
+    assert ids("TOKEN", 60, "FCWSR") == ["w1", "w3"]
+    # 100: waiting 50 again, the running part 50: b (55) is 5 away against 50: taken.
+    assert ids("TOKEN", 100, "FCWSR") == ["w1", "w3", "b"]
 
 
 def test_values_a_rule_cannot_use_are_refused() -> None:

@@ -41,15 +41,15 @@ def test_an_imbalanced_fleet_gets_the_policys_pair_and_the_agents_selection():
         1: [
             RunningRequest("a", 1, 100, 10, 100),  # 110 tokens
             RunningRequest("b", 1, 600, 5, 100),  # 605
-            RunningRequest("c", 1, 2000, 3, 100),  # 2003: more than the whole 1,024-token budget
+            RunningRequest("c", 1, 2000, 3, 100),  # 2003: past the 1,024-token budget, but closer to it than 0
             RunningRequest("d", 1, 50, 0, 100),  # still prefilling: never selected
         ],
         2: [],
         3: [],
     }
     r = PolicyRescheduler(NEUTRAL)
-    # The defaults: shortest_running under a 1,024-token budget: d skipped, a (110), then b (110 < 1,024: taken,
-    # 715), c passed over (2,003 alone exceeds the budget).
+    # The defaults: shortest_running under a 1,024-token budget, the total kept closest to it: d skipped, a (110),
+    # then b (715: 309 from the budget against 914), c passed over (2,718 would be 1,694 from it against 309).
     moves = r.cycle(10.0, fleet.snapshot(10.0), running)
     assert list(moves) == [Migration("a", 1, 2), Migration("b", 1, 2)]
     assert r.in_flight == {(1, 2)}
@@ -62,9 +62,10 @@ def test_an_imbalanced_fleet_gets_the_policys_pair_and_the_agents_selection():
     assert r.in_flight == {(1, 2)}
     r.migration_done("b", 10.7)
     assert r.in_flight == frozenset()
-    # Next cycle: the same pair again, c still too long for the budget and d still prefilling: nothing to move.
-    assert list(r.cycle(11.0, fleet.snapshot(11.0), still)) == []
-    assert r.pairs_by_policy == {"neutral_load": 2} and r.empty_pairs == 1
+    # Next cycle: the same pair again; alone, c (2,003) leaves the total 979 from the budget against 1,024 with
+    # nothing: it moves (d still prefilling).
+    assert list(r.cycle(11.0, fleet.snapshot(11.0), still)) == [Migration("c", 1, 2)]
+    assert r.pairs_by_policy == {"neutral_load": 2} and r.empty_pairs == 0
 
 
 def test_a_balanced_fleet_gets_no_pair():
