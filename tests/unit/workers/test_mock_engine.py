@@ -369,3 +369,17 @@ async def test_an_imported_prefix_is_announced_and_hit_by_a_later_request():
         await e1.shutdown()
         await e2.shutdown()
     assert chunks[0].num_cached_tokens == 64
+
+
+def test_the_engines_request_errors_survive_pickling_with_their_fields():
+    # A simulation sweep's worker process hands a failed replay's error to its parent by pickle; the default
+    # (cls(*args) with the message) could not rebuild PromptTooLongError, and the parent's pool hung.
+    import pickle
+
+    from components.workers.engines.mock.scheduler import DuplicateRequestError, PromptTooLongError
+
+    e = pickle.loads(pickle.dumps(PromptTooLongError("r1", 9000, 8192)))
+    assert (type(e), e.request_id, e.num_prompt_tokens, e.max_model_len) == (PromptTooLongError, "r1", 9000, 8192)
+    assert str(e) == str(PromptTooLongError("r1", 9000, 8192))
+    d = pickle.loads(pickle.dumps(DuplicateRequestError("r2")))
+    assert (type(d), d.request_id, str(d)) == (DuplicateRequestError, "r2", str(DuplicateRequestError("r2")))

@@ -99,6 +99,11 @@ class PromptTooLongError(EngineRequestError):
         self.num_prompt_tokens = num_prompt_tokens
         self.max_model_len = max_model_len
 
+    def __reduce__(self) -> tuple[type, tuple[str, int, int]]:
+        # Rebuilt from its fields, not from the message (pickle's default calls cls(*args)): a simulation sweep's
+        # worker process sends it to the parent, whose pool hung on the failed unpickling instead of raising it.
+        return type(self), (self.request_id, self.num_prompt_tokens, self.max_model_len)
+
 
 class MigrationRoomError(EngineError):
     """No room for a migrating request's last blocks: the destination refuses the commit (the request stays on its
@@ -113,6 +118,9 @@ class DuplicateRequestError(EngineRequestError):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request {request_id!r} is already running or waiting in this engine")
         self.request_id = request_id
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return type(self), (self.request_id,)
 
 
 class RequestStatus(enum.StrEnum):
