@@ -20,6 +20,10 @@ The report then lists every scaling action with its reason, worker-seconds come 
 TensorBoard files are the live planner's own (``PlannerBoard``: ``pull/*`` at every pull, ``adjustment/*`` and the
 decisions' text at every adjustment). Without a planner (or with ``--without-planner``) the fleet is static and the
 files hold the ``pull/*`` tags at every load-report tick.
+
+The rescheduler runs in the replay (``components.sim.rescheduling.PolicyRescheduler``: the live loop's policies and
+the agent's selection) with ``--enable-rescheduling`` and its flags, or, without that flag, from the graph's
+``rescheduler:`` section as the deployment would run it; the report's ``rescheduler`` says which (``from``).
 """
 
 from __future__ import annotations
@@ -338,6 +342,15 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         )
     rescheduler: PolicyRescheduler | None = None
     rescheduler_config = _rescheduler_config(args)
+    rescheduler_from = "flags"
+    if not rescheduler_config.enable_rescheduling and graph.rescheduler is not None:
+        # No --enable-rescheduling: the graph's rescheduler: section runs as the deployment would run it (its
+        # presence is the switch; enable_rescheduling: false keeps it off), with its policy fields.
+        section = graph.rescheduler
+        rescheduler_config = ReschedulerConfig.model_validate(
+            {k: getattr(section, k) for k in ReschedulerConfig.model_fields}
+        )
+        rescheduler_from = "graph"
     if rescheduler_config.enable_rescheduling:
         rescheduler = PolicyRescheduler(rescheduler_config)
     series = _Series(deployment, len(workload.requests), workload.span_s, progress)
@@ -385,6 +398,7 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
     }
     if rescheduler is not None:
         report["rescheduler"] = {
+            "from": rescheduler_from,  # "flags" (--enable-rescheduling) or "graph" (its rescheduler: section)
             "policies": [str(x) for x in rescheduler_config.rescheduling_policies],
             "interval_ms": rescheduler_config.rescheduling_interval_ms,
             **rescheduler.counters(),

@@ -298,6 +298,7 @@ def test_enable_rescheduling_runs_the_policies_in_the_replay_and_reports_their_c
     r = PolicyRescheduler(cfg)
     res = replay(w, deployment.fleet, deployment.router, 0, rescheduler=r)
     assert report["rescheduler"] == {
+        "from": "flags",
         "policies": ["neutral_load", "binpacking_consolidation"],
         "interval_ms": 500,
         **r.counters(),
@@ -314,3 +315,30 @@ def test_enable_rescheduling_runs_the_policies_in_the_replay_and_reports_their_c
                        "--out", str(tmp_path / "bad"), "--no-progress", "--enable-rescheduling",
                        "--rescheduling-policies", "nope")  # fmt: skip
     assert code != 0 and "--rescheduling-policies" in err
+
+
+def test_a_graphs_rescheduler_section_runs_in_the_replay_without_the_flag(tmp_path, capsys):
+    from components.rescheduler.config import ReschedulerConfig
+    from components.sim.rescheduling import PolicyRescheduler
+
+    # graphs/mock_rescheduler.yaml: neutral_load at threshold 0.25, 500 ms; two workers here (SMALL).
+    graph = GRAPHS / "mock_rescheduler.yaml"
+    trace = mooncake(tmp_path / "t.jsonl", 40, gap_ms=50)
+    code, stdout, err = run(capsys, "--graph", str(graph), "--trace", str(trace), *SMALL,
+                            "--out", str(tmp_path / "g"), "--no-png", "--no-tensorboard", "--no-progress")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(stdout.strip().splitlines()[-1])
+    deployment = simulated_deployment(load_graph(graph, SMALL[1::2]))
+    w = from_trace(trace, 10**9, vocab_size=deployment.vocab_size)
+    r = PolicyRescheduler(
+        ReschedulerConfig(rescheduling_policies=["neutral_load"], rescheduling_neutral_load_threshold=0.25)
+    )
+    res = replay(w, deployment.fleet, deployment.router, 0, rescheduler=r)
+    assert report["rescheduler"] == {
+        "from": "graph",
+        "policies": ["neutral_load"],
+        "interval_ms": 500,
+        **r.counters(),
+        "migrations_landed": res.migrations,
+    }
+    assert report["rescheduler"]["cycles"] > 0
