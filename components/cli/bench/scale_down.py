@@ -76,6 +76,20 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[k]
 
 
+def stream_figures(failures: list[str], during: list[float], after: list[float], ttfts: list[float]) -> dict[str, Any]:
+    """What a round's clients saw (both ``--via`` modes): failures, the inter-token gaps (s) between the SIGTERM and
+    the exit, the largest gap after the SIGTERM, and the new requests' TTFTs (ms)."""
+    return {
+        "failed": len(failures),
+        "failures": sorted(set(failures))[:3],
+        "itl_during_p50_ms": round(statistics.median(during) * 1000, 2) if during else None,
+        "itl_during_p99_ms": round(p * 1000, 2) if (p := percentile(during, 99)) is not None else None,
+        "max_gap_ms": round(max(after) * 1000, 1) if after else None,
+        "new_ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+        "new_ttft_max_ms": round(max(ttfts), 1) if ttfts else None,
+    }
+
+
 def gaps_in(times: list[float], start: float, end: float) -> list[float]:
     """Gaps between consecutive chunk arrival ``times`` whose later chunk arrived within [start, end]."""
     return [b - a for a, b in itertools.pairwise(times) if start <= b <= end]
@@ -312,13 +326,7 @@ async def one_round(
             # migrate call began after the SIGTERM, and how long the cycle took (the migrations, one at a time).
             "pairs_cycle_at_s": round(cycle["walltime"] - wall_term, 3) if cycle else None,
             "pairs_cycle_s": cycle["duration_s"] if cycle else None,
-            "failed": len(failures),
-            "failures": sorted(set(failures))[:3],
-            "itl_during_p50_ms": round(statistics.median(during) * 1000, 2) if during else None,
-            "itl_during_p99_ms": round(p * 1000, 2) if (p := percentile(during, 99)) is not None else None,
-            "max_gap_ms": round(max(after) * 1000, 1) if after else None,
-            "new_ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
-            "new_ttft_max_ms": round(max(ttfts), 1) if ttfts else None,
+            **stream_figures(failures, during, after, ttfts),
         }
     finally:
         if rt is not None:
@@ -467,13 +475,7 @@ async def serve_round(args: argparse.Namespace, index: int, side: str, rng: rand
                 "requests": n,
                 "new_requests": len(new),
                 "in_flight_at_exit": in_flight_at_exit,
-                "failed": len(failures),
-                "failures": sorted(set(failures))[:3],
-                "itl_during_p50_ms": round(statistics.median(during) * 1000, 2) if during else None,
-                "itl_during_p99_ms": round(p * 1000, 2) if (p := percentile(during, 99)) is not None else None,
-                "max_gap_ms": round(max(after) * 1000, 1) if after else None,
-                "new_ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
-                "new_ttft_max_ms": round(max(ttfts), 1) if ttfts else None,
+                **stream_figures(failures, during, after, ttfts),
             }
         finally:
             if rt is not None:
