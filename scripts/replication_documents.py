@@ -46,8 +46,7 @@ def main() -> None:
         cap, _ = find_capacity(w, fleet, seed)
         for load in loads:
             wl = w.at_rate(cap * load)
-            runs = {"round_robin": replay_module.replay(wl, fleet, "round_robin", seed), "kv": None}
-            runs["kv"] = replay_module.replay(wl, fleet, "kv", seed)
+            runs = {policy: replay_module.replay(wl, fleet, policy, seed) for policy in ("round_robin", "kv")}
             copies = {}
             for t in targets:
                 rep = PolicyReplicator(
