@@ -20,9 +20,10 @@
    every later token, and the text with it.
 7. ``--sim`` (default on): the same start in ``replay`` with ``PolicyRescheduler`` (components/sim/rescheduling.py:
    the live loop's planner and the agent's selection), in this process: the same graph and settings, the same
-   requests at t = 0 on one worker, the scale-up asked for at the live ``add_s`` with the live start-up, so the new
-   workers register at the live ``joined_s`` (``simulate_same_start``); the same convergence rule on its load reports,
-   compared: agreement = the two convergences within ``--agree-cycles`` cycles.
+   requests at t = 0 on one worker, the scale-up asked for on the live side's trigger (a worker's projected use reaches
+   ``--add-at``, not the live clock's ``add_s``: a busy machine delays the live side without the simulated streams
+   being further along) with the live start-up (``joined_s - add_s``) (``simulate_same_start``); the same convergence
+   rule on its load reports, compared: agreement = the two convergences within ``--agree-cycles`` cycles.
 
 JSON on stdout's last line (also ``--out``/rescheduling-live.json); ``--png``: projected KV use per worker over time.
 """
@@ -291,34 +292,42 @@ def migrations_of(status: dict[str, Any] | None) -> dict[str, Any]:
 
 
 class _JoinAt:
-    """A ``Scaler`` (components/sim/dynamics.py) that asks once, at ``decide_s``, for ``target`` workers."""
+    """A ``Scaler`` (components/sim/dynamics.py) that asks once for ``target`` workers, on the live side's trigger:
+    the first pull at which a worker's projected KV use (as the rescheduler's views compute it) reaches ``add_at``.
+    The trigger is the fleet's state, not the live side's clock: a slow live start (a busy machine) moves the live
+    ``add_s`` later without the simulated streams being any further along. ``decided_s``: when it asked."""
 
     interval_s = 0.01
     start_s = 0.0
 
-    def __init__(self, decide_s: float, target: int) -> None:
-        self.decide_s = decide_s
+    def __init__(self, add_at: float, target: int, until_s: float) -> None:
+        self.add_at = add_at
         self.target = target
-        self.until_s = decide_s + 1.0
-        self.done = False
+        self.until_s = until_s  # replay pulls (and reports) until then: the live run's end
+        self.decided_s: float | None = None
 
     def pull(self, now_s: float, fleet: Any, pools: Any) -> list[Any]:
         from components.sim.dynamics import DECODE, Resize
 
-        if self.done or now_s < self.decide_s:
+        if self.decided_s is not None:
             return []
-        self.done = True
+        uses = [u for v in instance_views(fleet) if (u := projected_kv_use(v)) is not None]
+        if not uses or max(uses) < self.add_at:
+            return []
+        self.decided_s = now_s
         return [Resize(DECODE, pools[DECODE].active, self.target, "bench: the live side's scale-up")]
 
     def resize_done(self, pool: str, now_s: float) -> None:
         pass
 
 
-def simulate_same_start(args: argparse.Namespace, live_add_s: float, live_joined_s: float) -> dict[str, Any]:
+def simulate_same_start(
+    args: argparse.Namespace, live_add_s: float, live_joined_s: float, live_ended_s: float
+) -> dict[str, Any]:
     """The live start in ``replay`` with the rescheduler's policies (``PolicyRescheduler``): the same worker config
     and rescheduler settings (the graph with the same ``--set``s), the same requests at t = 0 on one worker, the
-    scale-up asked for at the live ``add_s`` with the live start-up (``joined_s - add_s``), so the new workers
-    register when the live ones were first all seen. Samples at every load report (0.1 s): projected KV use per
+    scale-up asked for when a worker's projected use reaches ``--add-at`` (``_JoinAt``, the live trigger) with the
+    live start-up (``joined_s - add_s``), pulling until the live run's end (``ended_s``). Samples at every load report (0.1 s): projected KV use per
     routed worker, as ``projected_kv_use`` reads a view (blocks in use plus the waiting prompt's, over all)."""
     import dataclasses
 
@@ -359,17 +368,19 @@ def simulate_same_start(args: argparse.Namespace, live_add_s: float, live_joined
     section = graph.rescheduler.model_dump()
     config = ReschedulerConfig(**{k: v for k, v in section.items() if k in ReschedulerConfig.model_fields})
     resched = PolicyRescheduler(config)
+    scaler = _JoinAt(args.add_at, 1 + args.add_workers, live_ended_s)
     result = replay(
         workload,
         spec,
         graph.frontend.router_policy,
         args.seed,
         observer=observe,
-        scaler=_JoinAt(max(0.0, live_add_s), 1 + args.add_workers),
+        scaler=scaler,
         rescheduler=resched,
     )
     return {
         "startup_s": round(startup_s, 3),
+        "add_s": None if scaler.decided_s is None else round(scaler.decided_s, 3),
         "rescheduler": resched.counters(),
         "migrations": result.migrations,
         "output_tokens_by_request": result.output_tokens_by_request,
@@ -441,7 +452,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (out / "live-samples.json").write_text(json.dumps(live["samples"]))
     sim_samples = None
     if args.sim and conv["joined_s"] is not None:
-        sim = simulate_same_start(args, live["add_s"], conv["joined_s"])
+        sim = simulate_same_start(args, live["add_s"], conv["joined_s"], live["ended_s"])
         sim_samples = sim.pop("samples")
         sconv = convergence(sim_samples, 1 + args.add_workers, args.threshold, interval_s)
         sim["convergence"] = sconv
