@@ -462,14 +462,15 @@ def planner_says(serve: Serve, pattern: str) -> bool:
 
 
 async def test_a_hand_removed_watcher_is_the_new_start_and_a_restarted_planner_resumes_from_the_state_file(tmp_path):
-    # Speedup 0.25: a decode step of the step-time model (~5 ms) takes ~20 ms, so a 1500-token request streams for
-    # ~30 s: still in flight when a planner started after it has decided (start-up + one 4 s interval).
+    # Speedup 0.5: a decode step of the step-time model (~5 ms) takes ~10 ms, so a 1500-token request streams for
+    # ~15 s: still in flight when a planner started after it has decided (start-up, ~2-4 s, + one 4 s interval;
+    # asserted below). At 0.25 it streamed ~30 s, of which ~20 s were waiting for it to end.
     args = sets(
         "frontend.port=0",
         "frontend.router_policy=round_robin",
         "workers[0].replicas=3",
         "workers[0].num_workers=1",
-        "workers[0].speedup_ratio=0.25",
+        "workers[0].speedup_ratio=0.5",
     )
     log = tmp_path / "planner.log"
     names = [f"{AGG_NS}-frontend", f"{AGG_NS}-mock-0", f"{AGG_NS}-mock-1", f"{AGG_NS}-mock-2"]
@@ -507,6 +508,7 @@ async def test_a_hand_removed_watcher_is_the_new_start_and_a_restarted_planner_r
         await wait_until(lambda: len(streams.outcomes) == 2 and all(o.chunks for o in streams.outcomes), 30)
         with planner_process(serve, log, "--adjustment-interval", "4") as (doomed, _):
             await wait_until(lambda: f"retiring {names[2]}: SIGTERM" in log.read_text(), timeout_s=30, step_s=0.05)
+            assert not long_requests.done()  # its request still streams: a drain, not an idle exit
             doomed.kill()
             doomed.wait(10)
         assert serve.state(AGG_NS).watcher(names[2]) is not None  # not removed: the planner died first

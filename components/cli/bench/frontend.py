@@ -299,13 +299,19 @@ def sides_of(args: argparse.Namespace) -> list[Side]:
     return sides
 
 
+def side_order(sides: list[Side], round_index: int) -> list[Side]:
+    """Round ``round_index``'s order of the sides: as given in even rounds, reversed in odd ones (ABBA), so a drift
+    of the shared machine's load hits every side alike over two rounds."""
+    return list(sides) if round_index % 2 == 0 else sides[::-1]
+
+
 async def run_policy(
     args: argparse.Namespace, policy: str, sides: list[Side], state_dir: Path, deployment: dict[str, Any]
 ) -> dict[str, Any]:
     graph = load_graph(ROOT / args.graph, [*overrides_of(args), f"frontend.router_policy={policy}"])
     rounds: list[list[dict[str, Any]]] = []
     for r in range(args.rounds):
-        order = sides if r % 2 == 0 else sides[::-1]
+        order = side_order(sides, r)
         results = []
         for side in order:
             seed = args.seed * 1_000_000 + r * 1000 + sides.index(side) * 10

@@ -327,8 +327,9 @@ def simulate_same_start(
     """The live start in ``replay`` with the rescheduler's policies (``PolicyRescheduler``): the same worker config
     and rescheduler settings (the graph with the same ``--set``s), the same requests at t = 0 on one worker, the
     scale-up asked for when a worker's projected use reaches ``--add-at`` (``_JoinAt``, the live trigger) with the
-    live start-up (``joined_s - add_s``), pulling until the live run's end (``ended_s``). Samples at every load report (0.1 s): projected KV use per
-    routed worker, as ``projected_kv_use`` reads a view (blocks in use plus the waiting prompt's, over all)."""
+    live start-up (``joined_s - add_s``), pulling until the live run's end (``ended_s``). Samples at every load
+    report (0.1 s): projected KV use per routed worker, as ``projected_kv_use`` reads a view (blocks in use plus the
+    waiting prompt's, over all)."""
     import dataclasses
 
     from components.rescheduler.config import ReschedulerConfig

@@ -1,11 +1,13 @@
 """The pure parts of ``kvmesh bench rescheduling-live``: when the fleet counts as joined and as converged, and what
-counts as a stream lost, short or altered."""
+counts as a stream lost, short or altered; the simulated side's scale-up on the live trigger."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from components.cli.bench.rescheduling_live import convergence, integrity
+from components.cli.bench.rescheduling_live import add_arguments, convergence, integrity, simulate_same_start
 
 
 def test_convergence_counts_from_the_sample_that_has_every_worker_to_the_first_with_no_source():
@@ -76,3 +78,24 @@ def test_the_default_start_is_imbalanced_movable_and_ends_well_below_the_thresho
     # (rescheduling_req_select_value), so the first pairs find requests to move.
     assert a.add_at * capacity / a.requests == pytest.approx(614.4)
     assert a.add_at * capacity / a.requests < g.rescheduler.rescheduling_req_select_value == 1024
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_the_simulated_scale_up_follows_the_fleet_not_a_late_live_clock():
+    # On a busy machine the live start is late; a scale-up at the live add_s second found the simulated streams
+    # already finished (a CI run: converged with 0 migrations). Pure simulation, no process started.
+    args = _args("--max-tokens", "600", "--speedup-ratio", "0.5")
+    # A live side 30 s late: its add_s lies long after the simulated streams (~7 s of 600 tokens) would have ended.
+    sim = simulate_same_start(args, live_add_s=30.0, live_joined_s=31.5, live_ended_s=40.0)
+    assert sim["add_s"] is not None and sim["add_s"] < 10.0, sim["add_s"]
+    assert sim["startup_s"] == 1.5
+    assert sim["migrations"] >= 1
+    assert sim["output_tokens_by_request"] == [600] * 16
+    # It asked once the one worker reached --add-at, as the live side does.
+    before = [max(s["use"].values()) for s in sim["samples"] if s["use"] and s["t"] <= sim["add_s"]]
+    assert max(before) >= args.add_at

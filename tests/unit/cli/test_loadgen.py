@@ -456,3 +456,13 @@ def test_cores_busy_is_the_busy_share_of_every_cpu_between_two_readings():
     assert cores_busy(None, (850, 2000, 2)) is None and cores_busy((1, 2, 2), (1, 2, 2)) is None
     now = machine_cpu()  # this machine's own /proc/stat (Linux: every CI machine)
     assert now is not None and now[2] >= 1 and 0 <= now[0] <= now[1]
+
+
+def test_bench_frontend_alternates_the_order_of_its_sides_round_by_round():
+    # ABBA: round 0 as given, round 1 reversed, round 2 as given again; the list passed in is not changed.
+    from components.cli.bench.frontend import Side, side_order
+
+    sides = [Side("1"), Side("2"), Side("baseline")]
+    names = [[s.name for s in side_order(sides, r)] for r in range(3)]
+    assert names == [["1", "2", "baseline"], ["baseline", "2", "1"], ["1", "2", "baseline"]]
+    assert [s.name for s in sides] == ["1", "2", "baseline"]
