@@ -23,7 +23,7 @@ def test_the_planner_live_and_simulated_on_one_short_sinusoid(tmp_path):
     # 24 s of load peaking at 8 requests/s on a 0.2x-speed worker: ~20 seconds of requests in flight at the peak,
     # more than its 1024-block cache holds (20 requests of 800 tokens), so KV use stays above 0.9 for whole 2 s
     # intervals; pulls every 0.5 s, at most 2 workers.
-    argv = ["--out", str(out), "--period-s", "24", "--duration-s", "24", "--adjustment-interval", "2",
+    argv = ["--out", str(out), "--period-s", "18", "--duration-s", "18", "--adjustment-interval", "2",
             "--metric-pulling-interval", "0.5", "--max-gpu-budget", "2", "--no-png"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "components.cli.main", "bench", "planner-live", *argv],
@@ -52,7 +52,7 @@ def test_the_sla_planner_live_and_simulated_on_one_short_sinusoid_losing_nothing
     # ITL by the SLA planner's model (tests/unit/cli/test_bench_planner_live.py derives it), and the peak is 2.5 of
     # those, ~4.1 requests/s: the pool must grow from its one worker, and shrink again as the load falls back to 25%.
     # 24 s of load, decisions every 2 s, pulls every 0.5 s.
-    argv = ["--mode", "sla", "--out", str(out), "--period-s", "24", "--duration-s", "24", "--adjustment-interval",
+    argv = ["--mode", "sla", "--out", str(out), "--period-s", "18", "--duration-s", "18", "--adjustment-interval",
             "2", "--metric-pulling-interval", "0.5", "--no-png"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "components.cli.main", "bench", "planner-live", *argv],
