@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_planner_live_and_simulated_on_one_short_sinusoid(tmp_path):
     out = tmp_path / "pl"
-    # 24 s of load peaking at 8 requests/s on a 0.2x-speed worker: ~20 seconds of requests in flight at the peak,
+    # 18 s of load peaking at 8 requests/s on a 0.2x-speed worker: ~20 seconds of requests in flight at the peak,
     # more than its 1024-block cache holds (20 requests of 800 tokens), so KV use stays above 0.9 for whole 2 s
     # intervals; pulls every 0.5 s, at most 2 workers.
     argv = ["--out", str(out), "--period-s", "18", "--duration-s", "18", "--adjustment-interval", "2",
