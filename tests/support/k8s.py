@@ -71,6 +71,7 @@ def binaries_dir(build: bool = True, log_path: Path | None = None) -> Path:
         what = "built" if build else "present"
         cmd = " ".join(args)
         raise K8sBinariesUnavailable(f"the Kubernetes binaries are not {what} ({cmd}; log {log_path}):\n{tail}")
+    log_path.unlink(missing_ok=True)
     return Path(proc.stdout.decode().strip().splitlines()[-1])
 
 
