@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes_asyncio import client
 
 from components.runtime.errors import ConnectError
 from tests.support.k8s import K8sBinariesUnavailable, KubeApi, binaries_dir, start_kube_api
@@ -74,15 +75,13 @@ def kube_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApi]:
 
 
 @pytest.fixture
-async def kube_client(kube_api: KubeApi) -> AsyncIterator[object]:
+async def kube_client(kube_api: KubeApi) -> AsyncIterator[client.ApiClient]:
     async with kube_api.client() as api:
         yield api
 
 
 @pytest.fixture
 async def kube_namespace(kube_api: KubeApi) -> AsyncIterator[str]:
-    from kubernetes_asyncio import client
-
     name = f"kt{next(_namespaces)}"
     async with kube_api.client() as api:
         await client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))

@@ -28,14 +28,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from kubernetes_asyncio import client as k8s
 
 from components.runtime.errors import ConnectError
 from components.runtime.servers import EtcdServer, ServerProcess
 from tests.support.servers import ELECTION_TIMEOUT_MS, HEARTBEAT_INTERVAL_MS
-
-if TYPE_CHECKING:
-    from kubernetes_asyncio.client import ApiClient, Configuration
+from tests.support.waiting import wait_until_async
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "scripts" / "k8s_binaries.sh"
@@ -214,24 +214,20 @@ class KubeApi:
     etcd_endpoint: str
     _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
 
-    def configuration(self) -> Configuration:
+    def configuration(self) -> k8s.Configuration:
         """A kubernetes-asyncio Configuration: this server, its CA, the admin token."""
-        from kubernetes_asyncio.client import Configuration
-
-        cfg = Configuration(host=self.url, api_key={"BearerToken": f"Bearer {self.token}"})
+        cfg = k8s.Configuration(host=self.url, api_key={"BearerToken": f"Bearer {self.token}"})
         cfg.ssl_ca_cert = str(self.ca_path)
         return cfg
 
-    def client(self, as_user: str | None = None) -> ApiClient:
+    def client(self, as_user: str | None = None) -> k8s.ApiClient:
         """A kubernetes-asyncio ApiClient (use it as ``async with kube_api.client() as api:``, or close it).
 
         ``as_user``: every request impersonates this user (``Impersonate-User``): the API server authorizes it with
         RBAC as that user, who also gets the group system:authenticated. For a ServiceAccount pass
         ``KubeApi.service_account_user(namespace, name)``; RoleBindings whose subject is that ServiceAccount then
         apply (its group system:serviceaccounts is not impersonated)."""
-        from kubernetes_asyncio.client import ApiClient
-
-        api = ApiClient(self.configuration())
+        api = k8s.ApiClient(self.configuration())
         if as_user is not None:
             api.set_default_header("Impersonate-User", as_user)
         return api
@@ -357,3 +353,68 @@ def start_kube_api(work_dir: Path, bin_dir: Path, timeout_s: float = 90.0) -> Ku
     except BaseException:
         stack.close()
         raise
+
+
+# Helpers for the tier's tests (a Deployment to scale, a bounded wait for its ReplicaSet and Pods).
+
+# The controller manager reacts within milliseconds on an idle machine; 30 s leaves room for a loaded 2-core one.
+WAIT_S = 30.0
+
+
+def deployment(name: str, replicas: int) -> k8s.V1Deployment:
+    """A minimal Deployment: ``replicas`` Pods labelled ``app=<name>``, one container whose image is never pulled."""
+    labels = {"app": name}
+    container = k8s.V1Container(name="worker", image="kvmesh.invalid/worker:test")  # never pulled: no kubelet
+    return k8s.V1Deployment(
+        metadata=k8s.V1ObjectMeta(name=name),
+        spec=k8s.V1DeploymentSpec(
+            replicas=replicas,
+            selector=k8s.V1LabelSelector(match_labels=labels),
+            template=k8s.V1PodTemplateSpec(
+                metadata=k8s.V1ObjectMeta(labels=labels), spec=k8s.V1PodSpec(containers=[container])
+            ),
+        ),
+    )
+
+
+async def wait_for_replicas(
+    api: k8s.ApiClient, namespace: str, name: str, n: int, timeout_s: float = WAIT_S, phase: str | None = "Pending"
+) -> dict[str, Any]:
+    """Until Deployment ``name``'s ReplicaSets (those it owns) want and have ``n`` Pods in all and exactly ``n`` Pod
+    objects match its selector, each in ``phase`` (None: any); returns what was seen last: ``rs`` and ``pods`` (the
+    objects), ``replicasets`` and ``pod_phases`` (summaries). A Pod never scheduled to a node is deleted at once (no
+    kubelet has to confirm it), so after a scale-down exactly ``n`` objects are left, not ``n`` plus terminating
+    ones. AssertionError with the last summaries after ``timeout_s``."""
+    apps, core = k8s.AppsV1Api(api), k8s.CoreV1Api(api)
+    dep = await apps.read_namespaced_deployment(name, namespace)
+    selector = ",".join(f"{k}={v}" for k, v in sorted(dep.spec.selector.match_labels.items()))
+    seen: dict[str, Any] = {}
+
+    async def check() -> bool:
+        rs = [
+            r
+            for r in (await apps.list_namespaced_replica_set(namespace, label_selector=selector)).items
+            if any(o.uid == dep.metadata.uid for o in r.metadata.owner_references or ())
+        ]
+        pods = (await core.list_namespaced_pod(namespace, label_selector=selector)).items
+        seen.update(
+            rs=rs,
+            pods=pods,
+            replicasets=[(r.metadata.name, r.spec.replicas, r.status.replicas) for r in rs],
+            pod_phases=sorted((p.metadata.name, p.status.phase) for p in pods),
+        )
+        return (
+            sum(r.spec.replicas or 0 for r in rs) == n
+            and sum(r.status.replicas or 0 for r in rs) == n
+            and len(pods) == n
+            and (phase is None or all(p.status.phase == phase for p in pods))
+        )
+
+    try:
+        await wait_until_async(check, timeout_s=timeout_s, step_s=0.1)
+    except AssertionError:
+        raise AssertionError(
+            f"{namespace}/{name}: not {n} replicas within {timeout_s} s; last seen ReplicaSets"
+            f" {seen.get('replicasets')}, Pods {seen.get('pod_phases')}"
+        ) from None
+    return seen
