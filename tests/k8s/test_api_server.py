@@ -10,7 +10,7 @@ import pytest
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tests.support.k8s import WAIT_S, KubeApi, deployment, wait_for_replicas
+from tests.support.k8s import WAIT_S, KubeApi, deployment, mark_pods_ready, wait_for_replicas
 from tests.support.waiting import wait_until_async
 
 pytestmark = pytest.mark.k8s
@@ -52,6 +52,29 @@ async def test_scale_subresource_moves_replicaset_and_pods(kube_api: KubeApi, ku
             await wait_until_async(status_caught_up, timeout_s=WAIT_S, step_s=0.1)
             assert dep.status.available_replicas in (None, 0)
             assert (await apps.read_namespaced_deployment_scale("decode", kube_namespace)).status.replicas == n
+
+
+async def test_pods_reported_ready_count_as_available_and_leave_last(kube_api: KubeApi, kube_namespace: str) -> None:
+    # mark_pods_ready stands in for a kubelet. Kubernetes 1.20's ReplicaSet controller removes, on a scale-down, a
+    # not-ready Pod before a ready one (its ActivePods order: unassigned, then Pending, then not ready, ...), so with
+    # one of three Pods reported ready (the middle one by name, so neither name order nor creation order picks it by
+    # chance), scaling to 1 must keep exactly that one. (1.20 has no pod-deletion-cost annotation yet: 1.21 added it.)
+    async with kube_api.client() as api:
+        apps = client.AppsV1Api(api)
+        await apps.create_namespaced_deployment(kube_namespace, deployment("agg", 3))
+        seen = await wait_for_replicas(api, kube_namespace, "agg", 3)
+        keep = sorted(p.metadata.name for p in seen["pods"])[1]
+        await mark_pods_ready(api, kube_namespace, [keep], pod_ip="10.1.2.3")
+
+        async def counted() -> bool:
+            dep = await apps.read_namespaced_deployment_status("agg", kube_namespace)
+            return (dep.status.ready_replicas, dep.status.available_replicas) == (1, 1)
+
+        await wait_until_async(counted, timeout_s=WAIT_S, step_s=0.1)
+        await apps.patch_namespaced_deployment_scale("agg", kube_namespace, {"spec": {"replicas": 1}})
+        seen = await wait_for_replicas(api, kube_namespace, "agg", 1, phase="Running")
+        (pod,) = seen["pods"]
+        assert (pod.metadata.name, pod.status.pod_ip) == (keep, "10.1.2.3")
 
 
 async def planner_role(api: client.ApiClient, namespace: str, account: str) -> None:

@@ -17,6 +17,7 @@ manager's first visible work (the ``default`` ServiceAccount and its token Secre
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import secrets
@@ -418,3 +419,16 @@ async def wait_for_replicas(
             f" {seen.get('replicasets')}, Pods {seen.get('pod_phases')}"
         ) from None
     return seen
+
+
+async def mark_pods_ready(api: k8s.ApiClient, namespace: str, pods: list[str], pod_ip: str = "127.0.0.1") -> None:
+    """Report ``pods`` started and ready, as a kubelet would (the ``pods/status`` subresource, so ``api`` needs that
+    right, e.g. the admin client): phase Running, ``podIP`` ``pod_ip``, condition Ready=True. Their ReplicaSet and
+    Deployment then count them ready and available (minReadySeconds 0). Nothing assigns them a node, so a scale-down
+    still deletes them at once."""
+    core = k8s.CoreV1Api(api)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    ready = {"type": "Ready", "status": "True", "lastTransitionTime": now}
+    for pod in pods:
+        body = {"status": {"phase": "Running", "podIP": pod_ip, "startTime": now, "conditions": [ready]}}
+        await core.patch_namespaced_pod_status(pod, namespace, body)
