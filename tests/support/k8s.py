@@ -204,7 +204,7 @@ class KubeApi:
 
     ``url``: https://127.0.0.1:PORT. ``token``: the admin's bearer token (group system:masters). ``ca_path``: the CA
     that signed the serving certificate. ``kubeconfig_path``: a kubeconfig with the three, for
-    ``kubernetes_asyncio.config.load_kube_config(config_file=...)`` or ``kvmesh ... --kubeconfig``. ``log_dir``:
+    ``kubernetes_asyncio.config.load_kube_config(config_file=...)`` (or KUBECONFIG for a subprocess). ``log_dir``:
     where kube-apiserver.log and kube-controller-manager.log are."""
 
     url: str
