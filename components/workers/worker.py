@@ -136,7 +136,10 @@ class Worker:
             # How its KV events hash blocks: a router ignores the events of a worker hashing differently.
             kv_hash_scheme=HASH_SCHEME_VERSION,
             max_model_len=self.engine.max_model_len,
-            node=socket.gethostname(),
+            # On Kubernetes the node is the machine the pod runs on and the pod is the process's own (the downward
+            # API's spec.nodeName and metadata.name); elsewhere the host name, and no pod.
+            node=os.environ.get("KVMESH_NODE_NAME") or socket.gethostname(),
+            pod=os.environ.get("KVMESH_POD_NAME", ""),
             pid=os.getpid(),
             unit=self.index,
             # Wall-clock registration time, so `kvmesh status` can show an instance's age from etcd alone.
