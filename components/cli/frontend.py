@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from components.frontend import main as frontend_main
 from components.frontend.config import default_replicas
 from components.frontend.replicas import REPLICA_ENV
-from components.rescheduler.config import Policy, ReschedulerConfig
+from components.rescheduler.config import REPORTED_PREFIXES, Policy, ReschedulerConfig
 from components.rescheduler.loop import Rescheduler
 from components.rescheduler.run_config import flag_problems
 from components.runtime import Runtime, eventloop
@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
         and "request_stats_prefixes" not in cfg.model_fields_set
     ):
         # The colocated replication policy reads this frontend's request reports' prefixes: turn them on.
-        cfg = cfg.model_copy(update={"request_stats_prefixes": 16})
+        cfg = cfg.model_copy(update={"request_stats_prefixes": REPORTED_PREFIXES})
     num = cfg.replicas if cfg.replicas is not None else default_replicas()
     if num > 1:
         print(

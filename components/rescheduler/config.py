@@ -75,6 +75,12 @@ DEFAULT_POLICIES = (
 )
 
 
+# --request-stats-prefixes of a frontend whose requests a rescheduler with prefix_replication reads, when the
+# frontend's flags leave it unset (a colocated rescheduler's frontend; a graph's frontend beside a standalone one):
+# the frontend config's maximum (its comment: at most ~300 KB a report).
+REPORTED_PREFIXES = 16
+
+
 def _canonical(kind: str, table: dict[str, str], text: str) -> str:
     key = text.strip()
     if key.upper() in table:
