@@ -74,11 +74,13 @@ async def test_a_replicated_prefix_is_hit_on_its_new_holder(fleet, make_router, 
 # --- the rescheduler's loop runs it ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("where", ["standalone", "colocated"])
 async def test_the_rescheduler_loop_copies_a_hot_prefix_and_drops_it_once_cold(
     fleet,  # noqa: F811
     frontend,  # noqa: F811
     make_runtime,
     namespace,
+    where,
 ):
     # Two workers; requests carrying one 1,024-token document (64 blocks) go through a real frontend with kv routing,
     # pinned to worker a (the x-worker-instance-id header: the router still hashes them, so the frontend's request
@@ -105,7 +107,10 @@ async def test_the_rescheduler_loop_copies_a_hot_prefix_and_drops_it_once_cold(
         prefix_replication_min_age_s=0.0,
         prefix_replication_window_s=3.0,
     )
-    r = Rescheduler.from_config(await make_runtime(), namespace, cfg)
+    # Standalone: a runtime of its own, as `kvmesh rescheduler`; colocated: the frontend's, as `kvmesh frontend
+    # --colocated-rescheduling-mode` runs it (components/cli/frontend.py).
+    runtime = fe.runtime if where == "colocated" else await make_runtime()
+    r = Rescheduler.from_config(runtime, namespace, cfg, where=where)
     await r.start()
     try:
         assert r.replicator is not None
@@ -148,7 +153,7 @@ async def test_the_rescheduler_loop_copies_a_hot_prefix_and_drops_it_once_cold(
         status = r.status()["prefix_replication"]
         assert status["totals"]["copy"] == {"succeeded": 1}
         assert status["last_cycle"]["prefix_actions"][0]["destination"] == b.instance_id
-        metric = 'kvmesh_rescheduler_prefix_actions_total{kind="copy",outcome="succeeded",rescheduler="standalone"}'
+        metric = f'kvmesh_rescheduler_prefix_actions_total{{kind="copy",outcome="succeeded",rescheduler="{where}"}}'
         assert f"{metric} 1.0" in r.metrics.render().decode()
 
         # a leaves; kv routing sends the next request with the document to b, where its 64 blocks hit.
