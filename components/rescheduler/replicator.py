@@ -219,7 +219,7 @@ class LiveReplicator:
             "prefix replication: %s %x (%d blocks) %s -> %x: %s (%s; %s)",
             a.kind,
             a.prefix_hash,
-            a.num_blocks,
+            len(hashes),
             "-" if a.source_id is None else f"{a.source_id:x}",
             a.destination_id,
             outcome,
