@@ -67,6 +67,8 @@ class ActionResult:
     detail: str
     blocks: int  # blocks imported (copy) or evicted (drop)
     duration_s: float
+    # The prefix's blocks as sent (a drop of a prefix no longer reported has no length in its action).
+    prefix_blocks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         a = self.action
@@ -74,7 +76,7 @@ class ActionResult:
             "kind": str(a.kind),
             "model": self.model,
             "prefix": f"{a.prefix_hash:x}",
-            "num_blocks": a.num_blocks,
+            "num_blocks": self.prefix_blocks or a.num_blocks,
             "source": a.source_id,
             "destination": a.destination_id,
             "reason": a.reason,
@@ -226,4 +228,4 @@ class LiveReplicator:
             detail,
             a.reason,
         )
-        return ActionResult(model, a, outcome, detail, blocks, time.monotonic() - t0)
+        return ActionResult(model, a, outcome, detail, blocks, time.monotonic() - t0, len(hashes))
