@@ -1,9 +1,9 @@
-"""The rescheduler's side of hot-prefix replication's copy: ``copy_prefix`` asks a destination worker's
-``import_prefix`` endpoint (components/workers/replication.py) to copy a prefix's KV from a source worker.
+"""The rescheduler's side of hot-prefix replication's calls: ``copy_prefix`` asks a destination worker's
+``import_prefix`` endpoint (components/workers/replication.py) to copy a prefix's KV from a source worker;
+``drop_prefix`` asks a holder's ``drop_prefix`` endpoint to evict a replica that went cold.
 
-The adapter around the pure policy (policies/replication.py) calls it for each ``COPY`` action; the loop that
-builds the policy's snapshot (prefix holders and rates from a KV index, the holders' predicted TTFT) is not built
-yet (docs/rescheduler.md, "Hot-prefix replication").
+The loop's adapter around the pure policy (replicator.py, ``LiveReplicator``) calls them for each ``COPY`` and
+``DROP`` action (docs/rescheduler.md, "Hot-prefix replication").
 """
 
 from __future__ import annotations
