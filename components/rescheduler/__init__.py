@@ -9,6 +9,6 @@
   fleet view), ``replication`` (the workers' ``import_prefix``/``drop_prefix`` calls), ``replicator``
   (``LiveReplicator``, what the loop runs with ``prefix_replication``: imports the router for its KV index).
 
-Rank 5 (tests/unit/test_layering.py): imports fleet, router, migration and perf; sim imports it; the frontend does not (the
-command line wires a colocated rescheduler). Importing this package loads nothing.
+Rank 5 (tests/unit/test_layering.py): imports fleet, router, migration and perf; sim imports it; the frontend does
+not (the command line wires a colocated rescheduler). Importing this package loads nothing.
 """
