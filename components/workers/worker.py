@@ -43,6 +43,7 @@ from components.migration.agent import MigrationAgent
 from components.migration.engine import MigratableEngine, supports_migration
 from components.perf.profile import Profile
 from components.protocol.endpoints import (
+    ENDPOINT_DROP_PREFIX,
     ENDPOINT_GENERATE,
     ENDPOINT_IMPORT_PREFIX,
     ENDPOINT_KV_STATE,
@@ -177,6 +178,11 @@ class Worker:
             self._served.append(
                 await comp.endpoint(ENDPOINT_IMPORT_PREFIX).serve(
                     self._importer.handle, metadata=meta, lease=self.lease, instance_id=self.instance_id
+                )
+            )
+            self._served.append(
+                await comp.endpoint(ENDPOINT_DROP_PREFIX).serve(
+                    self._importer.handle_drop, metadata=meta, lease=self.lease, instance_id=self.instance_id
                 )
             )
         if self.remote is not None:
