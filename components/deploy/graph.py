@@ -710,6 +710,11 @@ def _origin(from_set: bool) -> str:
     return "--set" if from_set else ""
 
 
+def graph_base_dir(path: str | os.PathLike[str], graph: Graph) -> Path:
+    """The directory ``graph``'s relative paths resolved against (the graph file at ``path``)."""
+    return _base_dir(Path(path), graph.base_dir)
+
+
 def _base_dir(path: Path, base_dir: str | None) -> Path:
     graph_dir = path.resolve().parent
     return (graph_dir / base_dir).resolve() if base_dir is not None else graph_dir.parent
