@@ -36,8 +36,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from components.fleet.live import LiveFleet
+from components.fleet.model import FleetSnapshot
 from components.planner.board import PlannerBoard
-from components.planner.config import AnyPlannerConfig, PlannerConfig
+from components.planner.config import DEFAULT_SCALING_TIMEOUT_S, AnyPlannerConfig, PlannerConfig
 from components.planner.connectors.base import Connector, ConnectorError
 from components.planner.controller import PendingChange, PlannerController
 from components.planner.metrics import MetricsServer, PlannerMetrics
@@ -147,8 +148,15 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         metrics_host: str | None = None,
         metrics_port: int = 0,
+        hand_change_timeout_s: float = DEFAULT_SCALING_TIMEOUT_S,
     ) -> None:
         self.runtime = runtime
+        # A count changed by hand (the connector's pool_size) counts as a change in progress until the fleet shows
+        # it, at most this long: a hand change that never completes (pods Pending for want of a GPU) must not stop
+        # the planner for good.
+        self.hand_change_timeout_s = hand_change_timeout_s
+        self._last_size: dict[Pool, int] = {}  # the count each pool was last set to, by this planner or by hand
+        self._hand: dict[Pool, float] = {}  # pools whose change in progress is a hand change: since when
         self.config = config
         self.namespace = namespace
         self.model = model
@@ -296,7 +304,10 @@ class Planner:
             logger.warning("planner pull skipped: %s", e)
             return None
         gpus = {pool: self.connector.gpus_per_worker(pool) for pool in Pool}
-        out = self.controller.pull(self.fleet.snapshot(self.clock()), gpus)
+        sizes = await self._pool_sizes()
+        snap = self.fleet.snapshot(self.clock())
+        self._follow_hand_changes(snap, sizes)
+        out = self.controller.pull(snap, gpus)
         obs, figures = out.observation, out.figures
         self.last_observation = obs
         walltime = time.time()
@@ -330,6 +341,60 @@ class Planner:
         await self._publish_status()
         return adj
 
+    async def _pool_sizes(self) -> dict[Pool, int]:
+        """The connector's counts of the pools no change of this planner is running on (``Connector.pool_size``)."""
+        sizes: dict[Pool, int] = {}
+        for pool in Pool:
+            if pool in self._change_tasks:
+                continue
+            try:
+                size = await self.connector.pool_size(pool)
+            except ConnectorError as e:
+                logger.debug("reading the %s pool's size: %s", pool, e)
+                continue
+            if size is not None:
+                sizes[pool] = size
+        return sizes
+
+    def _follow_hand_changes(self, snap: FleetSnapshot, sizes: dict[Pool, int]) -> None:
+        """A count set by someone else (``kubectl scale``, ``circusctl``) is where the planner goes on from: the
+        difference from the workers registered counts as starting or leaving (the policy holds, as for its own
+        change) until the fleet shows it or ``hand_change_timeout_s`` passed. A count this planner set is not a
+        hand change, however long its workers take to register."""
+        now = self.clock()
+        for pool, size in sizes.items():
+            if pool in self._change_tasks:
+                continue
+            if pool == Pool.PREFILL and not snap.disaggregated(self.model):
+                continue
+            registered = len(snap.prefill(self.model) if pool == Pool.PREFILL else snap.serving(self.model))
+            if pool in self._hand:
+                pending = self._pending.get(pool)
+                timed_out = now - self._hand[pool] > self.hand_change_timeout_s
+                if size == registered or timed_out or pending is None:
+                    if timed_out and size != registered:
+                        logger.warning(
+                            "%s pool: set to %d by hand %.0f s ago, %d registered: the planner goes on from %d",
+                            pool, size, now - self._hand[pool], registered, registered,
+                        )  # fmt: skip
+                    del self._hand[pool]
+                    self.controller.change_ended(pool)
+                    self._last_size[pool] = size
+                    continue
+                if pending.target != size:  # changed by hand again meanwhile
+                    self.controller.change_started(pool, registered, size)
+                    self._last_size[pool] = size
+                continue
+            known = self._last_size.get(pool)
+            self._last_size[pool] = size
+            if known == size or size == registered:
+                continue  # its own count (its workers may still be registering), or nothing to wait for
+            logger.info(
+                "%s pool: set to %d by hand (%d registered): the planner goes on from there", pool, size, registered
+            )
+            self._hand[pool] = now
+            self.controller.change_started(pool, registered, size)
+
     def apply(self, adj: Adjustment) -> None:
         """Start one task per pool change (none under no_operation). A pool whose previous change is still running
         is left alone: the policy holds while a change is in progress, so this only happens when a caller applies
@@ -345,6 +410,8 @@ class Planner:
                     continue
                 self._superseded.add(self._change_tasks[d.pool])
             self.controller.change_started(d.pool, d.current, d.target)
+            self._hand.pop(d.pool, None)
+            self._last_size[d.pool] = d.target
             self._change_tasks[d.pool] = self.runtime.supervisor.spawn(
                 self._change(d.pool, d.target, str(d.direction)), name=f"planner-scale:{d.pool}"
             )
