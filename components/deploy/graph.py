@@ -272,6 +272,8 @@ _PLANNER_ELSEWHERE = {
     "namespace": _SET_BY_GRAPH,
     "environment": "a graph's planner always drives the deployment's own circus arbiter (local)",
     "state_dir": "the planner uses kvmesh serve's own state directory",
+    "k8s_namespace": "kvmesh k8s render sets it (--k8s-namespace) for the planner it runs on a cluster",
+    "kubeconfig": "on a cluster the planner uses its pod's service account",
 }
 
 

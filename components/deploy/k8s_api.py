@@ -71,7 +71,7 @@ def _message(e: ApiException) -> str:
     import json
 
     try:
-        return str(json.loads(e.body).get("message") or e.reason)
+        return str(json.loads(e.body or b"{}").get("message") or e.reason)
     except (ValueError, TypeError, AttributeError):
         return str(e.reason)
 
