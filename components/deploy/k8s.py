@@ -202,7 +202,10 @@ def _pod_spec(
         "volumeMounts": [{"name": "graph", "mountPath": GRAPH_MOUNT, "readOnly": True}],
     }
     if ports:
-        container["ports"] = [{"containerPort": p, "name": "http" if i == 0 else f"p{i}"} for i, p in enumerate(ports)]
+        # "protocol" spelled out: server-side apply keys these lists by (port, protocol) and refuses one without it.
+        container["ports"] = [
+            {"containerPort": p, "name": "http" if i == 0 else f"p{i}", "protocol": "TCP"} for i, p in enumerate(ports)
+        ]
     if readiness is not None:
         container["readinessProbe"] = readiness
     if gpus:
@@ -282,7 +285,7 @@ def render_manifests(graph: Graph, graph_text: str, base_dir: Path, options: Ren
                 "spec": {
                     "type": "ClusterIP",
                     "selector": selector(ns, "frontend"),
-                    "ports": [{"name": "http", "port": port, "targetPort": port}],
+                    "ports": [{"name": "http", "port": port, "targetPort": port, "protocol": "TCP"}],
                 },
             }
         )

@@ -127,14 +127,16 @@ async def apply_objects(
     api: k8s.ApiClient, objects: Sequence[dict[str, Any]], *, reset_replicas: bool = False
 ) -> list[dict[str, Any]]:
     """Server-side apply each object in order; returns ``{"object", "action"}`` per object (``created``,
-    ``configured`` when its resourceVersion moved, ``unchanged``)."""
+    ``configured`` when it changed: its generation, or for kinds without one its resourceVersion; ``unchanged``)."""
     out = []
     for obj in objects:
         live = await get_object(api, obj)
         body = obj
         if live is not None and obj["kind"] == "Deployment" and not reset_replicas:
-            # Keep the live count: the planner's (or a person's) scale, not the graph's starting one.
-            body = {**obj, "spec": {k: v for k, v in obj["spec"].items() if k != "replicas"}}
+            # Keep the live count: the planner's (or a person's) scale, not the graph's starting one. Applied as
+            # the live value rather than left out: a field this manager applied before and leaves out now would be
+            # removed, and the default (1) would take its place.
+            body = {**obj, "spec": {**obj["spec"], "replicas": live["spec"].get("replicas", obj["spec"]["replicas"])}}
         applied = await _call(
             api,
             f"apply {describe(obj)}",
@@ -146,10 +148,11 @@ async def apply_objects(
         )
         if live is None:
             action = "created"
-        elif applied["metadata"]["resourceVersion"] == live["metadata"]["resourceVersion"]:
-            action = "unchanged"
         else:
-            action = "configured"
+            # A Deployment's generation moves only with its spec; its resourceVersion also with the status the
+            # controllers keep writing. Other kinds have no status: their resourceVersion says it.
+            key = "generation" if "generation" in live["metadata"] else "resourceVersion"
+            action = "unchanged" if applied["metadata"].get(key) == live["metadata"].get(key) else "configured"
         out.append({"object": describe(obj), "action": action})
     return out
 

@@ -131,7 +131,7 @@ def test_the_frontend_binds_the_pod_and_its_service_reaches_it():
     cmd = container(fe)["command"]
     assert cmd.count("--host") == 1 and cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert cmd[cmd.index("--port") + 1] == "8000"  # port 0 (a free one) means nothing behind a Service
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": 8000}]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": 8000, "protocol": "TCP"}]
     assert svc["spec"]["selector"].items() <= fe["spec"]["template"]["metadata"]["labels"].items()
     assert container(fe)["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
 
