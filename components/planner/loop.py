@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from components.fleet.live import LiveFleet
@@ -184,8 +184,8 @@ class Planner:
         self.metrics.in_progress = self.changes_in_progress
         self._metrics_server = None if metrics_host is None else MetricsServer(self.metrics, metrics_host, metrics_port)
         self.metrics_url = ""
-        self._change_tasks: dict[Pool, asyncio.Task[None]] = {}  # each pool's latest change
-        self._superseded: set[asyncio.Task[None]] = set()  # earlier changes a raise went past, still running
+        self._change_tasks: dict[Pool, asyncio.Task[bool]] = {}  # each pool's latest change
+        self._superseded: set[asyncio.Task[bool]] = set()  # earlier changes a raise went past, still running
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -398,8 +398,11 @@ class Planner:
     def apply(self, adj: Adjustment) -> None:
         """Start one task per pool change (none under no_operation). A pool whose previous change is still running
         is left alone: the policy holds while a change is in progress, so this only happens when a caller applies
-        by hand."""
-        for d in adj.changes():
+        by hand. Within one adjustment the removals go first: an addition's task waits until every removal of the
+        same adjustment has finished (and is skipped if one failed), so a swap at full GPU budget never asks for
+        more than the budget at any moment (a Pending pod on Kubernetes; Dynamo's issue 12428)."""
+        removals: list[asyncio.Task[bool]] = []
+        for d in sorted(adj.changes(), key=lambda d: d.target > d.current):  # removals first
             running = self._pending.get(d.pool)
             if d.pool in self._change_tasks:
                 # An addition in progress may be raised (the SLA planner does: a larger absolute count, which the
@@ -412,16 +415,29 @@ class Planner:
             self.controller.change_started(d.pool, d.current, d.target)
             self._hand.pop(d.pool, None)
             self._last_size[d.pool] = d.target
-            self._change_tasks[d.pool] = self.runtime.supervisor.spawn(
-                self._change(d.pool, d.target, str(d.direction)), name=f"planner-scale:{d.pool}"
+            after = list(removals) if d.target > d.current else []
+            task = self.runtime.supervisor.spawn(
+                self._change(d.pool, d.target, str(d.direction), after), name=f"planner-scale:{d.pool}"
             )
+            self._change_tasks[d.pool] = task
+            if d.target < d.current:
+                removals.append(task)
 
-    async def _change(self, pool: Pool, target: int, direction: str) -> None:
+    async def _change(self, pool: Pool, target: int, direction: str, after: Sequence[asyncio.Task[bool]] = ()) -> bool:
         ok = False
         try:
-            await self.connector.set_pool_size(pool, target)
-            ok = True
-            self.num_changes_applied += 1
+            blocked = False
+            if after:
+                done = await asyncio.gather(*after, return_exceptions=True)
+                blocked = not all(r is True for r in done)
+            if blocked:
+                self.num_change_failures += 1
+                self.last_change_error = f"{pool} pool to {target} workers: not started, a removal it needed failed"
+                logger.warning("%s; the planner decides again at a later interval", self.last_change_error)
+            else:
+                await self.connector.set_pool_size(pool, target)
+                ok = True
+                self.num_changes_applied += 1
         except ConnectorError as e:
             self.num_change_failures += 1
             self.last_change_error = str(e)
@@ -439,6 +455,7 @@ class Planner:
             self._superseded.discard(task)  # type: ignore[arg-type]
         self.metrics.change(pool, direction, ok)
         await self._publish_status()
+        return ok
 
     def changes_in_progress(self) -> dict[Pool, PendingChange]:
         return self.controller.in_progress()
