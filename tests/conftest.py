@@ -36,15 +36,17 @@ _namespaces = itertools.count(1)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """How ``pytest -n N --dist loadgroup`` (pytest-xdist; scripts/dev.sh runs the suite so) shares the tests out:
     every test of one module goes to the same worker process, so a module's shared servers and deployments start
-    once; every test marked ``vllm`` or ``alone`` goes to one worker, so at most one set of vLLM engines (each ~0.6
-    GiB and a core or more while it runs) exists at a time and the vLLM modules' shared engines stay shared. Each
-    worker has its own session etcd and nats-server (the fixtures below) and its own namespaces. Without xdist the
-    marks do nothing."""
+    once; every test marked ``k8s`` to one worker, so one kube-apiserver starts (tests/k8s/conftest.py); every test
+    marked ``vllm`` or ``alone`` goes to one worker, so at most one set of vLLM engines (each ~0.6 GiB and a core or
+    more while it runs) exists at a time and the vLLM modules' shared engines stay shared. Each worker has its own
+    session etcd and nats-server (the fixtures below) and its own namespaces. Without xdist the marks do nothing."""
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue
         single = item.get_closest_marker("vllm") is not None or item.get_closest_marker("alone") is not None
         group = "vllm" if single else item.nodeid.split("::", 1)[0]
+        if not single and item.get_closest_marker("k8s") is not None:
+            group = "k8s"
         item.add_marker(pytest.mark.xdist_group(group))
 
 
