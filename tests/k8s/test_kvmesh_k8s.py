@@ -262,3 +262,106 @@ async def test_a_change_that_cannot_complete_times_out_with_the_count_set(kube_a
             assert await conn.pool_size(Pool.DECODE) == 2
         finally:
             await conn.close()
+
+
+class _Supervisor:
+    def spawn(self, coro: Any, name: str = "") -> Any:
+        return asyncio.ensure_future(coro)
+
+
+class _Discovery:
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        pass  # the planner's status key: not what this test is about
+
+
+class _Runtime:
+    """What ``Planner.apply`` touches of a runtime: no etcd or NATS needed to hand a decision to its connector."""
+
+    supervisor = _Supervisor()
+    discovery = _Discovery()
+    primary_lease = 0
+
+
+async def test_a_swap_at_full_budget_never_asks_the_cluster_for_more_than_the_budget(kube_api: KubeApi, kube_namespace):
+    # graphs/mock_disagg.yaml: 2 prefill + 1 decode pods, a budget of 3. The planner swaps one prefill worker for a
+    # decode one (prefill 2 -> 1, decode 1 -> 2, one adjustment) through the real loop and connector; every change of
+    # either Deployment's spec.replicas is watched: their sum never exceeds 3 (the removal lands first).
+    from components.planner.config import PlannerConfig
+    from components.planner.loop import Planner
+    from components.planner.policy import Adjustment, Direction, ScalingDecision
+
+    objects = rendered(ROOT / "graphs" / "mock_disagg.yaml", kube_namespace)
+    prefill, decode = deployment_name("mock-disagg", "prefill"), deployment_name("mock-disagg", "decode")
+    async with kube_api.client() as admin:
+        await apply_objects(admin, objects)
+        async with KubeletShim(admin, kube_namespace, label_selector="kvmesh.io/component=worker"):
+
+            async def factory() -> client.ApiClient:
+                return kube_api.client()
+
+            conn = KubernetesConnector(
+                factory, kube_namespace, "mock-disagg", "tiny-llama", timeout_s=WAIT_S, poll_s=0.1
+            )
+            try:
+                assert (await conn.pool_size(Pool.PREFILL), await conn.pool_size(Pool.DECODE)) == (2, 1)
+                planner = Planner(_Runtime(), PlannerConfig(max_gpu_budget=3), "mock-disagg", "tiny-llama", conn)  # type: ignore[arg-type]
+                swap = Adjustment(
+                    now_s=0.0,
+                    decisions=(
+                        ScalingDecision(Pool.DECODE, Direction.UP, 1, 2, "test: swap", {}),
+                        ScalingDecision(Pool.PREFILL, Direction.DOWN, 2, 1, "test: swap", {}),
+                    ),
+                    gpus_before=3,
+                    gpus_after=3,
+                    no_operation=False,
+                )
+
+                async def run_swap() -> None:
+                    planner.apply(swap)
+                    await asyncio.gather(*list(planner._change_tasks.values()))
+
+                events = await _record_many(
+                    admin, kube_namespace, {prefill, decode}, run_swap(), {prefill: 1, decode: 2}
+                )
+                assert planner.num_change_failures == 0 and planner.num_changes_applied == 2
+            finally:
+                await conn.close()
+    live = {prefill: 2, decode: 1}
+    sums = []
+    for _, name, replicas in events:
+        live[name] = replicas
+        sums.append(sum(live.values()))
+    assert live == {prefill: 1, decode: 2} and max(sums) <= 3, events
+
+
+async def _record_many(
+    api: client.ApiClient, namespace: str, names: set[str], change: Any, final: dict[str, int]
+) -> list[tuple[int, str, int]]:
+    """Run ``change`` while watching the namespace's Deployments: (resourceVersion, name, spec.replicas) of each of
+    ``names``, in etcd's order, until each shows its ``final`` count."""
+    events: list[tuple[int, str, int]] = []
+    rv = (await client.AppsV1Api(api).list_namespaced_deployment(namespace)).metadata.resource_version
+
+    async def follow() -> None:
+        w = watch.Watch()
+        async with w.stream(
+            client.AppsV1Api(api).list_namespaced_deployment, namespace, resource_version=rv, timeout_seconds=60
+        ) as stream:
+            async for ev in stream:
+                o = ev["object"]
+                if o.metadata.name in names:
+                    events.append((int(o.metadata.resource_version), o.metadata.name, o.spec.replicas))
+
+    follower = asyncio.ensure_future(follow())
+    try:
+        await change
+
+        def done() -> bool:
+            last = {n: r for _, n, r in sorted(events)}
+            return all(last.get(n) == c for n, c in final.items())
+
+        await wait_until(done, timeout_s=WAIT_S, step_s=0.05)
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+    return sorted(events)
