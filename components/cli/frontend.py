@@ -29,9 +29,9 @@ import sys
 from pydantic import ValidationError
 
 from components.frontend import main as frontend_main
-from components.frontend.config import default_replicas
+from components.frontend.config import FrontendConfig, default_replicas
 from components.frontend.replicas import REPLICA_ENV
-from components.rescheduler.config import ReschedulerConfig
+from components.rescheduler.config import REPORTED_PREFIXES, Policy, ReschedulerConfig
 from components.rescheduler.loop import Rescheduler
 from components.rescheduler.run_config import flag_problems
 from components.runtime import Runtime, eventloop
@@ -76,6 +76,17 @@ class Colocated:
         return (code, last) if code else (code_r, last_r if code_r else last)
 
 
+def colocated_frontend_config(cfg: FrontendConfig, resched: ReschedulerConfig) -> FrontendConfig:
+    """The frontend's config beside a colocated rescheduler: with ``prefix_replication``, whose inputs include this
+    frontend's request reports' prefixes, those reports carry ``REPORTED_PREFIXES`` unless the flag was given."""
+    if (
+        Policy.PREFIX_REPLICATION in resched.rescheduling_policies
+        and "request_stats_prefixes" not in cfg.model_fields_set
+    ):
+        return cfg.model_copy(update={"request_stats_prefixes": REPORTED_PREFIXES})
+    return cfg
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         resched = model_from_args(ReschedulerConfig, args)
@@ -89,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return frontend_main.main(args)
-    cfg = frontend_main.config_from_args(args)
+    cfg = colocated_frontend_config(frontend_main.config_from_args(args), resched)
     num = cfg.replicas if cfg.replicas is not None else default_replicas()
     if num > 1:
         print(

@@ -38,6 +38,7 @@ COMMANDS = (
         add_arguments="add_stop_arguments",
         run="stop_main",
     ),
+    Command("k8s", "components.cli.k8s", "render a graph as Kubernetes manifests; apply or delete them on a cluster"),
     Command("logs", "components.cli.logs", "print or follow (-f) a served component's log, state/logs/NAME.log"),
     Command(
         "frontend",

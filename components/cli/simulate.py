@@ -49,13 +49,14 @@ from components.deploy.whatif import SimulatedDeployment, WhatIfError, simulated
 from components.planner.config import AnyPlannerConfig, PlannerConfig, SlaPlannerConfig, policy_config
 from components.planner.main import make_controller
 from components.planner.simulated import SimulatedPlanner
-from components.rescheduler.config import ReschedulerConfig
+from components.rescheduler.config import Policy, ReplicationConfig, ReschedulerConfig
 from components.rescheduler.run_config import flag_problems
 from components.runtime.flags import add_model_arguments, model_from_args
 from components.sim import RunResult, Sample, SimRequest, Workload, replay
 from components.sim.dynamics import DECODE, PREFILL
 from components.sim.errors import TraceFormatError
 from components.sim.replay import MODEL
+from components.sim.replication import PolicyReplicator
 from components.sim.report import Slo, summarize
 from components.sim.rescheduling import PolicyRescheduler
 from components.sim.workloads import from_trace
@@ -351,13 +352,32 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
             {k: getattr(section, k) for k in ReschedulerConfig.model_fields}
         )
         rescheduler_from = "graph"
+    replicator: PolicyReplicator | None = None
     if rescheduler_config.enable_rescheduling:
         rescheduler = PolicyRescheduler(rescheduler_config)
+        if Policy.PREFIX_REPLICATION in rescheduler_config.rescheduling_policies:
+            # The live loop's replication policy on the simulated router (components/sim/replication.py), at the
+            # rescheduler's interval and rate window.
+            replicator = PolicyReplicator(
+                ReplicationConfig.model_validate(
+                    {k: getattr(rescheduler_config, k) for k in ReplicationConfig.model_fields}
+                ),
+                model=MODEL,
+                interval_s=rescheduler_config.interval_s,
+                window_s=rescheduler_config.prefix_replication_window_s,
+            )
     series = _Series(deployment, len(workload.requests), workload.span_s, progress)
     cpu0 = time.process_time()
     try:
         res = replay(
-            workload, fleet, deployment.router, args.seed, observer=series, scaler=planner, rescheduler=rescheduler
+            workload,
+            fleet,
+            deployment.router,
+            args.seed,
+            observer=series,
+            scaler=planner,
+            rescheduler=rescheduler,
+            replicator=replicator,
         )
     finally:
         series.close()
@@ -404,6 +424,8 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
             **rescheduler.counters(),
             "migrations_landed": res.migrations,
         }
+        if replicator is not None:
+            report["rescheduler"]["prefix_copies_landed"] = replicator.copies
     if not args.no_tensorboard:
         if planner is not None:
             _planner_board(planner, out / "tensorboard")

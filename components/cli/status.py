@@ -191,8 +191,8 @@ def attach_reschedulers(rows: Sequence[dict[str, Any]], reschedulers: Sequence[M
 
 def format_rescheduler(p: Mapping[str, Any], now: float) -> str:
     """One rescheduler's status as a line: where it runs, its last cycle that chose or refused a pair (each pair
-    with its outcome and reason, the refused candidates), the last that ran pairs when that is an earlier one, and
-    its totals by policy."""
+    with its outcome and reason, the refused candidates), the last that ran pairs when that is an earlier one, its
+    totals by policy, and (with prefix_replication) its copies and drops by outcome and its last cycle's."""
     policies = ", ".join(str(x) for x in p.get("policies") or []) or "-"
     extra = f", metrics {p['metrics_url']}" if p.get("metrics_url") else ""
     interval = p.get("interval_ms")
@@ -218,7 +218,30 @@ def format_rescheduler(p: Mapping[str, Any], now: float) -> str:
                 for policy, c in totals.items()
             )
         )
+    prefix = p.get("prefix_replication")
+    if prefix:
+        parts.append(_prefix_text(prefix))
     return f"{head} " + "; ".join(parts)
+
+
+def _prefix_text(prefix: Mapping[str, Any]) -> str:
+    """prefix_replication's totals by kind and outcome, then its last cycle's copies and drops."""
+    totals = prefix.get("totals") or {}
+    counts = [
+        f"{kind} " + (", ".join(f"{n} {outcome}" for outcome, n in (totals.get(kind) or {}).items()) or "none")
+        for kind in ("copy", "drop")
+    ]
+    text = "prefix replication: " + ", ".join(counts)
+    last = prefix.get("last_cycle")
+    if last:
+        acts = [
+            f"{a['kind']} {a['prefix']} ({a['num_blocks']} blocks) "
+            f"{'-' if a.get('source') is None else format(int(a['source']), 'x')} -> {int(a['destination']):x} "
+            f"{a['outcome']} ({a['detail']})"
+            for a in last.get("prefix_actions", [])
+        ]
+        text += f"; last #{last.get('number', '?')}: " + "; ".join(acts)
+    return text
 
 
 def _cycle_text(what: str, cycle: Mapping[str, Any], now: float) -> str:

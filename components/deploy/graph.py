@@ -272,6 +272,8 @@ _PLANNER_ELSEWHERE = {
     "namespace": _SET_BY_GRAPH,
     "environment": "a graph's planner always drives the deployment's own circus arbiter (local)",
     "state_dir": "the planner uses kvmesh serve's own state directory",
+    "k8s_namespace": "kvmesh k8s render sets it (--k8s-namespace) for the planner it runs on a cluster",
+    "kubeconfig": "on a cluster the planner uses its pod's service account",
 }
 
 
@@ -708,6 +710,11 @@ def validate_graph(
 
 def _origin(from_set: bool) -> str:
     return "--set" if from_set else ""
+
+
+def graph_base_dir(path: str | os.PathLike[str], graph: Graph) -> Path:
+    """The directory ``graph``'s relative paths resolved against (the graph file at ``path``)."""
+    return _base_dir(Path(path), graph.base_dir)
 
 
 def _base_dir(path: Path, base_dir: str | None) -> Path:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from components.deploy.errors import GpuAssignmentError
 from components.deploy.graph import Graph, frontend_watcher, planner_watcher, replica_watcher, rescheduler_watcher
+from components.rescheduler.config import REPORTED_PREFIXES, Policy
 from components.runtime.flags import argv_for
 
 REDACTED = "<redacted>"
@@ -113,6 +114,12 @@ def plan_frontend(
     values["port"] = frontend_port  # the port chosen at start (a free one when the graph says 0)
     # The frontend routes to every component the graph's workers register under, unless told otherwise.
     values.setdefault("components", list(dict.fromkeys(g.component for g in graph.workers)))
+    resched = graph.rescheduler
+    if resched is not None and resched.runs and not resched.colocated:
+        if Policy.PREFIX_REPLICATION in resched.rescheduling_policies:
+            # The standalone rescheduler's replication reads the frontend's request reports' prefixes (a colocated
+            # one turns them on in the frontend process itself: components/cli/frontend.py).
+            values.setdefault("request_stats_prefixes", REPORTED_PREFIXES)
     args = ["frontend", "--namespace", graph.namespace, *runtime_argv(graph), *argv_for(values)]
     if graph.rescheduler is not None and graph.rescheduler.colocated:
         args += argv_for(graph.rescheduler.colocated_values())

@@ -9,7 +9,17 @@ Imports: the standard library and ``components.protocol``.
 
 from __future__ import annotations
 
-from components.protocol.messages import RequestStatsReport
+from collections.abc import Sequence
+
+from components.protocol.messages import PrefixCount, RequestStatsReport
+
+
+class _Prefix:
+    __slots__ = ("block_hashes", "requests")
+
+    def __init__(self, block_hashes: tuple[int, ...]) -> None:
+        self.block_hashes = block_hashes
+        self.requests = 1
 
 
 class RequestCounts:
@@ -26,6 +36,7 @@ class RequestCounts:
         "itl_max_s",
         "itl_sum_s",
         "output_tokens",
+        "prefixes",
         "prompt_tokens",
         "requests",
         "ttft_count",
@@ -35,9 +46,11 @@ class RequestCounts:
 
     def __init__(self) -> None:
         self.inflight = 0
+        self.prefixes: dict[int, _Prefix] = {}  # by first block hash: ``carried``, for the report's prefixes
         self.reset()
 
     def reset(self) -> None:
+        self.prefixes = {}
         self.requests = 0
         self.prompt_tokens = 0
         self.finished = 0
@@ -55,6 +68,32 @@ class RequestCounts:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.inflight += 1
+
+    def carried(self, block_hashes: Sequence[int]) -> None:
+        """A request that ``arrived`` carries these chained block hashes (its prompt's full blocks, from the start):
+        counted under its first block, whose chain shortens to the run every such request of the interval shared."""
+        if not block_hashes:
+            return
+        entry = self.prefixes.get(block_hashes[0])
+        if entry is None:
+            self.prefixes[block_hashes[0]] = _Prefix(tuple(block_hashes))
+            return
+        known = entry.block_hashes
+        n = 0
+        for a, b in zip(known, block_hashes, strict=False):
+            if a != b:
+                break
+            n += 1
+        if n < len(known):
+            entry.block_hashes = known[:n]
+        entry.requests += 1
+
+    def top_prefixes(self, max_prefixes: int) -> tuple[PrefixCount, ...]:
+        """The ``max_prefixes`` prefixes most requests carried (ties: lowest first hash)."""
+        if max_prefixes <= 0 or not self.prefixes:
+            return ()
+        ranked = sorted(self.prefixes.items(), key=lambda kv: (-kv[1].requests, kv[0]))
+        return tuple(PrefixCount(v.block_hashes, v.requests) for _, v in ranked[:max_prefixes])
 
     def ended(self, output_tokens: int, failed: bool) -> None:
         """A request that ``arrived`` ended, after generating ``output_tokens`` (once per request)."""
@@ -83,7 +122,8 @@ class RequestCounts:
             if gap > self.itl_max_s:
                 self.itl_max_s = gap
 
-    def report(self, model: str, interval_s: float) -> RequestStatsReport:
+    def report(self, model: str, interval_s: float, max_prefixes: int = 0) -> RequestStatsReport:
+        """The interval's report, with its ``max_prefixes`` most carried prefixes (``carried``; 0: none)."""
         return RequestStatsReport(
             model=model,
             interval_s=interval_s,
@@ -98,4 +138,5 @@ class RequestCounts:
             itl_count=self.itl_count,
             itl_sum_s=self.itl_sum_s,
             itl_max_s=self.itl_max_s,
+            prefixes=self.top_prefixes(max_prefixes),
         )

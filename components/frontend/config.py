@@ -126,6 +126,18 @@ class FrontendConfig(RouterConfig):
         "(docs/fleet.md, 'Request reports'). 1 s: the planner's intervals are tens of seconds, and a report costs one "
         "small message per model.",
     )
+    # 16: a report then carries at most 16 x 1,024 hashes (~300 KB of msgpack at worst), under NATS's 1 MB payload.
+    request_stats_prefixes: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Prefixes (KV blocks shared from a prompt's start) per request report: the ones most requests "
+        "carried in the interval, each with its chained block hashes (up to 1,024 blocks) and its request count, "
+        "for the rescheduler's prefix_replication policy (docs/rescheduler.md, 'Hot-prefix replication'). 0: none. "
+        "Only a KV-aware router hashes prompts; with it, each request's prompt is hashed to its 1,024th full block "
+        "rather than as far as the KV index search reads. A frontend with --colocated-rescheduling-mode and "
+        "prefix_replication among its policies reports 16 unless this is set.",
+    )
     shutdown_timeout_s: float = Field(
         default=30.0,
         ge=0,

@@ -62,11 +62,12 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from components.frontend.errors import InvalidRequestError, ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
 from components.protocol.errors import ErrorCode
+from components.protocol.kv_hashing import PromptHashes
 from components.protocol.messages import GenerateRequest
 from components.protocol.metadata import WorkerMetadata
 from components.router import NoWorkersError, Router, RouteRequest
@@ -94,8 +95,18 @@ RETRIABLE = (InstanceGoneError, InstanceDrainingError, StreamInterruptedError)
 # A dead process's workers are excluded by the router once their load reports go stale (~0.5 s) and by discovery
 # once their leases expire (10 s); this bridges the first of those gaps for every request, not only the failed one.
 SUSPECT_PROCESS_S = 2.0
+# The most blocks of a prompt a request report's prefix names (``on_prefix``): 1,024 blocks are 16,384 tokens at
+# block size 16, past the documents shape's longest document (docs/router.md), and cost ~0.2 ms of hashing at most.
+PREFIX_REPORT_BLOCKS = 1024
 
 ProcessKey = tuple[str, int]
+
+
+def _head(hashes: Sequence[int], n: int) -> Sequence[int]:
+    """The first ``n`` of a prompt's block hashes, computing no more of a lazy ``PromptHashes`` than those."""
+    if isinstance(hashes, PromptHashes):
+        return hashes.ensure(n)[: min(n, len(hashes))]
+    return hashes[:n]
 
 
 class Suspects:
@@ -173,7 +184,10 @@ class Dispatch:
         prepared: Prepared,
         metrics: ModelMetrics,
         on_retry: Callable[[str], None] | None = None,
+        on_prefix: Callable[[Sequence[int]], None] | None = None,
     ) -> None:
+        """``on_prefix``: told the routed prompt's chained block hashes, up to ``PREFIX_REPORT_BLOCKS``, once (a
+        KV-aware router's; the request reports' prefixes, ``RequestCounts.carried``)."""
         self.config = config
         self.registry = registry
         self.router = router
@@ -181,6 +195,7 @@ class Dispatch:
         self.prepared = prepared
         self.metrics = metrics
         self._on_retry = on_retry
+        self._on_prefix = on_prefix
         # The current attempt: its stream, the id the router and the engine know it by, its worker.
         self.stream: ResponseStream | None = None
         self.route_id = prepared.request_id
@@ -214,6 +229,8 @@ class Dispatch:
                 pinned_instance_id=hints.pinned_instance_id,
             )
         )
+        if self._on_prefix is not None and route.block_hashes is not None:
+            self._on_prefix(_head(route.block_hashes, PREFIX_REPORT_BLOCKS))
         body = GenerateRequest(p.request_id, p.prompt_ids, p.sampling).to_dict()
         first = await self._place(route, body, set())
         item = self._accept(first)

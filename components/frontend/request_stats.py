@@ -37,9 +37,10 @@ logger = logging.getLogger(__name__)
 class RequestStatsBook:
     """Every model's ``RequestCounts`` of one frontend process (module docstring)."""
 
-    def __init__(self, now_s: float) -> None:
+    def __init__(self, now_s: float, max_prefixes: int = 0) -> None:
         self._models: dict[str, RequestCounts] = {}
         self._since_s = now_s  # when the current interval began
+        self.max_prefixes = max_prefixes  # prefixes per report (``RequestCounts.carried``; 0: none counted)
 
     def model(self, name: str) -> RequestCounts:
         """``name``'s counts, created at its first request (a request holds on to them until it ends)."""
@@ -59,7 +60,7 @@ class RequestStatsBook:
         reports = []
         for name in sorted(self._models):
             stats = self._models[name]
-            reports.append(stats.report(name, interval_s))
+            reports.append(stats.report(name, interval_s, self.max_prefixes))
             stats.reset()
             if name not in served and stats.inflight <= 0:
                 del self._models[name]

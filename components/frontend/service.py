@@ -241,7 +241,8 @@ class FrontendService:
         self._prefix = os.urandom(6).hex()
         self._ids = itertools.count()
         self.num_inflight = 0
-        self.request_stats = RequestStatsBook(time.monotonic())  # what the request reports count (request_stats.py)
+        # What the request reports count (request_stats.py); the prefixes: for the rescheduler's prefix_replication.
+        self.request_stats = RequestStatsBook(time.monotonic(), config.request_stats_prefixes)
         self.suspects = Suspects()  # processes whose worker just failed: avoided while another can serve
 
     # --- preparation ------------------------------------------------------------------------------------------------
@@ -302,8 +303,17 @@ class FrontendService:
         """Route ``p`` and wait for its first output (``Dispatch.start``: retries, errors); the Generation streams the
         rest and, closed, cancels what still runs and settles the router's bookkeeping."""
         mm = self.metrics.model(p.model.name)
-        dispatch = Dispatch(self.config, self.registry, self.router, self.suspects, p, mm, on_retry=self._count_retry)
         stats = self.request_stats.model(p.model.name)
+        dispatch = Dispatch(
+            self.config,
+            self.registry,
+            self.router,
+            self.suspects,
+            p,
+            mm,
+            on_retry=self._count_retry,
+            on_prefix=stats.carried if self.request_stats.max_prefixes else None,
+        )
         stats.arrived(len(p.prompt_ids))
         try:
             first = await dispatch.start()

@@ -160,8 +160,18 @@ class PlannerRunConfig(BaseModel):
         default=Environment.LOCAL,
         description="How pools are resized: local (the circus arbiter of the `kvmesh serve` deployment of this "
         "namespace, found through <state-dir>/<namespace>.json), virtual (target sizes written to etcd under "
-        "kvmesh/<namespace>/planner/virtual/ for an outside system to apply and acknowledge), kubernetes (not "
-        "implemented yet).",
+        "kvmesh/<namespace>/planner/virtual/ for an outside system to apply and acknowledge), kubernetes (the "
+        "scale of the worker Deployments `kvmesh k8s apply` created in --k8s-namespace).",
+    )
+    k8s_namespace: str = Field(
+        default="default",
+        min_length=1,
+        description="kubernetes environment: the Kubernetes namespace of the worker Deployments.",
+    )
+    kubeconfig: str | None = Field(
+        default=None,
+        description="kubernetes environment: a kubeconfig file; unset: the pod's own service account in a cluster, "
+        "else $KUBECONFIG or ~/.kube/config.",
     )
     state_dir: str | None = Field(
         default=None,
@@ -178,7 +188,9 @@ class PlannerRunConfig(BaseModel):
         gt=0,
         description="Seconds one pool change may take before it counts as failed: local, until a new worker has "
         "registered in etcd (a leaving one gets its watcher's graceful_timeout_s to drain instead); virtual, until "
-        "the outside system reports it done.",
+        "the outside system reports it done; kubernetes, until the Deployment's updated and available replicas "
+        "equal the count. Also how long a count changed by hand may take to show in the fleet before the planner "
+        "goes on from the workers registered.",
     )
     metrics_host: str = Field(
         default="127.0.0.1",

@@ -32,12 +32,13 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from components.fleet.live import LiveFleet
+from components.fleet.model import FleetSnapshot
 from components.planner.board import PlannerBoard
-from components.planner.config import AnyPlannerConfig, PlannerConfig
+from components.planner.config import DEFAULT_SCALING_TIMEOUT_S, AnyPlannerConfig, PlannerConfig
 from components.planner.connectors.base import Connector, ConnectorError
 from components.planner.controller import PendingChange, PlannerController
 from components.planner.metrics import MetricsServer, PlannerMetrics
@@ -147,8 +148,15 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         metrics_host: str | None = None,
         metrics_port: int = 0,
+        hand_change_timeout_s: float = DEFAULT_SCALING_TIMEOUT_S,
     ) -> None:
         self.runtime = runtime
+        # A count changed by hand (the connector's pool_size) counts as a change in progress until the fleet shows
+        # it, at most this long: a hand change that never completes (pods Pending for want of a GPU) must not stop
+        # the planner for good.
+        self.hand_change_timeout_s = hand_change_timeout_s
+        self._last_size: dict[Pool, int] = {}  # the count each pool was last set to, by this planner or by hand
+        self._hand: dict[Pool, float] = {}  # pools whose change in progress is a hand change: since when
         self.config = config
         self.namespace = namespace
         self.model = model
@@ -176,8 +184,8 @@ class Planner:
         self.metrics.in_progress = self.changes_in_progress
         self._metrics_server = None if metrics_host is None else MetricsServer(self.metrics, metrics_host, metrics_port)
         self.metrics_url = ""
-        self._change_tasks: dict[Pool, asyncio.Task[None]] = {}  # each pool's latest change
-        self._superseded: set[asyncio.Task[None]] = set()  # earlier changes a raise went past, still running
+        self._change_tasks: dict[Pool, asyncio.Task[bool]] = {}  # each pool's latest change
+        self._superseded: set[asyncio.Task[bool]] = set()  # earlier changes a raise went past, still running
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -296,7 +304,10 @@ class Planner:
             logger.warning("planner pull skipped: %s", e)
             return None
         gpus = {pool: self.connector.gpus_per_worker(pool) for pool in Pool}
-        out = self.controller.pull(self.fleet.snapshot(self.clock()), gpus)
+        sizes = await self._pool_sizes()
+        snap = self.fleet.snapshot(self.clock())
+        self._follow_hand_changes(snap, sizes)
+        out = self.controller.pull(snap, gpus)
         obs, figures = out.observation, out.figures
         self.last_observation = obs
         walltime = time.time()
@@ -330,11 +341,68 @@ class Planner:
         await self._publish_status()
         return adj
 
+    async def _pool_sizes(self) -> dict[Pool, int]:
+        """The connector's counts of the pools no change of this planner is running on (``Connector.pool_size``)."""
+        sizes: dict[Pool, int] = {}
+        for pool in Pool:
+            if pool in self._change_tasks:
+                continue
+            try:
+                size = await self.connector.pool_size(pool)
+            except ConnectorError as e:
+                logger.debug("reading the %s pool's size: %s", pool, e)
+                continue
+            if size is not None:
+                sizes[pool] = size
+        return sizes
+
+    def _follow_hand_changes(self, snap: FleetSnapshot, sizes: dict[Pool, int]) -> None:
+        """A count set by someone else (``kubectl scale``, ``circusctl``) is where the planner goes on from: the
+        difference from the workers registered counts as starting or leaving (the policy holds, as for its own
+        change) until the fleet shows it or ``hand_change_timeout_s`` passed. A count this planner set is not a
+        hand change, however long its workers take to register."""
+        now = self.clock()
+        for pool, size in sizes.items():
+            if pool in self._change_tasks:
+                continue
+            if pool == Pool.PREFILL and not snap.disaggregated(self.model):
+                continue
+            registered = len(snap.prefill(self.model) if pool == Pool.PREFILL else snap.serving(self.model))
+            if pool in self._hand:
+                pending = self._pending.get(pool)
+                timed_out = now - self._hand[pool] > self.hand_change_timeout_s
+                if size == registered or timed_out or pending is None:
+                    if timed_out and size != registered:
+                        logger.warning(
+                            "%s pool: set to %d by hand %.0f s ago, %d registered: the planner goes on from %d",
+                            pool, size, now - self._hand[pool], registered, registered,
+                        )  # fmt: skip
+                    del self._hand[pool]
+                    self.controller.change_ended(pool)
+                    self._last_size[pool] = size
+                    continue
+                if pending.target != size:  # changed by hand again meanwhile
+                    self.controller.change_started(pool, registered, size)
+                    self._last_size[pool] = size
+                continue
+            known = self._last_size.get(pool)
+            self._last_size[pool] = size
+            if known == size or size == registered:
+                continue  # its own count (its workers may still be registering), or nothing to wait for
+            logger.info(
+                "%s pool: set to %d by hand (%d registered): the planner goes on from there", pool, size, registered
+            )
+            self._hand[pool] = now
+            self.controller.change_started(pool, registered, size)
+
     def apply(self, adj: Adjustment) -> None:
         """Start one task per pool change (none under no_operation). A pool whose previous change is still running
         is left alone: the policy holds while a change is in progress, so this only happens when a caller applies
-        by hand."""
-        for d in adj.changes():
+        by hand. Within one adjustment the removals go first: an addition's task waits until every removal of the
+        same adjustment has finished (and is skipped if one failed), so a swap at full GPU budget never asks for
+        more than the budget at any moment (a Pending pod on Kubernetes; Dynamo's issue 12428)."""
+        removals: list[asyncio.Task[bool]] = []
+        for d in sorted(adj.changes(), key=lambda d: d.target > d.current):  # removals first
             running = self._pending.get(d.pool)
             if d.pool in self._change_tasks:
                 # An addition in progress may be raised (the SLA planner does: a larger absolute count, which the
@@ -345,16 +413,31 @@ class Planner:
                     continue
                 self._superseded.add(self._change_tasks[d.pool])
             self.controller.change_started(d.pool, d.current, d.target)
-            self._change_tasks[d.pool] = self.runtime.supervisor.spawn(
-                self._change(d.pool, d.target, str(d.direction)), name=f"planner-scale:{d.pool}"
+            self._hand.pop(d.pool, None)
+            self._last_size[d.pool] = d.target
+            after = list(removals) if d.target > d.current else []
+            task = self.runtime.supervisor.spawn(
+                self._change(d.pool, d.target, str(d.direction), after), name=f"planner-scale:{d.pool}"
             )
+            self._change_tasks[d.pool] = task
+            if d.target < d.current:
+                removals.append(task)
 
-    async def _change(self, pool: Pool, target: int, direction: str) -> None:
+    async def _change(self, pool: Pool, target: int, direction: str, after: Sequence[asyncio.Task[bool]] = ()) -> bool:
         ok = False
         try:
-            await self.connector.set_pool_size(pool, target)
-            ok = True
-            self.num_changes_applied += 1
+            blocked = False
+            if after:
+                done = await asyncio.gather(*after, return_exceptions=True)
+                blocked = not all(r is True for r in done)
+            if blocked:
+                self.num_change_failures += 1
+                self.last_change_error = f"{pool} pool to {target} workers: not started, a removal it needed failed"
+                logger.warning("%s; the planner decides again at a later interval", self.last_change_error)
+            else:
+                await self.connector.set_pool_size(pool, target)
+                ok = True
+                self.num_changes_applied += 1
         except ConnectorError as e:
             self.num_change_failures += 1
             self.last_change_error = str(e)
@@ -372,6 +455,7 @@ class Planner:
             self._superseded.discard(task)  # type: ignore[arg-type]
         self.metrics.change(pool, direction, ok)
         await self._publish_status()
+        return ok
 
     def changes_in_progress(self) -> dict[Pool, PendingChange]:
         return self.controller.in_progress()

@@ -20,8 +20,9 @@ one), else each worker's announced step-time model.
 
 Environments: ``local`` (connectors/local.py: the circus arbiter of the ``kvmesh serve`` deployment of
 ``--namespace``, found through ``<state-dir>/<namespace>.json``; etcd and NATS come from that file unless given as
-flags or in the environment), ``virtual`` (connectors/virtual.py: targets written to etcd for an outside system).
-``kubernetes`` is not implemented yet and exits 2 saying so, before connecting to anything. A graph's ``planner:``
+flags or in the environment), ``virtual`` (connectors/virtual.py: targets written to etcd for an outside system),
+``kubernetes`` (connectors/kubernetes.py: the scale of the worker Deployments ``kvmesh k8s apply`` created in
+``--k8s-namespace``; the pods it removes chosen from this planner's fleet view). A graph's ``planner:``
 section makes ``kvmesh serve`` run this command itself, as the watcher ``<namespace>-planner``.
 """
 
@@ -45,6 +46,7 @@ from components.planner.config import (
     policy_config,
 )
 from components.planner.connectors.base import Connector
+from components.planner.connectors.kubernetes import KubernetesConnector
 from components.planner.connectors.local import LocalConnector
 from components.planner.connectors.virtual import VirtualConnector
 from components.planner.controller import PlannerController
@@ -57,7 +59,6 @@ from components.runtime.flags import add_model_arguments, given_values, model_fr
 from components.runtime.process import add_runtime_arguments, run_component
 
 # Exit code for a valid command this build cannot run (argparse uses 2 for usage errors too).
-EXIT_NOT_IMPLEMENTED = 2
 __all__ = ["Environment", "PlannerRunConfig", "add_arguments", "configs_from_args", "main"]
 
 
@@ -120,12 +121,6 @@ def endpoints_from_state(args: argparse.Namespace, run: PlannerRunConfig) -> Non
 
 def main(args: argparse.Namespace) -> int:
     run, cfg = configs_from_args(args)
-    if run.environment == Environment.KUBERNETES:
-        print(
-            f"kvmesh planner: --environment {run.environment} is not implemented yet (local and virtual are)",
-            file=sys.stderr,
-        )
-        return EXIT_NOT_IMPLEMENTED
     if run.environment == Environment.LOCAL:
         try:
             endpoints_from_state(args, run)
@@ -153,9 +148,19 @@ def main(args: argparse.Namespace) -> int:
                 resolve_state_dir(run.state_dir),
                 start_timeout_s=run.scaling_timeout_s,
             )
+        elif run.environment == Environment.KUBERNETES:
+            from components.deploy.k8s_api import connect
+
+            connector = KubernetesConnector(
+                lambda: connect(run.kubeconfig),
+                run.k8s_namespace,
+                run.namespace,
+                run.served_model_name,
+                timeout_s=run.scaling_timeout_s,
+            )
         else:
             connector = VirtualConnector(runtime, run.namespace, run.served_model_name, timeout_s=run.scaling_timeout_s)
-        return Planner(
+        planner = Planner(
             runtime,
             cfg,
             run.namespace,
@@ -165,7 +170,11 @@ def main(args: argparse.Namespace) -> int:
             log_dir=run.log_dir,
             metrics_host=run.metrics_host,
             metrics_port=run.metrics_port,
+            hand_change_timeout_s=run.scaling_timeout_s,
         )
+        if isinstance(connector, KubernetesConnector):
+            connector.fleet = lambda: planner.fleet.snapshot(planner.clock())  # which pods leave first
+        return planner
 
     return eventloop.run(run_component(args, f"kvmesh-planner-{run.namespace}", build))
 

@@ -25,3 +25,6 @@ TOPIC_REQUEST_STATS = "request_stats"
 # Hot-prefix replication (components/protocol/replication.py): served by workers whose engine can import KV with no
 # request (simulated engines). body: ImportPrefixRequest.to_dict(); stream: one ImportPrefixReply.to_dict()
 ENDPOINT_IMPORT_PREFIX = "import_prefix"
+# The drop of a cold replica, served beside import_prefix. body: DropPrefixRequest.to_dict(); stream: one
+# DropPrefixReply.to_dict()
+ENDPOINT_DROP_PREFIX = "drop_prefix"

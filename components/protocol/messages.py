@@ -330,13 +330,33 @@ class RequestStatsReport:
     itl_count: int = 0  # gaps between consecutive tokens of one request, ended in the interval
     itl_sum_s: float = 0.0
     itl_max_s: float = 0.0
+    # The prefixes the interval's admitted requests carried, most requests first (hot-prefix replication's input;
+    # empty unless the frontend's --request-stats-prefixes is set and its router hashes prompts).
+    prefixes: tuple[PrefixCount, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RequestStatsReport:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+        fields = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d and f.name != "prefixes"}
+        prefixes = tuple(PrefixCount.from_dict(p) for p in d.get("prefixes") or ())
+        return cls(**fields, prefixes=prefixes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixCount:
+    """Requests of one report's interval that began with the same block: ``block_hashes``, the chained hashes
+    (``kv_hashing``) of the full blocks they all shared from the start (the first one's, shortened by each later
+    one: on the documents shape, the document), and how many such ``requests`` were admitted. The prefix's name is
+    its last hash, which names the whole chain."""
+
+    block_hashes: tuple[int, ...]
+    requests: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrefixCount:
+        return cls(tuple(int(h) for h in d["block_hashes"]), int(d["requests"]))
 
 
 @dataclasses.dataclass(slots=True)

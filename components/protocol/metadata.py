@@ -49,8 +49,9 @@ class WorkerMetadata:
     block_size: int = 0  # tokens per KV block
     kv_hash_scheme: int | None = None  # how its KV events hash blocks (protocol.kv_hashing); None: not said
     max_model_len: int = 0  # prompt + output tokens one request may hold; 0: unknown
-    node: str = ""  # host name
-    pid: int = 0  # process id on that node
+    node: str = ""  # host name (on Kubernetes: the node the pod runs on)
+    pod: str = ""  # the Kubernetes pod the process runs in; "" elsewhere
+    pid: int = 0  # process id on that node (in its pod: every pod's process may be pid 1)
     unit: int = 0  # index of the worker inside its process
     started_at: float = 0.0  # wall-clock registration time, seconds since the epoch
     # How its engine moves a running request to another worker (``protocol.migration.MigrationMode``'s value:
@@ -107,8 +108,9 @@ class WorkerMetadata:
 
     @property
     def process_key(self) -> tuple[str, int]:
-        """(node, pid): workers with the same key share a process, and so its faults."""
-        return (self.node, self.pid)
+        """(node, pid), with the pod beside the node where there is one (two pods on one node may both run their
+        process as pid 1): workers with the same key share a process, and so its faults."""
+        return (f"{self.node}/{self.pod}" if self.pod else self.node, self.pid)
 
 
 def is_routable(meta: WorkerMetadata) -> bool:

@@ -34,6 +34,9 @@ class Policy(enum.StrEnum):
     NEUTRAL_FAILOVER = "neutral_failover"  # empty failing aggregated workers
     BINPACKING_MITIGATION = "binpacking_mitigation"  # move decode requests off a worker above the TPOT ceiling
     BINPACKING_CONSOLIDATION = "binpacking_consolidation"  # empty a worker below the TPOT floor into a fuller one
+    # Not Llumnix's: copy hot prefixes' KV to more workers, drop cold copies (ReplicationConfig; it plans KV copies,
+    # not migration pairs, so the loop runs it beside plan_cycle: components/rescheduler/replication.py).
+    PREFIX_REPLICATION = "prefix_replication"
 
 
 class LoadBalanceScope(enum.StrEnum):
@@ -72,6 +75,12 @@ DEFAULT_POLICIES = (
 )
 
 
+# --request-stats-prefixes of a frontend whose requests a rescheduler with prefix_replication reads, when the
+# frontend's flags leave it unset (a colocated rescheduler's frontend; a graph's frontend beside a standalone one):
+# the frontend config's maximum (its comment: at most ~300 KB a report).
+REPORTED_PREFIXES = 16
+
+
 def _canonical(kind: str, table: dict[str, str], text: str) -> str:
     key = text.strip()
     if key.upper() in table:
@@ -82,8 +91,8 @@ def _canonical(kind: str, table: dict[str, str], text: str) -> str:
     raise ValueError(f"unknown {kind} {text!r}; known: {names}")
 
 
-class ReschedulerConfig(BaseModel):
-    """How the rescheduler decides: which policies run, how often, their thresholds and what a pair moves."""
+class LlumnixConfig(BaseModel):
+    """Llumnix's rescheduling knobs (the first part of ``ReschedulerConfig``, which adds ``ReplicationConfig``'s)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -107,7 +116,8 @@ class ReschedulerConfig(BaseModel):
         default_factory=lambda: list(DEFAULT_POLICIES),
         description="The policies a cycle runs, in this order (a pair an earlier policy chose wins over a "
         "conflicting later one): decode_load, neutral_load, prefill_failover, decode_failover, neutral_failover, "
-        "binpacking_mitigation, binpacking_consolidation.",
+        "binpacking_mitigation, binpacking_consolidation, prefix_replication (not Llumnix's: the "
+        "--prefix-replication-* flags).",
     )
     rescheduling_decode_load_metric: Literal["kv_cache_usage_ratio_projected"] = Field(
         default="kv_cache_usage_ratio_projected",
@@ -260,7 +270,7 @@ class ReschedulerConfig(BaseModel):
         return _canonical("request select order", SELECT_ORDERS, value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _check(self) -> ReschedulerConfig:
+    def _check(self) -> LlumnixConfig:
         for name in (
             "rescheduling_decode_load_threshold",
             "rescheduling_neutral_load_threshold",
@@ -313,8 +323,9 @@ class ReplicationConfig(BaseModel):
     """Hot-prefix replication's knobs (components/rescheduler/policies/replication.py; docs/rescheduler.md, "Hot-prefix
     replication"). Not a Llumnix policy, so no Llumnix names: every flag starts with ``prefix_replication_``.
 
-    Kept apart from ``ReschedulerConfig`` until the loop runs the policy (it plans KV copies, not migration pairs):
-    the loop does not build the policy's snapshot yet, and a policy name it accepted and ignored would mislead.
+    ``ReschedulerConfig`` inherits these fields, so they are flags of ``kvmesh rescheduler`` (and of a colocated
+    rescheduler, ``kvmesh simulate`` and a graph's ``rescheduler:`` section); they act when ``prefix_replication`` is
+    among ``--rescheduling-policies``. The simulator's ``PolicyReplicator`` takes this model alone.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -365,11 +376,26 @@ class ReplicationConfig(BaseModel):
         ge=0,
         description="A replica younger than this many seconds is never dropped (a burst's lull does not undo it).",
     )
+    # 30 s: PrefixRates' window in the simulator (components/sim/replication.py); the frontends report every 1 s,
+    # so a prefix carried by 0.5 request/s is seen in ~15 of the window's reports.
+    prefix_replication_window_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="Seconds of the frontends' request reports over which a prefix's requests per second are "
+        "counted (at most 600, the fleet view's request horizon); a prefix no request carried in this window is "
+        "forgotten.",
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> ReplicationConfig:
-        if not math.isfinite(self.prefix_replication_target_ttft_ms):
-            raise ValueError("prefix_replication_target_ttft_ms must be finite")
+    def _check_replication(self) -> ReplicationConfig:
+        for name in (
+            "prefix_replication_target_ttft_ms",
+            "prefix_replication_min_rate_per_s",
+            "prefix_replication_min_age_s",
+        ):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         # A cold rate at or above the hot rate would drop a replica the same cycle could copy again.
         if self.prefix_replication_cold_rate_per_s >= max(self.prefix_replication_min_rate_per_s, 1e-12):
             raise ValueError(
@@ -377,3 +403,12 @@ class ReplicationConfig(BaseModel):
                 f"prefix_replication_min_rate_per_s ({self.prefix_replication_min_rate_per_s})"
             )
         return self
+
+
+class ReschedulerConfig(ReplicationConfig, LlumnixConfig):
+    """How the rescheduler decides: which policies run, how often, their thresholds and what a pair moves, and
+    hot-prefix replication's knobs."""
+
+    # Fields come in the bases' reverse order (pydantic): Llumnix's first, then the prefix_replication_* ones; both
+    # bases' validators run.
+    model_config = ConfigDict(extra="forbid")

@@ -13,7 +13,11 @@ snapshot in, validated migration pairs out):
   on ``GET /metrics`` when a metrics host is given); puts its status (``status()``) as JSON at
   ``kvmesh/<ns>/rescheduler/status/<lease>`` under the runtime's lease for ``kvmesh status``: at start, after every
   cycle that chose or refused a pair, and at least every ``STATUS_REPEAT_S``;
-- logs one INFO line per cycle that chose a pair (and one per pair, the executor's).
+- logs one INFO line per cycle that chose a pair (and one per pair, the executor's);
+- with ``prefix_replication`` among its policies, runs hot-prefix replication after the cycle's migrations
+  (``replicator.LiveReplicator``: its own KV index and fleet view, the policy, the copies and drops, each under the
+  call timeout): the cycle's copies and drops with their outcomes are in its record (``prefix_actions``), their
+  totals by kind and outcome in the status (``prefix_replication``) and in Prometheus.
 
 Runs standalone (``kvmesh rescheduler``) or colocated in a frontend process (``kvmesh frontend
 --colocated-rescheduling-mode``): the same class, ``where`` says which (a label of its metrics and status).
@@ -36,7 +40,7 @@ from typing import Any
 
 from components.fleet.live import LiveFleet
 from components.fleet.model import FleetSnapshot
-from components.rescheduler.config import ReschedulerConfig
+from components.rescheduler.config import Policy, ReplicationConfig, ReschedulerConfig
 from components.rescheduler.executor import (
     MigrationExecutor,
     MigrationOrder,
@@ -47,6 +51,7 @@ from components.rescheduler.executor import (
 )
 from components.rescheduler.metrics import MetricsServer, ReschedulerMetrics
 from components.rescheduler.policies import plan_cycle
+from components.rescheduler.replicator import ActionResult, LiveReplicator
 from components.rescheduler.status import status_key
 from components.rescheduler.views import instance_views
 from components.runtime import Client, Runtime, RuntimeMeshError
@@ -129,6 +134,7 @@ class CycleRecord:
     skipped_in_flight: list[MigrationOrder]
     plan_s: float = 0.0
     duration_s: float = 0.0
+    prefix_actions: list[ActionResult] = dataclasses.field(default_factory=list)  # prefix_replication's
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +150,7 @@ class CycleRecord:
                 for o in self.skipped_in_flight
             ],
             "counts": totals_to_dict(counts_by_policy(self.results)),
+            "prefix_actions": [a.to_dict() for a in self.prefix_actions],
         }
 
 
@@ -165,7 +172,9 @@ class Rescheduler:
         metrics_host: str | None = None,
         metrics_port: int = 0,
         fleet: LiveFleet | None = None,
+        replication: ReplicationConfig | None = None,
     ) -> None:
+        """``replication``: run hot-prefix replication with these knobs each cycle (None: not)."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.runtime = runtime
@@ -192,6 +201,11 @@ class Rescheduler:
         self.pairs_by_policy: collections.Counter[str] = collections.Counter()
         self._loop_task: asyncio.Task[None] | None = None
         self._status_at = -math.inf
+        self.replication = replication
+        self.replicator: LiveReplicator | None = None
+        # prefix_replication's copies and drops by (kind, outcome), and the last cycle that had any.
+        self.prefix_totals: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.last_prefix_cycle: CycleRecord | None = None
 
     @classmethod
     def from_config(cls, runtime: Runtime, namespace: str, config: ReschedulerConfig, **kw: Any) -> Rescheduler:
@@ -203,6 +217,7 @@ class Rescheduler:
             interval_s=config.interval_s,
             call_timeout_s=config.rescheduling_migrate_timeout_s,
             policies=[str(p) for p in config.rescheduling_policies],
+            replication=config if Policy.PREFIX_REPLICATION in config.rescheduling_policies else None,
             **kw,
         )
 
@@ -227,6 +242,16 @@ class Rescheduler:
         self.executor = MigrationExecutor(self._client, self.call_timeout_s)
         if self._own_fleet:
             await self.fleet.start()
+        if self.replication is not None:
+            self.replicator = LiveReplicator(
+                self.runtime,
+                self.namespace,
+                self.component,
+                self.replication,
+                call_timeout_s=self.call_timeout_s,
+                clock=self.clock,
+            )
+            await self.replicator.start()
         self._loop_task = self.runtime.supervisor.spawn(self._run(), name=f"rescheduler-loop:{self.namespace}")
         logger.info(
             "rescheduler (%s) for %s: every %g ms, policies %s, call timeout %g s",
@@ -256,6 +281,12 @@ class Rescheduler:
             task.cancel()
             # gather, not "await task" under suppress(CancelledError): a stop() that is itself cancelled stays so.
             await asyncio.gather(task, return_exceptions=True)
+        replicator, self.replicator = self.replicator, None
+        if replicator is not None:
+            try:
+                await replicator.stop()
+            except Exception as e:  # noqa: BLE001 - release the rest
+                logger.warning("stopping the prefix replicator: %s", e)
         if self._own_fleet:
             try:
                 await self.fleet.stop()
@@ -325,8 +356,16 @@ class Rescheduler:
             record.results = await self.executor.execute(orders)
             self.metrics.results(record.results)
             self.history.append(record)
+        if self.replicator is not None:
+            replicated = await self.replicator.cycle(now_s)
+            record.prefix_actions = list(replicated.results)
+            for a in replicated.results:
+                self.prefix_totals[(str(a.action.kind), str(a.outcome))] += 1
+            self.metrics.prefix_actions(replicated.results)
+            if replicated.results:
+                self.last_prefix_cycle = record
         record.duration_s = time.monotonic() - t0
-        chose = bool(orders or decision.rejected or skipped)
+        chose = bool(orders or decision.rejected or skipped or record.prefix_actions)
         if chose:
             self.last_cycle = record
         if chose or time.monotonic() - self._status_at >= STATUS_REPEAT_S:
@@ -350,6 +389,15 @@ class Rescheduler:
             "in_flight": [list(p) for p in sorted(self.in_flight)],
             "last_cycle": None if self.last_cycle is None else self.last_cycle.to_dict(),
             "last_pairs_cycle": self.history[-1].to_dict() if self.history else None,
+            "prefix_replication": None
+            if self.replication is None
+            else {
+                "totals": {
+                    kind: {o: n for (k, o), n in sorted(self.prefix_totals.items()) if k == kind}
+                    for kind in ("copy", "drop")
+                },
+                "last_cycle": None if self.last_prefix_cycle is None else self.last_prefix_cycle.to_dict(),
+            },
             "metrics_url": self.metrics_url,
         }
 

@@ -11,6 +11,8 @@ Counters (``mode`` is the migration mode that ran, as the source reported it: ``
     kvmesh_rescheduler_migrations_attempted_total{rescheduler,policy,mode}          migrations tried
     kvmesh_rescheduler_migrations_succeeded_total{rescheduler,policy,mode}          committed
     kvmesh_rescheduler_migrations_failed_total{rescheduler,policy,mode,outcome}     aborted, failed, timed_out
+    kvmesh_rescheduler_prefix_actions_total{rescheduler,kind,outcome}               prefix_replication's copies and
+                                                                                    drops: succeeded, failed, timed_out
 
 and the gauge ``kvmesh_rescheduler_in_flight_sources{rescheduler}`` (sources with a ``migrate`` call in flight).
 ``rescheduler`` is ``standalone`` or ``colocated``, where it runs.
@@ -28,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from components.rescheduler.executor import CallOutcome, PairResult
+from components.rescheduler.replicator import ActionResult
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
 AUTO_MODE = "auto"
@@ -68,6 +71,12 @@ class ReschedulerMetrics:
             [*labels, "policy", "mode", "outcome"],
             registry=self.registry,
         )
+        self.prefix = Counter(
+            "kvmesh_rescheduler_prefix_actions",
+            "prefix_replication's KV copies and drops, by kind (copy, drop) and outcome (succeeded, failed, timed_out)",
+            [*labels, "kind", "outcome"],
+            registry=self.registry,
+        )
         self.in_flight = in_flight
         self.registry.register(_Gauges(self))
 
@@ -92,6 +101,10 @@ class ReschedulerMetrics:
                 mode = r.order.mode or AUTO_MODE
                 self.attempted.labels(self.where, policy, mode).inc()
                 self.failed.labels(self.where, policy, mode, str(r.outcome)).inc()
+
+    def prefix_actions(self, results: tuple[ActionResult, ...]) -> None:
+        for r in results:
+            self.prefix.labels(self.where, str(r.action.kind), str(r.outcome)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

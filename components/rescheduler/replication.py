@@ -1,9 +1,9 @@
-"""The rescheduler's side of hot-prefix replication's copy: ``copy_prefix`` asks a destination worker's
-``import_prefix`` endpoint (components/workers/replication.py) to copy a prefix's KV from a source worker.
+"""The rescheduler's side of hot-prefix replication's calls: ``copy_prefix`` asks a destination worker's
+``import_prefix`` endpoint (components/workers/replication.py) to copy a prefix's KV from a source worker;
+``drop_prefix`` asks a holder's ``drop_prefix`` endpoint to evict a replica that went cold.
 
-The adapter around the pure policy (policies/replication.py) calls it for each ``COPY`` action; the loop that
-builds the policy's snapshot (prefix holders and rates from a KV index, the holders' predicted TTFT) is not built
-yet (docs/rescheduler.md, "Hot-prefix replication").
+The loop's adapter around the pure policy (replicator.py, ``LiveReplicator``) calls them for each ``COPY`` and
+``DROP`` action (docs/rescheduler.md, "Hot-prefix replication").
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from components.protocol.endpoints import ENDPOINT_IMPORT_PREFIX
-from components.protocol.replication import ImportPrefixReply, ImportPrefixRequest
+from components.protocol.endpoints import ENDPOINT_DROP_PREFIX, ENDPOINT_IMPORT_PREFIX
+from components.protocol.replication import DropPrefixReply, DropPrefixRequest, ImportPrefixReply, ImportPrefixRequest
 from components.runtime import Client, Runtime
 
 
@@ -31,5 +31,24 @@ async def copy_prefix(
     async def call() -> ImportPrefixReply:
         items = [item async for item in await client.direct(body, destination_id)]
         return ImportPrefixReply.from_dict(items[0]) if items else ImportPrefixReply(error="no reply")
+
+    return await asyncio.wait_for(call(), timeout_s)
+
+
+async def drop_prefix_client(runtime: Runtime, namespace: str, component: str) -> Client:
+    """A client of the workers' ``drop_prefix`` endpoint (close it when done)."""
+    return await runtime.namespace(namespace).component(component).endpoint(ENDPOINT_DROP_PREFIX).client()
+
+
+async def drop_prefix(
+    client: Client, instance_id: int, block_hashes: Sequence[int], timeout_s: float
+) -> DropPrefixReply:
+    """Ask ``instance_id`` to evict the cached blocks of the prefix named by ``block_hashes`` that no request uses;
+    its reply (``dropped``, ``in_use``). ``TimeoutError`` past ``timeout_s``."""
+    body = DropPrefixRequest(tuple(block_hashes)).to_dict()
+
+    async def call() -> DropPrefixReply:
+        items = [item async for item in await client.direct(body, instance_id)]
+        return DropPrefixReply.from_dict(items[0]) if items else DropPrefixReply(error="no reply")
 
     return await asyncio.wait_for(call(), timeout_s)

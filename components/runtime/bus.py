@@ -56,6 +56,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 
 from components.runtime.config import RuntimeConfig
+from components.runtime.credentials import nats_credentials
 from components.runtime.errors import (
     ConfigError,
     ConnectError,
@@ -444,6 +445,7 @@ class NatsBus:
                     error_cb=on_error,
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
+                    **nats_credentials(),
                 ),
                 self._config.connect_timeout_s,
             )

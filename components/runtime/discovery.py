@@ -30,6 +30,7 @@ import aetcd
 import aetcd.exceptions
 
 from components.runtime.config import RuntimeConfig, parse_host_port
+from components.runtime.credentials import etcd_credentials
 from components.runtime.errors import ConnectError, ShutdownError
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,11 @@ class EtcdDiscovery:
     def _new_client(self) -> aetcd.Client:
         host, port = self._endpoints[self._endpoint_index % len(self._endpoints)]
         return aetcd.Client(
-            host=host, port=port, timeout=max(1, int(self._config.connect_timeout_s)), options=self._GRPC_OPTIONS
+            host=host,
+            port=port,
+            timeout=max(1, int(self._config.connect_timeout_s)),
+            options=self._GRPC_OPTIONS,
+            **etcd_credentials(),
         )
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:

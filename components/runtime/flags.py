@@ -36,6 +36,8 @@ _UNITS = {"_ms": "milliseconds", "_s": "seconds"}
 def _unit(name: str, description: str) -> str:
     """The unit to add to the help of a field named ``*_s`` (``*_ms``) whose description does not name it:
     'in seconds; ', else ''."""
+    if name.endswith("_per_s"):  # a rate (per second), not a duration: its description names what is counted
+        return ""
     for suffix, unit in _UNITS.items():
         if name.endswith(suffix):
             return "" if unit in description.lower() else f"in {unit}; "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -107,6 +108,24 @@ def load_profile(path: str) -> Profile:
     return profile
 
 
+READY_FILE_ENV = "KVMESH_READY_FILE"
+
+
+def mark_ready(ready: bool) -> None:
+    """Where ``KVMESH_READY_FILE`` names a file (the pods ``kvmesh k8s render`` writes: their readiness probe tests
+    it), create it once every worker of the process has registered, and remove it when the process starts draining."""
+    path = os.environ.get(READY_FILE_ENV)
+    if not path:
+        return
+    try:
+        if ready:
+            Path(path).write_text(f"{os.getpid()}\n")
+        else:
+            Path(path).unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("%s=%s: %s", READY_FILE_ENV, path, e)
+
+
 class WorkerProcess:
     """``num_workers`` workers of one engine kind, as the process kit runs them."""
 
@@ -126,6 +145,7 @@ class WorkerProcess:
         if failed:
             raise SystemExit(f"kvmesh worker: {len(failed)} of {len(workers)} workers failed to start: {failed[0]}")
         logger.info("%d %s workers serving %s in %s", len(workers), self.cfg.engine, self.cfg.model, self.cfg.namespace)
+        mark_ready(True)
         return f"{len(workers)} workers: " + ",".join(f"{w.instance_id:x}" for w in workers)
 
     async def ended(self) -> None:
@@ -134,6 +154,7 @@ class WorkerProcess:
 
     async def stop(self) -> tuple[int, str]:
         workers = self.workers
+        mark_ready(False)  # not ready while draining: Kubernetes takes the pod out of its Service's endpoints
         dead = [w for w in workers if w.dead.is_set()]
         logger.info("draining %d workers", len(workers))
         cancelled = sum(await asyncio.gather(*(w.stop() for w in workers)))

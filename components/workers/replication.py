@@ -1,4 +1,5 @@
-"""The destination side of hot-prefix replication: a worker's ``import_prefix`` endpoint (``PrefixImporter``).
+"""The worker's side of hot-prefix replication: its ``import_prefix`` and ``drop_prefix`` endpoints
+(``PrefixImporter``).
 
 The rescheduler (components/rescheduler/replication.py) asks a worker to copy a prefix's KV from a source worker
 that holds it, off the request path. The importer:
@@ -11,8 +12,12 @@ that holds it, off the request path. The importer:
 3. has its engine cache them (``import_prefix``): the engine publishes ``BLOCK_STORED``, so routers see a new
    holder and a later request with the prefix hits them.
 
-Served only by workers whose engine has ``import_prefix`` (simulated engines). vLLM would pull the blocks over NIXL
-as a decode worker pulls a remote prefill's; that is not built (docs/rescheduler.md).
+``drop_prefix`` is the drop of a cold replica: the engine evicts the prefix's cached blocks that no request uses
+(``drop_prefix``; ``BLOCK_REMOVED``, so routers forget this holder) and the reply says how many.
+
+Served only by workers whose engine has ``import_prefix`` and ``drop_prefix`` (simulated engines). vLLM would pull
+the blocks over NIXL as a decode worker pulls a remote prefill's, and evict them through its KV manager; neither is
+built (docs/rescheduler.md).
 
 Owns: the client of the source workers' ``kv_state`` endpoint, closed by ``close()``.
 """
@@ -26,7 +31,7 @@ from typing import Any
 
 from components.protocol.endpoints import ENDPOINT_KV_STATE
 from components.protocol.messages import KvStateSnapshot
-from components.protocol.replication import ImportPrefixReply, ImportPrefixRequest
+from components.protocol.replication import DropPrefixReply, DropPrefixRequest, ImportPrefixReply, ImportPrefixRequest
 from components.runtime import Client, RequestContext, Runtime, RuntimeMeshError
 from components.workers.engines.mock.block_pool import NoFreeBlocksError
 
@@ -34,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 def can_import(engine: object) -> bool:
-    """Whether ``engine`` can cache KV sent to it with no request (and model the transfer)."""
-    return callable(getattr(engine, "import_prefix", None)) and callable(getattr(engine, "transfer_time_s", None))
+    """Whether ``engine`` can cache KV sent to it with no request (and model the transfer), and drop it again."""
+    return all(callable(getattr(engine, name, None)) for name in ("import_prefix", "transfer_time_s", "drop_prefix"))
 
 
 def held_run(block_hashes: tuple[int, ...], cached: set[int]) -> int:
@@ -92,6 +97,20 @@ class PrefixImporter:
             transfer_s * 1e3,
         )
         return ImportPrefixReply(held, imported, transfer_s)
+
+    async def handle_drop(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        yield self.drop_prefix(DropPrefixRequest.from_dict(body)).to_dict()
+
+    def drop_prefix(self, req: DropPrefixRequest) -> DropPrefixReply:
+        dropped, in_use = self.engine.drop_prefix(list(req.block_hashes))
+        logger.info(
+            "worker %x: dropped %d of a prefix's %d blocks (%d in use kept)",
+            self.instance_id,
+            dropped,
+            len(req.block_hashes),
+            in_use,
+        )
+        return DropPrefixReply(int(dropped), int(in_use))
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -43,6 +43,7 @@ from components.migration.agent import MigrationAgent
 from components.migration.engine import MigratableEngine, supports_migration
 from components.perf.profile import Profile
 from components.protocol.endpoints import (
+    ENDPOINT_DROP_PREFIX,
     ENDPOINT_GENERATE,
     ENDPOINT_IMPORT_PREFIX,
     ENDPOINT_KV_STATE,
@@ -136,7 +137,10 @@ class Worker:
             # How its KV events hash blocks: a router ignores the events of a worker hashing differently.
             kv_hash_scheme=HASH_SCHEME_VERSION,
             max_model_len=self.engine.max_model_len,
-            node=socket.gethostname(),
+            # On Kubernetes the node is the machine the pod runs on and the pod is the process's own (the downward
+            # API's spec.nodeName and metadata.name); elsewhere the host name, and no pod.
+            node=os.environ.get("KVMESH_NODE_NAME") or socket.gethostname(),
+            pod=os.environ.get("KVMESH_POD_NAME", ""),
             pid=os.getpid(),
             unit=self.index,
             # Wall-clock registration time, so `kvmesh status` can show an instance's age from etcd alone.
@@ -174,6 +178,11 @@ class Worker:
             self._served.append(
                 await comp.endpoint(ENDPOINT_IMPORT_PREFIX).serve(
                     self._importer.handle, metadata=meta, lease=self.lease, instance_id=self.instance_id
+                )
+            )
+            self._served.append(
+                await comp.endpoint(ENDPOINT_DROP_PREFIX).serve(
+                    self._importer.handle_drop, metadata=meta, lease=self.lease, instance_id=self.instance_id
                 )
             )
         if self.remote is not None:

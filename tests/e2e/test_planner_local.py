@@ -485,6 +485,13 @@ async def test_a_hand_removed_watcher_is_the_new_start_and_a_restarted_planner_r
         # A person removes mock-2 by hand (circusctl rm): serve's state file drops it.
         await asyncio.to_thread(circus.remove, names[3])
         wait_until_sync(lambda: watcher_names(serve.state(AGG_NS)) == names[:3], timeout_s=10)
+        # The local connector reads the pool as it now is (Connector.pool_size): 2 active watchers of 1 worker each.
+        from components.planner.connectors.local import LocalConnector
+        from components.planner.policy import Pool
+
+        local = LocalConnector(None, AGG_NS, MODEL, serve.state_dir)  # type: ignore[arg-type]
+        assert await local.pool_size(Pool.DECODE) == 2
+        assert await local.pool_size(Pool.PREFILL) == 0
 
         # A planner that holds an idle pool (down-threshold 0) takes 2 workers as its start, and adds nothing back:
         # three adjustments, each a hold at 2.

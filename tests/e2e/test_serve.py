@@ -270,8 +270,8 @@ def test_status_shows_every_worker_with_model_load_and_age(mock_agg):
     assert len(workers) == 16
     assert {r["model"] for r in workers} == {"tiny-llama"}
     # Simulated workers move requests too (components/migration/agent.py): migrate, migrate_in, abort; and receive
-    # hot-prefix copies (components/workers/replication.py): import_prefix.
-    expected = ["abort", "generate", "import_prefix", "kv_state", "migrate", "migrate_in"]
+    # hot-prefix copies and their drops (components/workers/replication.py): import_prefix, drop_prefix.
+    expected = ["abort", "drop_prefix", "generate", "import_prefix", "kv_state", "migrate", "migrate_in"]
     assert all(sorted(r["endpoints"]) == expected for r in workers)
     assert all(
         r["load"] is not None and 0.0 <= r["load"]["kv_usage"] <= 1.0 for r in workers

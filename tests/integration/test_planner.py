@@ -300,3 +300,30 @@ async def test_an_addition_in_progress_can_be_raised_and_the_pool_settles_when_t
     connector.release[1].set()
     await wait_until(lambda: planner.num_changes_applied == 2, timeout_s=5)
     assert planner.changes_in_progress() == {}
+
+
+async def test_a_worker_added_by_hand_is_the_new_start_and_the_planner_still_scales_down(make_runtime, namespace):
+    # Dynamo's issue 4420: after a hand edit its planner could no longer scale down. Here the outside system reports
+    # 2 workers by itself (a person scaled it), the second registers later: the planner holds the pool as changing
+    # 1 -> 2 until it does, then, the pool idle (KV use 0 < 0.2), scales it down to 1 through the connector.
+    workers_rt = await make_runtime()
+    outside = OutsideSystem(workers_rt, namespace)
+    await outside.add_worker()
+    outside.start()
+    rt = await make_runtime()
+    planner = Planner(rt, PLANNER_CFG, namespace, MODEL, VirtualConnector(rt, namespace, MODEL, timeout_s=10))
+    try:
+        async with running(planner):
+            await wait_until(lambda: planner.num_pulls >= 2, timeout_s=10)
+            assert await planner.connector.pool_size(Pool.DECODE) is None  # nothing answered yet
+            by_hand = VirtualRequest(2, "by-hand").to_json()
+            await workers_rt.discovery.put(done_key(namespace, MODEL, Pool.DECODE), by_hand)
+            await wait_until(lambda: Pool.DECODE in planner.changes_in_progress(), timeout_s=10)
+            change = planner.changes_in_progress()[Pool.DECODE]
+            assert (change.before, change.target) == (1, 2)
+            assert outside.targets == []  # the planner asked for nothing meanwhile
+            await outside.add_worker()
+            await wait_until(lambda: outside.targets[-1:] == [1], timeout_s=20)
+            assert len(outside.workers) == 1 and planner.num_change_failures == 0
+    finally:
+        await outside.stop()

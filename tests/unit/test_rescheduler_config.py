@@ -15,8 +15,10 @@ from components.rescheduler.config import (
     FailoverDomain,
     LoadBalanceScope,
     Policy,
+    ReplicationConfig,
     ReschedulerConfig,
 )
+from components.rescheduler.policies import plan_cycle
 from components.runtime.flags import add_model_arguments, argv_for, model_from_args
 from tests.unit.test_layering import pure_config_modules
 
@@ -164,3 +166,83 @@ def test_the_select_tables_match_the_migration_agents():
 def test_the_config_is_a_pure_config_module():
     # A graph's schema (components/deploy, rank 7) and the simulator may then import it as a leaf.
     assert "components.rescheduler.config" in pure_config_modules()
+
+
+def test_prefix_replication_is_a_policy_with_its_own_flags():
+    # kvmesh rescheduler's parser (components/cli/rescheduler.py) takes the name and every prefix_replication_* field
+    # of ReplicationConfig (ReschedulerConfig inherits them), with units in --help.
+    from components.cli.rescheduler import add_arguments, configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--rescheduling-policies",
+            "decode_load, PREFIX_REPLICATION",
+            "--prefix-replication-target-ttft-ms",
+            "250",
+            "--prefix-replication-min-rate-per-s",
+            "2",
+            "--prefix-replication-min-blocks",
+            "8",
+            "--prefix-replication-max-holders",
+            "3",
+            "--prefix-replication-max-copies-per-cycle",
+            "1",
+            "--prefix-replication-cold-rate-per-s",
+            "0.5",
+            "--prefix-replication-min-age-s",
+            "0",
+            "--prefix-replication-window-s",
+            "5",
+        ]
+    )
+    _, cfg = configs_from_args(args)
+    assert cfg.rescheduling_policies == [Policy.DECODE_LOAD, Policy.PREFIX_REPLICATION]
+    assert (cfg.prefix_replication_target_ttft_ms, cfg.prefix_replication_min_rate_per_s) == (250.0, 2.0)
+    assert (cfg.prefix_replication_min_blocks, cfg.prefix_replication_max_holders) == (8, 3)
+    assert cfg.prefix_replication_max_copies_per_cycle == 1
+    assert (cfg.prefix_replication_cold_rate_per_s, cfg.prefix_replication_min_age_s) == (0.5, 0.0)
+    assert cfg.prefix_replication_window_s == 5.0
+    # The defaults are ReplicationConfig's, the model the simulator's replicator takes alone.
+    assert {
+        k: getattr(ReschedulerConfig(), k) for k in ReplicationConfig.model_fields
+    } == ReplicationConfig().model_dump()
+    # Each flag's help names its unit and its default.
+    helps = {a.dest: a.help or "" for a in parser._actions}
+    units = {
+        "prefix_replication_target_ttft_ms": ("ms", 500.0),
+        "prefix_replication_min_rate_per_s": ("Requests per second", 0.5),
+        "prefix_replication_min_blocks": ("KV blocks", 16),
+        "prefix_replication_max_holders": ("workers", 4),
+        "prefix_replication_max_copies_per_cycle": ("KV copies one cycle", 2),
+        "prefix_replication_cold_rate_per_s": ("requests per second", 0.1),
+        "prefix_replication_min_age_s": ("seconds", 30.0),
+        "prefix_replication_window_s": ("Seconds", 30.0),
+    }
+    assert set(units) == set(ReplicationConfig.model_fields)
+    for name, (unit, default) in units.items():
+        assert unit in helps[name] and helps[name].endswith(f"default: {default})"), name
+    # The plan_cycle of the migration policies skips the name: it plans no pair (the loop's replicator runs it).
+    assert plan_cycle([], cfg).pairs == ()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefix-replication-cold-rate-per-s", "0.5"], "cold_rate_per_s (0.5) must be below"),
+        (["--prefix-replication-target-ttft-ms", "0"], "--prefix-replication-target-ttft-ms: Input should be greater"),
+        (["--prefix-replication-max-holders", "1"], "--prefix-replication-max-holders: Input should be greater"),
+        (["--prefix-replication-window-s", "601"], "--prefix-replication-window-s: Input should be less"),
+        (["--prefix-replication-min-blocks", "x"], "--prefix-replication-min-blocks: Input should be a valid integer"),
+        (["--rescheduling-policies", "prefix_replica"], "unknown rescheduling policy 'prefix_replica'"),
+    ],
+)
+def test_bad_replication_flags_are_refused_naming_the_flag(argv, message):
+    from components.cli.rescheduler import add_arguments, configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as e:
+        configs_from_args(parser.parse_args(argv))
+    assert message in str(e.value)

@@ -32,6 +32,14 @@ class Connector(Protocol):
         for the outside system). Raises ``ConnectorError`` when the change failed or did not finish in time."""
         ...
 
+    async def pool_size(self, pool: Pool) -> int | None:
+        """The count the outside system is set to now (local: the workers of the pool's active watchers; virtual:
+        the outside system's last answer; kubernetes: the worker Deployments' ``spec.replicas``), None when unknown.
+        The loop reads it while no change of its own runs: a count a person changed by hand is where the planner
+        goes on from (it counts the difference as starting or leaving until the fleet shows it), never overwritten
+        and never a reason to stop scaling. Raises ``ConnectorError`` when it cannot be read."""
+        ...
+
     def gpus_per_worker(self, pool: Pool) -> int | None:
         """GPUs one worker of ``pool`` uses as the deployment says (a graph group's gpus_per_replica; 0 counts as 1
         in the budget), or None when the connector does not know (the policy then uses ``*_engine_num_gpu``)."""

@@ -290,6 +290,18 @@ class LocalConnector:
             except OSError as e:  # a log file that cannot be rotated, a state dir gone
                 raise DeploymentUnavailableError(NAME, pool, count, f"{type(e).__name__}: {e}") from e
 
+    async def pool_size(self, pool: Pool) -> int | None:
+        """The workers of the pool's active watchers (``pool_layout``: a watcher a person added or removed with
+        circusctl counts as it is); None while the deployment is not ready."""
+        try:
+            st = read_state(self.path)
+            if st.status != "ready" or st.circus is None or not st.serve.alive():
+                return None
+            ctl = CircusController(st.circus.endpoint, timeout_s=self.circus_timeout_s)
+            return pool_layout(st, await asyncio.to_thread(ctl.statuses), self.model, pool).workers
+        except (CircusError, StateError, OSError) as e:
+            raise DeploymentUnavailableError(NAME, pool, None, f"reading its size: {e}") from e
+
     def gpus_per_worker(self, pool: Pool) -> int | None:
         """GPUs one replica of the pool's template uses (its group's gpus_per_replica), for the policy's budget; None
         when the state file cannot be read or the pool has no watcher. Read from the state file when it changed."""

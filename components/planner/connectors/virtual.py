@@ -29,6 +29,7 @@ from components.planner.connectors.base import ConnectorError, ScalingTimeoutErr
 from components.planner.policy import Pool
 from components.runtime import Runtime
 from components.runtime.discovery import WatchEventKind
+from components.runtime.errors import RuntimeMeshError
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,21 @@ class VirtualConnector:
             if aclose is not None:
                 await aclose()
         raise ConnectorError(self.name, pool, count, "discovery closed before the change was reported done")
+
+    async def pool_size(self, pool: Pool) -> int | None:
+        """The outside system's last answer (its ``done`` count: what it says the pool has; it may write one by
+        itself, a hand change), None before any."""
+        try:
+            key = done_key(self.namespace, self.model, pool)
+            value = (await self.runtime.discovery.get_prefix(key)).get(key)
+        except RuntimeMeshError as e:
+            raise ConnectorError(self.name, pool, None, f"reading its size: {e}") from e
+        if value is None:
+            return None
+        try:
+            return VirtualRequest.from_json(value).count
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConnectorError(self.name, pool, None, f"unreadable answer: {e!r}") from e
 
     def gpus_per_worker(self, pool: Pool) -> int | None:
         """Unknown: the outside system's workers count as the config's ``*_engine_num_gpu``."""

@@ -68,7 +68,10 @@ def plan_cycle(
     pairs: list[MigrationPair] = []
     rejected: list[Rejection] = []
     for policy in config.rescheduling_policies:
-        result = POLICIES[policy](views, config)
+        fn = POLICIES.get(policy)
+        if fn is None:  # prefix_replication plans KV copies, not pairs: the loop's replicator runs it
+            continue
+        result = fn(views, config)
         rejected += result.rejected
         for pair in result.pairs:
             why = conflict(pair, chosen_ids, config.rescheduling_max_migrations_per_source)

@@ -26,9 +26,9 @@ class PrefixRates:
         self._blocks: dict[int, tuple[int, ...]] = {}
         self._seen: dict[int, collections.deque[float]] = {}
 
-    def observe(self, block_hashes: Sequence[int], now_s: float) -> None:
-        """One request with these chained block hashes arrived at ``now_s``."""
-        if not block_hashes:
+    def observe(self, block_hashes: Sequence[int], now_s: float, count: int = 1) -> None:
+        """``count`` requests with these chained block hashes arrived at ``now_s`` (a frontend's report of them)."""
+        if not block_hashes or count <= 0:
             return
         key = block_hashes[0]
         known = self._blocks.get(key)
@@ -43,7 +43,7 @@ class PrefixRates:
                 n += 1
             if n < len(known):
                 self._blocks[key] = known[:n]
-        self._seen[key].append(now_s)
+        self._seen[key].extend([now_s] * count)
 
     def _expire(self, now_s: float) -> None:
         for key in list(self._seen):

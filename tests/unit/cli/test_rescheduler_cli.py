@@ -66,3 +66,20 @@ def test_colocated_mode_refuses_several_frontend_replicas(capsys):
     args = parse("frontend", "--enable-rescheduling", "--colocated-rescheduling-mode", "--replicas", "2")
     assert main(args) == EXIT_USAGE
     assert "--replicas 1" in capsys.readouterr().err
+
+
+def test_colocated_prefix_replication_turns_on_the_frontends_prefix_reports():
+    from components.cli.frontend import colocated_frontend_config
+    from components.frontend.main import config_from_args
+    from components.rescheduler.config import REPORTED_PREFIXES, ReschedulerConfig
+    from components.runtime.flags import model_from_args
+
+    def configs(*flags: str):
+        args = parse("frontend", "--enable-rescheduling", "--colocated-rescheduling-mode", *flags)
+        return colocated_frontend_config(config_from_args(args), model_from_args(ReschedulerConfig, args))
+
+    # The policy reads the frontend's reports' prefixes: on (16) unless the flag says otherwise; off without it.
+    assert configs("--rescheduling-policies", "prefix_replication").request_stats_prefixes == REPORTED_PREFIXES == 16
+    given = configs("--rescheduling-policies", "prefix_replication", "--request-stats-prefixes", "2")
+    assert given.request_stats_prefixes == 2
+    assert configs("--rescheduling-policies", "neutral_load").request_stats_prefixes == 0

@@ -342,3 +342,45 @@ def test_a_graphs_rescheduler_section_runs_in_the_replay_without_the_flag(tmp_pa
         "migrations_landed": res.migrations,
     }
     assert report["rescheduler"]["cycles"] > 0
+
+
+def test_prefix_replication_runs_the_replicator_in_the_replay(tmp_path, capsys):
+    from components.rescheduler.config import ReplicationConfig, ReschedulerConfig
+    from components.sim.replay import MODEL
+    from components.sim.replication import PolicyReplicator
+    from components.sim.rescheduling import PolicyRescheduler
+
+    # prefix_replication among the policies: the replay runs the replication policy (PolicyReplicator) at the
+    # rescheduler's interval with the flags' knobs. Every request carries one 1,536-token document (3 Mooncake blocks of
+    # 512 tokens, 96 KV blocks) plus its own question, 20 a second: kv routing keeps them on the document's holder,
+    # whose queue passes the low target (1 ms), so the policy copies the document to the other worker.
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": i * 50, "input_length": 1800, "output_length": 20, "hash_ids": [0, 1, 2, 100 + i]}
+        for i in range(60)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    knobs = {
+        "prefix_replication_target_ttft_ms": 1.0,
+        "prefix_replication_min_blocks": 1,
+        "prefix_replication_min_rate_per_s": 0.01,
+        "prefix_replication_cold_rate_per_s": 0.001,
+        "prefix_replication_window_s": 10.0,
+    }
+    kv = [*SMALL, "--set", "frontend.router_policy=kv"]
+    flags = ["--enable-rescheduling", "--rescheduling-policies", "prefix_replication"]
+    flags += [f"--{k.replace('_', '-')}={v}" for k, v in knobs.items()]
+    code, stdout, err = run(capsys, "--graph", str(GRAPHS / "mock_agg.yaml"), "--trace", str(trace), *kv,
+                            "--out", str(tmp_path / "on"), "--no-png", "--no-tensorboard", "--no-progress",
+                            *flags)  # fmt: skip
+    assert code == 0, err
+    report = json.loads(stdout.strip().splitlines()[-1])
+    # The same replay through the library: the command's count of landed copies is the replicator's.
+    deployment = simulated_deployment(load_graph(GRAPHS / "mock_agg.yaml", kv[1::2]))
+    w = from_trace(trace, 10**9, vocab_size=deployment.vocab_size)
+    cfg = ReschedulerConfig(rescheduling_policies=["prefix_replication"], **knobs)
+    rep = PolicyReplicator(ReplicationConfig(**knobs), model=MODEL, interval_s=0.5, window_s=10.0)
+    replay(w, deployment.fleet, deployment.router, 0, rescheduler=PolicyRescheduler(cfg), replicator=rep)
+    assert report["rescheduler"]["policies"] == ["prefix_replication"]
+    assert report["rescheduler"]["prefix_copies_landed"] == rep.copies
+    assert rep.copies >= 1

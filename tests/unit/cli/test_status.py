@@ -266,3 +266,30 @@ def test_a_rescheduler_line_says_its_last_cycle_with_each_pair_and_refusal_and_i
         "ns: rescheduler (standalone, every 500 ms, policies decode_failover, decode_load): 40 cycles; "
         "no pair chosen yet"
     )
+
+
+def test_a_rescheduler_line_ends_with_its_prefix_copies_and_drops():
+    from components.cli.status import format_rescheduler, rescheduler_rows_of
+    from components.rescheduler.loop import CycleRecord
+    from components.rescheduler.policies.replication import ActionKind, ReplicationAction
+    from components.rescheduler.replicator import ActionOutcome, ActionResult
+
+    # A cycle that copied a 64-block prefix from a1 to b2 (its record's own to_dict), and the loop's totals.
+    copy = ReplicationAction(ActionKind.COPY, 0xF00D, 0xB2, 0xA1, 64, "hot")
+    result = ActionResult("m", copy, ActionOutcome.SUCCEEDED, "64 imported of 64 the source held", 64, 0.01)
+    record = CycleRecord(3, NOW - 2, 0.0, 2, [], (), [], prefix_actions=[result])
+    status = {
+        "where": "colocated",
+        "interval_ms": 500.0,
+        "policies": ["prefix_replication"],
+        "num_cycles": 5,
+        "totals": {},
+        "last_cycle": record.to_dict(),
+        "prefix_replication": {"totals": {"copy": {"succeeded": 1}, "drop": {}}, "last_cycle": record.to_dict()},
+    }
+    [row] = rescheduler_rows_of("ns", [json.dumps(status).encode()])
+    assert format_rescheduler(row, NOW) == (
+        "ns: rescheduler (colocated, every 500 ms, policies prefix_replication): 5 cycles; last cycle #3 2s ago: "
+        "no pair; prefix replication: copy 1 succeeded, drop none; last #3: copy f00d (64 blocks) a1 -> b2 succeeded "
+        "(64 imported of 64 the source held)"
+    )

@@ -92,3 +92,27 @@ def test_colocated_the_frontend_runs_it_with_one_replica_and_no_watcher_is_added
         tmp_path,
         text.replace("colocated_rescheduling_mode: true", "colocated_rescheduling_mode: true, metrics_port: 9"),
     )
+
+
+def test_a_standalone_prefix_replication_turns_on_the_frontends_prefix_reports(tmp_path):
+    from components.cli.rescheduler import configs_from_args
+    from components.frontend.main import config_from_args as frontend_config
+    from components.rescheduler.config import REPORTED_PREFIXES
+
+    g = load(
+        tmp_path,
+        graph_text(
+            "rescheduler:\n  rescheduling_policies: [prefix_replication]\n"
+            "  prefix_replication_target_ttft_ms: 200\n  prefix_replication_window_s: 10\n"
+        ),
+    )
+    front, *_, resched = plans(g, tmp_path)
+    # The rescheduler's watcher carries the section's replication fields as flags ...
+    _, cfg = configs_from_args(build_parser().parse_args(resched.cmd[3:]))
+    assert cfg.rescheduling_policies == [Policy.PREFIX_REPLICATION]
+    assert (cfg.prefix_replication_target_ttft_ms, cfg.prefix_replication_window_s) == (200.0, 10.0)
+    # ... and the frontend reports the prefixes its requests carried, which that policy reads.
+    assert frontend_config(build_parser().parse_args(front.cmd[3:])).request_stats_prefixes == REPORTED_PREFIXES
+    # Without the policy the frontend's reports stay as they were (no prefixes).
+    plain = plans(load(tmp_path, graph_text("rescheduler: {rescheduling_policies: [decode_load]}\n")), tmp_path)
+    assert frontend_config(build_parser().parse_args(plain[0].cmd[3:])).request_stats_prefixes == 0

@@ -45,3 +45,22 @@ def test_a_model_no_longer_served_is_reported_until_its_requests_in_flight_have_
     s.ended(3, failed=True)
     assert [(r.model, r.failed) for r in book.take({"other"}, now_s=3.0)] == [("gone", 1), ("other", 0)]
     assert [r.model for r in book.take({"other"}, now_s=4.0)] == ["other"]  # forgotten
+
+
+def test_prefixes_are_reported_only_when_asked_and_restart_each_interval():
+    from components.protocol.messages import PrefixCount
+
+    # Without --request-stats-prefixes nothing carried is reported (the reports as they were).
+    off = RequestStatsBook(0.0)
+    off.model("m").carried((1, 2, 3))
+    [r] = off.take({"m"}, 1.0)
+    assert r.prefixes == ()
+    # With 1: the prefix most requests carried, (1, 2) by two requests (their shared run), over (9,) by one.
+    book = RequestStatsBook(0.0, max_prefixes=1)
+    c = book.model("m")
+    for hashes in ((1, 2, 3), (1, 2, 4), (9,)):
+        c.carried(hashes)
+    [r] = book.take({"m"}, 1.0)
+    assert r.prefixes == (PrefixCount((1, 2), 2),)
+    [r] = book.take({"m"}, 2.0)
+    assert r.prefixes == ()  # the next interval starts empty

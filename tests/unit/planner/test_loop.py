@@ -441,6 +441,8 @@ UNITLESS = {
     "--log-dir",
     "--metrics-host",
     "--no-operation",
+    "--k8s-namespace",
+    "--kubeconfig",
 }
 UNIT_WORDS = ("seconds", "milliseconds", "fraction", "items", "gpus", "port", "workers", "intervals")
 
@@ -490,11 +492,15 @@ def test_cli_flags_keep_dynamo_names_and_defaults():
     assert cfg.adjustment_interval == 10.0 and cfg.decode_kv_scale_up_threshold == 0.8
 
 
-def test_cli_kubernetes_not_implemented_exits_2_before_connecting(capsys):
-    from components.planner.main import main
+def test_cli_kubernetes_takes_its_namespace_and_kubeconfig():
+    from components.planner.main import Environment, configs_from_args
 
-    assert main(parse("--environment", "kubernetes", "--etcd", "http://127.0.0.1:1")) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    run, _ = configs_from_args(
+        parse("--environment", "kubernetes", "--k8s-namespace", "serving", "--kubeconfig", "/tmp/kc")
+    )
+    assert (run.environment, run.k8s_namespace, run.kubeconfig) == (Environment.KUBERNETES, "serving", "/tmp/kc")
+    run, _ = configs_from_args(parse("--environment", "kubernetes"))
+    assert (run.k8s_namespace, run.kubeconfig) == ("default", None)
 
 
 def test_cli_local_without_a_served_namespace_says_so_before_connecting(tmp_path, capsys):

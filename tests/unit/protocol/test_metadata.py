@@ -44,3 +44,13 @@ def test_an_unknown_mode_is_kept_as_written_and_a_wrong_type_is_dropped():
 def test_prefill_workers_are_not_routable_decode_workers_are():
     assert not is_routable(WorkerMetadata(model="m", role=WorkerRole.PREFILL))
     assert is_routable(WorkerMetadata(model="m", role=WorkerRole.DECODE))
+
+
+def test_two_pods_on_one_node_are_two_processes_even_with_one_pid():
+    # On Kubernetes each pod's process may be pid 1; the node alone would make two pods one failure domain.
+    a = WorkerMetadata(model="m", node="node-1", pod="w-a", pid=1)
+    b = WorkerMetadata(model="m", node="node-1", pod="w-b", pid=1)
+    assert a.process_key == ("node-1/w-a", 1) and a.process_key != b.process_key
+    assert WorkerMetadata(model="m", node="h", pid=7).process_key == ("h", 7)  # no pod: as before
+    assert WorkerMetadata.from_dict(a.to_dict()).pod == "w-a"
+    assert WorkerMetadata.from_dict({"model": "m", "node": "h"}).pod == ""  # an older worker's metadata

@@ -273,3 +273,26 @@ def test_import_prefix_never_evicts_its_own_head_and_fails_whole_when_full():
         busy.import_prefix(hashes)
     assert busy.lookup_prefix(hashes) == [] and [busy.ref_cnt(b) for b in taken] == [1, 1]
     check_counts(pool)
+
+
+def test_drop_prefix_evicts_the_unused_blocks_and_keeps_those_in_use():
+    # A 3-block prefix imported (cached free) on an 8-block pool; a request then takes its first block again. Dropping
+    # the prefix evicts blocks 2 and 3 (one BLOCK_REMOVED with both hashes) and keeps block 1, which the request uses:
+    # 2 dropped, 1 in use. The freed blocks are empty (no hash), so the free count stays 8 - 1 active = 7.
+    pool = make_pool(8)
+    hashes = block_hashes(list(range(12)), BS)
+    assert pool.import_prefix(hashes) == 3
+    pool.take_events()
+    [first] = pool.lookup_prefix(hashes[:1])
+    pool.touch([first])
+    assert pool.drop_prefix(hashes) == (2, 1)
+    [ev] = pool.take_events()
+    assert (ev.kind, ev.block_hashes) == (KvEventKind.BLOCK_REMOVED, hashes[1:])
+    assert len(pool.lookup_prefix(hashes)) == 1 and pool.num_cached_blocks == 1
+    assert pool.num_free_blocks == 7 and pool.num_active_blocks == 1
+    # Again: nothing left to drop, no event; a hash the pool never held is ignored.
+    assert pool.drop_prefix([*hashes, 12345]) == (0, 1) and pool.take_events() == []
+    # The dropped blocks are handed out before any cached one: allocating 7 evicts nothing (no BLOCK_REMOVED).
+    pool.allocate(7)
+    assert pool.take_events() == []
+    check_counts(pool)

@@ -371,6 +371,23 @@ async def test_an_imported_prefix_is_announced_and_hit_by_a_later_request():
     assert chunks[0].num_cached_tokens == 64
 
 
+async def test_a_dropped_prefix_is_announced_removed_and_missed_by_a_later_request():
+    # The drop of a cold replica: engine imports a 4-block (64-token) prefix, then drops it. Its BLOCK_REMOVED names
+    # the 4 hashes, and a 70-token request with that prefix then finds 0 tokens cached (it would have found 64).
+    e = await make_engine()
+    try:
+        hashes = block_hashes(list(range(64)), 16)
+        assert e.import_prefix(hashes) == 4
+        await anext(e.kv_events())
+        assert e.drop_prefix(hashes) == (4, 0)
+        batch = await anext(e.kv_events())
+        assert [(ev.kind, ev.block_hashes) for ev in batch] == [(KvEventKind.BLOCK_REMOVED, hashes)]
+        chunks = await collect(e.generate(make_request("b", 70, max_tokens=1)))
+    finally:
+        await e.shutdown()
+    assert chunks[0].num_cached_tokens == 0
+
+
 def test_the_engines_request_errors_survive_pickling_with_their_fields():
     # A simulation sweep's worker process hands a failed replay's error to its parent by pickle; the default
     # (cls(*args) with the message) could not rebuild PromptTooLongError, and the parent's pool hung.

@@ -124,8 +124,9 @@ async def test_a_worker_registers_its_configured_role_and_its_engine_s_mode(role
         await mesh.shutdown()
     # A prefill worker takes work from the prefill queue only; a decode worker also takes prefill results. Both
     # client-serving roles move requests (the simulated engine live: components/migration/agent.py).
-    # Both also receive hot-prefix copies (import_prefix: the simulated engine imports KV with no request).
-    migration = {"migrate", "migrate_in", "abort", "import_prefix"}
+    # Both also receive hot-prefix copies and their drops (import_prefix, drop_prefix: the simulated engine imports
+    # KV with no request and evicts it again).
+    migration = {"migrate", "migrate_in", "abort", "import_prefix", "drop_prefix"}
     endpoints = {WorkerRole.AGGREGATED: {"generate", "kv_state", *migration}, WorkerRole.PREFILL: {"kv_state"}}
     assert {i.endpoint for i in infos} == endpoints.get(role, {"generate", "kv_state", "prefill_result", *migration})
     for info in infos:

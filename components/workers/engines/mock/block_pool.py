@@ -253,6 +253,32 @@ class BlockPool:
         self.free([*have, *new])
         return len(new)
 
+    def drop_prefix(self, hashes: Sequence[int]) -> tuple[int, int]:
+        """Evict a prefix's cached free blocks at once, with no request: hot-prefix replication's drop of a cold
+        replica (components/workers/replication.py). Each of ``hashes`` cached in a block no request uses loses its
+        hash and becomes an empty free block, announced in one ``BLOCK_REMOVED`` so routers forget this holder;
+        blocks in use stay (their requests need them). The host tier keeps its copies (it is an LRU of its own).
+        Returns (blocks dropped, blocks of the prefix kept because in use)."""
+        if not self.enable_caching:
+            return 0, 0
+        removed: list[int] = []
+        in_use = 0
+        for h in hashes:
+            b = self._cached.get(h)
+            if b is None:
+                continue
+            if self._ref_cnt[b] > 0:
+                in_use += 1
+                continue
+            del self._evictable[b]
+            del self._cached[h]
+            self._hash[b] = None
+            self._empty.append(b)
+            removed.append(h)
+        if removed:
+            self._emit(KvEventKind.BLOCK_REMOVED, block_hashes=removed)
+        return len(removed), in_use
+
     # --- host-memory tier -------------------------------------------------------------------------------------------
 
     @property

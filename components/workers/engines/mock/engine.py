@@ -401,6 +401,13 @@ class MockEngine:
         self._publish_kv_events(self._scheduler.take_kv_events())
         return n
 
+    def drop_prefix(self, block_hashes: list[int]) -> tuple[int, int]:
+        """Evict a prefix's cached blocks no request uses (hot-prefix replication's drop; ``BlockPool.drop_prefix``):
+        their ``BLOCK_REMOVED`` follows on ``kv_events()``. Returns (blocks dropped, blocks kept in use)."""
+        out = self._scheduler.pool.drop_prefix(block_hashes)
+        self._publish_kv_events(self._scheduler.take_kv_events())
+        return out
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (an ``ALL_CLEARED`` event follows on ``kv_events()``)."""
         self._scheduler.reset_prefix_cache()
