@@ -270,7 +270,8 @@ def _call(task: tuple[Any, ...]) -> Any:
 
 
 def check_targets(entry: dict[str, Any], loads: Sequence[float]) -> dict[str, Any]:
-    """The issue's targets for one workload; ``met`` is None where the policies needed were not run."""
+    """The issue's targets for one workload; ``met`` is None where the policies needed were not run, or where the
+    target is not judged on this workload (``judged`` False)."""
     pts: dict[str, dict[str, dict[str, Any]]] = entry["points"]
     oracle = entry["oracle_reuse"]
     out: dict[str, Any] = {}
@@ -304,7 +305,10 @@ def check_targets(entry: dict[str, Any], loads: Sequence[float]) -> dict[str, An
         out[f"kv_hit_rate_over_oracle_at_{TARGET_HIT_LOAD:g}"] = {
             "target": TARGET_HIT_OF_ORACLE if judged else f"none: oracle reuse below {TARGET_HIT_ORACLE_MIN:g}",
             "measured": share,
-            "met": share >= TARGET_HIT_OF_ORACLE if judged and share is not None else True,
+            # Not judged (too little reuse for a share of it to mean anything) is neither met nor not met: it was
+            # counted as met until issue 28.
+            "met": share >= TARGET_HIT_OF_ORACLE if judged and share is not None else None,
+            "judged": judged,
         }
     worst_p99: float | None = None
     worst_tput: float | None = None
@@ -332,6 +336,24 @@ def check_targets(entry: dict[str, Any], loads: Sequence[float]) -> dict[str, An
         "met": None if worst_tput is None or not complete else worst_tput >= 1 - THROUGHPUT_TOLERANCE,
     }
     return out
+
+
+def summarize_targets(verdicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts of the targets met, not met, not judged (``judged`` False) and not measured (a policy not run);
+    ``targets_met``: every judged target met, None when one could not be measured or none was judged. A target not
+    judged is never counted as met."""
+    judged = [v for v in verdicts if v.get("judged", True)]
+    unmeasured = [v for v in judged if v["met"] is None]
+    met = sum(1 for v in judged if v["met"] is True)
+    return {
+        "targets_met": None if unmeasured or not judged else met == len(judged),
+        "targets_count": {
+            "met": met,
+            "not_met": sum(1 for v in judged if v["met"] is False),
+            "not_judged": len(verdicts) - len(judged),
+            "not_measured": len(unmeasured),
+        },
+    }
 
 
 # --- output -----------------------------------------------------------------------------------------------------------
@@ -369,7 +391,8 @@ def table(name: str, entry: dict[str, Any]) -> str:
                 f"{_f(b['computed_tokens_max_over_mean'], 2, 'x'):>13} {r['preemptions']:>7}"
             )
     for k, v in entry["targets"].items():
-        lines.append(f"target {k}: measured {v['measured']} (target {v['target']}): {v['met']}")
+        verdict = "not judged" if v.get("judged") is False else v["met"]
+        lines.append(f"target {k}: measured {v['measured']} (target {v['target']}): {verdict}")
     return "\n".join(lines)
 
 
@@ -486,12 +509,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["workloads"][s.label] = entry
     for (s, policy, load), r in zip(tasks, results, strict=True):
         report["workloads"][s.label]["points"][policy][f"{load:g}"] = r
-    all_met: list[bool | None] = []
+    verdicts: list[dict[str, Any]] = []
     for name, entry in report["workloads"].items():
         entry["targets"] = check_targets(entry, args.loads)
-        all_met += [v["met"] for v in entry["targets"].values()]
+        verdicts += entry["targets"].values()
         print(table(name, entry), file=sys.stderr, flush=True)
-    report["targets_met"] = None if any(m is None for m in all_met) else all(all_met)
+    report.update(summarize_targets(verdicts))
     report["rules"] = {
         "load": "fractions of round-robin's capacity, the highest rate at which its queues drain (searched)",
         "working_set": f"the fewest blocks one LRU cache needs to serve {sim.WORKING_SET_FRACTION:g} of what the "

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from components import sim
-from components.cli.bench.routing import check_targets, oracle_reuse_lru
+from components.cli.bench.routing import check_targets, oracle_reuse_lru, summarize_targets
 from components.protocol.messages import GenerateRequest, SamplingParams
 from components.sim import FleetSpec, SimRequest, Workload
 from components.sim.workloads import SHAPES, from_trace, synthetic
@@ -358,5 +358,14 @@ def test_targets_read_kv_against_round_robin_the_oracle_and_the_best_load_only_p
     assert math.isclose(check_targets(entry, loads)["kv_hit_rate_over_oracle_at_0.8"]["measured"], 3.0)
     entry["oracle_reuse"] = 0.01  # no sharing to speak of: the ratio is reported, not judged
     entry["points"]["kv"]["0.8"]["hit_rate"] = 0.001
-    hit = check_targets(entry, loads)["kv_hit_rate_over_oracle_at_0.8"]
-    assert hit["measured"] == pytest.approx(0.1) and hit["met"] is True and str(hit["target"]).startswith("none")
+    targets = check_targets(entry, loads)
+    hit = targets["kv_hit_rate_over_oracle_at_0.8"]
+    # Not judged is neither met nor not met (issue 28: it was counted as met), and the summary says so.
+    assert hit["measured"] == pytest.approx(0.1) and hit["met"] is None and str(hit["target"]).startswith("none")
+    assert hit["judged"] is False
+    summary = summarize_targets(list(targets.values()))
+    assert summary["targets_count"] == {"met": 2, "not_met": 0, "not_judged": 1, "not_measured": 0}
+    assert summary["targets_met"] is True  # every judged target met; the unjudged one counts for nothing
+    assert summarize_targets([hit])["targets_met"] is None  # nothing judged: no verdict at all
+    failing = {"met": False}
+    assert summarize_targets([hit, failing])["targets_met"] is False
