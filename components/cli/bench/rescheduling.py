@@ -283,9 +283,20 @@ def run_cell(
     }
 
 
-def _capacity(spec: Spec, fleet: FleetSpec) -> dict[str, Any]:
-    capacity, probes = sim.find_capacity(build(spec), fleet, spec.seed)
-    return {"capacity_rps": capacity, "probes": len(probes)}
+def _capacity(spec: Spec, fleet: FleetSpec, rule: str = "steady") -> dict[str, Any]:
+    """``sim.find_capacity`` with ``rule`` ``steady`` (the drain test and the backlog's growth, ``GROWTH_SLACK``) or
+    ``drain`` (the drain test alone, this benchmark's rule before: loose on the short/long mix, docs/rescheduler.md)."""
+    slack = sim.GROWTH_SLACK if rule == "steady" else None
+    capacity, probes = sim.find_capacity(build(spec), fleet, spec.seed, growth_slack=slack)
+    return {
+        "capacity_rps": capacity,
+        "probes": len(probes),
+        "probe_detail": [
+            {"rate_rps": round(p.rate, 4), "drain_s": round(p.drain_s, 2), "allowed_s": round(p.allowed_s, 2),
+             "growth": None if p.growth is None else round(p.growth, 4), "drained": p.drained}
+            for p in probes
+        ],
+    }  # fmt: skip
 
 
 def _floor(spec: Spec, fleet: FleetSpec, rates: Sequence[float]) -> list[float | None]:
@@ -321,7 +332,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(args.jobs) as pool:
-        caps = pool.map(_call, [(_capacity, specs[n, seeds[0]], fleets[n]) for n in args.workloads], chunksize=1)
+        caps = pool.map(
+            _call, [(_capacity, specs[n, seeds[0]], fleets[n], args.capacity_rule) for n in args.workloads], chunksize=1
+        )
         capacity = {n: c for n, c in zip(args.workloads, caps, strict=True)}
         for n in args.workloads:
             print(f"bench rescheduling: {n}: capacity {capacity[n]['capacity_rps']:.3f} req/s", file=sys.stderr,
@@ -358,6 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "requests": len(w.requests),
             "capacity_rps": round(capacity[n]["capacity_rps"], 4),
             "capacity_probes": capacity[n]["probes"],
+            "capacity_probe_detail": capacity[n]["probe_detail"],
             "fleet": {
                 "workers": fleets[n].workers,
                 "num_gpu_blocks": e.num_gpu_blocks,
@@ -395,8 +409,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(table(n, entry, args.dispatch, args.loads), file=sys.stderr, flush=True)
     report["target_counts"] = counts
     report["rules"] = {
-        "load": "fractions of round-robin's capacity (the highest rate at which its queues drain, searched as "
-        "kvmesh bench routing does) on the first seed's workload",
+        "load": "fractions of round-robin's capacity on the first seed's workload: "
+        + (
+            "the highest rate at which its queues drain and its backlog grows by at most "
+            f"{sim.GROWTH_SLACK:g} of the arrivals (sim.find_capacity with growth_slack)"
+            if args.capacity_rule == "steady"
+            else "the highest rate at which its queues drain, searched as kvmesh bench routing does"
+        ),
         "on": f"PolicyRescheduler with policies {list(args.policies_on)}, fields set {dict(args.set)}, every other "
         "ReschedulerConfig field at its default (Llumnix's)",
         "kv_imbalance_p95": "P95 over load-report ticks (every 100 ms, while a request is in flight) of max - min "
@@ -518,6 +537,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds per cell (default 3)")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
     p.add_argument("--loads", type=_loads, default=list(LOADS), help="fractions of measured capacity")
+    p.add_argument(
+        "--capacity-rule",
+        choices=("steady", "drain"),
+        default="steady",
+        help="steady (default): round-robin's queues drain and its backlog does not grow (sim.GROWTH_SLACK); drain: "
+        "the drain test alone (kvmesh bench routing's; before: loose where one request alone outlasts the replay)",
+    )
     p.add_argument("--dispatch", type=_list(DISPATCH, "dispatch policy"), default=list(DISPATCH))
     p.add_argument(
         "--policies-on",
