@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from .analysis import (
     DRAIN_SLACK,
+    GROWTH_SLACK,
     WORKING_SET_FRACTION,
     Probe,
     PromptBlocks,
     Simulator,
+    backlog_growth,
     causal_ttft_floor_s,
     derive_programs,
     find_capacity,
@@ -29,6 +31,7 @@ from .workload import SimRequest, Workload
 
 __all__ = [
     "DRAIN_SLACK",
+    "GROWTH_SLACK",
     "MODEL",
     "NO_ROOM",
     "WORKING_SET_FRACTION",
@@ -43,6 +46,7 @@ __all__ = [
     "Timed",
     "Workload",
     "account_chunk",
+    "backlog_growth",
     "causal_ttft_floor_s",
     "derive_programs",
     "find_capacity",

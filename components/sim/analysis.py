@@ -8,11 +8,13 @@ router could do better): they are properties of the workload and the engine's pe
   router can beat, so a target above their bound is out of every router's reach. Both price a prefill with the
   engine's performance model (``components.perf``, the model the simulated engines and the router's cost use);
 * ``derive_programs``: program (conversation) ids from Mooncake hash ids alone, for the affinity policies;
-* ``find_capacity``: the arrival rate at which round-robin's queues stop draining (``replay``).
+* ``find_capacity``: the arrival rate at which round-robin's queues stop draining (``replay``); with
+  ``growth_slack``, also the rate above which its backlog grows (``backlog_growth``: the steady-state capacity).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections import OrderedDict
@@ -29,6 +31,12 @@ WORKING_SET_FRACTION = 0.9
 DRAIN_SLACK = (
     0.02  # backlog left at the last arrival, as a fraction of the replay's length, that still counts as drained
 )
+# How much the backlog (requests arrived, not finished) may grow over the second half of the arrivals, as a fraction
+# of the requests that arrived in it, for a replay to count as drained (``backlog_growth``): the same 2% as
+# ``DRAIN_SLACK``, counted in requests instead of time. Below capacity the backlog at the last arrival and at the
+# middle one are two draws of one steady-state backlog (the difference is noise); above it the backlog grows by
+# (1 - capacity / rate) of the arrivals.
+GROWTH_SLACK = 0.02
 
 
 # --- the cache oracles ----------------------------------------------------------------------------------------
@@ -145,15 +153,58 @@ def derive_programs(rows: Sequence[Sequence[int]], min_share: float = 0.5) -> li
 # --- capacity --------------------------------------------------------------------------------------------------------
 
 
+def backlog_growth(arrivals_s: Sequence[float], finishes_s: Sequence[float]) -> float:
+    """How fast the backlog grows, per arriving request: the mean backlog over the last quarter of the arrivals less
+    the mean over the second quarter, over the arrivals from one quarter to the other (half of them). The backlog
+    ``B_k`` is what request ``k`` finds on arriving: the requests arrived before it and not finished. A fleet above
+    capacity falls behind by ``1 - capacity / rate`` of each arrival (the backlog grows by that much per request);
+    below capacity the two means are two estimates of one steady-state backlog. 0 for fewer than four requests.
+
+    Why a growth and not the backlog left at the end: a fleet below capacity holds a steady-state backlog (Little's
+    law: the rate times the mean time in the system), which outputs of thousands of tokens make large; ``probe``'s
+    older test (the last finish within ``DRAIN_SLACK`` of the span plus the longest request alone) allowed for it with
+    one isolated request, which on a short replay of such a workload (a span of seconds against one request of 30 s)
+    passes a burst that the fleet could not sustain. The first quarter is left out (the fleet fills from empty), and
+    means over quarters, not two instants, because a heavy-tailed backlog swings by tens of requests. A replay too
+    short for its first quarter to fill the steady state counts the filling as growth: it errs low, never high."""
+    n = len(arrivals_s)
+    q = n // 4
+    if q < 1:
+        return 0.0
+    arr = sorted(arrivals_s)
+    fin = sorted(finishes_s)
+
+    def mean_backlog(lo: int, hi: int) -> float:
+        # requests arrived strictly before arr[k] (k of them, ties aside) less those finished by then
+        return sum(bisect.bisect_left(arr, arr[k]) - bisect.bisect_right(fin, arr[k]) for k in range(lo, hi)) / (
+            hi - lo
+        )
+
+    early = mean_backlog(q, 2 * q)
+    late = mean_backlog(n - q, n)
+    # the two windows' centres are (n - q/2) - (1.5 q) requests apart
+    return (late - early) / ((n - q / 2) - 1.5 * q)
+
+
 @dataclasses.dataclass
 class Probe:
     rate: float
     drain_s: float
     allowed_s: float
+    growth: float | None = None  # ``backlog_growth`` of the replay (None: not measured)
+    growth_slack: float | None = None  # the most ``growth`` may be (None: the drain test alone)
+
+    @property
+    def drained_by_time(self) -> bool:
+        """The drain test: the last finish within ``allowed_s`` of the last arrival."""
+        return self.drain_s <= self.allowed_s
 
     @property
     def drained(self) -> bool:
-        return self.drain_s <= self.allowed_s
+        """The drain test and, where ``growth_slack`` is set, the backlog's growth at most that."""
+        if self.growth_slack is None:
+            return self.drained_by_time
+        return self.drained_by_time and self.growth is not None and self.growth <= self.growth_slack
 
 
 def _ms_per_s(engine: MockEngineConfig) -> float:
@@ -255,14 +306,22 @@ def probe(
     policy: str = "round_robin",
     *,
     simulator: Simulator | None = None,
+    growth_slack: float | None = None,
 ) -> Probe:
     """Replay at ``rate`` with ``policy`` (or with ``simulator``, which then replaces ``simulate``; ``fleet`` still
     sizes the isolated-request allowance): drained when the last request finished within ``DRAIN_SLACK`` of the
-    replay's length (plus the longest isolated request) after the last arrival."""
+    replay's length (plus the longest isolated request) after the last arrival, and, with ``growth_slack``, the
+    backlog grew by at most that fraction of the arrivals (``backlog_growth``; ``GROWTH_SLACK`` is the steady-state
+    test's value)."""
     w = workload.at_rate(rate)
     res = simulator(w) if simulator is not None else simulate(w, policy, fleet, seed)
     allowed = DRAIN_SLACK * w.span_s + isolated_service_s(w, fleet)
-    return Probe(rate, res.drain_s, allowed)
+    growth = None
+    if len(res.finish_by_request_s) == len(w.requests):
+        growth = backlog_growth([r.arrival_s for r in w.requests], res.finish_by_request_s)
+    elif growth_slack is not None:
+        raise ValueError("growth_slack needs each request's finish time (RunResult.finish_by_request_s)")
+    return Probe(rate, res.drain_s, allowed, growth, growth_slack)
 
 
 def model_estimate(workload: Workload, fleet: FleetSpec) -> float:
@@ -286,16 +345,20 @@ def find_capacity(
     max_probes: int = 14,
     *,
     simulator: Simulator | None = None,
+    growth_slack: float | None = None,
 ) -> tuple[float, list[Probe]]:
     """The highest arrival rate (requests per second) at which round-robin still drains the workload (``probe``),
     by bracketing from the step-time model's estimate and bisecting geometrically to ``rel_tol``. ``simulator``:
-    the same search for another fleet (``probe``)."""
+    the same search for another fleet (``probe``). ``growth_slack`` (``GROWTH_SLACK``): also require the backlog not
+    to grow (``backlog_growth``), the steady-state capacity; None (the default, what the benchmarks that predate it
+    measure): the drain test alone, which a workload whose longest request alone outlasts the replay's span passes
+    at rates the fleet cannot sustain (docs/rescheduler.md, "TTFT on the short/long mix")."""
     probes: list[Probe] = []
     guess = model_estimate(workload, fleet)
     lo = hi = None
     rate = guess
     while len(probes) < max_probes and (lo is None or hi is None):
-        p = probe(workload, fleet, rate, seed, simulator=simulator)
+        p = probe(workload, fleet, rate, seed, simulator=simulator, growth_slack=growth_slack)
         probes.append(p)
         if p.drained:
             lo = rate
@@ -307,7 +370,7 @@ def find_capacity(
         raise RuntimeError(f"capacity not bracketed in {max_probes} probes: {probes}")
     while hi / lo > 1 + rel_tol and len(probes) < max_probes:
         mid = math.sqrt(lo * hi)
-        p = probe(workload, fleet, mid, seed, simulator=simulator)
+        p = probe(workload, fleet, mid, seed, simulator=simulator, growth_slack=growth_slack)
         probes.append(p)
         if p.drained:
             lo = mid

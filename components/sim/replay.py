@@ -208,6 +208,9 @@ class RunResult:
     migrations: int = 0  # requests moved by the rescheduler
     # Each request's output tokens as its client received them, in the workload's order.
     output_tokens_by_request: list[int] = dataclasses.field(default_factory=list)
+    # When each request's last token came (its finish), in the workload's order: what a backlog over time is read from
+    # (``analysis.backlog_growth``).
+    finish_by_request_s: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def drain_s(self) -> float:
@@ -784,6 +787,7 @@ def replay(
         mean_itl_by_request_s=[_mean_itl(t) for t in order],
         worker_by_request=[t.worker for t in order],
         output_tokens_by_request=[t.output_tokens for t in order],
+        finish_by_request_s=[t.last_s for t in order],
         itl_s=itl if itl_sink is None else [],
         e2e_s=e2e,
         prompt_tokens=sum(t.prompt_len for t in order),

@@ -104,6 +104,28 @@ def test_the_command_runs_a_tiny_sweep_and_reports_every_cell_and_verdict(tmp_pa
     assert sum(counts.values()) == 2 * 5
     assert png.stat().st_size > 10_000
     assert "== llumnix" in err
+    # The steady-state capacity rule (the default): each probe with its backlog growth, the found rate's within 2%.
+    assert entry["capacity_rule"] == "steady"
+    found = [p for p in entry["capacity_probe_detail"] if p["rate_rps"] == entry["capacity_rps"]]
+    assert found and found[0]["drained"] and found[0]["growth"] <= 0.02
+    # 40 requests of the short/long mix last far less than four times the longest alone: the warning.
+    assert entry["capacity_span_s"] / 4 < entry["longest_alone_s"] and "too short for a steady state" in err
+
+
+def test_the_drain_rule_reproduces_the_older_capacity(capsys):
+    """``--capacity-rule drain`` is the search before the growth test: on 400 requests of the short/long mix it
+    passed a burst (58.9 req/s, docs/rescheduler.md), which the steady rule refuses (its backlog grows by 11% of the
+    arrivals there). The search alone (the bench's capacity step on its default fleet) and one probe, no cell."""
+    from components import sim
+    from components.workers.simulated import MockEngineConfig
+
+    vocab = MockEngineConfig().vocab_size
+    spec = rb.Spec("llumnix", 400, 0, vocab)
+    fleet = rb.fleet_for([rb.build(rb.Spec("llumnix", 400, s, vocab)) for s in (0, 1, 2)], 4, 1280)
+    drain = rb._capacity(spec, fleet, "drain")
+    assert round(drain["capacity_rps"], 1) == 58.9
+    at_old = sim.probe(rb.build(spec), fleet, drain["capacity_rps"], 0, growth_slack=sim.GROWTH_SLACK)
+    assert at_old.drained_by_time and not at_old.drained and at_old.growth is not None and at_old.growth > 0.1
 
 
 def test_the_fleet_holds_the_longest_request_of_every_seed():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -369,3 +370,78 @@ def test_targets_read_kv_against_round_robin_the_oracle_and_the_best_load_only_p
     assert summarize_targets([hit])["targets_met"] is None  # nothing judged: no verdict at all
     failing = {"met": False}
     assert summarize_targets([hit, failing])["targets_met"] is False
+
+
+def test_backlog_growth_is_the_share_of_arrivals_a_fleet_falls_behind_by():
+    # 8 arrivals 1 s apart. Finished 0.5 s after arriving: each arrival finds nothing waiting (growth 0).
+    arrivals = [float(i) for i in range(8)]
+    assert sim.backlog_growth(arrivals, [a + 0.5 for a in arrivals]) == 0.0
+    # One request finished every 2 s (at 2, 4, 6, ...): request k arrives at k and finds k - floor(k / 2) ahead
+    # of it: 0, 1, 1, 2, 2, 3, 3, 4 for k = 0..7. Quarters of 2: the second (k = 2, 3) mean 1.5, the last (k = 6, 7)
+    # mean 3.5; their centres 8 - 1 - 3 = 4 requests apart: (3.5 - 1.5) / 4 = 0.5 per arrival, the
+    # 1 - capacity / rate of a fleet finishing 0.5 requests/s against 1 arriving.
+    assert sim.backlog_growth(arrivals, [2.0 * (i + 1) for i in range(8)]) == pytest.approx(0.5)
+    assert sim.backlog_growth([0.0, 1.0], [0.5, 1.5]) == 0.0  # fewer than 4: no quarter to compare
+
+
+LONG_CHUNKS = 40  # the long request's prompt, in full chunks of ``uniform_fleet``'s 512 tokens: 0.61 s alone
+
+
+def one_long_request(n: int) -> Workload:
+    """``distinct_requests(n)`` whose first prompt is ``LONG_CHUNKS`` chunks long: alone it takes 40 prefill steps
+    of 15.24 ms (``isolated_service_s``), 0.61 s, about as long as a replay of 400 requests near capacity lasts."""
+    base = distinct_requests(n)
+    first = dataclasses.replace(base.requests[0], prompt=tuple(range(512 * LONG_CHUNKS)))
+    return Workload("one_long", (first, *base.requests[1:]))
+
+
+def fifo_fleet(capacity: float, long_s: float) -> sim.Simulator:
+    """A fleet known by construction, as ``find_capacity``'s ``simulator``: the first request runs beside the others
+    for ``long_s`` (as a long decode shares a batch), the others are served one at a time in arrival order, each in
+    ``1 / capacity`` s. Above ``capacity`` the backlog grows by ``1 - capacity / rate`` of each arrival."""
+
+    def run(w: Workload) -> sim.RunResult:
+        arrivals = [r.arrival_s for r in w.requests]
+        finish = [arrivals[0] + long_s]
+        free = arrivals[0]
+        for a in arrivals[1:]:
+            free = max(free, a) + 1.0 / capacity
+            finish.append(free)
+        return sim.RunResult(
+            ttft_s=[], itl_s=[], e2e_s=[f - a for f, a in zip(finish, arrivals, strict=True)], prompt_tokens=0,
+            cached_tokens=0, host_cached_tokens=0, output_tokens=len(arrivals), first_arrival_s=arrivals[0],
+            last_arrival_s=arrivals[-1], last_finish_s=max(finish), in_flight_mean=[], computed_tokens=[],
+            preemptions=0, decision_kinds={}, finish_by_request_s=finish,
+        )  # fmt: skip
+
+    return run
+
+
+def test_the_steady_state_capacity_does_not_depend_on_the_replay_length():
+    """The drain test alone lets a short replay pass a burst: its allowance holds the longest request alone (0.61 s),
+    and a replay of 400 requests near capacity (262 req/s) lasts 1.5 s, so a backlog that clears in 0.61 s passes at
+    rates up to about 1 / (1 - 0.64 / 1.52) = 1.7x capacity; on 1,600 requests (6.1 s) up to about
+    1 / (1 - 0.73 / 6.1) = 1.14x. With the backlog's growth (``GROWTH_SLACK``: 2% of the arrivals) the capacity is
+    the known one at both lengths: the search's 4% above at most, and growth up to 2% passes (1 / 0.98)."""
+    fleet, capacity = uniform_fleet()
+    long_s = sim.isolated_service_s(one_long_request(2), fleet)
+    assert long_s == pytest.approx(LONG_CHUNKS * (5.0 + 0.02 * 512) / 1000)
+    run = fifo_fleet(capacity, long_s)
+    old_short, _ = sim.find_capacity(one_long_request(400), fleet, simulator=run)
+    old_long, _ = sim.find_capacity(one_long_request(1600), fleet, simulator=run)
+    assert old_short > 1.5 * capacity and old_long < 1.2 * capacity, (old_short, old_long, capacity)
+    for n in (400, 1600):
+        found, probes = sim.find_capacity(one_long_request(n), fleet, simulator=run, growth_slack=sim.GROWTH_SLACK)
+        assert 0.96 * capacity <= found <= 1.04 * capacity / (1 - sim.GROWTH_SLACK), (n, found, capacity, probes)
+
+
+def test_a_growth_slack_needs_finish_times():
+    fleet, capacity = uniform_fleet()
+    run = fifo_fleet(capacity, 0.1)
+
+    def no_finish_times(w: Workload) -> sim.RunResult:
+        return dataclasses.replace(run(w), finish_by_request_s=[])
+
+    assert sim.probe(one_long_request(8), fleet, capacity, simulator=no_finish_times).growth is None
+    with pytest.raises(ValueError, match="finish time"):
+        sim.probe(one_long_request(8), fleet, capacity, simulator=no_finish_times, growth_slack=sim.GROWTH_SLACK)
