@@ -136,3 +136,14 @@ def test_a_policy_that_reads_no_kv_index_decides_the_same_with_the_engines_kv_ev
     assert plain.cached_tokens > 0  # the shared prefixes hit the engines' caches
     index = routers[0].index
     assert index.num_blocks() > 0 and index.stats.num_blocks_removed > 0  # it did index them, evictions too
+
+
+def test_a_request_with_no_worker_to_go_to_fails_the_run_instead_of_landing_on_worker_0():
+    # Issue 28: a decision that found no instance must not be placed on some worker silently. With no worker serving
+    # the model the router refuses the decision, and the replay stops with that error.
+    from components.router.errors import NoWorkersError
+
+    workload = Workload("one", (SimRequest(0.0, tuple(range(32)), 4),))
+    for policy in ("round_robin", "least_loaded", "kv"):
+        with pytest.raises(NoWorkersError, match="no workers serve model"):
+            replay(workload, FleetSpec(workers=0, engine=MockEngineConfig()), policy, 0)
