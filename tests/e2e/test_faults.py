@@ -49,6 +49,7 @@ class Load:
         self.failed_before_first_token: list[str] = []
         self.failed_mid_stream: list[str] = []
         self.started = asyncio.Event()
+        self.abandoned: list[int] = []  # tokens each abandoned stream had received when its client left
 
     async def one(self, i: int) -> None:
         got = 0
@@ -92,6 +93,47 @@ class Load:
         await self.client.close()
 
 
+# Streams the client gives up on once the fault is over: long enough (~19 s of decoding) to still be running when the
+# test looks, unless the frontend cancelled them on their workers when their client left. With the load's own
+# 24-token requests a request nobody waits for would have finished long before the check (issue 28).
+ABANDONED = 4
+ABANDONED_TOKENS = 1500
+# The workers must have stopped them within this long of the check's start (they are cancelled at once: the first
+# reading already shows none). Measured with the instance ignoring CANCEL (a throwaway edit): the 4 streams still ran
+# 1.9 s into the check and stopped ~4 s in, by some other path, within this bound; with nothing stopping them they
+# would run ~15 s more.
+IDLE_WITHIN_S = 5.0
+
+
+class Abandoned:
+    """``ABANDONED`` long streams, read until ``leave`` is set, then closed by the client."""
+
+    def __init__(self, url: str) -> None:
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.leave = asyncio.Event()
+        self.tokens: list[int] = [0] * ABANDONED
+
+    async def one(self, i: int) -> None:
+        stream = await self.client.completions.create(
+            model="tiny-llama",
+            prompt=f"abandoned {i}: tell me a long story",
+            max_tokens=ABANDONED_TOKENS,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in stream:
+            self.tokens[i] += 1
+            if self.leave.is_set():
+                break
+        await stream.close()  # the client goes away mid-stream
+
+    async def run(self) -> None:
+        try:
+            await asyncio.gather(*(self.one(i) for i in range(ABANDONED)))
+        finally:
+            await self.client.close()
+
+
 def instances(state_dir: Path) -> list[dict[str, Any]]:
     done = run_kvmesh("status", "--state-dir", str(state_dir), "--namespace", NS, "--json", "--load-wait-s", "1")
     assert done.returncode == 0, done.stderr
@@ -113,14 +155,34 @@ def running_requests(rows: list[dict[str, Any]]) -> int:
     return sum((r["load"] or {}).get("num_running", 0) + (r["load"] or {}).get("num_waiting", 0) for r in rows)
 
 
-async def under_load(url: str, fault: Any, requests: int = LOAD_REQUESTS, max_tokens: int = MAX_TOKENS) -> Load:
+async def under_load(
+    url: str, fault: Any, requests: int = LOAD_REQUESTS, max_tokens: int = MAX_TOKENS, abandon: bool = False
+) -> Load:
+    """The load with the fault a second in; ``abandon``: also ``ABANDONED`` long streams through the fault, which
+    the client leaves once the load is over (``Load.abandoned``: the tokens each had received)."""
     load = Load(url, requests, max_tokens)
     task = asyncio.ensure_future(load.run())
+    left = Abandoned(url) if abandon else None
+    leaving = asyncio.ensure_future(left.run()) if left is not None else None
     await asyncio.wait_for(load.started.wait(), 30)
     await asyncio.sleep(FAULT_AFTER_S)  # the scenario: the fault strikes with streams in flight
     await asyncio.to_thread(fault)
     await asyncio.wait_for(task, 180)
+    if left is not None and leaving is not None:
+        left.leave.set()
+        await asyncio.wait_for(leaving, 60)
+        load.abandoned = list(left.tokens)
     return load
+
+
+def idle_after(state_dir: Path, timeout_s: float = IDLE_WITHIN_S) -> int:
+    """Requests the workers still run (their load reports), polled until none or ``timeout_s``: the last count."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = running_requests(instances(state_dir))
+        if running == 0 or time.monotonic() > deadline:
+            return running
+        time.sleep(0.3)
 
 
 def stop_in_normal_time(state_dir: Path, st: ServeState) -> float:
@@ -147,7 +209,7 @@ async def test_an_embedded_server_killed_under_load_is_restarted_and_costs_no_re
         assert len(before) == 16
         record = st.embedded_etcd if server == "etcd" else st.embedded_nats
         assert record is not None and record.process is not None
-        load = await under_load(url, lambda: kill(record.process.pid))  # type: ignore[union-attr]
+        load = await under_load(url, lambda: kill(record.process.pid), abandon=True)  # type: ignore[union-attr]
         assert load.failed_before_first_token == [] and load.failed_mid_stream == []
         assert load.ok == LOAD_REQUESTS
         after_state = serve.state()
@@ -160,7 +222,10 @@ async def test_an_embedded_server_killed_under_load_is_restarted_and_costs_no_re
         assert after_record.endpoint == record.endpoint  # same port: every component reconnects by itself
         rows = registered_again(tmp_path, before)
         assert {r["instance_id"] for r in rows} == before
-        assert running_requests(rows) == 0
+        # The abandoned streams were decoding (well short of their 1500 tokens) when their client left; their
+        # workers stop them: nothing runs for a client that is gone.
+        assert len(load.abandoned) == ABANDONED and all(0 < t < ABANDONED_TOKENS for t in load.abandoned)
+        assert idle_after(tmp_path) == 0
         table = run_kvmesh("status", "--state-dir", str(tmp_path), "--load-wait-s", "0").stdout
         assert f"embedded {server}" in table and "restarted once" in table
         stop_in_normal_time(tmp_path, after_state)
@@ -193,12 +258,13 @@ async def test_an_external_server_restarted_under_load_costs_no_request(tmp_path
                 time.sleep(2.0)  # the scenario: the server is away for 2 s
                 target.start()
 
-            load = await under_load(url, restart)
+            load = await under_load(url, restart, abandon=True)
             assert load.failed_before_first_token == [] and load.failed_mid_stream == []
             assert load.ok == LOAD_REQUESTS
             rows = registered_again(tmp_path / "state", before)
             assert {r["instance_id"] for r in rows} == before
-            assert running_requests(rows) == 0  # nothing runs for a frontend that gave up on it
+            assert len(load.abandoned) == ABANDONED and all(0 < t < ABANDONED_TOKENS for t in load.abandoned)
+            assert idle_after(tmp_path / "state") == 0  # nothing runs for a client that is gone
             stop_in_normal_time(tmp_path / "state", serve.state())
     finally:
         etcd.cleanup()
