@@ -27,6 +27,7 @@ from components.protocol.messages import LoadSnapshot
 from components.protocol.metadata import WorkerMetadata, WorkerRole
 from tests.support.k8s import KubeApi
 from tests.support.kubelet_shim import KubeletShim
+from tests.support.planner_stubs import ApplyOnlyRuntime, swap
 from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.k8s
@@ -264,31 +265,12 @@ async def test_a_change_that_cannot_complete_times_out_with_the_count_set(kube_a
             await conn.close()
 
 
-class _Supervisor:
-    def spawn(self, coro: Any, name: str = "") -> Any:
-        return asyncio.ensure_future(coro)
-
-
-class _Discovery:
-    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
-        pass  # the planner's status key: not what this test is about
-
-
-class _Runtime:
-    """What ``Planner.apply`` touches of a runtime: no etcd or NATS needed to hand a decision to its connector."""
-
-    supervisor = _Supervisor()
-    discovery = _Discovery()
-    primary_lease = 0
-
-
 async def test_a_swap_at_full_budget_never_asks_the_cluster_for_more_than_the_budget(kube_api: KubeApi, kube_namespace):
     # graphs/mock_disagg.yaml: 2 prefill + 1 decode pods, a budget of 3. The planner swaps one prefill worker for a
     # decode one (prefill 2 -> 1, decode 1 -> 2, one adjustment) through the real loop and connector; every change of
     # either Deployment's spec.replicas is watched: their sum never exceeds 3 (the removal lands first).
     from components.planner.config import PlannerConfig
     from components.planner.loop import Planner
-    from components.planner.policy import Adjustment, Direction, ScalingDecision
 
     objects = rendered(ROOT / "graphs" / "mock_disagg.yaml", kube_namespace)
     prefill, decode = deployment_name("mock-disagg", "prefill"), deployment_name("mock-disagg", "decode")
@@ -304,20 +286,12 @@ async def test_a_swap_at_full_budget_never_asks_the_cluster_for_more_than_the_bu
             )
             try:
                 assert (await conn.pool_size(Pool.PREFILL), await conn.pool_size(Pool.DECODE)) == (2, 1)
-                planner = Planner(_Runtime(), PlannerConfig(max_gpu_budget=3), "mock-disagg", "tiny-llama", conn)  # type: ignore[arg-type]
-                swap = Adjustment(
-                    now_s=0.0,
-                    decisions=(
-                        ScalingDecision(Pool.DECODE, Direction.UP, 1, 2, "test: swap", {}),
-                        ScalingDecision(Pool.PREFILL, Direction.DOWN, 2, 1, "test: swap", {}),
-                    ),
-                    gpus_before=3,
-                    gpus_after=3,
-                    no_operation=False,
-                )
+                planner = Planner(
+                    ApplyOnlyRuntime(), PlannerConfig(max_gpu_budget=3), "mock-disagg", "tiny-llama", conn
+                )  # type: ignore[arg-type]
 
                 async def run_swap() -> None:
-                    planner.apply(swap)
+                    planner.apply(swap(decode=1, prefill=2, budget=3))
                     await asyncio.gather(*list(planner._change_tasks.values()))
 
                 events = await _record_many(

@@ -16,8 +16,9 @@ from components.planner.config import PlannerConfig
 from components.planner.connectors.base import ConnectorError
 from components.planner.controller import PendingChange
 from components.planner.loop import Planner
-from components.planner.policy import Adjustment, Direction, Pool, ScalingDecision
+from components.planner.policy import Pool
 from components.protocol.metadata import WorkerMetadata, WorkerRole
+from tests.support.planner_stubs import ApplyOnlyRuntime, swap
 
 pytestmark = pytest.mark.unit
 MODEL = "m"
@@ -136,22 +137,6 @@ async def test_an_aggregated_fleet_has_no_prefill_pool_to_follow():
 # --- a swap within one adjustment: removals first ---------------------------------------------------------------------
 
 
-class _Supervisor:
-    def spawn(self, coro, name: str = ""):
-        return asyncio.ensure_future(coro)
-
-
-class _Discovery:
-    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
-        pass
-
-
-class _Runtime:
-    supervisor = _Supervisor()
-    discovery = _Discovery()
-    primary_lease = 0
-
-
 class OrderedConnector(SizedConnector):
     """Records when each set_pool_size began and ended; a removal takes a while (a drain), and may fail."""
 
@@ -171,28 +156,14 @@ class OrderedConnector(SizedConnector):
         return None
 
 
-def swap() -> Adjustment:
-    # At a full budget of 4: prefill 2 -> 1 frees the GPU decode 2 -> 3 takes.
-    return Adjustment(
-        now_s=0.0,
-        decisions=(
-            ScalingDecision(Pool.DECODE, Direction.UP, 2, 3, "up", {}),
-            ScalingDecision(Pool.PREFILL, Direction.DOWN, 2, 1, "down", {}),
-        ),
-        gpus_before=4,
-        gpus_after=4,
-        no_operation=False,
-    )
-
-
 def applying_planner(conn: OrderedConnector) -> Planner:
-    return Planner(_Runtime(), PlannerConfig(), "ns", MODEL, conn, clock=Clock())  # type: ignore[arg-type]
+    return Planner(ApplyOnlyRuntime(), PlannerConfig(), "ns", MODEL, conn, clock=Clock())  # type: ignore[arg-type]
 
 
 async def test_a_swap_removes_before_it_adds_so_the_budget_is_never_exceeded():
     conn = OrderedConnector()
     p = applying_planner(conn)
-    p.apply(swap())
+    p.apply(swap(decode=2, prefill=2, budget=4))  # prefill 2 -> 1 frees the GPU decode 2 -> 3 takes
     await asyncio.gather(*list(p._change_tasks.values()))
     # The decode addition began only after the prefill removal ended (on the old code both began at once).
     assert conn.log == [("begin", Pool.PREFILL, 1), ("end", Pool.PREFILL, 1), ("begin", Pool.DECODE, 3),
@@ -203,7 +174,7 @@ async def test_a_swap_removes_before_it_adds_so_the_budget_is_never_exceeded():
 async def test_an_addition_whose_removal_failed_is_not_started():
     conn = OrderedConnector(fail=Pool.PREFILL)
     p = applying_planner(conn)
-    p.apply(swap())
+    p.apply(swap(decode=2, prefill=2, budget=4))  # prefill 2 -> 1 frees the GPU decode 2 -> 3 takes
     await asyncio.gather(*list(p._change_tasks.values()))
     assert [e for e in conn.log if e[1] == Pool.DECODE] == []
     assert "a removal it needed failed" in p.last_change_error and p.num_change_failures == 2
