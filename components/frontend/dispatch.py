@@ -146,6 +146,10 @@ def _process_of(info: Any) -> ProcessKey:
     return WorkerMetadata.from_dict(info.metadata).process_key
 
 
+# The pause before the next attempt after "no responders", doubled each attempt (``Dispatch._place``).
+NO_RESPONDERS_BACKOFF_S = 0.1
+
+
 def _is_death(e: BaseException) -> bool:
     """Whether ``e`` says the worker itself is gone (its process: no responders, no answer to a probe; or its
     engine died), not merely this request: then no new request should go there (``Router.mark_down``)."""
@@ -307,6 +311,12 @@ class Dispatch:
             if self._on_retry is not None:
                 self._on_retry(type(failure).__name__)
             logger.info("request %s: worker %x failed before its first output (%s)", p.request_id, iid, last_error)
+            if attempt < cfg.max_retries and isinstance(failure, InstanceGoneError) and "no responders" in last_error:
+                # Nobody listens on its subject: a dead worker, or every worker for a moment while nats-server comes
+                # back and they subscribe again (seen in CI: 4 immediate attempts all met "no responders" right after
+                # an embedded nats-server's restart, and the request failed). A short pause before the next worker
+                # (0.1, 0.2, 0.4 s) rides out that window; a dead worker's request waits 0.1 s more for the next one.
+                await asyncio.sleep(NO_RESPONDERS_BACKOFF_S * 2**attempt)
         raise ServiceUnavailableError(
             f"no worker could take the request after {cfg.max_retries + 1} attempts; last failure: {last_error}"
         )
