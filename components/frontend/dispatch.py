@@ -150,6 +150,10 @@ def _process_of(info: Any) -> ProcessKey:
 NO_RESPONDERS_BACKOFF_S = 0.1
 
 
+async def _pause(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
 def _is_death(e: BaseException) -> bool:
     """Whether ``e`` says the worker itself is gone (its process: no responders, no answer to a probe; or its
     engine died), not merely this request: then no new request should go there (``Router.mark_down``)."""
@@ -316,7 +320,7 @@ class Dispatch:
                 # back and they subscribe again (seen in CI: 4 immediate attempts all met "no responders" right after
                 # an embedded nats-server's restart, and the request failed). A short pause before the next worker
                 # (0.1, 0.2, 0.4 s) rides out that window; a dead worker's request waits 0.1 s more for the next one.
-                await asyncio.sleep(NO_RESPONDERS_BACKOFF_S * 2**attempt)
+                await _pause(NO_RESPONDERS_BACKOFF_S * 2**attempt)
         raise ServiceUnavailableError(
             f"no worker could take the request after {cfg.max_retries + 1} attempts; last failure: {last_error}"
         )

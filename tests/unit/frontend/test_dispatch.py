@@ -25,6 +25,7 @@ from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.protocol.messages import SamplingParams
 from components.protocol.metadata import WorkerMetadata
 from components.router import Router
+from components.runtime.errors import InstanceGoneError
 from components.runtime.request_plane import RequestContext
 from tests.support.mesh import Mesh
 from tests.support.waiting import wait_until
@@ -355,3 +356,37 @@ async def test_a_generation_that_ends_without_a_finish_reason_counts_as_failed(m
     fleet.service.observe(gen, fleet.service.metrics.model("m"))
     stats = fleet.service.request_stats.model("m")
     assert (stats.finished, stats.failed, stats.output_tokens, stats.ttft_count, stats.itl_count) == (1, 1, 1, 1, 0)
+
+
+class NoRespondersFirst(Dispatch):
+    """The first ``gone`` attempts meet 'no responders' (nobody subscribed: a nats-server just restarted), the rest
+    go through."""
+
+    gone = 2
+
+    async def _attempt(self, client: Any, body: dict[str, Any], iid: int) -> Any:
+        if self.num_attempts <= self.gone:
+            raise InstanceGoneError(iid, "no responders on its subject")
+        return await super()._attempt(client, body, iid)
+
+
+async def test_after_no_responders_the_next_attempt_waits_a_doubling_pause(make_fleet, monkeypatch):
+    # Issue 28's CI run: 4 immediate attempts all met 'no responders' while the workers subscribed again to a
+    # restarted nats-server, and the request failed. Now the dispatch pauses 0.1 s, then 0.2 s, between attempts.
+    from components.frontend import dispatch as dispatch_module
+
+    pauses: list[float] = []
+
+    async def pause(s: float) -> None:
+        pauses.append(s)
+
+    monkeypatch.setattr(dispatch_module, "_pause", pause)
+    script = [chunk([104]), chunk([105], "length")]
+    fleet = await make_fleet({A: script, B: script, 0xC3: script})  # a third worker for the third attempt
+    d = fleet.dispatch(fleet.prepared("nr1"), cls=NoRespondersFirst)
+    first = await d.start()
+    assert first["token_ids"] == [104] and d.num_attempts == 3
+    assert pauses == [dispatch_module.NO_RESPONDERS_BACKOFF_S, 2 * dispatch_module.NO_RESPONDERS_BACKOFF_S]
+    gen = generation(fleet, d, first)
+    assert await read_all(gen) == "hi"
+    await gen.aclose()
