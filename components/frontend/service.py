@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import time
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from components.frontend.models import Model, ModelRegistry
 from components.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from components.frontend.request_stats import RequestStatsBook
 from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from components.protocol.kv_hashing import packed_prompt
 from components.protocol.messages import SamplingParams
 from components.router import Router
 
@@ -80,9 +82,14 @@ def routing_hints(headers: Mapping[str, str], user: str | None) -> RoutingHints:
 
 
 class Prepared:
-    """A validated request, ready to route."""
+    """A validated request, ready to route.
+
+    ``prompt_ids`` is the tokenizer's list (what the worker is sent, and the detokenizer's context);
+    ``packed_prompt()`` the same ids packed once per request for a router that hashes them (``Dispatch``).
+    """
 
     __slots__ = (
+        "_packed",
         "arrival_s",
         "hints",
         "max_tokens",
@@ -113,6 +120,17 @@ class Prepared:
         self.arrival_s = arrival_s
         self.max_tokens = sampling.max_tokens
         self.hints = RoutingHints()
+        self._packed: array[int] | None = None
+
+    def packed_prompt(self) -> array[int]:
+        """The prompt's token ids packed (``kv_hashing.packed_prompt``: an ``array('I')`` whose buffer the router
+        hashes as it is), packed on the first call and kept: the first attempt, its retries and every failover of the
+        request reuse it. ~4.5 ns a token (~38 us for 8k ids, 2-core dev VM), once per request instead of once per
+        hashing; only a KV-aware router asks for it (``Dispatch.start``)."""
+        packed = self._packed
+        if packed is None:
+            packed = self._packed = packed_prompt(self.prompt_ids)
+        return packed
 
 
 class Generation:

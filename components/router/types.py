@@ -37,6 +37,8 @@ class RouteRequest:
     ~300 us, more than the whole decision budget (200 us at 256 workers).
     """
 
+    # The prompt: a list of ints, or packed (``kv_hashing.packed_prompt``: an ``array('I')``, as the frontend hands it
+    # over), whose buffer the prompt's hashing reads as it is instead of packing 8k int objects (~38 us) per decision.
     token_ids: Sequence[int]
     model: str
     now_s: float

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,11 @@ from components.frontend.models import Model, ModelRegistry
 from components.frontend.service import FrontendService, Generation, Prepared, RoutingHints
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
 from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import SamplingParams
 from components.protocol.metadata import WorkerMetadata
-from components.router import Router
+from components.router import Router, RouteRequest
+from components.router.types import RouteDecision
 from components.runtime.errors import InstanceGoneError
 from components.runtime.request_plane import RequestContext
 from tests.support.mesh import Mesh
@@ -139,7 +142,7 @@ async def make_fleet(tok: Tokenizer) -> AsyncIterator[Callable[[dict[int, list[d
     mesh = Mesh()
     registries: list[ModelRegistry] = []
 
-    async def make(scripts: dict[int, list[dict[str, Any]]]) -> Fleet:
+    async def make(scripts: dict[int, list[dict[str, Any]]], router_cls: type[Router] = Router, **cfg: Any) -> Fleet:
         server = await mesh.runtime()
         endpoint = server.namespace(NS).component("backend").endpoint(ENDPOINT_GENERATE)
         workers: dict[int, Scripted] = {}
@@ -147,8 +150,8 @@ async def make_fleet(tok: Tokenizer) -> AsyncIterator[Callable[[dict[int, list[d
             meta = WorkerMetadata(model="m", model_path=MODEL_PATH, node="n", pid=iid, max_model_len=100)
             workers[iid] = Scripted(chunks)
             await endpoint.serve(workers[iid], metadata=meta.to_dict(), instance_id=iid)
-        config = FrontendConfig(namespace=NS, max_retries=2)
-        router = Router(config)
+        config = FrontendConfig(namespace=NS, max_retries=2, **cfg)
+        router = router_cls(config)
         registry = ModelRegistry(await mesh.runtime(), NS, config.components, router, lambda path: tok)
         registries.append(registry)
         await registry.start()
@@ -274,6 +277,62 @@ async def test_a_broken_upstream_is_re_issued_elsewhere_as_a_continuation_and_sp
     # It ran on both: counted once on each, with the prompt each was sent.
     assert fleet.placed() == {A: (1, 2), B: (1, 4)}
     assert fleet.counted("kvmesh_frontend_migrations_total", kind="failover") == 1
+
+
+class PromptsSeen(Router):
+    """A real router that remembers the prompt (``RouteRequest.token_ids``) of every ``prepare`` and ``select``."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        super().__init__(config)
+        self.prepared: list[Any] = []
+        self.selected: list[Any] = []
+
+    def prepare(self, request: RouteRequest) -> RouteRequest:
+        self.prepared.append(request.token_ids)
+        return super().prepare(request)
+
+    def select(self, request: RouteRequest) -> RouteDecision:
+        self.selected.append(request.token_ids)
+        return super().select(request)
+
+
+async def test_a_kv_router_is_handed_the_prompt_packed_once_per_request_and_the_workers_get_lists(make_fleet):
+    fleet = await make_fleet(
+        {A: [at([104], 0), at([105], 1), chunk([], "abort")], B: [at([33], 2), at([63], 3, "length")]},
+        PromptsSeen,
+        router_policy="kv",
+    )
+    router = fleet.service.router
+    assert isinstance(router, PromptsSeen) and router.uses_kv
+    prompt = [104 + i % 7 for i in range(40)]  # two full 16-token blocks and a partial one
+    p = Prepared("k1", fleet.model, fleet.tokenizer, prompt, SamplingParams(16), [], time.monotonic())
+    p.hints = RoutingHints(pinned_instance_id=A)
+    d = fleet.dispatch(p)
+    gen = generation(fleet, d, await d.start())
+    assert await read_all(gen) == "hi!?" and d.num_failovers == 1
+    await gen.aclose()
+    # The first placement: the prompt packed (an array('I'): its buffer is hashed as it is), packed once and kept
+    # on the request (the same object for prepare and select); the re-issue: that buffer plus the 2 outputs.
+    first, again = router.prepared
+    assert type(first) is array and first.typecode == "I" and first is p.packed_prompt() and list(first) == prompt
+    assert type(again) is array and again.typecode == "I" and list(again) == [*prompt, 104, 105]
+    assert [x is y for x, y in zip(router.selected, (first, again), strict=True)] == [True, True]
+    assert block_hashes(first, 16) == block_hashes(prompt, 16)  # 2 hashes, the same as the list's
+    # The workers are sent lists, as before: the prompt, then prompt + outputs as a continuation.
+    sent = [fleet.workers[A].bodies[0]["token_ids"], fleet.workers[B].bodies[0]["token_ids"]]
+    assert [type(x) for x in sent] == [list, list] and sent == [prompt, [*prompt, 104, 105]]
+
+
+async def test_a_non_kv_router_is_handed_the_list_and_nothing_is_packed(make_fleet):
+    fleet = await make_fleet({A: [at([104], 0), at([105], 1, "length")]}, PromptsSeen)
+    router = fleet.service.router
+    assert isinstance(router, PromptsSeen) and not router.uses_kv
+    p = fleet.prepared("k2")
+    d = fleet.dispatch(p)
+    gen = generation(fleet, d, await d.start())
+    await read_all(gen)
+    await gen.aclose()
+    assert router.prepared == [[104, 105]] and router.prepared[0] is p.prompt_ids and p._packed is None
 
 
 async def test_tokens_a_new_upstream_repeats_are_dropped_and_a_gap_is_an_interruption(make_fleet):

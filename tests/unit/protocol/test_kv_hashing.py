@@ -5,10 +5,12 @@ from __future__ import annotations
 import gc
 import random
 import struct
+from array import array
 
 import pytest
 import xxhash
 
+from components.protocol import kv_hashing
 from components.protocol.kv_hashing import (
     HASH_SCHEME_VERSION,
     ROOT_PARENT_MARKER,
@@ -17,6 +19,7 @@ from components.protocol.kv_hashing import (
     block_hashes,
     num_full_blocks,
     pack_token_ids,
+    packed_prompt,
 )
 
 pytestmark = pytest.mark.unit
@@ -47,6 +50,47 @@ def test_matches_reference_implementation_on_random_prompts():
         bs = rng.choice([1, 4, 16, 64])
         tokens = [rng.randrange(2**17) for _ in range(rng.randrange(0, 700))]
         assert block_hashes(tokens, bs) == reference_block_hashes(tokens, bs)
+
+
+@pytest.mark.parametrize("memo_blocks", [None, 0, 262_144])
+def test_a_packed_prompt_hashes_exactly_as_the_list(memo_blocks: int | None):
+    # Lists and packed prompts (an array('I') whose buffer is hashed as it is), through block_hashes and
+    # PromptHashes with the memo off, empty and warm: partial last blocks, prompts past the cached slices and past
+    # PACK_BLOCKS, ids up to 2**32 - 1, a continued chain.
+    rng = random.Random(8)
+    memo = None if memo_blocks is None else HashMemo(16, memo_blocks)
+    sizes = [0, 1, 15, 16, 17, 16 * 64, 16 * 64 + 5, 16 * 700 + 3, 16 * (kv_hashing._MAX_CACHED_SLICES + 9) + 1]
+    for n in sizes:
+        tokens = [rng.randrange(2**17) for _ in range(n)]
+        if n:
+            tokens[-1] = 2**32 - 1
+        packed = packed_prompt(tokens)
+        assert type(packed) is array and kv_hashing.is_packed(packed) and list(packed) == tokens
+        assert pack_token_ids(packed) == pack_token_ids(tokens)
+        expected = block_hashes(tokens, 16)
+        assert block_hashes(packed, 16) == expected
+        assert block_hashes(packed, 16, parent_hash=12345) == block_hashes(tokens, 16, parent_hash=12345)
+        for _ in range(2):  # the second time, with a memo: every chunk from it
+            for given in (packed, tokens):
+                lazy = PromptHashes(given, 16, memo if memo_blocks is not None else None)
+                if len(lazy) > 3:
+                    assert lazy[3] == expected[3]  # part first (lazily), then the rest
+                assert lazy.computed(len(lazy)) == expected
+        assert list(packed) == tokens  # the caller's buffer is read, never changed
+    assert packed_prompt(array("I", [1, 2])) == array("I", [1, 2])  # an array copied, not shared
+    with pytest.raises(ValueError):
+        packed_prompt([1, -1])
+    with pytest.raises(ValueError):
+        packed_prompt([2**32])
+
+
+def test_only_an_array_of_u32_is_hashed_as_packed():
+    # Other arrays and sequences are packed from their ints, as before: same hashes as the list.
+    tokens = list(range(100, 148))
+    expected = block_hashes(tokens, 16)
+    for given in (array("L", tokens), array("H", tokens), tuple(tokens), range(100, 148)):
+        assert not kv_hashing.is_packed(given)
+        assert block_hashes(given, 16) == expected and list(PromptHashes(given, 16)) == expected
 
 
 def test_one_hash_per_full_block_and_none_for_a_partial_one():
@@ -135,8 +179,6 @@ def test_prompt_hashes_grow_in_chunks_in_order():
 def test_hashes_past_the_cached_slices_are_the_same():
     # _chain slices blocks with cached slice objects up to _MAX_CACHED_SLICES blocks, then builds them: a longer
     # prompt hashes the same, lazily or not.
-    from components.protocol import kv_hashing
-
     rng = random.Random(4)
     n = kv_hashing._MAX_CACHED_SLICES + 37
     tokens = [rng.randrange(2**17) for _ in range(4 * n + 3)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE, TOPIC_KV_EVENTS, TOPIC_LOAD_METRICS
-from components.protocol.kv_hashing import block_hashes
+from components.protocol.kv_hashing import block_hashes, packed_prompt
 from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot, LoadSnapshot
 from components.router import Router, RouterConfig, RouteRequest, RouterProtocolError
 from components.router.feed import RouterFeed
@@ -237,6 +238,44 @@ def test_a_router_hashes_a_prefix_it_has_seen_from_its_memo_and_not_with_the_mem
         assert (d.instance_id, d.overlap_blocks) == (1, 130)  # the same decision either way
         memo = r.hash_memo(BS)
         assert memo is not None and memo.hits == expect_hits  # the turn's first two chunks, from the history's
+
+
+@pytest.mark.parametrize(
+    ("policy", "cfg"),
+    [
+        ("kv", {}),
+        ("kv", {"prompt_hash_cache_blocks": 0}),
+        ("kv", {"router_kv_events": False}),  # approximate: on_routed records the prompt's hashes itself
+        ("kv+autellix", {}),
+        ("kv_dynamo", {}),
+    ],
+)
+def test_a_packed_prompt_is_routed_exactly_as_the_list(policy: str, cfg: dict[str, Any]):
+    # Two routers fed the same workers, events and requests, one handed each prompt as a list, the other packed
+    # (an array('I'), as the frontend hands it over): every decision, overlap and count the same. Prompts of 1 to
+    # 600 blocks plus a partial one, sharing prefixes (a conversation's turns: the memo's chunks) with cached ones.
+    rng = random.Random(11)
+    docs = [[rng.randrange(2**17) for _ in range(BS * rng.randint(1, 600))] for _ in range(6)]
+    routers = [Router(RouterConfig(router_policy=policy, router_seed=0, **cfg)) for _ in range(2)]
+    workers = [(i, meta()) for i in range(1, 9)]
+    seen: list[list[tuple[Any, ...]]] = [[], []]
+    for r in routers:
+        r.set_workers("m", workers)
+        for w, d in enumerate(docs[:4], start=1):
+            r.apply_kv_events(w, [stored(0, block_hashes(d[: len(d) * 2 // 3], BS))])
+    for i in range(40):
+        doc = rng.choice(docs)
+        prompt = doc[: rng.randint(1, len(doc))] + [rng.randrange(2**17) for _ in range(rng.randint(0, 3 * BS))]
+        for r, given, out in zip(routers, (prompt, packed_prompt(prompt)), seen, strict=True):
+            req = r.prepare(RouteRequest(given, "m", float(i), program_id=f"p{i % 3}"))
+            d = r.select(req)
+            r.on_routed(f"r{i}", d, req)
+            if i % 4 == 3:
+                r.on_finished(f"r{i - 2}")
+            wk = r.workers("m")
+            out.append((d.instance_id, d.overlap_blocks, d.kind, d.reason, [x.active_prefill_tokens for x in wk]))
+    assert seen[0] == seen[1]
+    assert len({o[0] for o in seen[0]}) > 1 and any(o[1] for o in seen[0])  # spread, and some prefixes found
 
 
 def test_a_request_that_fails_before_its_first_token_frees_its_prefill_too():
