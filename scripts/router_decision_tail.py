@@ -23,6 +23,7 @@ from typing import Any
 
 from components.cli.bench import router as bench
 from components.cli.bench.loadgen.stats import percentile
+from components.protocol import kv_hashing
 from components.protocol.kv_hashing import PromptHashes
 from components.router import RouteRequest
 
@@ -40,6 +41,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(p)
     p.add_argument("--policy", default="kv", help="a KV-aware policy (kv, kv+autellix, kv_dynamo)")
+    p.add_argument(
+        "--list-prompts",
+        action="store_true",
+        help="hand each decision its prompt as a list of ints (trees before the prompt came packed do, always)",
+    )
     p.set_defaults(workers=[256], ingest_blocks=0)
     args = p.parse_args()
     bs = args.block_size
@@ -87,6 +93,7 @@ def main() -> None:
     gc.collect()
     gc.callbacks.append(on_gc)
     memo = None
+    pack = None if args.list_prompts else getattr(kv_hashing, "packed_prompt", None)
     try:
         for i in range(args.warmup + args.decisions):
             credit += reports_per_decision
@@ -97,7 +104,9 @@ def main() -> None:
                 reporter = (reporter + 1) % len(workers)
             prompt = bench.next_prompt(fleet.shared, fleet.families, args, prompt_rng)
             is_conv = len(prompt) > n_shared and id(prompt[n_shared]) in family_marks
-            request = RouteRequest(prompt, bench.MODEL, time.monotonic())
+            # Packed untimed, as the benchmark and the frontend do (kv_hashing.packed_prompt; absent in older trees).
+            routed = prompt if pack is None else pack(prompt)
+            request = RouteRequest(routed, bench.MODEL, time.monotonic())
             if memo is None:
                 memo = router.hash_memo(bs)
             misses0 = memo.misses if memo is not None else 0
@@ -135,7 +144,7 @@ def main() -> None:
                 again = PromptHashes(prepared.token_ids, prepared.block_size)
                 again.ensure(prepared.block_hashes.num_computed)
                 del again
-            del request, prepared, prompt
+            del request, prepared, prompt, routed
             all_collections.append(gc_state[0])
     finally:
         gc.callbacks.remove(on_gc)

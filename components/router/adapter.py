@@ -51,7 +51,9 @@ hashed before (a conversation's history) is not chained again. At 256 workers, 1
 (``kvmesh bench router``'s workload, 2-core EPYC dev VM under a load of ~7) a ``kv`` decision takes ~150 us at p50
 (thread CPU): ~60 us hashing (packing the 8k token ids, ~37 us of it; the memo's chunks; one chained), ~35-40 us
 searching the index, ~25 us in the policy (``kv.lowest_ttft`` reads a handful of workers) and ~15 us preparing and
-copying the request (docs/router.md, "Cost").
+copying the request (docs/router.md, "Cost"). The packing is gone from the decision where the prompt comes packed
+(``RouteRequest.token_ids`` an ``array('I')``, ``kv_hashing.packed_prompt``), as the frontend hands it over: it
+packs the tokenizer's ids once per request (``Prepared.packed_prompt``) and the hashing reads that buffer.
 
 Single-threaded: every method is called from the event loop, none awaits.
 """
@@ -537,7 +539,9 @@ class Router:
     def prepare(self, request: RouteRequest) -> RouteRequest:
         """The request with its prompt's block hashes, for KV-aware policies (others: unchanged). Call it once per
         request and reuse the result for retries. The hashes are lazy (``PromptHashes``): ``select`` computes only
-        as many as the KV index search reads (all 512 of an 8k-token prompt cost ~75 us)."""
+        as many as the KV index search reads (all 512 of an 8k-token prompt cost ~75 us). A prompt given packed
+        (``kv_hashing.packed_prompt``) is hashed from its buffer, without packing its ints again (~38 us for 8k);
+        a list is packed as the hashing reads it, to the same hashes."""
         if not self.uses_kv or request.block_hashes is not None:
             return request
         state = self._models.get(request.model)

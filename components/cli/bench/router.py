@@ -17,23 +17,28 @@ change, as in production (``Router``'s docstring; until main at 64fcae8 the next
 ``decision_us``). Freeing the request is untimed too (the next decision would otherwise pay for freeing the previous
 prompt's 8k ints).
 
-Every decision's prompt is new (``next_prompt``, built untimed, as a tokenizer would: fresh ints of a 128k
-vocabulary), never a repeat: a cached conversation's next turn (its history, then a new 512-token turn) or a new
-conversation. Before timing, each router hashes every cached conversation's previous turn (``replay_previous_turns``):
-the workers cache those conversations because a router placed their earlier turns, and a router that has been running
-remembers those turns' chunk hashes (``RouterConfig.prompt_hash_cache_blocks``), so a turn chains only its new chunk.
-That is a single router (or frontends with session affinity); a frontend that never saw a conversation's earlier turns
-hashes it in full: ``--prompt-hash-cache-blocks 0`` measures that case.
+Every decision's prompt is new (``next_prompt``, built untimed, as a tokenizer would: fresh ints of a 128k vocabulary,
+then packed for KV policies as the frontend packs the tokenizer's ids, ``kv_hashing.packed_prompt``: untimed for the
+decision, timed apart as ``pack_us``), never a repeat: a cached conversation's next turn (its history, then a new
+512-token turn) or a new conversation. Before timing, each router hashes every cached conversation's previous turn
+(``replay_previous_turns``): the workers cache those conversations because a router placed their earlier turns, and a
+router that has been running remembers those turns' chunk hashes (``RouterConfig.prompt_hash_cache_blocks``), so a turn
+chains only its new chunk. That is a single router (or frontends with session affinity); a frontend that never saw a
+conversation's earlier turns hashes it in full: ``--prompt-hash-cache-blocks 0`` measures that case.
 
 What ``decision_us`` includes, for KV policies: hashing the prompt's blocks. The frontend hashes nothing itself
 (``prepare`` only wraps the token ids; the first hash is computed inside ``select``), so in production this is work
-on the request's path that the routing decision causes, and it stays in the figure. Reported beside it:
+on the request's path that the routing decision causes, and it stays in the figure. Packing the token ids is not in
+it: the frontend packs them once per request, right after tokenizing (``Prepared.packed_prompt``; ~38 us for 8k ids
+on the dev VM, a third of a decision until the router took the prompt packed), so every hashing of the prompt reads
+that buffer; the request still pays it once, reported as ``pack_us``. Reported beside it:
 ``decision_cpu_us`` (the thread's CPU time over the same calls: without the time another process held the core, so on
 a shared machine its tail is the code's own), ``prepare_us`` and ``select_us`` (the two timed calls; they sum to
 ``decision_us``), ``hashed_blocks`` (how many block hashes ``select`` read, on average: up to a 64-block chunk past
 the deepest cached block for a conversation hit, 64 for a new conversation), ``hash_memo`` (chunks found in the memo
 and hashed anew, blocks reused per decision) and ``hashing_us`` (chaining that many blocks of the same prompt again
-without a memo, timed apart after the decision: what hashing would cost a router that never saw the prefix).
+without a memo, timed apart after the decision: what hashing would cost a router that never saw the prefix; from
+the packed prompt, so without packing).
 
 The KV index holds ``--indexed-blocks`` (1,000,000) (worker, block) entries before any decision, loaded through
 ``Router.apply_kv_events`` as ``BlockStored`` batches. Its contents follow what the Mooncake conversation trace shows
