@@ -19,12 +19,13 @@ prompt's 8k ints).
 
 Every decision's prompt is new (``next_prompt``, built untimed, as a tokenizer would: fresh ints of a 128k vocabulary,
 then packed for KV policies as the frontend packs the tokenizer's ids, ``kv_hashing.packed_prompt``: untimed for the
-decision, timed apart as ``pack_us``), never a repeat: a cached conversation's next turn (its history, then a new
-512-token turn) or a new conversation. Before timing, each router hashes every cached conversation's previous turn
-(``replay_previous_turns``): the workers cache those conversations because a router placed their earlier turns, and a
-router that has been running remembers those turns' chunk hashes (``RouterConfig.prompt_hash_cache_blocks``), so a turn
-chains only its new chunk. That is a single router (or frontends with session affinity); a frontend that never saw a
-conversation's earlier turns hashes it in full: ``--prompt-hash-cache-blocks 0`` measures that case.
+decision, timed apart as ``pack_us`` and ``pack_cpu_us``), never a repeat: a cached conversation's next turn (its
+history, then a new 512-token turn) or a new conversation. Before timing, each router hashes every cached conversation's
+previous turn (``replay_previous_turns``): the workers cache those conversations because a router placed their earlier
+turns, and a router that has been running remembers those turns' chunk hashes
+(``RouterConfig.prompt_hash_cache_blocks``), so a turn chains only its new chunk. That is a single router (or frontends
+with session affinity); a frontend that never saw a conversation's earlier turns hashes it in full:
+``--prompt-hash-cache-blocks 0`` measures that case.
 
 What ``decision_us`` includes, for KV policies: hashing the prompt's blocks. The frontend hashes nothing itself
 (``prepare`` only wraps the token ids; the first hash is computed inside ``select``), so in production this is work
@@ -266,6 +267,7 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
     cpu_ns: list[int] = []
     prepare_ns: list[int] = []
     pack_ns: list[int] = []  # packing each prompt, untimed for the decision (the frontend's step, once per request)
+    pack_cpu_ns: list[int] = []
     book_ns: list[int] = []  # the bookkeeping before each decision (load reports, on_routed ... on_finished)
     book = 0
     hashing_ns: list[int] = []
@@ -294,11 +296,14 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
         if router.uses_kv:
             # Untimed for the decision, timed apart (``pack_us``): the frontend packs the tokenizer's ids once per
             # request, right after tokenizing, and hands the router the packed prompt (``Prepared.packed_prompt``).
+            pc0 = time.thread_time_ns()
             p0 = time.perf_counter_ns()
             routed = packed_prompt(prompt)
             p1 = time.perf_counter_ns()
+            pc1 = time.thread_time_ns()
             if i >= args.warmup:
                 pack_ns.append(p1 - p0)
+                pack_cpu_ns.append(pc1 - pc0)
         request = RouteRequest(routed, MODEL, time.monotonic())
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
@@ -350,6 +355,7 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
         out["select_us"] = _stats_us([a - b for a, b in zip(total_ns, prepare_ns, strict=True)])
         if pack_ns:
             out["pack_us"] = _stats_us(pack_ns)
+            out["pack_cpu_us"] = _stats_us(pack_cpu_ns)
         if hashing_ns:
             out["hashing_us"] = _stats_us(hashing_ns)
             out["hashed_blocks"] = round(hashed_blocks / len(hashing_ns), 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from array import array
 
 import pytest
 
@@ -60,3 +61,18 @@ def test_the_previous_turns_warm_the_memo_and_a_decision_reuses_them_but_hashes_
     bench.replay_previous_turns(off, fleet)
     cold = bench.measure_decisions(off, fleet, args(decisions=60, warmup=0), random.Random(0))
     assert cold["hash_memo"]["chunk_hits"] == 0
+
+
+def test_a_kv_decision_is_handed_its_prompt_packed_and_the_packing_is_reported_apart():
+    # As the frontend does: the prompt packed once per request (untimed for the decision), its cost in pack_us.
+    a = args()
+    fleet = bench.build_fleet(16, a, random.Random(0))
+    router = bench.new_router("kv", fleet, 0, a.block_size)
+    seen: list[object] = []
+    prepare = router.prepare
+    router.prepare = lambda request: seen.append(request.token_ids) or prepare(request)  # type: ignore[method-assign]
+    out = bench.measure_decisions(router, fleet, args(decisions=20, warmup=0), random.Random(0))
+    assert len(seen) == 20 and all(type(t) is array and t.typecode == "I" for t in seen)
+    assert out["pack_us"]["p50"] > 0 and out["pack_cpu_us"]["p50"] is not None
+    plain = bench.new_router("round_robin", fleet, 0, a.block_size)
+    assert "pack_us" not in bench.measure_decisions(plain, fleet, args(decisions=5, warmup=0), random.Random(0))
