@@ -66,8 +66,8 @@ class RuntimeConfig(BaseModel):
         default=5.0,
         ge=0,
         description="How often an instance checks that the client of each request it runs still exists (one probe "
-        "per client process); requests whose client is gone are cancelled. Bounds how long a dead frontend's "
-        "requests keep running. 0: never.",
+        "per client process); requests whose client is gone (no responders at two checks in a row) are cancelled. "
+        "Bounds how long a dead frontend's requests keep running (2 checks). 0: never.",
     )
     vanished_instance_trust_s: float = Field(
         default=20.0,

@@ -204,20 +204,28 @@ class InstanceServer:
 
         The client cancels what it gives up on (CANCEL, re-sent when frames keep coming: ``ResponseMux``), but a
         client that died cannot, and a CANCEL sent while the bus was down may be lost. So every
-        ``client_check_s`` each distinct client of the requests in flight is probed once; no responders means
-        its process is gone and its requests run for nobody. A probe that times out (the bus is down) decides
-        nothing. Bound: a dead client's requests end within ``client_check_s`` + a round trip of the bus's return.
+        ``client_check_s`` each distinct client of the requests in flight is probed once; no responders at two
+        checks in a row means its process is gone and its requests run for nobody. Once is not proof: right after
+        nats-server comes back, this instance may probe before a live client has re-subscribed (seen in the
+        fault tests: 3 requests of a live frontend cancelled in the millisecond this worker reconnected, 9 ms
+        before the frontend did). A probe that times out (the bus is down) decides nothing. Bound: a dead
+        client's requests end within 2 x ``client_check_s`` + a round trip of the bus's return.
         """
+        suspects: set[str] = set()  # clients that got no responders at the previous check
         while True:
             await asyncio.sleep(self._client_check_s)
             by_client: dict[str, list[str]] = {}
             for rid, client in self._client_of.items():
                 by_client.setdefault(client, []).append(rid)
+            no_responders: set[str] = set()
             for client, rids in by_client.items():
                 if not client.endswith(".b"):
                     continue
                 alive = await probe_instance(self._bus, client[:-2] + ".alive", self._probe_timeout_s)
                 if alive is not False:
+                    continue
+                if client not in suspects:
+                    no_responders.add(client)  # ask again at the next check
                     continue
                 gone = [t for rid in rids if (t := self._inflight.get(rid)) is not None and not t.done()]
                 for t in gone:
@@ -227,6 +235,7 @@ class InstanceServer:
                     logger.warning(
                         "%s: cancelled %d requests whose client is gone (%s)", self.subject, len(gone), client
                     )
+            suspects = no_responders
 
     @staticmethod
     def _route(frame: list[Any], reply: str, at: int) -> dict[str, Any]:

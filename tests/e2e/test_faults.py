@@ -3,8 +3,10 @@
 Each test serves ``graphs/mock_agg.yaml`` (frontend + 2 worker processes x 8 simulated workers, real etcd,
 nats-server and circus), runs a bounded streaming load (``LOAD_REQUESTS`` requests, ``LOAD_CONCURRENCY`` at a time,
 each a few hundred milliseconds of real-time decoding), injects one fault about a second in, and checks what a user
-would: no request failed, the same instances are registered afterwards, no worker still runs a request nobody
-waits for, and ``kvmesh stop`` ends everything in its normal time.
+would: no request failed, the same instances are registered afterwards, and ``kvmesh stop`` ends everything in its
+normal time. Through the server faults also run 5 long streams (``LongStreams``) that the client leaves afterwards,
+4 first: their workers must stop each one within ``STOP_WITHIN_S`` of its client leaving while the fifth is served
+on (``check_left``), watched on the workers' own load reports (``LoadWatch``).
 
 Faults: the embedded etcd SIGKILLed; the embedded nats-server SIGKILLed (``kvmesh serve`` restarts both on the same
 ports and data); an external etcd restarted with and without its data; an external nats-server restarted; and one
@@ -15,20 +17,29 @@ while the other process serves the model (streams cut mid-way on the killed proc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from components.deploy.state import ServeState
+from components.protocol.endpoints import TOPIC_LOAD_METRICS
+from components.runtime import EventSubscription, Runtime, RuntimeConfig
+from components.runtime.request_plane import CANCEL_RESEND_S
 from components.runtime.servers import NatsServer
+from components.workers.simulated import MockEngineConfig
 from tests.e2e.test_serve import MOCK_AGG, NS, ROOT, run_kvmesh, serving, wait_gone
 from tests.support.servers import etcd_for_tests
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -49,7 +60,7 @@ class Load:
         self.failed_before_first_token: list[str] = []
         self.failed_mid_stream: list[str] = []
         self.started = asyncio.Event()
-        self.abandoned: list[int] = []  # tokens each abandoned stream had received when its client left
+        self.mid_stream = 0  # requests that have received a token and not yet ended
 
     async def one(self, i: int) -> None:
         got = 0
@@ -66,7 +77,9 @@ class Load:
             )
             async for chunk in stream:
                 got += 1
-                self.started.set()
+                if got == 1:
+                    self.mid_stream += 1
+                    self.started.set()
                 if chunk.choices and chunk.choices[0].finish_reason is not None:
                     finish = chunk.choices[0].finish_reason
                 if chunk.usage is not None:
@@ -74,6 +87,9 @@ class Load:
         except (openai.APIError, openai.APIConnectionError) as e:
             (self.failed_mid_stream if got else self.failed_before_first_token).append(f"{type(e).__name__}: {e}")
             return
+        finally:
+            if got:
+                self.mid_stream -= 1
         # A stream that ended without its finish reason or short of its tokens failed too, however quietly.
         if finish != "length" or tokens != self.max_tokens:
             self.failed_mid_stream.append(f"request {i}: ended with finish {finish!r} after {tokens} tokens")
@@ -93,45 +109,184 @@ class Load:
         await self.client.close()
 
 
-# Streams the client gives up on once the fault is over: long enough (~19 s of decoding) to still be running when the
-# test looks, unless the frontend cancelled them on their workers when their client left. With the load's own
-# 24-token requests a request nobody waits for would have finished long before the check (issue 28).
+# Long streams through the fault: ``ABANDONED`` that the client leaves once the load is over, and one it keeps reading
+# meanwhile (another client, served on). The only things that end a request on its worker while its frontend lives:
+# the CANCEL the frontend sends when its client leaves (Dispatch.close -> ResponseStream.aclose; a stream dropped
+# unclosed sends it too, ResponseStream.__del__), the same CANCEL sent again when frames keep arriving for a stream
+# given up on (ResponseMux._orphan_frame, at most every CANCEL_RESEND_S: a CANCEL lost while the bus was down), and
+# its last token. (An instance also cancels the requests of a client *process* that is gone, InstanceServer.
+# _check_clients: not this case.) Measured before these streams were long (issue 28): with the instance ignoring
+# CANCEL, 1,500-token streams left after ~920 tokens simply ran to their end 2.9 s later, before the check looked.
 ABANDONED = 4
-ABANDONED_TOKENS = 1500
-# The workers must have stopped them within this long of the check's start (they are cancelled at once: the first
-# reading already shows none). Measured with the instance ignoring CANCEL (a throwaway edit): the 4 streams still ran
-# 1.9 s into the check and stopped ~4 s in, by some other path, within this bound; with nothing stopping them they
-# would run ~15 s more.
-IDLE_WITHIN_S = 5.0
+# At least 60 s of decoding (below), so that they run far past the check however long the load before it took: on a
+# 2-core machine shared with other work (load average 34) they had received ~4,300 tokens when the load was over.
+LONG_TOKENS = 12_000
+# More than the graph's max_model_len of 2048 (tiny-llama's) allows; the simulated engine has room for it.
+LONG_CONTEXT = ["--set", "workers[0].max_model_len=16384"]
+# No decode step of a simulated worker (speedup 1, the graph's) takes less than its step-time model's base (5 ms).
+MIN_STEP_S = MockEngineConfig().step_time_model.decode_base_ms / 1000
+# How soon a request must stop on its worker once its client has left: the frontend's CANCEL at once (one bus hop;
+# the handler is cancelled at its next await, within one engine step) or, were that one lost, the one sent again with
+# the stream's next frame CANCEL_RESEND_S later; then the worker's next load report (every 100 ms). 2 s more for a
+# loaded 2-core machine. Measured on the 2-core machine (load average 11-35): 0.04-0.11 s; with the frontend's
+# first CANCEL dropped (a throwaway edit: only the re-send reaches the worker) 1.03-1.10 s; with the instance
+# ignoring CANCEL, all 5 still ran at the deadline.
+STOP_WITHIN_S = CANCEL_RESEND_S + 2.0
 
 
-class Abandoned:
-    """``ABANDONED`` long streams, read until ``leave`` is set, then closed by the client."""
+class LoadWatch:
+    """Every worker's latest load report (``num_running`` + ``num_waiting``), heard on the event plane as the workers
+    publish them (every 100 ms): how many requests the fleet runs, without a ``kvmesh status`` per look."""
+
+    def __init__(self, st: ServeState, num_workers: int) -> None:
+        self.cfg = RuntimeConfig(etcd_endpoints=st.etcd_endpoints, nats_url=st.nats_url)
+        self.num_workers = num_workers
+        self.latest: dict[int, tuple[float, int]] = {}  # source id -> (when heard, requests it runs)
+
+    async def __aenter__(self) -> LoadWatch:
+        self.rt = await Runtime.connect(self.cfg, name="fault-test")
+        self.sub: EventSubscription[dict[str, Any]] = await self.rt.namespace(NS).events.subscribe(TOPIC_LOAD_METRICS)
+        self.task = asyncio.ensure_future(self._hear())
+        await wait_until(lambda: len(self.latest) == self.num_workers, timeout_s=10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.task.cancel()
+        await self.sub.close()
+        await self.rt.shutdown(drain_timeout_s=1.0)
+
+    async def _hear(self) -> None:
+        async for ev in self.sub:
+            load = ev.payload
+            self.latest[ev.source_id] = (time.monotonic(), load["num_running"] + load["num_waiting"])
+
+    def running(self, since: float) -> int | None:
+        """Requests the workers run, when every one has reported since ``since``; else None."""
+        heard = self.latest.values()
+        if len(heard) < self.num_workers or any(at < since for at, _ in heard):
+            return None
+        return sum(n for _, n in heard)
+
+    async def until(self, count: int, since: float, timeout_s: float = STOP_WITHIN_S) -> tuple[float | None, int]:
+        """(seconds from ``since`` until the workers' reports since then add up to ``count`` requests, or None if
+        they did not within ``timeout_s``; the last count heard)."""
+        last = -1
+        while (now := time.monotonic()) - since <= timeout_s:
+            n = self.running(since)
+            if n is not None:
+                last = n
+                if n == count:
+                    return now - since, n
+            await asyncio.sleep(0.02)
+        return None, last
+
+
+@dataclasses.dataclass
+class LeftStreams:
+    """What ``LongStreams.leave_and_watch`` saw."""
+
+    tokens: list[int]  # the tokens each abandoned stream had received when its client left
+    running_before: int  # requests the workers ran just before (the long streams: nothing else runs then)
+    stopped_s: float | None  # from the client's leaving until the workers ran only the stream still read
+    running_then: int  # what they ran at that moment (or at the deadline)
+    served_meanwhile: int  # tokens the stream still read received in that time
+    last_stopped_s: float | None  # from its client's leaving too until the workers ran nothing
+    running_last: int
+
+
+class LongStreams:
+    """``ABANDONED`` + 1 streams of ``LONG_TOKENS``: the first ``ABANDONED`` read until ``leave`` is set, then closed
+    by their client mid-stream; the last one (``KEPT``) read on until ``release`` is set, then closed too."""
+
+    KEPT = ABANDONED
 
     def __init__(self, url: str) -> None:
-        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         self.leave = asyncio.Event()
-        self.tokens: list[int] = [0] * ABANDONED
+        self.release = asyncio.Event()
+        self.tokens: list[int] = [0] * (ABANDONED + 1)
+        self.abandoned: asyncio.Future[Any] | None = None
+        self.kept: asyncio.Future[Any] | None = None
 
     async def one(self, i: int) -> None:
         stream = await self.client.completions.create(
             model="tiny-llama",
-            prompt=f"abandoned {i}: tell me a long story",
-            max_tokens=ABANDONED_TOKENS,
+            prompt=f"long {i}: tell me a long story",
+            max_tokens=LONG_TOKENS,
             stream=True,
             extra_body={"ignore_eos": True},
         )
+        until = self.leave if i < ABANDONED else self.release
         async for _ in stream:
             self.tokens[i] += 1
-            if self.leave.is_set():
+            if until.is_set():
                 break
         await stream.close()  # the client goes away mid-stream
 
-    async def run(self) -> None:
+    def start(self) -> None:
+        self.abandoned = asyncio.gather(*(self.one(i) for i in range(ABANDONED)))
+        self.kept = asyncio.ensure_future(self.one(self.KEPT))
+
+    async def leave_and_watch(self, st: ServeState, num_workers: int) -> LeftStreams:
+        """Leave the abandoned streams and watch the workers stop them while the kept one streams on; then leave
+        that one too and watch it stop."""
+        assert self.abandoned is not None and self.kept is not None
         try:
-            await asyncio.gather(*(self.one(i) for i in range(ABANDONED)))
+            async with LoadWatch(st, num_workers) as watch:
+                running_before = (await watch.until(ABANDONED + 1, time.monotonic(), timeout_s=5))[1]
+                self.leave.set()
+                await asyncio.wait_for(self.abandoned, 10)  # all 4 closed by their client
+                left_at, tokens, kept_then = time.monotonic(), self.tokens[:ABANDONED], self.tokens[self.KEPT]
+                stopped_s, running_then = await watch.until(1, left_at)
+                served_meanwhile = self.tokens[self.KEPT] - kept_then
+                self.release.set()
+                await asyncio.wait_for(self.kept, 10)
+                last_stopped_s, running_last = await watch.until(0, time.monotonic())
         finally:
+            self.leave.set()
+            self.release.set()
             await self.client.close()
+        return LeftStreams(
+            tokens, running_before, stopped_s, running_then, served_meanwhile, last_stopped_s, running_last
+        )
+
+
+async def under_load(
+    url: str,
+    fault: Any,
+    requests: int = LOAD_REQUESTS,
+    max_tokens: int = MAX_TOKENS,
+    long: LongStreams | None = None,
+    strike_when: Callable[[Load], bool] | None = None,
+) -> Load:
+    """The load with the fault a second in, or as soon as ``strike_when(load)`` holds; ``long``: its streams too,
+    started with the load (through the fault)."""
+    load = Load(url, requests, max_tokens)
+    task = asyncio.ensure_future(load.run())
+    if long is not None:
+        long.start()
+    await asyncio.wait_for(load.started.wait(), 30)
+    if strike_when is None:
+        await asyncio.sleep(FAULT_AFTER_S)  # the scenario: the fault strikes with streams in flight
+    else:
+        await wait_until(lambda: strike_when(load), timeout_s=60)
+    await asyncio.to_thread(fault)
+    await asyncio.wait_for(task, 180)
+    return load
+
+
+def check_left(left: LeftStreams) -> None:
+    """Nothing runs for a client that is gone, and only that stops: the abandoned streams were decoding when their
+    client left, far from their end; their workers stopped them within ``STOP_WITHIN_S`` while the kept stream was
+    served on; once its client left too, it stopped as soon."""
+    print(f"long streams: {left}")  # pytest -s shows the figures
+    assert len(left.tokens) == ABANDONED and all(t > 0 for t in left.tokens), left
+    # Left to themselves they would decode for longer than twice the bound: a stop within it was no natural end.
+    assert all((LONG_TOKENS - t) * MIN_STEP_S > 2 * STOP_WITHIN_S for t in left.tokens), left
+    assert left.running_before == ABANDONED + 1, left  # the watch sees them running
+    assert left.stopped_s is not None and left.running_then == 1, left
+    assert left.served_meanwhile > 0, left
+    assert left.last_stopped_s is not None and left.running_last == 0, left
 
 
 def instances(state_dir: Path) -> list[dict[str, Any]]:
@@ -151,40 +306,6 @@ def registered_again(state_dir: Path, before: set[str], timeout_s: float = 20.0)
         time.sleep(0.2)
 
 
-def running_requests(rows: list[dict[str, Any]]) -> int:
-    return sum((r["load"] or {}).get("num_running", 0) + (r["load"] or {}).get("num_waiting", 0) for r in rows)
-
-
-async def under_load(
-    url: str, fault: Any, requests: int = LOAD_REQUESTS, max_tokens: int = MAX_TOKENS, abandon: bool = False
-) -> Load:
-    """The load with the fault a second in; ``abandon``: also ``ABANDONED`` long streams through the fault, which
-    the client leaves once the load is over (``Load.abandoned``: the tokens each had received)."""
-    load = Load(url, requests, max_tokens)
-    task = asyncio.ensure_future(load.run())
-    left = Abandoned(url) if abandon else None
-    leaving = asyncio.ensure_future(left.run()) if left is not None else None
-    await asyncio.wait_for(load.started.wait(), 30)
-    await asyncio.sleep(FAULT_AFTER_S)  # the scenario: the fault strikes with streams in flight
-    await asyncio.to_thread(fault)
-    await asyncio.wait_for(task, 180)
-    if left is not None and leaving is not None:
-        left.leave.set()
-        await asyncio.wait_for(leaving, 60)
-        load.abandoned = list(left.tokens)
-    return load
-
-
-def idle_after(state_dir: Path, timeout_s: float = IDLE_WITHIN_S) -> int:
-    """Requests the workers still run (their load reports), polled until none or ``timeout_s``: the last count."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        running = running_requests(instances(state_dir))
-        if running == 0 or time.monotonic() > deadline:
-            return running
-        time.sleep(0.3)
-
-
 def stop_in_normal_time(state_dir: Path, st: ServeState) -> float:
     t0 = time.monotonic()
     done = run_kvmesh("stop", NS, "--state-dir", str(state_dir), timeout_s=120)
@@ -202,14 +323,15 @@ def kill(pid: int) -> None:
 
 @pytest.mark.parametrize("server", ["etcd", "nats"])
 async def test_an_embedded_server_killed_under_load_is_restarted_and_costs_no_request(tmp_path, server):
-    with serving(tmp_path, "--set", "frontend.port=0") as serve:
+    with serving(tmp_path, "--set", "frontend.port=0", *LONG_CONTEXT) as serve:
         url = serve.wait_ready()
         st = serve.state()
         before = {r["instance_id"] for r in instances(tmp_path)}
         assert len(before) == 16
         record = st.embedded_etcd if server == "etcd" else st.embedded_nats
         assert record is not None and record.process is not None
-        load = await under_load(url, lambda: kill(record.process.pid), abandon=True)  # type: ignore[union-attr]
+        long = LongStreams(url)
+        load = await under_load(url, lambda: kill(record.process.pid), long=long)  # type: ignore[union-attr]
         assert load.failed_before_first_token == [] and load.failed_mid_stream == []
         assert load.ok == LOAD_REQUESTS
         after_state = serve.state()
@@ -222,10 +344,7 @@ async def test_an_embedded_server_killed_under_load_is_restarted_and_costs_no_re
         assert after_record.endpoint == record.endpoint  # same port: every component reconnects by itself
         rows = registered_again(tmp_path, before)
         assert {r["instance_id"] for r in rows} == before
-        # The abandoned streams were decoding (well short of their 1500 tokens) when their client left; their
-        # workers stop them: nothing runs for a client that is gone.
-        assert len(load.abandoned) == ABANDONED and all(0 < t < ABANDONED_TOKENS for t in load.abandoned)
-        assert idle_after(tmp_path) == 0
+        check_left(await long.leave_and_watch(after_state, len(before)))
         table = run_kvmesh("status", "--state-dir", str(tmp_path), "--load-wait-s", "0").stdout
         assert f"embedded {server}" in table and "restarted once" in table
         stop_in_normal_time(tmp_path, after_state)
@@ -246,7 +365,7 @@ async def test_an_external_server_restarted_under_load_costs_no_request(tmp_path
     )
     graph.write_text(text + f"base_dir: {ROOT}\n")
     try:
-        with serving(tmp_path / "state", "--set", "frontend.port=0", graph=graph) as serve:
+        with serving(tmp_path / "state", "--set", "frontend.port=0", *LONG_CONTEXT, graph=graph) as serve:
             url = serve.wait_ready()
             before = {r["instance_id"] for r in instances(tmp_path / "state")}
 
@@ -258,22 +377,39 @@ async def test_an_external_server_restarted_under_load_costs_no_request(tmp_path
                 time.sleep(2.0)  # the scenario: the server is away for 2 s
                 target.start()
 
-            load = await under_load(url, restart, abandon=True)
+            long = LongStreams(url)
+            load = await under_load(url, restart, long=long)
             assert load.failed_before_first_token == [] and load.failed_mid_stream == []
             assert load.ok == LOAD_REQUESTS
             rows = registered_again(tmp_path / "state", before)
             assert {r["instance_id"] for r in rows} == before
-            assert len(load.abandoned) == ABANDONED and all(0 < t < ABANDONED_TOKENS for t in load.abandoned)
-            assert idle_after(tmp_path / "state") == 0  # nothing runs for a client that is gone
+            check_left(await long.leave_and_watch(serve.state(), len(before)))
             stop_in_normal_time(tmp_path / "state", serve.state())
     finally:
         etcd.cleanup()
         nats.cleanup()
 
 
-# The killed-worker test's load: 96 requests of 96 tokens (~1.2 s each), 24 at a time, ~5 s in all: at the fault (1 s
-# after the first token) every one of the 24 in flight is mid-stream, about half of them on the killed process.
+# The killed-worker test's load: 96 requests of 96 tokens (~1.2 s each), 24 at a time, ~5 s in all. The kill comes
+# once at least KILL_MID_STREAM of the 24 in flight are mid-stream: round robin put about half of them on the killed
+# process, so some of its ~12 are. A fixed second after the first token was not enough on the 2-core machine shared
+# with other work (load average 15-25): 2 of 2 failover runs cut no stream (they passed without a failover) and 1 of
+# 2 without failover failed its own check. With this strike, 4 of 5 runs of each case cut 11-13 streams; the fifth
+# cut none (not understood yet), and now says so instead of passing.
 KILL_REQUESTS, KILL_TOKENS = 96, 96
+KILL_MID_STREAM = LOAD_CONCURRENCY - 4
+
+
+def failovers(url: str) -> float:
+    """The frontend's count of streams re-issued on another worker (``kvmesh_frontend_migrations_total``)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvmesh_frontend_migrations_total" and sample.labels.get("kind") == "failover"
+    )
 
 
 @pytest.mark.parametrize("migration_limit", [3, 0], ids=["failover", "no-failover"])
@@ -289,11 +425,19 @@ async def test_a_killed_worker_process_costs_no_request(tmp_path, migration_limi
         url = serve.wait_ready()
         st = serve.state()
         victim = next(w for w in st.watchers if w.name == f"{NS}-mock-0")
-        load = await under_load(url, lambda: kill(victim.processes[0].pid), KILL_REQUESTS, KILL_TOKENS)
+        load = await under_load(
+            url,
+            lambda: kill(victim.processes[0].pid),
+            KILL_REQUESTS,
+            KILL_TOKENS,
+            strike_when=lambda ld: ld.mid_stream >= KILL_MID_STREAM,
+        )
         failed = load.failed_before_first_token + load.failed_mid_stream
         if migration_limit:
             assert failed == [], failed[:3]
             assert load.ok == KILL_REQUESTS
+            # And streams were cut: the frontend re-issued them (else the test showed nothing).
+            assert failovers(url) > 0, "no stream was in flight on the killed process: the test shows nothing"
         else:
             # What the failover test would let through: streams cut on the killed process ("not re-issued
             # elsewhere: migration_limit is 0"; one run: 13 of them). Only that some fail is asserted here.

@@ -124,6 +124,35 @@ async def test_a_live_client_s_requests_are_left_alone_by_the_check(mesh):
     assert served.server.num_orphans_cancelled == 0
 
 
+async def test_one_no_responders_answer_is_not_proof_that_a_client_is_gone(mesh, monkeypatch):
+    # Right after nats-server comes back, an instance can probe a live client before it has re-subscribed (the fault
+    # tests: a worker cancelled 3 requests of a live frontend in the millisecond it reconnected, 9 ms before the
+    # frontend did). Here the first check of the client answers "no responders", every later one the truth.
+    real = request_plane.probe_instance
+    answers: list[bool | None] = []
+
+    async def flaky_probe(bus, subject, timeout_s):
+        alive = False if not answers else await real(bus, subject, timeout_s)
+        answers.append(alive)
+        return alive
+
+    monkeypatch.setattr(request_plane, "probe_instance", flaky_probe)
+    _, served, handler = await serve_endless(mesh, client_check_s=0.02, probe_timeout_s=0.2)
+    client_rt = await mesh.runtime()
+    client = await client_rt.namespace("t").component("c").endpoint("gen").client()
+    stream = await client.generate({}, instance_id=served.instance_id)
+    got = []
+    async for item in stream:
+        got.append(item["i"])
+        if len(answers) >= 5:  # ~100 ms: the false answer and four true ones
+            break
+    await stream.aclose()
+    # Later answers are the live client's (None: its reply is not an instance's PROBE_ACK; only False condemns).
+    assert answers[0] is False and False not in answers[1:5]
+    assert got == list(range(len(got)))  # never cut
+    assert served.server.num_orphans_cancelled == 0 and handler.cancelled <= 1  # (1: the client's own CANCEL)
+
+
 async def test_a_request_made_while_the_bus_is_down_waits_for_it(mesh):
     _, served, _ = await serve_endless(mesh)
     client_rt = await mesh.runtime(bus_wait_s=5.0)
