@@ -88,6 +88,14 @@ class RouterConfig(BaseModel):
         description="kv without KV events: how long a routed request's blocks are assumed cached on its worker.",
         json_schema_extra={"cli_aliases": ["--router-ttl-secs"]},
     )
+    router_provisional_ttl_s: float = Field(
+        default=2.0,
+        ge=0.0,
+        description="kv with KV events: the blocks a routed request's worker will compute count as held there (and "
+        "at every replica, through replica sync) from the decision until the worker's KV events confirm them, or "
+        "for at most this long; 0: off (a prefix sent again before the worker's events arrive is not seen there). "
+        "Events confirm blocks within the prefill's queueing and compute time plus ~10-20 ms (docs/router.md).",
+    )
     prompt_hash_cache_blocks: int = Field(
         default=262_144,
         ge=0,
