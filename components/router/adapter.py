@@ -874,7 +874,9 @@ class Router:
                 iid = a.instance_id
                 if pv and self.provisional and iid not in self._foreign_hashes and not self.fleet.has_departed(iid):
                     parent, todo = pv
-                    self.index.record_routed(iid, [int(h) for h in todo], now_s, None if parent is None else int(parent))
+                    self.index.record_routed(
+                        iid, [int(h) for h in todo], now_s, None if parent is None else int(parent)
+                    )
             elif op in ("first_token", "finished"):
                 # Usually the sender's own request; but a replica reports whatever its caller told it, so the request
                 # may be this router's or a third one's. Request ids are unique across routers.

@@ -59,9 +59,7 @@ class PolicyReplicator:
         def holders_of(hashes: Sequence[int]) -> list[int]:
             # Holders by the workers' events only, as the live replicator's own index sees them (it routes nothing,
             # so it has no provisional blocks): a worker about to compute a prefix is no copy's source.
-            return [
-                w for w, n in index.overlaps(hashes).items() if n >= len(hashes) and index.none_routed(w, hashes)
-            ]
+            return [w for w, n in index.overlaps(hashes).items() if n >= len(hashes) and index.none_routed(w, hashes)]
 
         prefixes = self.rates.loads(now_s, holders_of)
         workers = [

@@ -131,7 +131,9 @@ def _run(cfg: LoadConfig, n: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [
-        ctx.Process(target=_child, args=(c.model_dump_json(), ready, go, results), name=f"kvmesh-loadgen-{c.shard_index}")
+        ctx.Process(
+            target=_child, args=(c.model_dump_json(), ready, go, results), name=f"kvmesh-loadgen-{c.shard_index}"
+        )
         for c in split(cfg, n)
     ]
     for p in procs:
