@@ -19,7 +19,12 @@ event plane, discovery, resyncs):
   a few of its own intervals (``components.fleet.rules``, the one staleness rule; the policies skip it);
 - KV cache: ``apply_kv_events`` / ``begin_resync`` / ``load_kv_state`` into a ``KvIndex``. ``apply_kv_events``
   returns False on an event-id gap: the owner fetches the worker's ``kv_state`` snapshot. With ``router_kv_events``
-  off (approximate mode) the index is predicted from the router's own assignments instead, for ``router_ttl_s``;
+  off (approximate mode) the index is predicted from the router's own assignments instead, for ``router_ttl_s``.
+  With events on, ``on_routed`` records the blocks the chosen worker will compute as *provisional* there (and sends
+  them in its sync message, so every replica records them too) until the worker's events confirm them or
+  ``router_provisional_ttl_s`` passes: a request sharing the prefix that comes before those events, to this router
+  or another replica, sees the holder (without them, the holder's queued prefill made the ``kv`` cost send it
+  elsewhere);
 - requests: ``on_routed`` -> ``on_first_token`` -> ``on_finished``, so load is exact between metric updates: a
   request adds its prompt's blocks (decode load) and its uncached prompt tokens (prefill load) when it is routed,
   the prefill part leaves at its first token, the rest at its end;
@@ -67,7 +72,7 @@ import operator
 import random
 import secrets
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from components.fleet.model import LoadRecord
@@ -138,6 +143,25 @@ def _with_overlaps(
     values[_AT_HOST_OVERLAP_BLOCKS] = host
     values[_AT_COMMON_HOST_OVERLAP] = host_floor
     return RouteRequest(*values)
+
+
+# At most this many provisional blocks per routed request (``on_routed``), the first ones past what the worker holds:
+# 256 blocks (4k tokens at 16 a block), ~2.3 KB of msgpack in the sync message (9 bytes a 64-bit hash) and ~60 bytes
+# a block in each replica's index while they wait for the worker's events. A longer prompt's later blocks are
+# seen at its worker's BLOCK_STORED like any other, and the leading ones are what a prompt sharing its prefix reads.
+MAX_PROVISIONAL_BLOCKS = 256
+
+
+def _to_compute(hashes: Sequence[int] | None, held: int) -> tuple[int | None, list[int]]:
+    """(the parent of the first block to compute, the hashes of the blocks to compute): the prompt's full blocks past
+    the ``held`` leading ones its worker holds, at most ``MAX_PROVISIONAL_BLOCKS``."""
+    if hashes is None:
+        return None, []
+    end = min(len(hashes), held + MAX_PROVISIONAL_BLOCKS)
+    if end <= held:
+        return None, []
+    hs = hashes.ensure(end) if isinstance(hashes, PromptHashes) else hashes
+    return (int(hs[held - 1]) if held else None), [int(h) for h in hs[held:end]]
 
 
 def make_policy(config: RouterConfig | str) -> RoutingPolicy[Any]:
@@ -260,11 +284,15 @@ class Router:
         self.rng = rng if rng is not None else random.Random(config.router_seed)
         # Identifies this router's messages on the sync topic; the standalone router uses its instance id.
         self.replica_id = replica_id if replica_id is not None else secrets.randbits(63)
-        self.index = KvIndex(approx_ttl_s=config.router_ttl_s)
         # The workers' host-memory tiers, made at the first event of that medium (``apply_kv_events``).
         self.host_index: KvIndex | None = None
         self.uses_kv = self.policy.uses_kv
         self.approximate = self.uses_kv and not config.router_kv_events
+        # KV events on: the blocks a routed request's worker will compute count as held until its events confirm them
+        # (``KvIndex.record_routed``; ``router_provisional_ttl_s``).
+        self.provisional = self.uses_kv and not self.approximate and config.router_provisional_ttl_s > 0
+        ttl_s = config.router_ttl_s if self.approximate else config.router_provisional_ttl_s
+        self.index = KvIndex(approx_ttl_s=ttl_s)
         self.stats = RouterStats()
         self.sync_listeners: list[SyncListener] = []
         self.membership_listeners: list[MembershipListener] = []
@@ -568,7 +596,7 @@ class Router:
         if self.uses_kv:
             if request.block_hashes is None:
                 request = self.prepare(request)
-            if self.approximate:
+            if self.approximate or self.provisional:
                 self.index.expire(request.now_s)
             assert request.block_hashes is not None
             index = self.index
@@ -671,6 +699,13 @@ class Router:
             hashes = list(request.block_hashes or ())
             self.index.record_routed(iid, hashes, request.now_s)
             msg["hashes"] = hashes
+        elif self.provisional:
+            if request.block_hashes is None:
+                request = self.prepare(request)
+            parent, todo = _to_compute(request.block_hashes, decision.overlap_blocks)
+            if todo:
+                self.index.record_routed(iid, todo, request.now_s, parent)
+                msg["pv"] = [parent, todo]
         if self.sync_listeners:
             self._emit(msg)
         self._flush()  # eagerly: this worker's snapshot, off the next decision's path (class docstring)
@@ -722,6 +757,26 @@ class Router:
             self._emit({"op": "finished", "rid": request_id})
         self._flush()
 
+    def provisional_summary(self) -> dict[str, Any]:
+        """What became of the provisional blocks so far (``KvIndex.record_routed``): how many were predicted,
+        confirmed by the workers' events (and how long that took, ms, over the latest confirmations), expired
+        unconfirmed, or ended by a removal, clear, snapshot or departure first."""
+        st = self.index.stats
+        lat = sorted(st.confirm_latency_s)
+
+        def pct(p: float) -> float | None:
+            return round(1000 * lat[min(len(lat) - 1, int(p * len(lat)))], 1) if lat else None
+
+        return {
+            "predicted": st.num_routed,
+            "confirmed": st.num_routed_confirmed,
+            "expired": st.num_routed_expired,
+            "dropped": st.num_routed_dropped,
+            "confirm_ms_p50": pct(0.5),
+            "confirm_ms_p99": pct(0.99),
+            "confirm_ms_max": round(1000 * lat[-1], 1) if lat else None,
+        }
+
     def is_inflight(self, request_id: str) -> bool:
         """Whether this router counts ``request_id`` as in flight (routed here or by a replica)."""
         return self._table_of(request_id) is not None
@@ -748,8 +803,10 @@ class Router:
         call refreshes the worker's snapshot here."""
         self.fleet.apply_load(instance_id, snapshot, now_s)
 
-    def apply_kv_events(self, instance_id: int, events: list[KvEvent]) -> bool:
+    def apply_kv_events(self, instance_id: int, events: list[KvEvent], now_s: float | None = None) -> bool:
         """Apply a batch of a worker's KV events; False: a gap, fetch its ``kv_state`` and call ``load_kv_state``.
+        ``now_s``: when it arrived (the clock of ``RouteRequest.now_s``), for how long provisional blocks waited for
+        their confirmation (``KvIndex.stats``).
 
         Events of a host-memory tier (``KvEvent.is_host``) go to ``host_index``, made at the first one; from then on
         it sees every event, so that it counts the ids of the device's too (``KvIndex``'s media)."""
@@ -758,7 +815,7 @@ class Router:
         host = self.host_index
         if host is None and any(e.is_host for e in events):
             host = self.host_index = KvIndex(approx_ttl_s=self.config.router_ttl_s, host=True)
-        ok = self.index.apply(instance_id, events)
+        ok = self.index.apply(instance_id, events, now_s)
         if host is not None:
             ok = host.apply(instance_id, events) and ok
         return ok
@@ -817,6 +874,13 @@ class Router:
                 hashes = msg.get("hashes")
                 if hashes and self.approximate:
                     self.index.record_routed(a.instance_id, [int(h) for h in hashes], now_s)
+                pv = msg.get("pv")
+                iid = a.instance_id
+                if pv and self.provisional and iid not in self._foreign_hashes and not self.fleet.has_departed(iid):
+                    parent, todo = pv
+                    self.index.record_routed(
+                        iid, [int(h) for h in todo], now_s, None if parent is None else int(parent)
+                    )
             elif op in ("first_token", "finished"):
                 # Usually the sender's own request; but a replica reports whatever its caller told it, so the request
                 # may be this router's or a third one's. Request ids are unique across routers.

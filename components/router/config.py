@@ -88,6 +88,17 @@ class RouterConfig(BaseModel):
         description="kv without KV events: how long a routed request's blocks are assumed cached on its worker.",
         json_schema_extra={"cli_aliases": ["--router-ttl-secs"]},
     )
+    router_provisional_ttl_s: float = Field(
+        default=5.0,
+        ge=0.0,
+        description="kv with KV events: the blocks a routed request's worker will compute count as held there (and "
+        "at every replica, through replica sync) from the decision until the worker's KV events confirm them, or "
+        "for at most this long; 0: off (a prefix sent again before the worker's events arrive is not seen there). "
+        "The events come after the prefill's queueing and compute, the worker's 10 ms batch and NATS: on the busy "
+        "2-core dev VM (load 18-25, 8 frontend processes, simulated workers) p50 70-380 ms, p99 1.1-3.0 s, max "
+        "3.0 s (docs/frontend.md); an unconfirmed prediction (a request that failed before its prefill) misleads "
+        "for at most this long.",
+    )
     prompt_hash_cache_blocks: int = Field(
         default=262_144,
         ge=0,

@@ -141,6 +141,8 @@ class RouterFeed:
 
     async def _stop(self) -> None:
         router = self.router
+        if router.provisional:
+            logger.info("router %x provisional KV blocks: %s", router.replica_id, router.provisional_summary())
         if self._sync:
             with contextlib.suppress(ValueError):
                 router.sync_listeners.remove(self._outbox.put_nowait)
@@ -208,7 +210,7 @@ class RouterFeed:
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning("KV events from %x do not parse: %r", ev.source_id, e)
                 continue
-            if not router.apply_kv_events(ev.source_id, events):
+            if not router.apply_kv_events(ev.source_id, events, time.monotonic()):
                 self._schedule_resync(ev.source_id)
 
     def _schedule_resync(self, iid: int) -> None:

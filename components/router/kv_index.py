@@ -30,13 +30,25 @@ Media: an engine with a host-memory tier announces that tier's blocks with the s
 (``KvIndex(host=True)`` for the host tier's): each applies its own medium's events and only counts the others' ids,
 so that a gap in either shows in both.
 
-Approximate mode, for engines without KV events: ``record_routed(worker, hashes, now_s)`` predicts that the worker
-now holds the request's blocks, for ``approx_ttl_s``; ``expire(now_s)`` drops predictions past their TTL.
+Routed blocks (``record_routed(worker, hashes, now_s, parent)``): the router predicts that the worker will hold a
+request's blocks as soon as it places the request, for ``approx_ttl_s``; ``expire(now_s)`` drops predictions past
+their TTL. Two uses:
+
+- approximate mode, for engines without KV events: the predictions are the whole index (TTL ``router_ttl_s``, 120 s);
+- *provisional* blocks, with KV events on: the blocks a request's worker is about to compute count as held from the
+  decision on, so a request sharing the prefix that arrives before the worker's ``BLOCK_STORED`` (its prefill, the
+  worker's 10 ms event batch, NATS; on any router replica, which records them from the sync message) sees the holder
+  (TTL ``router_provisional_ttl_s``). A prediction is *confirmed* by the worker's ``BLOCK_STORED`` of the block (from
+  then on it is an ordinary block: its TTL no longer applies), and ends with the block at a ``BLOCK_REMOVED``, an
+  ``ALL_CLEARED``, a snapshot (which lists what the worker really holds) or the worker's departure. An expired
+  prediction leaves the index like a removal but is counted apart (``KvIndexStats.num_routed_expired``), never as a
+  block the worker removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, repeat
@@ -56,6 +68,8 @@ class _WorkerState:
     last_event_id: int = -1  # -1: nothing seen yet; the first event is accepted whatever its id
     stale: bool = False
     buffered: list[KvEvent] = dataclasses.field(default_factory=list)
+    # Predicted blocks not confirmed by an event yet (``record_routed``): hash -> when the prediction expires.
+    routed: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 # The parent of a block loaded from a snapshot (``KvStateSnapshot`` lists hashes, not their chain). Never a real hash:
@@ -77,6 +91,15 @@ class KvIndexStats:
     num_blocks_removed: int = 0
     num_gaps: int = 0
     num_resyncs: int = 0
+    num_routed: int = 0  # blocks predicted by ``record_routed`` (not held before)
+    num_routed_confirmed: int = 0  # of which the worker's BLOCK_STORED confirmed
+    num_routed_expired: int = 0  # of which the TTL ended, unconfirmed
+    num_routed_dropped: int = 0  # of which a removal, a clear, a snapshot or the worker's departure ended first
+    # Seconds from the prediction to its confirmation, the latest ``CONFIRM_SAMPLES`` (``apply`` given ``now_s``).
+    confirm_latency_s: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=CONFIRM_SAMPLES))
+
+
+CONFIRM_SAMPLES = 10_000
 
 
 class KvIndex:
@@ -98,9 +121,11 @@ class KvIndex:
         self._first_stop = 0
         self.bits_version = 0  # changes whenever a worker gets or gives back its bit (``bits_of`` may differ)
         self.approx_ttl_s = approx_ttl_s
+        # (expiry, worker id, hashes) of every record_routed call, oldest first; the per-worker ``routed`` maps say
+        # which of those hashes are still predictions and until when.
         self._approx: deque[tuple[float, int, tuple[int, ...]]] = deque()
-        self._approx_expiry: dict[tuple[int, int], float] = {}
         self.stats = KvIndexStats()
+        self._now_s: float | None = None  # the current ``apply`` call's arrival time
 
     # -- workers ---------------------------------------------------------------------------------------------------
 
@@ -145,7 +170,7 @@ class KvIndex:
         self._worker(worker_id).stale = True
 
     def remove_worker(self, worker_id: int) -> None:
-        """A worker left: its blocks leave with it."""
+        """A worker left: its blocks (and predictions) leave with it."""
         st = self._workers.pop(worker_id, None)
         if st is None:
             return
@@ -181,6 +206,9 @@ class KvIndex:
         st.blocks = {}
         st.children = {}
         st.orphans = st.unknown = 0
+        if st.routed:
+            self.stats.num_routed_dropped += len(st.routed)
+            st.routed = {}
 
     def _drop_blocks(self, st: _WorkerState, hashes: Iterable[int]) -> None:
         masks = self._masks
@@ -239,9 +267,12 @@ class KvIndex:
 
     # -- events ----------------------------------------------------------------------------------------------------
 
-    def apply(self, worker_id: int, events: Sequence[KvEvent]) -> bool:
-        """Apply a batch in order; returns False when a gap made the worker stale (the caller should resync)."""
+    def apply(self, worker_id: int, events: Sequence[KvEvent], now_s: float | None = None) -> bool:
+        """Apply a batch in order; returns False when a gap made the worker stale (the caller should resync).
+        ``now_s`` (the caller's clock, the one ``record_routed`` was given): when the batch arrived, for the
+        confirmation latency of predicted blocks (``KvIndexStats.confirm_latency_s``)."""
         st = self._worker(worker_id)
+        self._now_s = now_s
         for ev in events:
             if st.stale:
                 if len(st.buffered) >= self.MAX_BUFFERED_EVENTS:
@@ -264,9 +295,16 @@ class KvIndex:
             return  # the other medium's: its id counted, its blocks not ours
         self.stats.num_events += 1
         if ev.kind == KvEventKind.BLOCK_STORED:
+            if st.routed:
+                self._confirm(st, ev.block_hashes)
             self._store(st, ev.block_hashes, ev.parent_hash)
             self.stats.num_blocks_stored += len(ev.block_hashes)
         elif ev.kind == KvEventKind.BLOCK_REMOVED:
+            if st.routed:
+                routed = st.routed
+                for h in ev.block_hashes:
+                    if routed.pop(h, None) is not None:
+                        self.stats.num_routed_dropped += 1
             self._drop_blocks(st, ev.block_hashes)
             self.stats.num_blocks_removed += len(ev.block_hashes)
         elif ev.kind == KvEventKind.ALL_CLEARED:
@@ -285,30 +323,72 @@ class KvIndex:
         self.stats.num_resyncs += 1
         self.apply(worker_id, [e for e in buffered if e.event_id > snap.last_event_id])
 
-    # -- approximate mode ------------------------------------------------------------------------------------------
-
-    def record_routed(self, worker_id: int, hashes: Sequence[int], now_s: float) -> None:
-        """Predict that ``worker_id`` now caches ``hashes`` (engines without KV events)."""
-        st = self._worker(worker_id)
-        self._store(st, hashes, None)
-        t = now_s + self.approx_ttl_s
+    def _confirm(self, st: _WorkerState, hashes: Sequence[int]) -> None:
+        """The worker stored these blocks: predictions of them are real blocks now (their TTL no longer applies)."""
+        routed = st.routed
+        now = self._now_s
+        ttl = self.approx_ttl_s
         for h in hashes:
-            self._approx_expiry[(worker_id, h)] = t
+            t = routed.pop(h, None)
+            if t is not None:
+                self.stats.num_routed_confirmed += 1
+                if now is not None:
+                    self.stats.confirm_latency_s.append(now - (t - ttl))
+
+    # -- routed blocks: approximate mode, provisional blocks --------------------------------------------------------
+
+    def record_routed(self, worker_id: int, hashes: Sequence[int], now_s: float, parent: int | None = None) -> None:
+        """Predict that ``worker_id`` holds ``hashes`` (a chain: ``parent`` is the parent of ``hashes[0]``, the
+        block before them that the worker holds; None: they start the prompt) until ``now_s + approx_ttl_s``, unless
+        an event confirms or removes them first (module docstring). Blocks the worker already holds for real are
+        left as they are; a prediction repeated keeps the later expiry."""
+        if not hashes:
+            return
+        st = self._worker(worker_id)
+        blocks = st.blocks
+        routed = st.routed
+        t = now_s + self.approx_ttl_s
+        new = 0
+        for h in hashes:
+            if h in routed:
+                routed[h] = t
+            elif h not in blocks:
+                routed[h] = t
+                new += 1
+        self.stats.num_routed += new
+        self._store(st, hashes, parent)
         self._approx.append((t, worker_id, tuple(hashes)))
 
     def expire(self, now_s: float) -> int:
-        """Drop predictions whose TTL passed (a block routed again since keeps its newer expiry)."""
+        """Drop predictions whose TTL passed (a block routed again since keeps its newer expiry; one confirmed by an
+        event is not a prediction any more); returns how many blocks left."""
         dropped = 0
-        while self._approx and self._approx[0][0] <= now_s:
-            _, wid, hashes = self._approx.popleft()
+        approx = self._approx
+        while approx and approx[0][0] <= now_s:
+            _, wid, hashes = approx.popleft()
             st = self._workers.get(wid)
-            gone = [h for h in hashes if self._approx_expiry.get((wid, h), 0.0) <= now_s]
+            if st is None or not st.routed:
+                continue
+            routed = st.routed
+            gone = [h for h in hashes if routed.get(h, math.inf) <= now_s]
             for h in gone:
-                self._approx_expiry.pop((wid, h), None)
-            if st is not None and gone:
+                routed.pop(h, None)
+            if gone:
                 self._drop_blocks(st, gone)
                 dropped += len(gone)
+        self.stats.num_routed_expired += dropped
         return dropped
+
+    def none_routed(self, worker_id: int, hashes: Iterable[int]) -> bool:
+        """Whether none of ``hashes`` is a prediction for the worker (those it holds, it holds for real: a copy's
+        source must, where a router's provisional holder need only be about to)."""
+        st = self._workers.get(worker_id)
+        return st is None or not st.routed or st.routed.keys().isdisjoint(hashes)
+
+    def is_routed(self, worker_id: int, block_hash: int) -> bool:
+        """Whether the worker's ``block_hash`` is a prediction still (not confirmed by an event)."""
+        st = self._workers.get(worker_id)
+        return st is not None and block_hash in st.routed
 
     # -- queries ---------------------------------------------------------------------------------------------------
 

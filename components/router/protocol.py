@@ -11,8 +11,11 @@ Endpoints of ``kvmesh router`` (component ``router`` by default; every replica s
 
 Topic ``router_sync`` (event plane, source id = the router replica's id), payloads (msgpack dicts, ``op`` first):
 
-- ``{"op": "routed", "a": Assignment.to_list(), "hashes": [...]?}``: a request was placed (``hashes``, its prompt's
-  block hashes, only from routers in approximate mode, whose KV index is predicted from assignments);
+- ``{"op": "routed", "a": Assignment.to_list(), "hashes": [...]?, "pv": [parent, [...]]?}``: a request was placed.
+  ``hashes``, its prompt's block hashes, only from routers in approximate mode, whose KV index is predicted from
+  assignments; ``pv``, from routers with KV events on, the blocks its worker will compute (the prompt's full blocks
+  past those the worker held, at most ``adapter.MAX_PROVISIONAL_BLOCKS``) and the hash of the held block before them
+  (None: from the start), which receivers record as provisional for that worker (``KvIndex.record_routed``);
 - ``{"op": "first_token", "rid": str}`` / ``{"op": "finished", "rid": str}``;
 - ``{"op": "state", "inflight": [Assignment.to_list(), ...]}``: the replica's whole in-flight table, every
   ``router_sync_interval_s``; receivers replace their view of that replica with it, which heals lost messages and

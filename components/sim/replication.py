@@ -57,7 +57,9 @@ class PolicyReplicator:
         index = router.index
 
         def holders_of(hashes: Sequence[int]) -> list[int]:
-            return [w for w, n in index.overlaps(hashes).items() if n >= len(hashes)]
+            # Holders by the workers' events only, as the live replicator's own index sees them (it routes nothing,
+            # so it has no provisional blocks): a worker about to compute a prefix is no copy's source.
+            return [w for w, n in index.overlaps(hashes).items() if n >= len(hashes) and index.none_routed(w, hashes)]
 
         prefixes = self.rates.loads(now_s, holders_of)
         workers = [

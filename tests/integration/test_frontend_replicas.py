@@ -118,14 +118,15 @@ async def make_replicas(
 ) -> AsyncIterator[Callable[..., Awaitable[Replicas]]]:
     made: list[Replicas] = []
 
-    async def make(*flags: str, num_workers: int = 2, **engine: Any) -> Replicas:
+    async def make(*flags: str, num_workers: int = 2, kv_events_batch_ms: int = 10, **engine: Any) -> Replicas:
         worker_rt = await make_runtime()
         workers = []
         for i in range(num_workers):
             ecfg = MockEngineConfig(vocab_size=384, eos_token_id=257, max_model_len=2048, num_gpu_blocks=512,
                                     **({"speedup_ratio": float("inf")} | engine))  # fmt: skip
             w = Worker(worker_rt, WorkerConfig(namespace=namespace, model=MODEL, model_path=MODEL_PATH,
-                                               metrics_interval_ms=100), MockEngine(ecfg, name=f"m{i}"))  # fmt: skip
+                                               metrics_interval_ms=100, kv_events_batch_ms=kv_events_batch_ms),
+                       MockEngine(ecfg, name=f"m{i}"))  # fmt: skip
             await w.start()
             workers.append(w)
         cmd = [sys.executable, "-m", "components.cli.main", "--log-level", "INFO", "frontend", "--namespace", namespace,
@@ -259,6 +260,41 @@ async def test_a_repeated_prefix_lands_on_its_holder_whichever_process_takes_it(
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256 - 16
         served = metric(await repeater.metrics(), "kvmesh_frontend_worker_requests_total", worker=w)
         assert served == served_before + 1
+
+
+async def test_a_prefix_routed_by_one_process_goes_to_its_worker_at_the_other_before_the_kv_events(make_replicas):
+    # The workers hold their KV events back for 60 s (their batch window), so neither process's index learns of a
+    # block from events during the test: what the other process knows it knows from the first one's routed message
+    # (its provisional blocks). On main it knows nothing and the wait below times out.
+    r: Replicas = await make_replicas("--router-policy", "kv", num_workers=4, kv_events_batch_ms=60_000)
+    by = await r.pin()
+    x, y = by
+    sender, repeater = by[x], by[y]
+    prompt = [(13 * i + 1) % 256 for i in range(256)]  # 256 token ids: 16 blocks
+    out = await sender.complete(prompt, max_tokens=2)
+    assert out["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+
+    async def predicted() -> str | None:
+        """The worker holding the prompt's 16 blocks in the other process's index, if any yet."""
+        text = await repeater.metrics()
+        for m in re.finditer(r'kvmesh_frontend_router_kv_blocks\{[^}]*worker="([0-9a-f]+)"[^}]*\} (\S+)', text):
+            if float(m.group(2)) >= 16:
+                return m.group(1)
+        return None
+
+    async def known() -> bool:
+        return await predicted() is not None
+
+    await wait_until_async(known, timeout_s=10)
+    w = await predicted()
+    assert w is not None
+    assert sum(x.num_kv_batches_published for x in r.workers) == 0  # no event has left any worker
+    served_before = metric(await repeater.metrics(), "kvmesh_frontend_worker_requests_total", worker=w)
+    again = await repeater.complete(prompt, max_tokens=2)
+    assert replica_of(again["id"]) == y
+    # The other process sent it to the worker that computed it: the engine found the prefix in its cache.
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256 - 16
+    assert metric(await repeater.metrics(), "kvmesh_frontend_worker_requests_total", worker=w) == served_before + 1
 
 
 async def test_a_replica_that_dies_is_started_again_and_serves(make_replicas):

@@ -7,7 +7,8 @@ measured side by side in alternating rounds on the same workers.
 2. Sides, each started fresh for every round and stopped after it (so an idle side costs the other nothing):
    ``1`` (``kvmesh frontend --replicas 1``), ``N`` (``--replicas N``, N = the usable cores, at least 2; ``--replicas``
    to choose), ``baseline`` (``--compare-tree DIR``: one frontend run from another
-   checkout's code, e.g. an older commit, to measure a change before/after), and ``external`` (``--url``: any
+   checkout's code, e.g. an older commit, to measure a change before/after; with ``--compare-replicas 1,8`` sides
+   ``baseline-1`` and ``baseline-8``, that checkout's frontend with those replicas), and ``external`` (``--url``: any
    OpenAI-compatible endpoint already running, e.g. Dynamo's frontend on its own simulated workers, with the CPU of
    the processes ``--url-pids`` names). The kvmesh sides are started with the command line ``kvmesh serve`` would
    give the graph's frontend (``components.deploy.plan.plan_frontend``).
@@ -29,6 +30,11 @@ Targets, checked in the output (``targets``): N processes against one, at the sa
 requests/s with a lower TTFT p99 and a KV hit rate within 2 points; one process against ``--compare-tree`` spends
 at most 0.8x the frontend CPU per request; kvmesh against ``--url`` serves at least 1.2x the requests/s at no worse
 TTFT p99 and lower total CPU per request.
+
+Load generators: ``--loadgen-procs N`` splits each measured window over N processes
+(``loadgen.procs.run_load_procs``: the same prompts' prefixes, disjoint prompts, the concurrency and requests shared
+out), since one Python process parsing the streams caps a many-core run at about one core's worth of requests; their
+results are merged (percentiles over every request, requests/s summed, the CPU of each counted). Warm-ups use one.
 
 The last line printed is one JSON object; ``--png`` draws requests/s, TTFT p99 and CPU per request per side.
 """
@@ -54,6 +60,7 @@ from typing import IO, Any
 import psutil
 
 from components.cli.bench.loadgen import LoadConfig, run_load
+from components.cli.bench.loadgen.procs import run_load_procs
 from components.deploy.graph import load_graph
 from components.deploy.local import healthy
 from components.deploy.plan import plan_frontend
@@ -244,8 +251,9 @@ async def measure(
     role_of = {pid: role for role, pids in roles.items() for pid in pids}
     load_before = os.getloadavg()[0]
     cpu_before = machine_cpu()
-    out = await run_load(
-        load_config(args, url, seed, args.requests, list(role_of), warm=False, extra_body=side.extra_body)
+    out = await run_load_procs(
+        load_config(args, url, seed, args.requests, list(role_of), warm=False, extra_body=side.extra_body),
+        args.loadgen_procs,
     )
     cpu_after = machine_cpu()
     load_after = os.getloadavg()[0]
@@ -269,6 +277,8 @@ async def measure(
         "cpu_ms_per_request": per_request | {"total": round(total, 3)},
         "processes": {role: len(pids) for role, pids in roles.items()},
         "loadgen_cpu_ms_per_request": out["cpu"]["loadgen_cpu_ms_per_request"],
+        "loadgen_procs": out.get("loadgen_procs", 1),
+        "loadgen_cpu_ms_per_proc": out["cpu"].get("loadgen_cpu_ms_per_proc", [out["cpu"]["loadgen_cpu_ms"]]),
         "load_average": [round(load_before, 2), round(load_after, 2)],
         # Whether the machine had a core to spare: every process's CPU over the window (a side whose servers and
         # load generator keep all cores busy is bound by the machine, not by its frontend).
@@ -284,7 +294,12 @@ def sides_of(args: argparse.Namespace) -> list[Side]:
     n = args.replicas or max(2, usable_cores())
     sides = [Side("1", replicas=1), Side(str(n), replicas=n)] if n > 1 else [Side("1", replicas=1)]
     if args.compare_tree:
-        sides.append(Side("baseline", tree=Path(args.compare_tree).resolve()))
+        tree = Path(args.compare_tree).resolve()
+        if args.compare_replicas:
+            for k in (int(x) for x in args.compare_replicas.split(",") if x.strip()):
+                sides.append(Side(f"baseline-{k}", replicas=k, tree=tree))
+        else:
+            sides.append(Side("baseline", tree=tree))
     if args.url:
         extra = json.loads(args.url_extra_body) if args.url_extra_body else None
         if extra is not None and not isinstance(extra, dict):
@@ -420,10 +435,15 @@ def summarize(rounds: list[list[dict[str, Any]]], names: list[str], pairs: list[
 def pairs_of(sides: list[Side]) -> list[tuple[str, str]]:
     """The comparisons: N processes over 1, 1 over the baseline tree, every kvmesh side over the external one."""
     names = [s.name for s in sides]
-    kvmesh = [s.name for s in sides if s.replicas is not None]
+    kvmesh = [s.name for s in sides if s.replicas is not None and s.tree is None]
     out = [(n, "1") for n in kvmesh if n != "1" and "1" in names]
     if "baseline" in names:
         out += [(n, "baseline") for n in kvmesh]
+    # --compare-replicas: each baseline side over the baseline's one process, and this tree's side of the same
+    # replicas over the baseline's.
+    base = {s.replicas: s.name for s in sides if s.tree is not None and s.replicas is not None}
+    out += [(n, base[1]) for k, n in base.items() if k != 1 and 1 in base]
+    out += [(str(k), n) for k, n in base.items() if str(k) in kvmesh]
     if "external" in names:
         out += [(n, "external") for n in kvmesh]
     return out
@@ -432,7 +452,7 @@ def pairs_of(sides: list[Side]) -> list[tuple[str, str]]:
 def targets(result: dict[str, Any], sides: list[Side]) -> dict[str, Any]:
     """The issue's targets, judged on the paired medians of each policy (None: not measured)."""
     out: dict[str, Any] = {}
-    kvmesh = [s.name for s in sides if s.replicas is not None]
+    kvmesh = [s.name for s in sides if s.replicas is not None and s.tree is None]
     for pol in result["policies"]:
         paired = pol["paired_ratios"]
         t: dict[str, Any] = {}
@@ -558,6 +578,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests": args.requests,
         "warmup_requests": args.warmup_requests,
         "concurrency": args.concurrency,
+        "loadgen_procs": args.loadgen_procs,
         "synthetic_prompt": args.synthetic_prompt,
         "prompt_tokens": args.prompt_tokens,
         "shared_prefix_tokens": args.shared_prefix_tokens,
@@ -587,6 +608,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sides", default=None, help="run only these sides (comma-separated names, e.g. 1,baseline)")
     p.add_argument("--compare-tree", default=None, help="also run a frontend from this checkout's code")
+    p.add_argument(
+        "--compare-replicas",
+        default=None,
+        help="with --compare-tree: run its frontend with these --replicas (comma-separated, e.g. 1,8), as sides "
+        "baseline-1, baseline-8 (default: one side 'baseline' with that tree's default)",
+    )
     p.add_argument("--url", default=None, help="also load this OpenAI endpoint, already running (e.g. Dynamo's)")
     p.add_argument(
         "--url-pids", default=None, help="its processes by role for CPU: frontend=PID,workers=PID,nats=PID,etcd=PID"
@@ -601,7 +628,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=3000, help="measured requests per side and round")
     p.add_argument("--warmup-requests", type=int, default=300, help="unmeasured requests before each window")
     p.add_argument("--max-window-s", type=float, default=300.0, help="no request is sent after this long in a window")
-    p.add_argument("--concurrency", type=int, default=64, help="concurrent streams")
+    p.add_argument("--concurrency", type=int, default=64, help="concurrent streams (over all load generators)")
+    p.add_argument(
+        "--loadgen-procs",
+        type=int,
+        default=1,
+        help="load-generator processes sharing --concurrency and --requests (one caps a many-core run at ~1 core of "
+        "SSE parsing); latency percentiles over every request, requests/s summed, each one's CPU counted",
+    )
     p.add_argument("--synthetic-prompt", choices=("text", "tokens"), default="text", help="chat text or token ids")
     p.add_argument("--prompt-tokens", type=int, default=1240, help="prompt length in tokens (characters of text)")
     p.add_argument("--shared-prefix-tokens", type=int, default=1000, help="shared prefix length (0: unique prompts)")

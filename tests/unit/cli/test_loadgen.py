@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -466,3 +467,52 @@ def test_bench_frontend_alternates_the_order_of_its_sides_round_by_round():
     names = [[s.name for s in side_order(sides, r)] for r in range(3)]
     assert names == [["1", "2", "baseline"], ["baseline", "2", "1"], ["1", "2", "baseline"]]
     assert [s.name for s in sides] == ["1", "2", "baseline"]
+
+
+def test_loadgen_procs_share_out_the_load_and_their_shards_share_prefixes_but_no_prompt():
+    from components.cli.bench.loadgen.procs import split
+    from components.cli.bench.loadgen.traces import synthetic_prompt
+
+    cfg = LoadConfig(
+        model="m", concurrency=64, max_requests=1000, pids=[1], prompt_tokens=40, shared_prefix_tokens=30,
+        num_shared_prefixes=4, synthetic_prompt="text",
+    )  # fmt: skip
+    shards = split(cfg, 3)
+    assert [s.concurrency for s in shards] == [22, 21, 21] and [s.max_requests for s in shards] == [334, 333, 333]
+    assert [(s.shard_count, s.shard_index, s.pids) for s in shards] == [(3, 0, []), (3, 1, []), (3, 2, [])]
+    # The rows each shard sends (runner: index % shard_count == shard_index), same seed: disjoint prompts, and the
+    # same 4 prefixes in every shard.
+    sent = [[str(synthetic_prompt(s, i, 40)) for i in range(60) if i % 3 == s.shard_index] for s in shards]
+    assert len({p for ps in sent for p in ps}) == 60
+    assert {p[:30] for p in sent[0]} == {p[:30] for p in sent[1]} == {p[:30] for p in sent[2]}
+    assert len({p[:30] for p in sent[0]}) == 4
+    with pytest.raises(LoadgenError):
+        split(cfg.model_copy(update={"concurrency": 2}), 3)
+    with pytest.raises(ValueError):
+        LoadConfig(model="m", shard_count=2, shard_index=2)
+
+
+def test_loadgen_procs_merge_sums_counts_and_rates_and_takes_percentiles_over_every_request():
+    from components.cli.bench.loadgen.procs import merge
+
+    def out(done: int, rps: float, cpu_ms: float, errors: dict[str, int]) -> dict[str, Any]:
+        return {
+            "url": "u", "model": "m", "mode": "concurrency", "concurrency": 8, "source": "synthetic", "trace": None,
+            "requests_sent": done + sum(errors.values()), "requests_completed": done,
+            "requests_failed": sum(errors.values()), "requests_cancelled": 0, "duration_s": done / rps,
+            "requests_per_s": rps, "output_tokens": 64 * done, "input_tokens": 100 * done,
+            "cached_input_tokens": 50 * done, "output_tokens_per_s": 64 * rps, "input_tokens_per_s": 100 * rps,
+            "errors": errors, "error_examples": {k: "x" for k in errors}, "usage_missing": 0, "max_in_flight": 8,
+            "cpu": {"pids": {}, "pids_include_children": False, "loadgen_cpu_ms": cpu_ms},
+        }  # fmt: skip
+
+    # Two shards: 100 requests at 50/s and 300 at 150/s; TTFTs 1..100 ms and 101..400 ms.
+    m = merge(
+        [out(100, 50.0, 200.0, {"timeout": 1}), out(300, 150.0, 600.0, {"timeout": 2, "http_500": 1})],
+        [i / 1000 for i in range(1, 401)], [0.01] * 10, [0.5] * 400,
+    )  # fmt: skip
+    assert (m["requests_completed"], m["requests_per_s"], m["duration_s"], m["loadgen_procs"]) == (400, 200.0, 2.0, 2)
+    assert m["errors"] == {"http_500": 1, "timeout": 3} and m["cached_input_tokens"] == 20_000
+    assert m["ttft_ms"]["p50"] == pytest.approx(200.5) and m["ttft_ms"]["p99"] == pytest.approx(396.01)
+    assert m["cpu"]["loadgen_cpu_ms"] == 800.0 and m["cpu"]["loadgen_cpu_ms_per_request"] == 2.0
+    assert m["cpu"]["loadgen_cpu_ms_per_proc"] == [200.0, 600.0]

@@ -97,6 +97,15 @@ class LoadConfig(BaseModel):
         "the conversation trace, whose block 0 (a system prompt) every row shares. Unset: no 'user' field.",
     )
 
+    shard_count: int = Field(
+        default=1,
+        ge=1,
+        description="Several load generators splitting one workload: this one sends only the rows whose index modulo "
+        "shard_count is shard_index (same seed everywhere: the same shared prefixes, disjoint prompts); "
+        "max_requests counts this shard's.",
+    )
+    shard_index: int = Field(default=0, ge=0, description="This load generator's shard, below shard_count.")
+
     # --- When to send ----------------------------------------------------------------------------------------------
     concurrency: int | None = Field(
         default=None,
@@ -131,6 +140,12 @@ class LoadConfig(BaseModel):
         description="Add each pid's live descendants and its reaped children (cutime+cstime) to its CPU time.",
     )
     progress: bool = Field(default=True, description="Progress bar on stderr (only when stderr is a terminal).")
+
+    @model_validator(mode="after")
+    def _shard_fits(self) -> LoadConfig:
+        if self.shard_index >= self.shard_count:
+            raise ValueError(f"shard_index ({self.shard_index}) must be below shard_count ({self.shard_count})")
+        return self
 
     @model_validator(mode="after")
     def _prefix_fits(self) -> LoadConfig:

@@ -162,6 +162,8 @@ async def run_load(
         rows = read_trace(cfg.trace, fmt)
     else:
         rows = synthetic_rows(cfg.prompt_tokens, cfg.max_tokens)
+    if cfg.shard_count > 1:
+        rows = (r for r in rows if r.index % cfg.shard_count == cfg.shard_index)
     timestamped = fmt in TIMESTAMPED_FORMATS
     if cfg.start_offset_s and not timestamped:
         raise LoadgenError(f"start_offset_s needs a timestamped trace (Mooncake, Azure); {fmt} has no timestamps")
