@@ -329,37 +329,35 @@ class FrontendApp:
                 # tokenizer a token is often part of a character, and skipping it made the first chunk wait for the
                 # tokens that complete it (issue 4; measured in docs/vllm-cpu.md, "Benchmark: kvmesh bench vs-vllm").
                 # Chunks whose outputs were already here when the previous one was read share one write (and one
-                # syscall): never a wait, only less work when the frontend falls behind the workers.
+                # syscall): never a wait, only less work when the frontend falls behind the workers. The last chunk
+                # (it carries the finish reason) waits for nothing either: it leaves below, in one write with the
+                # usage chunk, [DONE] and the end of the body, where they took three more.
                 num_sent = 0
                 async for text, finish in gen:
                     if text or finish is not None or gen.num_output_tokens != num_sent:
                         num_sent = gen.num_output_tokens
                         pending.append(enc.chunk(text, finish, gen))
-                    if pending and (len(pending) >= _MAX_GATHERED or not gen.ready()):
+                    if finish is None and pending and (len(pending) >= _MAX_GATHERED or not gen.ready()):
                         await write(pending[0] if len(pending) == 1 else b"".join(pending))
                         pending.clear()
-                if pending:
-                    await write(b"".join(pending))
-                    pending.clear()
             if req.include_usage:
-                await write(enc.usage(gen))
+                pending.append(enc.usage(gen))
         except FrontendError as e:
             status, kind = status_of(e)
-            await self._write_error(write, pending, error_body(e.message, kind, e.param, e.code))
+            pending.append(self._error_event(error_body(e.message, kind, e.param, e.code)))
         except TimeoutError:
             status, kind = status_of(UpstreamTimeoutError(""))
             msg = f"the request took longer than {self.config.request_timeout_s:g} s (request_timeout_s)"
-            await self._write_error(write, pending, error_body(msg, kind, None, UpstreamTimeoutError.code))
-        await write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            pending.append(self._error_event(error_body(msg, kind, None, UpstreamTimeoutError.code)))
+        pending.append(b"data: [DONE]\n\n")
+        await response.write_eof(b"".join(pending))
         return response, status
 
-    async def _write_error(
-        self, write: Callable[[bytes], Awaitable[None]], pending: list[bytes], body: dict[str, Any]
-    ) -> None:
-        """The chunks read before the error, then the error event."""
+    @staticmethod
+    def _error_event(body: dict[str, Any]) -> bytes:
+        """The event that ends a stream after an error (it follows the chunks read before the error)."""
         logger.info("stream ended with an error: %s", body["error"]["message"])
-        await write(b"".join(pending) + b"data: " + _dumps(body).encode() + b"\n\n")
+        return b"data: " + _dumps(body).encode() + b"\n\n"
 
 
 def _usage(gen: Generation) -> dict[str, Any]:

@@ -454,6 +454,7 @@ class FrontendMetrics:
         if router_view is not None:
             self._render_registry.register(RouterViewCollector(router_view))
         self._models: dict[str, ModelMetrics] = {}
+        self._request_children: dict[tuple[str, str, int], Counter] = {}  # count_request: bounded label sets
 
     def model(self, name: str) -> ModelMetrics:
         mm = self._models.get(name)
@@ -462,7 +463,13 @@ class FrontendMetrics:
         return mm
 
     def count_request(self, endpoint: str, model: str, status: int) -> None:
-        self.requests.labels(endpoint=endpoint, model=model, status=str(status)).inc()
+        key = (endpoint, model, status)
+        child = self._request_children.get(key)
+        if child is None:  # labels() takes a lock and builds a key per call: once per label set, not per request
+            child = self._request_children[key] = self.requests.labels(
+                endpoint=endpoint, model=model, status=str(status)
+            )
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self._render_registry)

@@ -53,9 +53,12 @@ class Model:
     async def tokenizer(self) -> Tokenizer:
         if self.tokenizer_task is None:
             raise ModelUnavailableError(f"model {self.name!r} announces no model_path, so it has no tokenizer")
+        task = self.tokenizer_task
+        if task.done() and not task.cancelled() and task.exception() is None:
+            return task.result()  # loaded: every request but the first few (a shield costs a future and callbacks)
         try:
             # shield: a request cancelled while the tokenizer loads must not cancel the load for everyone else.
-            return await asyncio.shield(self.tokenizer_task)
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # whatever transformers raised, told to the client as one error

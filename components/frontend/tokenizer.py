@@ -62,6 +62,7 @@ class Tokenizer:
         # The Rust encoder straight away, when it encodes the probe as transformers does with and without special
         # tokens (a tokenizer class that adds its own Python steps, such as a legacy prefix-space rule, does not).
         self._backend_encode = None
+        self._backend_encode_fast: Any = None
         if backend is not None:
             try:
                 same = all(
@@ -74,6 +75,18 @@ class Tokenizer:
                 same = False
             if same:
                 self._backend_encode = backend.encode
+                # tokenizers >= 0.21: the same ids without the character offsets ``encode`` also computes, which
+                # are half its cost (a 1,240-token chat prompt: ~220 us against ~450 us of process CPU).
+                fast = getattr(backend, "encode_batch_fast", None)
+                try:
+                    if fast is not None and all(
+                        fast([_ENCODE_PROBE], add_special_tokens=s)[0].ids
+                        == backend.encode(_ENCODE_PROBE, add_special_tokens=s).ids
+                        for s in (True, False)
+                    ):
+                        self._backend_encode_fast = fast
+                except Exception as e:  # noqa: BLE001 - as above: the plain direct encoder then
+                    logger.debug("offset-free encoder of %s not used: %r", path, e)
         # Incremental detokenising in Rust where the decode above is the Rust one (same text, same special tokens).
         try:  # tokenizers >= 0.21, which transformers' fast tokenizers bring; imported here, after the heavy load
             from tokenizers.decoders import DecodeStream
@@ -84,9 +97,13 @@ class Tokenizer:
         self.streams_in_rust = self._decode_stream is not None and self._backend_decode is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._backend_encode is not None:
-            ids: list[int] = self._backend_encode(text, add_special_tokens=add_special_tokens).ids
+        fast = self._backend_encode_fast
+        if fast is not None:
+            ids: list[int] = fast([text], add_special_tokens=add_special_tokens)[0].ids
             return ids
+        if self._backend_encode is not None:
+            direct: list[int] = self._backend_encode(text, add_special_tokens=add_special_tokens).ids
+            return direct
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode_stream(self, context: Sequence[int]) -> Any:

@@ -28,7 +28,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Spelled out: dataclasses.asdict walks the fields and deep-copies recursively, ~10x the cost, once per
+        # request on the frontend's hot path. tests/unit/protocol checks that every field is here.
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -103,14 +113,20 @@ class TokenChunk:
     num_host_cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        # The counters are zero on every chunk but the first: left out then (``from_dict`` and every reader take a
+        # missing one as 0), so a streamed token's frame is a 3-key map, not 6: the frontend unpacks one per token.
+        d: dict[str, Any] = {
             "token_ids": self.token_ids,
             "finish_reason": None if self.finish_reason is None else str(self.finish_reason),
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_cached_tokens": self.num_cached_tokens,
             "position": self.position,
-            "num_host_cached_tokens": self.num_host_cached_tokens,
         }
+        if self.num_prompt_tokens:
+            d["num_prompt_tokens"] = self.num_prompt_tokens
+        if self.num_cached_tokens:
+            d["num_cached_tokens"] = self.num_cached_tokens
+        if self.num_host_cached_tokens:
+            d["num_host_cached_tokens"] = self.num_host_cached_tokens
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TokenChunk:

@@ -56,10 +56,11 @@ def freeze_startup_heap() -> int:
     """Put everything start-up allocated out of the cyclic garbage collector's reach; returns how many objects.
 
     A worker's heap after start-up holds what vLLM and torch imported (importing the adapter's vLLM names alone
-    leaves ~600 k objects tracked), a frontend's what aiohttp and transformers did (~100 k). Each full collection
-    while serving would walk all of it again, a pause on the event loop that relays every token. Frozen objects are
-    never collected (they live as long as the process anyway) and never scanned. vLLM's OpenAI server does the same
-    once it has started.
+    leaves ~600 k objects tracked), a frontend's what aiohttp did (~70 k; transformers and the tokenizer load later,
+    and the frontend freezes again once they have: ``components.frontend.main.load_tokenizer_and_freeze``). Each full
+    collection while serving would walk all of it again, a pause on the event loop that relays every token. Frozen
+    objects are never collected (they live as long as the process anyway) and never scanned. vLLM's OpenAI server
+    does the same once it has started.
     """
     gc.collect()
     gc.freeze()

@@ -289,6 +289,37 @@ async def test_chat_applies_the_template_and_streams_usage_last(stack: Stack):
     )
 
 
+async def test_the_last_chunk_usage_and_done_end_the_body_in_one_http_chunk(stack: Stack):
+    # The end of a stream costs one write (one syscall), not four: the chunk with the finish reason, the usage chunk,
+    # [DONE] and the body's end leave together. The SSE bytes are those of one write per event.
+    body = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    http_chunks: list[bytes] = []
+    async with aiohttp.ClientSession() as session, session.post(stack.url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        buf = b""
+        async for data, end_of_http_chunk in r.content.iter_chunks():
+            buf += data
+            if end_of_http_chunk:
+                http_chunks.append(buf)
+                buf = b""
+        assert buf == b""
+    events = [e for c in http_chunks for e in c.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    usage = json.loads(events[-2].removeprefix(b"data: "))
+    finished = json.loads(events[-3].removeprefix(b"data: "))
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert finished["choices"][0]["finish_reason"] == "length" and finished["usage"] is None
+    last = [e for e in [c for c in http_chunks if c][-1].split(b"\n\n") if e]
+    assert last[-3:] == events[-3:]  # finish, usage, [DONE]: one HTTP chunk, one write
+
+
 async def test_chat_without_max_tokens_may_use_the_rest_of_the_context(stack: Stack):
     # The mock engine stops at EOS (id 257, about 1 in 384 draws); without ignore_eos the answer ends with 'stop'
     # or, failing that, 'length' at max_model_len - prompt tokens.

@@ -111,3 +111,18 @@ def test_an_output_that_ends_inside_a_character_sends_no_replacement_character_a
     assert all("\ufffd" not in p for p in pieces)
     # A whole character after an invalid byte is kept, the invalid byte too: only the cut-off end is dropped.
     assert "".join(stream(tok, [0xFF, *snow], [1, 1])) == tok.decode([0xFF, *snow])
+
+
+def test_the_offset_free_encoder_gives_transformers_ids_on_prompts_and_chat_templates(tok: Tokenizer):
+    hf = AutoTokenizer.from_pretrained(MODEL_PATH, local_files_only=True)
+    assert tok._backend_encode_fast is not None  # tokenizers >= 0.21: the fast path is the one under test
+    rng = random.Random(3)
+    alphabet = "abc xyz  \n\t.,!?'\"éü日本語🙂<s></s>[INST]0123456789"
+    texts = ["", " ", "<s>", "".join(rng.choice(alphabet) for _ in range(2000))]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 200))) for _ in range(200)]
+    for text in texts:
+        for special in (True, False):
+            assert tok.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
+    messages = [{"role": "system", "content": texts[3][:300]}, {"role": "user", "content": texts[5]}]
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(messages) == hf.encode(text, add_special_tokens=False)

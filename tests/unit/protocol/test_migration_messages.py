@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 
-from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
+from components.protocol.messages import FinishReason, GenerateRequest, SamplingParams, TokenChunk
 from components.protocol.metadata import WorkerMetadata
 from components.protocol.migration import (
     AbortReply,
@@ -91,3 +93,22 @@ def test_a_kv_transfer_commit_carries_the_hand_off_and_older_peers_read_none() -
     assert MigrateInReply.from_dict(wire(MigrateInReply(True, mode="kv_transfer").to_dict())).mode == "kv_transfer"
     assert MigrateInReply.from_dict({"ok": True}).mode == ""  # an older destination says nothing of its mode
     assert MigrationMode("kv_transfer") is MigrationMode.KV_TRANSFER
+
+
+def test_sampling_params_wire_form_names_every_field_as_asdict_would() -> None:
+    # to_dict is spelled out for speed (the frontend builds one per request): a field added to the dataclass and
+    # forgotten there would silently fall back to its default on the worker.
+    s = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.9, top_k=3, seed=7, stop_token_ids=[4], ignore_eos=True)
+    assert s.to_dict() == dataclasses.asdict(s)
+    assert s.to_dict()["stop_token_ids"] is not s.stop_token_ids  # a copy, as asdict gives
+    assert SamplingParams.from_dict(wire(s.to_dict())) == s
+
+
+def test_a_streamed_token_chunk_leaves_out_its_zero_counters_and_reads_back_the_same() -> None:
+    later = TokenChunk([9], position=5)
+    assert later.to_dict() == {"token_ids": [9], "finish_reason": None, "position": 5}  # per token: 3 keys
+    first = TokenChunk([1], num_prompt_tokens=40, num_cached_tokens=32, num_host_cached_tokens=16)
+    last = TokenChunk([], finish_reason=FinishReason.LENGTH, position=64)
+    for c in (later, first, last):
+        assert TokenChunk.from_dict(wire(c.to_dict())) == c
+    assert first.to_dict()["num_cached_tokens"] == 32 and last.to_dict()["finish_reason"] == "length"
