@@ -584,9 +584,10 @@ def plot(report: dict[str, Any], path: str) -> str | None:
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
     for ax, (name, fleet, agg) in zip(axes.flat, panels, strict=False):
-        for policy, by_load in agg["summary"].items():
+        n = len(agg["summary"])
+        for i, (policy, by_load) in enumerate(agg["summary"].items()):
             pts = [(float(x), r["ttft_p99_ms"]) for x, r in by_load.items() if r["ttft_p99_ms"]["median"] is not None]
-            xs = [x for x, _ in pts]
+            xs = [x + 0.006 * (i - (n - 1) / 2) for x, _ in pts]  # side by side, so that the bars do not overlap
             ys = [v["median"] / 1000.0 for _, v in pts]
             err = [
                 [(v["median"] - v["min"]) / 1000.0 for _, v in pts],
