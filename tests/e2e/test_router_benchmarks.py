@@ -137,7 +137,11 @@ def test_bench_routing_sweeps_policies_at_fractions_of_measured_capacity(tmp_pat
                         assert low["host_hit_rate"] == 0
                 assert entry["points"]["round_robin"]["0.8"]["decision_kinds"] == {"rotation": 40}
     assert r["png"] == str(png) and png.stat().st_size > 10_000
-    assert "| synthetic_documents | host | 0.8 |" in md.read_text()
+    text = md.read_text()
+    assert "| synthetic_documents | host | 0.8 |" in text
+    for table in text.split("\n\n"):
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in rows}) <= 1, table  # every row has the header's columns
     assert r["rules"]["host_kv_blocks_per_worker"] == 65_536 and r["rules"]["synthetic_scales"] == [1.0]
 
 

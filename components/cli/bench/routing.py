@@ -644,7 +644,7 @@ def markdown(report: dict[str, Any]) -> str:
             + " | ".join(policies)
             + " | kv hit | kv speedup vs RR | kv speedup vs best load-only (which) |"
         )
-        out.append("|" + "---|" * (7 + len(policies)))
+        out.append("|" + "---|" * (8 + len(policies)))
         for name, w in report[group].items():
             for fleet, agg in w["fleets"].items():
                 for load in order:
