@@ -35,6 +35,7 @@ Nothing here does I/O beyond reading the trace file.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -68,17 +69,23 @@ def from_trace(
     output_tokens: int = SHAREGPT_OUTPUT_TOKENS,
     min_prompt_tokens: int = 0,
     start_offset_s: float = 0.0,
+    skip_rows: int = 0,
 ) -> Workload:
     """The first ``max_requests`` rows of a trace file as a workload (module docstring); with ``min_prompt_tokens``,
     the first that many rows whose prompt has at least that many tokens (a ShareGPT text: its UTF-8 bytes), the
     others skipped (their prompts are not built, and the kept rows' prompts are the ones they get unfiltered); with
     ``start_offset_s``, rows before that trace time are skipped too (the load generator's ``start_offset_s``: rows
-    without a timestamp never are)."""
+    without a timestamp never are); with ``skip_rows``, the first that many rows that would have been kept are
+    skipped (a later slice of the trace: ``kvmesh bench routing --slices``)."""
     rows = []
+    skipped = 0
     for row in read_trace(path, fmt):
         if min_prompt_tokens > 0 and _prompt_length(row) < min_prompt_tokens:
             continue
         if row.timestamp_s is not None and row.timestamp_s < start_offset_s:
+            continue
+        if skipped < skip_rows:
+            skipped += 1
             continue
         rows.append(row)
         if len(rows) >= max_requests:
@@ -114,18 +121,96 @@ def from_trace(
     return Workload(name, tuple(SimRequest(r.arrival_s - t0, r.prompt, r.max_tokens, r.program_id) for r in out))
 
 
+def count_rows(path: str | Path, fmt: str = "auto") -> int:
+    """How many rows a trace file has (what ``from_trace``'s ``skip_rows`` is read against)."""
+    return sum(1 for _ in read_trace(path, fmt))
+
+
 def _prompt_length(row: TraceRow) -> int:
     return len(row.text.encode("utf-8")) if row.text is not None else max(1, row.input_length or 1)
 
 
-def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0, scale: float = 1.0) -> Workload:
+@dataclasses.dataclass(frozen=True)
+class ShapeParams:
+    """The parameters of a synthetic shape; ``None`` fields take the base shape's (``base_params``). The defaults are
+    the shapes the ``kv`` cost's constants were tuned on; ``draw_params`` gives others for a held-out set."""
+
+    shared_count: int | None = None  # system_prompts/documents: shared prefixes (times ``scale``)
+    shared_median: int | None = None  # their median length in tokens
+    zipf_s: float | None = None  # their popularity law's exponent
+    own_median: int | None = None  # each request's own text after the prefix (conversations: each user message)
+    out_median: int | None = None  # outputs
+    max_turns: int | None = None  # conversations: 2..max_turns turns each
+    think_s: float | None = None  # conversations: mean think time between turns at scale 1
+
+    def resolved(self, shape: str) -> ShapeParams:
+        base = base_params(shape)
+        return ShapeParams(**{
+            f.name: getattr(base, f.name) if getattr(self, f.name) is None else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        })  # fmt: skip
+
+
+def base_params(shape: str) -> ShapeParams:
+    """The base shapes' parameters (module docstring)."""
+    if shape == "system_prompts":
+        return ShapeParams(64, 600, 1.1, 400, 200)
+    if shape == "documents":
+        return ShapeParams(8, 12000, 1.1, 100, 150)
+    if shape == "conversations":
+        return ShapeParams(own_median=300, out_median=250, max_turns=12, think_s=20.0)
+    raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
+
+
+def _loguniform(rng: random.Random, lo: float, hi: float) -> float:
+    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def draw_params(shape: str, rng: random.Random) -> ShapeParams:
+    """Parameters of ``shape`` drawn at random around the base shape's, for workloads the ``kv`` cost was never tuned
+    on: the number and length of the shared prefixes, their popularity, and the share of new text per request
+    (log-uniform over a range about 4x either side of the base; conversations: their turns, message and answer
+    lengths and think times)."""
+    if shape == "system_prompts":
+        return ShapeParams(
+            shared_count=round(_loguniform(rng, 16, 256)), shared_median=round(_loguniform(rng, 200, 2000)),
+            zipf_s=round(rng.uniform(0.6, 1.4), 2), own_median=round(_loguniform(rng, 100, 1600)),
+            out_median=round(_loguniform(rng, 64, 500)),
+        )  # fmt: skip
+    if shape == "documents":
+        return ShapeParams(
+            shared_count=round(_loguniform(rng, 3, 32)), shared_median=round(_loguniform(rng, 3000, 24000)),
+            zipf_s=round(rng.uniform(0.6, 1.4), 2), own_median=round(_loguniform(rng, 30, 400)),
+            out_median=round(_loguniform(rng, 50, 400)),
+        )  # fmt: skip
+    if shape == "conversations":
+        return ShapeParams(
+            own_median=round(_loguniform(rng, 80, 1200)), out_median=round(_loguniform(rng, 80, 800)),
+            max_turns=rng.randint(3, 20), think_s=round(_loguniform(rng, 5, 60), 1),
+        )  # fmt: skip
+    raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
+
+
+def synthetic(
+    shape: str,
+    n: int,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    scale: float = 1.0,
+    params: ShapeParams | None = None,
+    name: str | None = None,
+) -> Workload:
     """``n`` requests of a synthetic prefix-sharing shape at ``scale`` (module docstring), at a nominal 1 request/s.
-    Named ``synthetic_<shape>``, with ``_x<scale>`` when the scale is not 1."""
+    Named ``synthetic_<shape>``, with ``_x<scale>`` when the scale is not 1 (or ``name``). ``params``: other
+    parameters than the base shape's (``ShapeParams``; the base shape's requests are the same with or without)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    name = f"synthetic_{shape}" if scale == 1 else f"synthetic_{shape}_x{scale:g}"
+    p = (params or ShapeParams()).resolved(shape)
+    if name is None:
+        name = f"synthetic_{shape}" if scale == 1 else f"synthetic_{shape}_x{scale:g}"
     rng = random.Random(f"{seed}:{shape}" if scale == 1 else f"{seed}:{shape}:x{scale:g}")
 
     def ids(key: str, k: int) -> tuple[int, ...]:
@@ -133,11 +218,12 @@ def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0, scale: floa
 
     reqs: list[SimRequest] = []
     if shape in ("system_prompts", "documents"):
-        count, median, s = (64, 600, 1.1) if shape == "system_prompts" else (8, 12000, 1.1)
+        assert p.shared_count and p.shared_median and p.zipf_s and p.own_median and p.out_median
+        count, median, s = p.shared_count, p.shared_median, p.zipf_s
         count = max(1, round(count * scale))
         shared = [ids(f"shared{k}", _lognormal(rng, median, 0.4, median // 4, median * 3)) for k in range(count)]
         pick = _zipf_picker(rng, count, s)
-        own_median, out_median = (400, 200) if shape == "system_prompts" else (100, 150)
+        own_median, out_median = p.own_median, p.out_median
         t = 0.0
         for i in range(n):
             k = pick()
@@ -147,17 +233,18 @@ def synthetic(shape: str, n: int, *, vocab_size: int, seed: int = 0, scale: floa
             t += rng.expovariate(1.0)
         return Workload(name, tuple(reqs))
     # conversations: start times Poisson at a rate that, with their turns, makes about 1 request/s
-    mean_turns = 7.0
-    think_s = 20.0 * scale
+    assert p.own_median and p.out_median and p.max_turns and p.think_s
+    mean_turns = (2 + p.max_turns) / 2  # the mean of randint(2, max_turns): 7 for the base shape
+    think_s = p.think_s * scale
     t_start = 0.0
     c = 0
     while len(reqs) < n:
-        turns = rng.randint(2, 12)
+        turns = rng.randint(2, p.max_turns)
         history: tuple[int, ...] = ()
         t = t_start
         for j in range(turns):
-            prompt = history + ids(f"c{c}u{j}", _lognormal(rng, 300, 0.6, 8, 2400))
-            out = _lognormal(rng, 250, 0.6, 8, 1500)
+            prompt = history + ids(f"c{c}u{j}", _lognormal(rng, p.own_median, 0.6, 8, p.own_median * 8))
+            out = _lognormal(rng, p.out_median, 0.6, 8, p.out_median * 6)
             reqs.append(SimRequest(t, prompt, out, f"c{c}"))
             history = prompt + ids(f"c{c}a{j}", out)  # the answer joins the history (its ids as the model's tokens)
             t += out * 0.02 + rng.expovariate(1.0 / think_s)

@@ -79,49 +79,69 @@ def test_bench_routing_live_replays_a_trace_slice_per_policy(tmp_path):
 
 
 def test_bench_routing_sweeps_policies_at_fractions_of_measured_capacity(tmp_path):
-    png = tmp_path / "routing.png"
-    argv = ["routing", "--synthetic", "documents", "--requests", "60", "--policies", "round_robin,least_loaded,kv",
-            "--loads", "0.8,1.2", "--workers", "4", "--synthetic-scales", "1", "--png", str(png)]  # fmt: skip
+    png, md = tmp_path / "routing.png", tmp_path / "routing.md"
+    argv = ["routing", "--synthetic", "documents", "--requests", "40", "--policies", "round_robin,least_loaded,kv",
+            "--loads", "0.8,1.2", "--workers", "4", "--synthetic-scales", "1", "--png", str(png), "--seeds", "0,1",
+            "--held-out", "1", "--markdown", str(md), "--jobs", "2"]  # fmt: skip
     if TRACE.is_file():
         argv += ["--trace", str(TRACE)]
     r = bench(*argv)
-    assert r["bench"] == "routing" and r["loads"] == [0.8, 1.2]
+    assert r["bench"] == "routing" and r["loads"] == [0.8, 1.2] and r["seeds"] == [0, 1]
+    assert r["fleets"] == ["host", "device"]  # both by default
     assert "synthetic_documents" in r["workloads"]
     assert ("mooncake_conversation_trace" in r["workloads"]) == TRACE.is_file()
-    for entry in r["workloads"].values():
-        assert entry["requests"] == 60 and entry["capacity_rps"] > 0
-        assert 0 <= entry["oracle_reuse_fleet_device_memory"] <= entry["oracle_reuse_fleet_memory"]
-        assert entry["oracle_reuse_fleet_memory"] <= entry["oracle_reuse"] <= 1
-        assert entry["fleet"]["workers"] == 4 and entry["fleet"]["max_model_len"] >= entry["prompt_tokens"]["max"]
-        assert entry["fleet"]["num_host_blocks"] == 65_536  # the default host-memory tier
-        ws = entry["working_set"]
-        assert ws["blocks"] > 0 and ws["over_worker_device"] >= ws["over_worker_memory"] >= ws["over_fleet_memory"]
-        assert ws["regime"] in {
-            "fits one worker's device cache",
-            "fits one worker's device cache and host tier",
-            "fits the fleet's memory, split between workers",
-            "exceeds the fleet's memory",
-        }
-        assert 0 < entry["ttft_floor_ms"]["p50"] <= entry["ttft_floor_ms"]["p99"]
-        # Causality only delays a request's cached prefix: per request, so per percentile, the causal floor is higher.
-        assert set(entry["ttft_causal_floor_ms"]) == {"0.8", "1.2"}
-        for f in entry["ttft_causal_floor_ms"].values():
-            assert entry["ttft_floor_ms"]["p99"] <= f["p99"] and entry["ttft_floor_ms"]["p50"] <= f["p50"]
-        for policy in ("round_robin", "least_loaded", "kv"):
-            low, high = entry["points"][policy]["0.8"], entry["points"][policy]["1.2"]
-            assert low["requests"] == high["requests"] == 60  # every request completed
-            assert high["rate_rps"] == pytest.approx(1.5 * low["rate_rps"], rel=1e-3)
-            assert 0 < low["ttft_ms"]["p50"] <= low["ttft_ms"]["p99"]
-            assert 0 < low["itl_ms"]["p50"] <= low["itl_ms"]["p99"] and low["output_tokens_per_s"] > 0
-            balance = low["balance"]
-            assert balance["in_flight_max_over_mean"] >= 1 and balance["computed_tokens_max_over_mean"] >= 1
-            assert 0 <= low["host_hit_rate"] <= low["hit_rate"] <= entry["oracle_reuse"] + 1e-9
-            assert sum(low["decision_kinds"].values()) == 60
-        assert entry["points"]["round_robin"]["0.8"]["decision_kinds"] == {"rotation": 60}
-        assert {"kv_p99_over_best_load_only_worst_load", "kv_throughput_over_best_load_only_worst_load"} <= set(
-            entry["targets"]
-        )
+    assert list(r["held_out"]) == ["heldout0_system_prompts"] and r["held_out"]["heldout0_system_prompts"]["params"]
+    assert set(r["targets"]) == {"workloads", "held_out"} and set(r["targets"]["held_out"]) == {"host", "device"}
+    for name, w in [*r["workloads"].items(), *r["held_out"].items()]:
+        assert set(w["fleets"]) == {"host", "device"}
+        for fleet, agg in w["fleets"].items():
+            assert len(agg["replicates"]) == 2 and agg["oracle_reuse"]["min"] <= agg["oracle_reuse"]["median"]
+            if name.startswith("heldout"):
+                assert min(agg["seeds"]) >= 1_000_000  # seeds never tuned on
+            if w["kind"] == "trace":
+                assert [e["rows"][0] for e in agg["replicates"]] == [0, 40]  # two slices of the trace
+            kv = agg["summary"]["kv"]["0.8"]
+            assert len(kv["ttft_p99_ms"]["values"]) == 2
+            assert kv["ttft_p99_ms"]["min"] <= kv["ttft_p99_ms"]["median"] <= kv["ttft_p99_ms"]["max"]
+            assert set(kv["best_load_only"]) <= {"round_robin", "least_loaded"}
+            # The best load-only policy is at least as good as round-robin: kv's ratio over it is the smaller.
+            for a, b in zip(kv["p99_speedup_over_best_load_only"]["values"],
+                            kv["p99_speedup_over_round_robin"]["values"], strict=True):  # fmt: skip
+                assert a <= b + 1e-9
+            assert agg["targets"]["kv_p99_speedup_over_round_robin_at_0.8"]["met_per_seed"] is not None
+            for entry in agg["replicates"]:
+                assert entry["requests"] == 40 and entry["capacity_rps"] > 0
+                assert entry["fleet"]["num_host_blocks"] == (65_536 if fleet == "host" else 0)
+                assert 0 <= entry["oracle_reuse_fleet_device_memory"] <= entry["oracle_reuse_fleet_memory"]
+                assert entry["oracle_reuse_fleet_memory"] <= entry["oracle_reuse"] <= 1
+                assert entry["fleet"]["workers"] == 4
+                assert entry["fleet"]["max_model_len"] >= entry["prompt_tokens"]["max"]
+                ws = entry["working_set"]
+                assert ws["blocks"] > 0 and ws["over_worker_device"] >= ws["over_worker_memory"]
+                assert ws["over_worker_memory"] >= ws["over_fleet_memory"]
+                assert 0 < entry["ttft_floor_ms"]["p50"] <= entry["ttft_floor_ms"]["p99"]
+                # Causality only delays a request's cached prefix: per request, so per percentile, the causal floor
+                # is higher.
+                assert set(entry["ttft_causal_floor_ms"]) == {"0.8", "1.2"}
+                for f in entry["ttft_causal_floor_ms"].values():
+                    assert entry["ttft_floor_ms"]["p99"] <= f["p99"] and entry["ttft_floor_ms"]["p50"] <= f["p50"]
+                for policy in ("round_robin", "least_loaded", "kv"):
+                    low, high = entry["points"][policy]["0.8"], entry["points"][policy]["1.2"]
+                    assert low["requests"] == high["requests"] == 40  # every request completed
+                    assert high["rate_rps"] == pytest.approx(1.5 * low["rate_rps"], rel=1e-3)
+                    assert 0 < low["ttft_ms"]["p50"] <= low["ttft_ms"]["p99"]
+                    assert 0 < low["itl_ms"]["p50"] <= low["itl_ms"]["p99"] and low["output_tokens_per_s"] > 0
+                    assert 0 <= low["host_hit_rate"] <= low["hit_rate"] <= entry["oracle_reuse"] + 1e-9
+                    assert sum(low["decision_kinds"].values()) == 40
+                    if fleet == "device":
+                        assert low["host_hit_rate"] == 0
+                assert entry["points"]["round_robin"]["0.8"]["decision_kinds"] == {"rotation": 40}
     assert r["png"] == str(png) and png.stat().st_size > 10_000
+    text = md.read_text()
+    assert "| synthetic_documents | host | 0.8 |" in text
+    for table in text.split("\n\n"):
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in rows}) <= 1, table  # every row has the header's columns
     assert r["rules"]["host_kv_blocks_per_worker"] == 65_536 and r["rules"]["synthetic_scales"] == [1.0]
 
 
@@ -132,6 +152,8 @@ def test_bench_routing_refuses_bad_input_with_a_clear_message(tmp_path):
         (["--synthetic", "documents", "--loads", "0.8,-1"], "loads must be > 0"),
         (["--synthetic", "documents", "--host-kv-blocks", "-1"], "--host-kv-blocks must be >= 0"),
         (["--synthetic", "documents", "--synthetic-scales", "1,0"], "scales must be > 0"),
+        (["--synthetic", "documents", "--seeds", "1,1"], "distinct seeds"),
+        (["--synthetic", "documents", "--fleets", "host,gpu"], "fleets are host, device"),
     ]:
         proc = subprocess.run(
             [sys.executable, "-m", "components.cli.main", "bench", "routing", *argv],
