@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from components.runtime.servers import free_port
 from tests.e2e.test_planner_local import Streams, long_prompt
 from tests.support.k8s import KubeApi
 from tests.support.kubelet_shim import KubeletShim
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_until, wait_until_async
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,6 +47,19 @@ PLANNER_FLAGS = ["--adjustment-interval", "2", "--metric-pulling-interval", "0.2
 
 def kvmesh_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "components.cli.main", *args]
+
+
+async def serves_model(url: str, model: str) -> bool:
+    """The frontend answers and lists ``model`` (it is started before any worker, so it learns of the model later)."""
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                return any(m.get("id") == model for m in json.load(r).get("data", []))
+        except OSError:
+            return False
+
+    return await asyncio.to_thread(probe)
 
 
 def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -118,6 +133,9 @@ async def test_the_planner_scales_a_deployment_up_under_load_and_down_in_quiet_l
                     planner_log_path,
                 )  # fmt: skip
                 url = f"http://127.0.0.1:{port}"
+                # The load starts once the frontend listens and knows the worker's model (a CI run sent its first
+                # streams while the frontend was still starting: every one failed to connect).
+                await wait_until_async(lambda: serves_model(url, "tiny-llama"), timeout_s=60, step_s=0.1)
                 streams = Streams(url)
 
                 async def replicas() -> int:
