@@ -55,7 +55,13 @@ the model's common floor, ``RouteRequest.common_overlap_blocks``, instead of 1,0
 Between decisions the workers' load reports arrive as they would at ``--arrival-rate`` requests/s with a report
 every 100 ms from each worker (``n_workers * 10 / arrival_rate`` reports per decision, round-robin over the workers),
 so the router rebuilds their snapshots as it does in production (in ``bookkeeping_cpu_us``). The garbage collector
-stays on.
+stays on, with the frontend process's young-generation threshold (``--gc-young-threshold``, 20,000; CPython's 700
+until 2026-11-29). With KV events on (the default), the router records each routed request's blocks as provisional
+(``Router.provisional``); the workers' ``BLOCK_STORED`` confirms them ``--confirm-after-ms`` of arrivals later and
+each worker evicts as many blocks no request reads, tail first (``filler_blocks``), so the index stays at
+``--indexed-blocks`` and every worker's cache prefix-closed: until 2026-11-29 nothing confirmed them and the index
+grew by every prediction during the run (to ~1.3M entries). Applying those events is timed apart
+(``provisional.kv_events_cpu_us``: the feed's work, which runs in the same process between decisions).
 
 **Ingest.** With 256 workers and the index at ``--indexed-blocks``, batches of ``BlockStored``/``BlockRemoved`` events
 (a batch per worker message, as ``RouterFeed`` receives it from the ``kv_events`` topic) go through
@@ -114,6 +120,10 @@ POLICIES = ("kv", "round_robin", "least_loaded")
 # A new conversation turn: one Mooncake block (512 tokens), appended to a cached conversation's prefix.
 NEW_TURN_TOKENS = 512
 METRICS_INTERVAL_S = 0.1  # the workers' default load-report interval (WorkerConfig.metrics_interval_ms)
+# The frontend process's youngest-generation threshold while serving (``components.frontend.main.GC_YOUNG_THRESHOLD``,
+# where the router runs; tests/unit/cli/test_bench_router.py checks the two agree): importing that module here would
+# bring aiohttp and the runtime's clients into the measured process (~20k more objects for the collector to walk).
+GC_YOUNG_THRESHOLD = 20_000
 VOCAB = 128_256  # Llama 3's vocabulary: token ids are ints of up to 17 bits, each its own object
 
 
@@ -251,9 +261,52 @@ def load_index(router: Router, fleet: Fleet, bs: int, chunk: int = 512) -> dict[
     return next_id
 
 
-def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    """Time ``prepare`` + ``select`` per request; returns percentiles in microseconds and what the decisions saw."""
+def filler_blocks(fleet: Fleet) -> dict[int, deque[int]]:
+    """Each worker's blocks that no request reads (its other conversations', ``build_fleet``) in the order it evicts
+    them in ``measure_decisions`` as it stores what it was routed: the oldest conversation first, each from its last
+    block back, as an engine frees a sequence's blocks (vLLM's prefix cache puts a request's blocks on its free queue
+    tail first), so that no held block loses its parent and the worker's cache stays prefix-closed (the index's
+    fast search, ``KvIndex._search``)."""
+    out: dict[int, deque[int]] = {}
+    for w, runs in fleet.runs.items():
+        out[w] = deque(h for hashes, parent in runs[1:] if parent is None for h in reversed(hashes))
+    return out
+
+
+def measure_decisions(
+    router: Router,
+    fleet: Fleet,
+    args: argparse.Namespace,
+    rng: random.Random,
+    next_id: dict[int, int] | None = None,
+    update_held: bool = False,
+) -> dict[str, Any]:
+    """Time ``prepare`` + ``select`` per request; returns percentiles in microseconds and what the decisions saw.
+
+    With provisional blocks (``Router.provisional``: KV events on), each routed request's worker confirms the blocks
+    the router predicted ``--confirm-after-ms`` of arrivals later (a ``BLOCK_STORED``, as the engine would once it
+    computed them) and evicts as many blocks that no request reads (a ``BLOCK_REMOVED``), so that the index stays at
+    ``--indexed-blocks`` instead of growing by every prediction; both are bookkeeping (untimed for the decision,
+    in ``bookkeeping_cpu_us``). ``next_id``: the workers' next event ids (``load_index``), advanced here;
+    ``update_held``: ``fleet.held`` follows those events (for a later ingest measurement on this router's index)."""
     workers = fleet.worker_ids
+    confirm = bool(getattr(router, "provisional", False)) and next_id is not None
+    predicted: list[tuple[int | None, list[int]]] = []
+    due: deque[tuple[int, int, int | None, list[int]]] = deque()  # (decision index, worker, parent, hashes)
+    filler = filler_blocks(fleet) if confirm else {}
+    confirm_after = max(1, round(args.confirm_after_ms / 1000.0 * args.arrival_rate))
+    if confirm:
+
+        def on_sync(msg: dict[str, Any]) -> None:
+            pv = msg.get("pv")
+            if pv is not None:
+                predicted.append((pv[0], pv[1]))
+
+        router.sync_listeners.append(on_sync)
+    confirmed = evicted = 0
+    events_ns: list[int] = []  # applying the workers' KV events before each decision (the feed's work)
+    stored_by: dict[int, list[int]] = {}
+    gone_by: dict[int, set[int]] = {}
     now = time.monotonic()
     for w in workers:  # every worker has reported once: fresh metrics, as in a running fleet
         router.apply_load(w, _load_snapshot(now, rng), now)
@@ -289,6 +342,25 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             router.apply_load(workers[next_reporter], _load_snapshot(t, rng), t)
             next_reporter = (next_reporter + 1) % len(workers)
         book += time.thread_time_ns() - b0
+        e0 = time.thread_time_ns()
+        while due and due[0][0] <= i:  # the workers' KV events for requests routed --confirm-after-ms ago
+            _, w, parent, hashes = due.popleft()
+            assert next_id is not None
+            fifo = filler[w]
+            gone = [fifo.popleft() for _ in range(min(len(hashes), len(fifo)))]
+            eid = next_id[w]
+            events = [KvEvent(eid, KvEventKind.BLOCK_STORED, hashes, parent, args.block_size)]
+            if gone:
+                events.append(KvEvent(eid + 1, KvEventKind.BLOCK_REMOVED, gone))
+            next_id[w] = eid + len(events)
+            router.apply_kv_events(w, events, time.monotonic())
+            confirmed += len(hashes)
+            evicted += len(gone)
+            if update_held:
+                stored_by.setdefault(w, []).extend(hashes)
+                gone_by.setdefault(w, set()).update(gone)
+        if confirm and i >= args.warmup:
+            events_ns.append(time.thread_time_ns() - e0)
         if i == args.warmup and memo is not None:
             memo_at_start = (memo.hits, memo.misses, memo.blocks_reused)
         prompt = next_prompt(fleet.shared, fleet.families, args, prompt_rng)  # untimed: the tokenizer's work
@@ -318,6 +390,10 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
         b0 = time.thread_time_ns()
         rid = f"r{i}"
         router.on_routed(rid, decision, prepared)
+        if predicted:
+            parent, hashes = predicted.pop()
+            assert decision.instance_id is not None
+            due.append((i + confirm_after, decision.instance_id, parent, hashes))
         prefilling.append(rid)
         if len(prefilling) > in_flight_target // 4:
             first = prefilling.popleft()
@@ -345,6 +421,12 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
         # Untimed: the request ends here, as it would once answered. Without this, the next decision's ``prepare``
         # would drop the last reference to this prompt and pay for freeing its 8k token ints (~8 us) in its time.
         del request, prepared, prompt, routed
+    if confirm:
+        router.sync_listeners.remove(on_sync)
+    for w, gone_set in gone_by.items():
+        fleet.held[w] = [h for h in fleet.held[w] if h not in gone_set]
+    for w, new in stored_by.items():
+        fleet.held[w].extend(new)
     out: dict[str, Any] = {
         "decision_us": _stats_us(total_ns),
         "decision_cpu_us": _stats_us(cpu_ns),
@@ -360,6 +442,14 @@ def measure_decisions(router: Router, fleet: Fleet, args: argparse.Namespace, rn
             out["hashing_us"] = _stats_us(hashing_ns)
             out["hashed_blocks"] = round(hashed_blocks / len(hashing_ns), 1)
         out["routed_cached_fraction"] = round(overlap_blocks / prompt_blocks, 3) if prompt_blocks else None
+        if confirm:
+            out["provisional"] = {
+                "confirm_after_decisions": confirm_after,
+                "blocks_confirmed": confirmed,
+                "blocks_evicted": evicted,
+                "index_blocks_at_end": router.index.num_blocks(),
+                "kv_events_cpu_us": _stats_us(events_ns),
+            }
         if memo is not None and memo_at_start is not None and total_ns:
             hits, misses, reused = (
                 now_ - then
@@ -500,6 +590,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet = build_fleet(n_workers, args, rng)
         kv = new_router("kv", fleet, args.seed, bs, args.prompt_hash_cache_blocks)
         next_id = load_index(kv, fleet, bs)
+        next_id_at_load = dict(next_id)
         entry: dict[str, Any] = {
             "workers": n_workers,
             "indexed_blocks": fleet.indexed_blocks,
@@ -515,7 +606,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if router.uses_kv:  # the same cache contents as kv's (without them no search, no hashing past block 32)
                     load_index(router, fleet, bs)
             replay_previous_turns(router, fleet)
-            entry["policies"][policy] = measure_decisions(router, fleet, args, random.Random(args.seed))
+            # kv's own event ids (its index goes on to the ingest measurement); another KV router's from the same start
+            ids = next_id if router is kv else dict(next_id_at_load)
+            thresholds = gc.get_threshold()
+            if args.gc_young_threshold > 0:  # the young generation's size as the frontend process serves
+                gc.set_threshold(args.gc_young_threshold, *thresholds[1:])
+            try:
+                entry["policies"][policy] = measure_decisions(
+                    router, fleet, args, random.Random(args.seed), ids, update_held=router is kv
+                )
+            finally:
+                gc.set_threshold(*thresholds)
             del router
         entry["kv_overlaps_only_us"] = measure_overlaps(kv, fleet, bs)
         results.append(entry)
@@ -586,6 +687,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-pool", type=int, default=256, help="sample prompts for kv_overlaps_only_us")
     p.add_argument("--in-flight-per-worker", type=int, default=4, help="requests in flight per worker (load counts)")
     p.add_argument("--arrival-rate", type=float, default=1000.0, help="requests/s that set load reports per decision")
+    p.add_argument(
+        "--gc-young-threshold",
+        type=int,
+        default=GC_YOUNG_THRESHOLD,
+        help="the garbage collector's youngest-generation threshold while deciding: the frontend process's "
+        f"(components.frontend.main, {GC_YOUNG_THRESHOLD:,}) by default; 0: leave CPython's (700)",
+    )
+    p.add_argument(
+        "--confirm-after-ms",
+        type=float,
+        default=200.0,
+        help="with provisional blocks: a routed request's worker stores the predicted blocks (and evicts as many it "
+        "will never be asked for) this many ms of arrivals later (at --arrival-rate); the router's measured "
+        "confirmation latency was 70-816 ms at p50",
+    )
     p.add_argument("--ingest-blocks", type=int, default=2_000_000, help="block events per ingest measurement; 0: skip")
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the routers")
     p.add_argument(

@@ -9,6 +9,7 @@ from array import array
 import pytest
 
 from components.cli.bench import router as bench
+from components.router.adapter import MAX_PROVISIONAL_BLOCKS
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +77,60 @@ def test_a_kv_decision_is_handed_its_prompt_packed_and_the_packing_is_reported_a
     assert out["pack_us"]["p50"] > 0 and out["pack_cpu_us"]["p50"] is not None
     plain = bench.new_router("round_robin", fleet, 0, a.block_size)
     assert "pack_us" not in bench.measure_decisions(plain, fleet, args(decisions=5, warmup=0), random.Random(0))
+
+
+def test_the_gc_threshold_is_the_frontend_process_s():
+    from components.frontend.main import GC_YOUNG_THRESHOLD
+
+    assert bench.GC_YOUNG_THRESHOLD == GC_YOUNG_THRESHOLD
+    assert args().gc_young_threshold == GC_YOUNG_THRESHOLD
+
+
+def test_predicted_blocks_are_confirmed_and_as_many_unread_ones_evicted_so_the_index_keeps_its_size():
+    # 20 decisions later at 1,000 requests/s; each worker has ~2,300 blocks no request reads, enough to evict
+    a = args(decisions=120, warmup=0, confirm_after_ms=20.0, indexed_blocks=40_000)
+    fleet = bench.build_fleet(16, a, random.Random(0))
+    router = bench.new_router("kv", fleet, 0, a.block_size)
+    next_id = bench.load_index(router, fleet, a.block_size)
+    assert router.provisional
+    held_before = {w: len(h) for w, h in fleet.held.items()}
+    ids_before = dict(next_id)
+    bench.replay_previous_turns(router, fleet)
+    per_worker = {w: router.index.num_blocks(w) for w in fleet.worker_ids}
+    out = bench.measure_decisions(router, fleet, a, random.Random(0), next_id, update_held=True)
+    pv = out["provisional"]
+    assert pv["confirm_after_decisions"] == 20
+    assert pv["blocks_confirmed"] > 0 and pv["blocks_evicted"] == pv["blocks_confirmed"]
+    assert router.index.stats.num_routed_confirmed > 0  # the stored events confirmed the predictions
+    assert sum(next_id.values()) > sum(ids_before.values())
+    # Every worker evicted as many blocks as it stored: a worker's count grows only by what is predicted and not yet
+    # confirmed (the last 20 decisions' blocks, at most MAX_PROVISIONAL_BLOCKS each).
+    grown = sum(router.index.num_blocks(w) - per_worker[w] for w in fleet.worker_ids)
+    assert 0 <= grown <= 20 * MAX_PROVISIONAL_BLOCKS
+    # fleet.held follows the events (the ingest measurement evicts from it next).
+    assert sum(len(h) for h in fleet.held.values()) == sum(held_before.values())
+    for w in fleet.worker_ids:
+        assert set(fleet.held[w]) <= set(router.index._workers[w].blocks)
+
+
+def test_without_provisional_blocks_nothing_is_confirmed():
+    a = args(decisions=30, warmup=0)
+    fleet = bench.build_fleet(16, a, random.Random(0))
+    router = bench.new_router("kv", fleet, 0, a.block_size)
+    next_id = bench.load_index(router, fleet, a.block_size)
+    router.provisional = False
+    ids = dict(next_id)
+    out = bench.measure_decisions(router, fleet, a, random.Random(0), next_id)
+    assert "provisional" not in out and next_id == ids
+
+
+def test_evictions_leave_every_worker_prefix_closed():
+    a = args(decisions=120, warmup=0, confirm_after_ms=20.0, indexed_blocks=40_000)
+    fleet = bench.build_fleet(16, a, random.Random(0))
+    router = bench.new_router("kv", fleet, 0, a.block_size)
+    next_id = bench.load_index(router, fleet, a.block_size)
+    index = router.index
+    assert all(index.is_prefix_closed(w) for w in fleet.worker_ids)
+    out = bench.measure_decisions(router, fleet, a, random.Random(0), next_id)
+    assert out["provisional"]["blocks_evicted"] > 0
+    assert all(index.is_prefix_closed(w) for w in fleet.worker_ids)
