@@ -290,7 +290,9 @@ def check_left(left: LeftStreams) -> None:
 
 
 def instances(state_dir: Path) -> list[dict[str, Any]]:
-    done = run_kvmesh("status", "--state-dir", str(state_dir), "--namespace", NS, "--json", "--load-wait-s", "1")
+    # Only the registered instances (etcd) are read here, never their load: no window to hear load reports in (1 s
+    # per call, two calls or more per test).
+    done = run_kvmesh("status", "--state-dir", str(state_dir), "--namespace", NS, "--json", "--load-wait-s", "0")
     assert done.returncode == 0, done.stderr
     return [r for r in json.loads(done.stdout) if r["component"] == "backend"]
 

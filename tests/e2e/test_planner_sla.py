@@ -96,7 +96,10 @@ async def test_the_sla_planner_grows_the_pool_ahead_of_a_burst_and_shrinks_it_in
         assert failures == [] and len(burst) >= 10 and len(quiet) >= 1, failures[:3]
 
         # What it says: kvmesh status (mode and numbers), /metrics.
-        table = run_kvmesh("status", "--state-dir", str(serve.state_dir), "--namespace", PLANNER_NS).stdout
+        # The planner's line is its published status: no load window needed.
+        table = run_kvmesh(
+            "status", "--state-dir", str(serve.state_dir), "--namespace", PLANNER_NS, "--load-wait-s", "0"
+        ).stdout
         line = next(x for x in table.splitlines() if x.startswith(f"{PLANNER_NS}: planner {MODEL} (sla mode"))
         assert "req/s" in line and "TTFT" in line, line
         url_m = line.split("metrics ", 1)[1].split(")", 1)[0]

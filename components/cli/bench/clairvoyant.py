@@ -84,6 +84,9 @@ class Oracle:
     loop_rules: bool = False  # also the planner loop's pause while a change is in progress and its grace period
     grid_s: float = 0.1  # the lookahead's resolution
     step_workers: int | None = 1  # workers one decision may add or remove; None: any number
+    # ``need`` by moment: the lookaheads of successive decisions overlap (a ~300 s horizon on a 0.1 s grid, a
+    # decision every second at the finest), so most of their moments were computed before.
+    _needs: dict[float, int] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (0 < self.utilisation <= 1.0):
@@ -102,11 +105,17 @@ class Oracle:
 
     def need(self, t: float) -> int:
         """Workers the load at simulation time ``t`` needs at the target utilisation (module docstring)."""
+        got = self._needs.get(t)
+        if got is not None:
+            return got
         x = t - self.load_start_s
         if x >= self.sinusoid.duration_s:
-            return 1
-        frac = self.sinusoid.start if x < 0 else self.sinusoid.fraction(x)
-        return min(self.max_workers, max(1, math.ceil(frac * self.peak_workers / self.utilisation - _EPS)))
+            got = 1
+        else:
+            frac = self.sinusoid.start if x < 0 else self.sinusoid.fraction(x)
+            got = min(self.max_workers, max(1, math.ceil(frac * self.peak_workers / self.utilisation - _EPS)))
+        self._needs[t] = got
+        return got
 
     def ready_by(self, t: float, first_s: float) -> int:
         """Workers registered by ``t`` when ``step_workers`` are added at ``first_s`` and at every chance after it
@@ -219,6 +228,8 @@ class Oracle:
         loop rules' grace period."""
 
         def avail(t: float) -> int:
+            if not starting_ready_s:  # most decisions: nothing starting (the sum below, skipped ~3,000 times a call)
+                return active
             return active - sum(1 for r in starting_ready_s if r > t + _EPS)
 
         grid = self.horizon(now)
@@ -229,10 +240,13 @@ class Oracle:
         # means the pool is below the budget. One worker per step: the first moment short decides (and names the
         # reason); several: the largest shortfall.
         short, first = 0, ""
+        reachable_s = now + self.startup_s - _EPS
         for t in grid:
+            if t < reachable_s:
+                continue
             n = self.need(t)
             gap = n - avail(t) - self.ready_by(t, nxt)
-            if t >= now + self.startup_s - _EPS and gap > 0:
+            if gap > 0:
                 if not first:
                     first = f"{n} workers needed at {t - self.load_start_s:+.1f} s of the load"
                 short = max(short, gap)
@@ -245,7 +259,14 @@ class Oracle:
             return active, "hold: no scale-down in the grace period after an addition"
         if active <= 1 or starting_ready_s:
             return active, "hold"
-        spare = min(avail(t) + self.ready_by(t, nxt) - self.need(t) for t in grid)
+        # No worker is starting here, so avail(t) is ``active`` throughout. The spare counts only up to ``step``
+        # (the cut is at most that) and only if it is at least 1 everywhere: stop at the first moment it is not (the
+        # same decision, without the rest of a horizon of up to ~3,000 moments at 1 s intervals).
+        spare = step
+        for t in grid:
+            spare = min(spare, active + self.ready_by(t, nxt) - self.need(t))
+            if spare < 1:
+                break
         cut = min(spare, step, active - 1)
         if cut >= 1:
             return (
