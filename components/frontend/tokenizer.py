@@ -156,11 +156,44 @@ class Tokenizer:
         return self._single_token_stops[stop]
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """Load a tokenizer from a local directory (blocking: call it in a thread). Never reaches for a hub."""
-    from transformers import AutoTokenizer  # heavy (~1 s): imported only when a model first appears
+# The ``tokenizer_class`` names (tokenizer_config.json) that ``AutoTokenizer`` resolves to transformers' generic fast
+# tokenizer (``PreTrainedTokenizerFast`` is an alias of ``TokenizersBackend`` in transformers 5): Llama 3's, Mistral's
+# and most tokenizers saved from ``tokenizers`` name it.
+_GENERIC_FAST = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 
-    hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+def tokenizer_class_name(path: str) -> str | None:
+    """The ``tokenizer_class`` a model directory's tokenizer_config.json names, or None (no file, unreadable, not a
+    string)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load a tokenizer from a local directory (blocking: call it in a thread). Never reaches for a hub.
+
+    A directory whose tokenizer_config.json names the generic fast tokenizer (``_GENERIC_FAST``) and has its
+    tokenizer.json is loaded by that class directly: the class ``AutoTokenizer`` picks for it, without importing
+    ``AutoTokenizer``, which imports the model configuration classes and through them torch (~2.7 s of a ~4.4 s load on
+    the 2-core dev VM; every frontend process paid it at start-up, and torch is never used here). Any other tokenizer
+    (a model-specific class, none named, no tokenizer.json) goes through ``AutoTokenizer`` as before."""
+    import os
+
+    if tokenizer_class_name(path) in _GENERIC_FAST and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend  # no torch import
+
+        hf: Any = TokenizersBackend.from_pretrained(path, local_files_only=True)
+    else:
+        from transformers import AutoTokenizer  # heavy (~4 s with torch): imported only when a model first appears
+
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return Tokenizer(hf, path)
 
 
