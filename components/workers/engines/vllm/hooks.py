@@ -88,15 +88,15 @@ def freeze_heap_at_exit() -> bool:
     True when registered now.
 
     What it saves: a process that imported vLLM and torch holds ~640 k tracked objects, and the collections the
-    interpreter runs while it finalizes walk all of them again: measured on the 2-core machine, exiting after
-    ``import vllm.v1.engine.core`` took 2.4-2.7 s, 0.3 s with the heap frozen. vLLM's own ``EngineCore.shutdown``
+    interpreter runs while it finalizes walk all of them again: measured on the 2-core machine, exiting after ``import
+    vllm.v1.engine.core`` took 2.45 and 2.75 s, 0.30 and 0.32 s with the heap frozen. vLLM's own ``EngineCore.shutdown``
     unfreezes the heap it froze at start-up (so an in-process engine can free its memory) and re-freezes it only on
-    ROCm; its model worker never freezes. So on a CPU the model worker took ~3-4 s to exit after vLLM told it to,
-    the engine core as long again, and ``AsyncLLM.shutdown`` gave up on the engine core after its 5 s and SIGKILLed
-    it: an engine shutdown took 5.0 s (3 of 3 measured). With both frozen at exit it took 2.2 s and the engine core
-    exits by itself (tests/integration/test_vllm_disagg.py checks its exit code). Freezing at exit frees nothing
-    less: the process's memory goes back with the process, and the atexit handlers registered before this one
-    (vLLM's, multiprocessing's) still run after it (atexit runs the last registered first).
+    ROCm; its model worker never freezes. So on a CPU the model worker took ~3-4 s to exit after vLLM told it to, the
+    engine core as long again, and ``AsyncLLM.shutdown`` gave up on the engine core after its 5 s and SIGKILLed it: an
+    engine shutdown took 5.0 s (3 of 3 measured). With both frozen at exit it took 2.2 s and the engine core exits by
+    itself (tests/integration/test_vllm_disagg.py checks its exit code). Freezing at exit frees nothing less: the
+    process's memory goes back with the process, and the atexit handlers registered before this one (vLLM's,
+    multiprocessing's) still run after it (atexit runs the last registered first).
     """
     global _exit_freeze_registered
     if _exit_freeze_registered:
