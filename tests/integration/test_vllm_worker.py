@@ -262,10 +262,13 @@ async def test_abort_frees_the_request(mesh):
 async def test_load_snapshots_show_a_queue_under_pressure(mesh):
     b = mesh.b
     ns = mesh.rt.namespace(NS)
+    outputs = 250
     metrics = await ns.events.subscribe(TOPIC_LOAD_METRICS, decode=LoadSnapshot.from_dict)
     before = mesh.engine(b).snapshot().num_preemptions
-    # 10 requests x (100 prompt + 400 output) tokens need 10 x 16 = 160 blocks at the end; there are 63. vLLM admits
-    # them (4 blocks each), runs out while they grow, preempts (recompute) and requeues: waiting > 0, preemptions > 0.
+    # 10 requests x (100 prompt + 250 output) tokens need 10 x 11 = 110 blocks at the end; there are 63. vLLM admits
+    # them (4 blocks each), runs out while they grow (at ~6 blocks each, ~90 outputs in), preempts (recompute) and
+    # requeues: waiting > 0, preemptions > 0 (asserted below, so a run that stops preempting fails). 400 outputs each
+    # (160 blocks) put the same pressure on for ~3 s longer.
     prompts = [[(17 * i + 5 * j) % 256 for j in range(100)] for i in range(10)]
     seen: list[LoadSnapshot] = []
 
@@ -278,13 +281,13 @@ async def test_load_snapshots_show_a_queue_under_pressure(mesh):
     watcher = asyncio.create_task(watch(), name="pressure-metrics")
 
     async def run(rid: str, prompt: list[int]) -> list[TokenChunk]:
-        return await chunks_of(await mesh.generate.direct(request(rid, prompt, 400), b.instance_id))
+        return await chunks_of(await mesh.generate.direct(request(rid, prompt, outputs), b.instance_id))
 
     outs = await asyncio.gather(*(run(f"p{i}", p) for i, p in enumerate(prompts)))
     await asyncio.sleep(0.1)
     watcher.cancel()
     await metrics.close()
-    assert all(len(tokens(o)) == 400 for o in outs)
+    assert all(len(tokens(o)) == outputs for o in outs)
     assert max(s.num_waiting for s in seen) > 0
     assert max(s.kv_usage for s in seen) > 0.9
     assert max(s.num_running for s in seen) > 1

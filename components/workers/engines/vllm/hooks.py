@@ -16,6 +16,10 @@ then itself. The engine core's parent is the kvmesh worker; the model worker's p
 SIGKILLed kvmesh worker takes both down within about two polls. A thread rather than ``PR_SET_PDEATHSIG``: that
 signal follows the parent *thread*, and vLLM's engine is built on a thread of the worker's executor.
 
+**Quick exit.** Both hooks also freeze the garbage collector's heap when their process starts to exit
+(``freeze_heap_at_exit``): without it, an engine shutdown took 5 s, most of it two interpreters walking vLLM's
+import heap while they finalized, and vLLM SIGKILLed the engine core that was still at it.
+
 **Sampler continuation.** A seeded request's randomness in vLLM 0.32 is a ``torch.Generator`` seeded with the
 request's seed when the request joins the model runner's batch (``GPUModelRunner._update_states``); the CPU sampler
 (``TopKTopPSampler.forward_cpu``) then draws one ``torch.randint(0, 2**31, (1,))`` from it per sampled token and
@@ -29,7 +33,9 @@ requests have no generator and need nothing. Only the default CPU sampling path 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -48,6 +54,7 @@ logger = logging.getLogger(__name__)
 LIFELINE_POLL_S = 0.25
 
 _lifeline_started = False
+_exit_freeze_registered = False
 
 
 def start_lifeline(role: str) -> bool:
@@ -73,6 +80,29 @@ def start_lifeline(role: str) -> bool:
 
     threading.Thread(target=watch, name=f"kvmesh-lifeline-{role}", daemon=True).start()
     logger.info("kvmesh lifeline: %s (pid %d) dies with its parent %d", role, os.getpid(), parent)
+    return True
+
+
+def freeze_heap_at_exit() -> bool:
+    """Freeze the cyclic garbage collector's heap when this process starts to exit (``atexit``); once per process.
+    True when registered now.
+
+    What it saves: a process that imported vLLM and torch holds ~640 k tracked objects, and the collections the
+    interpreter runs while it finalizes walk all of them again: measured on the 2-core machine, exiting after ``import
+    vllm.v1.engine.core`` took 2.45 and 2.75 s, 0.30 and 0.32 s with the heap frozen. vLLM's own ``EngineCore.shutdown``
+    unfreezes the heap it froze at start-up (so an in-process engine can free its memory) and re-freezes it only on
+    ROCm; its model worker never freezes. So on a CPU the model worker took ~3-4 s to exit after vLLM told it to, the
+    engine core as long again, and ``AsyncLLM.shutdown`` gave up on the engine core after its 5 s and SIGKILLed it: an
+    engine shutdown took 5.0 s (3 of 3 measured). With both frozen at exit it took 2.2 s and the engine core exits by
+    itself (tests/integration/test_vllm_disagg.py checks its exit code). Freezing at exit frees nothing less: the
+    process's memory goes back with the process, and the atexit handlers registered before this one (vLLM's,
+    multiprocessing's) still run after it (atexit runs the last registered first).
+    """
+    global _exit_freeze_registered
+    if _exit_freeze_registered:
+        return False
+    _exit_freeze_registered = True
+    atexit.register(gc.freeze)
     return True
 
 
@@ -108,6 +138,7 @@ class OwnedScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         start_lifeline("engine-core")
+        freeze_heap_at_exit()
         super().__init__(*args, **kwargs)
 
 
@@ -153,4 +184,5 @@ class KvmeshWorkerExtension:
             installed = install_sampler_continuation(type(runner))
         elif fp64:
             logger.warning("kvmesh: use_fp64_gumbel sampling is not replayed; seeded continuations will not be exact")
+        freeze_heap_at_exit()
         return {"pid": os.getpid(), "lifeline": start_lifeline("model-worker"), "sampler_continuation": installed}
