@@ -14,6 +14,9 @@ and their batch of ten steps in ~70 ms, over the target (the fast loop). A trick
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from tests.e2e.test_planner_local import (
@@ -65,6 +68,13 @@ async def test_the_sla_planner_grows_the_pool_ahead_of_a_burst_and_shrinks_it_in
         st0 = serve.state(PLANNER_NS)
         [worker] = [w for w in st0.watchers if w.kind == "worker"]
         assert worker.startup_s is not None and worker.startup_s > 0  # serve measured it: the planner's lead
+        # The planner discovers the model on its own after serve is ready: a burst sent before it pulls at all is
+        # raced, not planned for (here its READY came 0.6 s into such a burst; in a CI run its first decision came
+        # 0.74 s after the first TTFT breach). Its READY line is the event to wait for.
+        deadline = time.monotonic() + 60
+        while "READY planner" not in planner_log(serve):
+            assert time.monotonic() < deadline, f"the planner never became ready:\n{planner_log(serve)}"
+            await asyncio.sleep(0.05)
         streams = Streams(url)
 
         def grown() -> bool:
