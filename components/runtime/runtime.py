@@ -29,7 +29,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from components.runtime.bus import DEFAULT_ACK_WAIT_S, DEFAULT_MAX_DELIVERIES, Bus, NatsBus, WorkQueue
@@ -106,6 +106,21 @@ class RouterMode(enum.StrEnum):
     DIRECT = "direct"
 
 
+# How long each closing step of ``Runtime.shutdown`` may take (a CI run's test teardown hung in one for > 120 s).
+SHUTDOWN_STEP_TIMEOUT_S = 10.0
+
+
+async def _bounded(what: str, step: Coroutine[Any, Any, Any], timeout_s: float) -> None:
+    """Run one closing step of ``Runtime.shutdown``: an error or a step past ``timeout_s`` is logged, not raised."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await step
+    except TimeoutError:
+        logger.warning("%s: no answer within %g s, left behind", what, timeout_s)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("%s: %s", what, e)
+
+
 class Runtime:
     def __init__(self, config: RuntimeConfig, discovery: Discovery, bus: Bus) -> None:
         self.config = config
@@ -147,34 +162,29 @@ class Runtime:
         """An extra lease, for a process that hosts several instances with independent lifetimes."""
         return await self.discovery.grant_lease(ttl_s or self.config.lease_ttl_s)
 
-    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+    async def shutdown(self, drain_timeout_s: float = 30.0, step_timeout_s: float = SHUTDOWN_STEP_TIMEOUT_S) -> None:
         """Drain served endpoints, revoke leases (instances vanish at once), close everything.
 
-        Each resource is released in its own try, so one failure does not leak the rest.
+        Each resource is released in its own try, so one failure does not leak the rest, and each closing step gets
+        at most ``step_timeout_s`` (the drains their ``drain_timeout_s`` on top): a peer that stops answering
+        mid-shutdown (etcd, NATS, a connection to a killed instance) is logged by name and left behind instead of
+        holding the process forever.
         """
         if self._closed:
             return
         self._closed = True
         for served in list(self._served):
-            try:
-                await served.stop(drain_timeout_s=drain_timeout_s)
-            except Exception as e:  # noqa: BLE001
-                logger.warning("stopping %s: %s", served.info.subject, e)
+            await _bounded(f"stopping {served.info.subject}", served.stop(drain_timeout_s=drain_timeout_s),
+                           drain_timeout_s + step_timeout_s)  # fmt: skip
         for client in list(self._clients):
-            await client.close()
-        try:
-            await self.supervisor.close()
-        except Exception as e:  # noqa: BLE001
-            logger.warning("closing supervisor: %s", e)
-        try:
-            await self.discovery.close(revoke=True)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("closing discovery: %s", e)
-        try:
-            await self.mux.stop()
-            await self.bus.close()
-        except Exception as e:  # noqa: BLE001
-            logger.warning("closing bus: %s", e)
+            await _bounded("closing a client", client.close(), step_timeout_s)
+        await _bounded("closing supervisor", self.supervisor.close(), step_timeout_s)
+        await _bounded("closing discovery", self.discovery.close(revoke=True), step_timeout_s)
+        await _bounded("closing bus", self._close_bus(), step_timeout_s)
+
+    async def _close_bus(self) -> None:
+        await self.mux.stop()
+        await self.bus.close()
 
     async def __aenter__(self) -> Runtime:
         return self

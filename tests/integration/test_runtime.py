@@ -482,3 +482,24 @@ async def test_closing_a_client_right_after_creating_it_never_hangs(make_runtime
             await asyncio.sleep(0)  # vary where in the watch set-up the cancel lands
         await asyncio.wait_for(client.close(), 5)
     assert rt._clients == []
+
+
+async def test_shutdown_leaves_a_closing_step_that_never_answers_behind_and_says_which(make_runtime, caplog):
+    """A peer that stops answering mid-shutdown must not hold the process: each closing step is bounded and named
+    (a CI run's test teardown hung in ``Runtime.shutdown`` for more than 120 s)."""
+    import logging
+
+    rt = await make_runtime()
+    real_close = rt.discovery.close
+
+    async def never_answers(**_: object) -> None:
+        await asyncio.Event().wait()
+
+    rt.discovery.close = never_answers  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="components.runtime.runtime"):
+        await rt.shutdown(drain_timeout_s=0.5, step_timeout_s=0.3)
+    assert time.monotonic() - t0 < 5
+    assert "closing discovery: no answer within 0.3 s, left behind" in caplog.text
+    assert not rt.bus.is_connected  # the steps after it still ran
+    await real_close(revoke=True)
