@@ -25,6 +25,7 @@ from .analysis import (
     oracle_reuse,
     probe,
     ttft_floor_s,
+    without_cached_prefixes,
 )
 from .replay import MODEL, NO_ROOM, FleetSpec, RunResult, Sample, Sink, Timed, account_chunk, replay, simulate
 from .workload import SimRequest, Workload
@@ -57,4 +58,5 @@ __all__ = [
     "replay",
     "simulate",
     "ttft_floor_s",
+    "without_cached_prefixes",
 ]

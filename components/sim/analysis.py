@@ -7,6 +7,9 @@ router could do better): they are properties of the workload and the engine's pe
   cache's prefix, and the same where a block exists only once an earlier request could have computed it: floors no
   router can beat, so a target above their bound is out of every router's reach. Both price a prefill with the
   engine's performance model (``components.perf``, the model the simulated engines and the router's cost use);
+* ``without_cached_prefixes``: the workload with every prompt cut to what the infinite one-worker cache does not
+  serve: replayed on a fleet, what any routing would see if every worker held every prefix ever computed, at once
+  and for free (the queueing no cache can take away);
 * ``derive_programs``: program (conversation) ids from Mooncake hash ids alone, for the affinity policies;
 * ``find_capacity``: the arrival rate at which round-robin's queues stop draining (``replay``); with
   ``growth_slack``, also the rate above which its backlog grows (``backlog_growth``: the steady-state capacity).
@@ -292,6 +295,24 @@ def causal_ttft_floor_s(workload: Workload, fleet: FleetSpec, hashes: Sequence[S
         for i in range(k, len(hs)):  # first computed by r: available from its earliest possible computation
             avail[hs[i]] = start + slope_s * (i + 1) * bs
     return out
+
+
+def without_cached_prefixes(workload: Workload, block_size: int) -> Workload:
+    """``workload`` with each prompt cut to the tokens the infinite one-worker cache does not serve
+    (``PromptBlocks.hits_per_prompt``: the leading blocks some earlier prompt had, at most all but one token).
+
+    Replayed on a fleet it is an optimistic reference for any router on the full workload: every prefix any earlier
+    request carried is cached on every worker already (no cold start, no eviction, no copy), so a request computes
+    only its own new text, and what is left of its TTFT is the queueing and batching the fleet's load makes. The
+    cut prompts also hold less KV while they run (fewer preemptions) and give shorter decode contexts: optimistic
+    again. A target that no policy reaches on it is out of reach of that policy on the full workload (for every
+    policy, it is a judgement: another assignment of the same requests might queue less)."""
+    blocks = PromptBlocks([r.prompt for r in workload.requests], block_size)
+    hits = blocks.hits_per_prompt()
+    requests = tuple(
+        dataclasses.replace(r, prompt=r.prompt[h:]) if h else r for r, h in zip(workload.requests, hits, strict=True)
+    )
+    return dataclasses.replace(workload, requests=requests)
 
 
 # Replays a workload (already at its rate) on some fleet: ``kvmesh bench disagg`` passes its disaggregated fleet's.

@@ -63,6 +63,24 @@ def test_check_targets_asks_for_the_restated_speedup_and_keeps_the_plain_2x_besi
     assert t["judged"] is False and t["met"] is None and t["measured"] == pytest.approx(1.429, abs=1e-3)
 
 
+def test_the_ideal_reference_says_whether_a_missed_target_was_in_reach():
+    # RR 1000, floor 600: target 1000 / 680 = 1.471x; kv at 700 ms (1.429x) misses it.
+    e = entry(0.4, 1000, 900, 700, 600)
+    t = rb.check_targets(e, [0.8, 1.0])["kv_p99_speedup_over_round_robin_at_0.8"]
+    assert "ideal_speedup" not in t  # without --ideal nothing is said about reach
+    # The workload without its cached prefixes: best p99 750 ms at 0.8 (1000 / 750 = 1.333x < 1.471x: out of reach
+    # even there), 650 ms at 1 (1.538x: in reach, so kv's miss at 1 is kv's).
+    e["ttft_ideal_ms"] = {"0.8": {"p99": 750.0, "policy": "round_robin"}, "1": {"p99": 650.0, "policy": "kv"}}
+    out = rb.check_targets(e, [0.8, 1.0])
+    at08, at1 = out["kv_p99_speedup_over_round_robin_at_0.8"], out["kv_p99_speedup_over_round_robin_at_1"]
+    assert at08["ideal_speedup"] == pytest.approx(1.333, abs=1e-3) and at08["reachable_by_ideal"] is False
+    assert at1["ideal_speedup"] == pytest.approx(1.538, abs=1e-3) and at1["reachable_by_ideal"] is True
+    assert at08["met"] is False and at1["met"] is False  # the verdict itself does not change
+    over = rb.targets_over_seeds([out, rb.check_targets(entry(0.4, 1000, 900, 700, 600), [0.8, 1.0])])
+    k = over["kv_p99_speedup_over_round_robin_at_0.8"]
+    assert k["reachable_by_ideal_per_seed"] == [False, None] and k["ideal_speedup"]["median"] == pytest.approx(1.333)
+
+
 def test_targets_over_seeds_hold_only_when_met_on_every_replicate_that_judges_them():
     met = {"k": {"target": 2.0, "measured": 2.5, "met": True, "judged": True}}
     missed = {"k": {"target": 1.5, "measured": 1.2, "met": False, "judged": True}}

@@ -147,6 +147,30 @@ def test_the_causal_floor_is_never_below_the_plain_floor_and_equals_it_once_ever
     assert sum(causal[: len(reqs)]) > sum(plain[: len(reqs)])  # some first pass request waited for a prefix
 
 
+def test_without_cached_prefixes_cuts_each_prompt_to_what_no_earlier_prompt_had():
+    doc = sum((block(k) for k in range(10)), ())  # 160 tokens, 10 blocks
+    reqs = (
+        SimRequest(0.0, (*doc, 1), 4),  # the first: nothing earlier, kept whole
+        SimRequest(0.5, (*doc, *block(20)), 7, "p"),  # the document's 10 blocks were had: 16 tokens of its own left
+        # Its whole prompt was had, but a cache serves whole blocks of all but the last token: (176 - 1) // 16 = 10
+        # blocks, so block 20 is computed again (16 tokens left).
+        SimRequest(1.0, (*doc, *block(20)), 4),
+        SimRequest(2.0, (*block(0), *block(30)), 4),  # block 0 was had, block 30 not: 16 left
+    )
+    w = Workload("w", reqs)
+    cut = sim.without_cached_prefixes(w, BS)
+    assert [len(r.prompt) for r in cut.requests] == [161, 16, 16, 16]
+    assert cut.requests[1].prompt == block(20) and cut.requests[3].prompt == block(30)
+    assert cut.requests[2].prompt == block(20)
+    # Arrivals, outputs and programs are the workload's: only the prompts change.
+    assert [(r.arrival_s, r.max_tokens, r.program_id) for r in cut.requests] == [
+        (r.arrival_s, r.max_tokens, r.program_id) for r in reqs
+    ]
+    # What is cut is what the infinite one-worker cache serves.
+    hits = sim.PromptBlocks([r.prompt for r in reqs], BS).hits_per_prompt()
+    assert [len(a.prompt) - len(b.prompt) for a, b in zip(reqs, cut.requests, strict=True)] == hits
+
+
 def test_a_working_sets_regime_is_read_against_one_worker_and_the_fleet():
     from components.cli.bench.routing import regime
 
