@@ -22,6 +22,9 @@ For each workload (a trace file of any supported format, or a synthetic prefix-s
    at least 20% (the plain 2x is reported beside it); ``kv``'s hit rate at least 70% of the oracle at 0.8 (judged
    where the oracle is at least 5%: below, a trace has no sharing to speak of and only "kv does not lose" applies);
    at every load ``kv``'s p99 within 1.1x of the best load-only policy's (``LOAD_ONLY``), its throughput within 5%.
+   With ``--ideal``, each p99 target also says whether an ideal reference reaches it: the workload replayed at the
+   target loads without the prefixes an infinite one-worker cache serves (``sim.without_cached_prefixes``: every
+   worker holds every prefix already), the best p99 of ``IDEAL_POLICIES`` (``reachable_by_ideal``).
 5. **Replicates** (issue 28): every workload runs at each of ``--seeds`` (default 0, 1, 2), a trace in successive
    slices of ``--requests`` rows (``slice_start``), on each of ``--fleets`` (with the host-memory KV tier, and
    device caches only); each figure is reported per replicate and as median, min and max; ratios are read per
