@@ -23,8 +23,12 @@ TOPIC_MIGRATION_COUNTERS = "migration_counters"
 # payload: RequestStatsReport.to_dict(); source id: the frontend's (each frontend replica reports its own requests)
 TOPIC_REQUEST_STATS = "request_stats"
 # Hot-prefix replication (components/protocol/replication.py): served by workers whose engine can import KV with no
-# request (simulated engines). body: ImportPrefixRequest.to_dict(); stream: one ImportPrefixReply.to_dict()
+# request (simulated engines) or pull it over a KV connector (vLLM; without one it refuses).
+# body: ImportPrefixRequest.to_dict(); stream: one ImportPrefixReply.to_dict()
 ENDPOINT_IMPORT_PREFIX = "import_prefix"
 # The drop of a cold replica, served beside import_prefix. body: DropPrefixRequest.to_dict(); stream: one
 # DropPrefixReply.to_dict()
 ENDPOINT_DROP_PREFIX = "drop_prefix"
+# The source side of a pulled copy (vLLM workers): keep a cached prefix's blocks for the destination's pull and say
+# which tokens they hold. body: ExportPrefixRequest.to_dict(); stream: one ExportPrefixReply.to_dict()
+ENDPOINT_EXPORT_PREFIX = "export_prefix"

@@ -3,7 +3,12 @@
 The rescheduler asks a destination worker's ``import_prefix`` endpoint to copy a prefix's KV from a source worker
 that holds it: ``ImportPrefixRequest`` names the source and the prefix's chained block hashes from its start; the
 destination answers one ``ImportPrefixReply``. To drop a cold replica it asks the holder's ``drop_prefix`` endpoint
-(``DropPrefixRequest``, one ``DropPrefixReply``). Imports nothing but the standard library.
+(``DropPrefixRequest``, one ``DropPrefixReply``).
+
+A destination whose engine pulls KV over a connector (vLLM with NIXL) first asks the source's ``export_prefix``
+endpoint (``ExportPrefixRequest``, one ``ExportPrefixReply``): the source names the prefix's blocks by vLLM's
+hand-off and says which tokens they hold, since the engine pulls blocks for a prompt, not for hashes. Imports nothing
+but the standard library.
 """
 
 from __future__ import annotations
@@ -78,3 +83,47 @@ class DropPrefixReply:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DropPrefixReply:
         return cls(int(d.get("dropped", 0)), int(d.get("in_use", 0)), str(d.get("error", "")))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExportPrefixRequest:
+    """Keep the cached blocks of the prefix named by its chained ``block_hashes`` (from its start) for a pull."""
+
+    block_hashes: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"block_hashes": list(self.block_hashes)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExportPrefixRequest:
+        return cls(tuple(int(h) for h in d["block_hashes"]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExportPrefixReply:
+    """``held``: the blocks of the prefix, from its start, the source held and kept for a pull; ``token_ids``: the
+    tokens they hold (``held`` whole blocks); ``kv_transfer_params``: the engine's hand-off naming the kept blocks
+    (vLLM's, opaque here); ``error``: why nothing was kept ("" when it was)."""
+
+    held: int = 0
+    token_ids: tuple[int, ...] = ()
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "held": self.held,
+            "token_ids": list(self.token_ids),
+            "kv_transfer_params": self.kv_transfer_params,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExportPrefixReply:
+        params = d.get("kv_transfer_params")
+        return cls(
+            int(d.get("held", 0)),
+            tuple(int(t) for t in d.get("token_ids") or ()),
+            None if params is None else dict(params),
+            str(d.get("error", "")),
+        )

@@ -15,24 +15,44 @@ that holds it, off the request path. The importer:
 ``drop_prefix`` is the drop of a cold replica: the engine evicts the prefix's cached blocks that no request uses
 (``drop_prefix``; ``BLOCK_REMOVED``, so routers forget this holder) and the reply says how many.
 
-Served only by workers whose engine has ``import_prefix`` and ``drop_prefix`` (simulated engines). vLLM would pull
-the blocks over NIXL as a decode worker pulls a remote prefill's, and evict them through its KV manager; neither is
-built (docs/rescheduler.md).
+Two kinds of engine serve it:
 
-Owns: the client of the source workers' ``kv_state`` endpoint, closed by ``close()``.
+* **simulated** (``can_import``: ``import_prefix``, ``transfer_time_s``, ``drop_prefix``): the steps above;
+* **vLLM** (``can_pull``: ``export_prefix``, ``pull_prefix``): a NIXL hand-off, as a decode worker pulls a remote
+  prefill's blocks (engines/vllm/engine.py). The destination asks the source worker's ``export_prefix`` endpoint
+  (``PrefixImporter.handle_export`` there): the source's engine maps the prefix's kvmesh hashes to the tokens its
+  KV events said those blocks hold, computes them as a request of their own with ``do_remote_decode`` (its prefix
+  cache serves all but the last block) and answers the tokens and vLLM's ``kv_transfer_params``; the destination's
+  engine submits the same tokens with them and ``max_tokens=1``, so vLLM pulls the blocks, which stay in its prefix
+  cache as free cached KV (``BlockStored``: routers see the new holder); the sampled token is discarded. The
+  request names hashes only (the rescheduler knows no tokens: the frontends report hashed prefixes), and the source
+  is the one worker that surely knows the tokens: it holds the blocks. An engine without the NIXL connector refuses
+  both sides with the reason, at once. ``drop_prefix`` on vLLM: ``engine.drop_prefix``'s answer (engine.py).
+
+Owns: the clients of the source workers' ``kv_state`` and ``export_prefix`` endpoints, closed by ``close()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from components.protocol.endpoints import ENDPOINT_KV_STATE
+from components.protocol.endpoints import ENDPOINT_EXPORT_PREFIX, ENDPOINT_KV_STATE
 from components.protocol.messages import KvStateSnapshot
-from components.protocol.replication import DropPrefixReply, DropPrefixRequest, ImportPrefixReply, ImportPrefixRequest
+from components.protocol.replication import (
+    DropPrefixReply,
+    DropPrefixRequest,
+    ExportPrefixReply,
+    ExportPrefixRequest,
+    ImportPrefixReply,
+    ImportPrefixRequest,
+)
 from components.runtime import Client, RequestContext, Runtime, RuntimeMeshError
+from components.workers.engines.base import EngineError
 from components.workers.engines.mock.block_pool import NoFreeBlocksError
 
 logger = logging.getLogger(__name__)
@@ -41,6 +61,11 @@ logger = logging.getLogger(__name__)
 def can_import(engine: object) -> bool:
     """Whether ``engine`` can cache KV sent to it with no request (and model the transfer), and drop it again."""
     return all(callable(getattr(engine, name, None)) for name in ("import_prefix", "transfer_time_s", "drop_prefix"))
+
+
+def can_pull(engine: object) -> bool:
+    """Whether ``engine`` copies a prefix's KV by a hand-off over a KV connector (vLLM): it serves both sides."""
+    return all(callable(getattr(engine, name, None)) for name in ("export_prefix", "pull_prefix", "drop_prefix"))
 
 
 def held_run(block_hashes: tuple[int, ...], cached: set[int]) -> int:
@@ -61,6 +86,7 @@ class PrefixImporter:
         self.engine = engine
         self.instance_id = instance_id
         self._client: Client | None = None
+        self._export_client: Client | None = None
 
     async def _source_cache(self, source_id: int) -> set[int]:
         if self._client is None:
@@ -75,6 +101,8 @@ class PrefixImporter:
     async def import_prefix(self, req: ImportPrefixRequest) -> ImportPrefixReply:
         if req.source_id == self.instance_id:
             return ImportPrefixReply(error="the source is this worker")
+        if can_pull(self.engine):
+            return await self._pull_prefix(req)
         try:
             held = held_run(req.block_hashes, await self._source_cache(req.source_id))
         except (RuntimeMeshError, TimeoutError) as e:
@@ -98,11 +126,62 @@ class PrefixImporter:
         )
         return ImportPrefixReply(held, imported, transfer_s)
 
-    async def handle_drop(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-        yield self.drop_prefix(DropPrefixRequest.from_dict(body)).to_dict()
+    async def _pull_prefix(self, req: ImportPrefixRequest) -> ImportPrefixReply:
+        """A copy by a hand-off over the engine's KV connector (module docstring, vLLM). ``transfer_s``: the wall time
+        of the pull (the destination's request), measured, not modelled."""
+        refusal = self.engine.prefix_copy_refusal()
+        if refusal is not None:
+            return ImportPrefixReply(error=refusal)  # before asking the source to keep anything
+        try:
+            if self._export_client is None:
+                ns = self.runtime.namespace(self.namespace)
+                self._export_client = await ns.component(self.component).endpoint(ENDPOINT_EXPORT_PREFIX).client()
+            body = ExportPrefixRequest(req.block_hashes).to_dict()
+            items = [item async for item in await self._export_client.direct(body, req.source_id)]
+        except (RuntimeMeshError, TimeoutError) as e:
+            return ImportPrefixReply(error=f"asking source {req.source_id:x} to export the prefix: {e}")
+        export = ExportPrefixReply.from_dict(items[0]) if items else ExportPrefixReply(error="no reply")
+        if export.error or not export.kv_transfer_params:
+            return ImportPrefixReply(export.held, error=f"source {req.source_id:x}: {export.error or 'no hand-off'}")
+        t0 = time.perf_counter()
+        try:
+            imported, error = await self.engine.pull_prefix(list(export.token_ids), export.kv_transfer_params)
+        except EngineError as e:
+            return ImportPrefixReply(export.held, error=f"pulling the prefix: {e}")
+        transfer_s = time.perf_counter() - t0
+        logger.info(
+            "worker %x: pulled %d of %d blocks of a prefix from %x in %.1f ms%s",
+            self.instance_id,
+            imported,
+            export.held,
+            req.source_id,
+            transfer_s * 1e3,
+            f" ({error})" if error else "",
+        )
+        return ImportPrefixReply(export.held, imported, transfer_s, error)
 
-    def drop_prefix(self, req: DropPrefixRequest) -> DropPrefixReply:
-        dropped, in_use = self.engine.drop_prefix(list(req.block_hashes))
+    async def handle_export(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        """The source side of a pulled copy (``export_prefix``): keep the prefix's cached blocks for the pull."""
+        req = ExportPrefixRequest.from_dict(body)
+        try:
+            held, tokens, handoff, error = await self.engine.export_prefix(list(req.block_hashes))
+        except EngineError as e:
+            held, tokens, handoff, error = 0, [], None, f"exporting the prefix: {e}"
+        yield ExportPrefixReply(held, tuple(tokens), handoff, error).to_dict()
+
+    async def handle_drop(self, body: Any, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        yield (await self.drop_prefix(DropPrefixRequest.from_dict(body))).to_dict()
+
+    async def drop_prefix(self, req: DropPrefixRequest) -> DropPrefixReply:
+        """The engine's eviction (a simulated engine's is synchronous; vLLM's a call into its engine core, which
+        refuses with the reason where it cannot evict: engines/vllm/engine.py)."""
+        try:
+            result = self.engine.drop_prefix(list(req.block_hashes))
+            dropped, in_use = (await result) if inspect.isawaitable(result) else result
+        except EngineError as e:
+            n = len(req.block_hashes)
+            logger.warning("worker %x: drop of a prefix's %d blocks refused: %s", self.instance_id, n, e)
+            return DropPrefixReply(error=str(e))
         logger.info(
             "worker %x: dropped %d of a prefix's %d blocks (%d in use kept)",
             self.instance_id,
@@ -113,6 +192,12 @@ class PrefixImporter:
         return DropPrefixReply(int(dropped), int(in_use))
 
     async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.close()
+        clients = (self._client, self._export_client)
+        self._client = self._export_client = None
+        for client in clients:
+            if client is None:
+                continue
+            try:
+                await client.close()
+            except RuntimeMeshError as e:  # each released in its own try: the other still closes
+                logger.warning("worker %x: closing a replication client: %s", self.instance_id, e)

@@ -44,6 +44,7 @@ from components.migration.engine import MigratableEngine, supports_migration
 from components.perf.profile import Profile
 from components.protocol.endpoints import (
     ENDPOINT_DROP_PREFIX,
+    ENDPOINT_EXPORT_PREFIX,
     ENDPOINT_GENERATE,
     ENDPOINT_IMPORT_PREFIX,
     ENDPOINT_KV_STATE,
@@ -61,7 +62,7 @@ from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.workers.config import WorkerConfig
 from components.workers.disagg import PrefillLoop, RemotePrefiller, supports_remote_decode
 from components.workers.engines.base import Engine, remote_prefill_mode_of
-from components.workers.replication import PrefixImporter, can_import
+from components.workers.replication import PrefixImporter, can_import, can_pull
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class Worker:
                 self._kv_state, metadata=meta, lease=self.lease, instance_id=self.instance_id
             )
         )
-        if self.prefill_loop is None and can_import(self.engine):
+        if self.prefill_loop is None and (can_import(self.engine) or can_pull(self.engine)):
             # Hot-prefix replication's destination side (workers/replication.py): a copy makes this worker a holder
             # routers can send the prefix to, so only a worker that takes requests serves it.
             self._importer = PrefixImporter(
@@ -185,6 +186,13 @@ class Worker:
                     self._importer.handle_drop, metadata=meta, lease=self.lease, instance_id=self.instance_id
                 )
             )
+            if can_pull(self.engine):
+                # The source side of a pulled copy (vLLM): keep a cached prefix's blocks for another worker's pull.
+                self._served.append(
+                    await comp.endpoint(ENDPOINT_EXPORT_PREFIX).serve(
+                        self._importer.handle_export, metadata=meta, lease=self.lease, instance_id=self.instance_id
+                    )
+                )
         if self.remote is not None:
             # Before generate (and stopped after it): a remote prefill's result must find its way back while the
             # requests waiting for it drain.

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import random
 import re
+import time
 import zlib
 from typing import Any
 
@@ -30,8 +31,12 @@ import pytest_asyncio
 from components.cli.status import collect, render_table
 from components.frontend import Frontend, FrontendConfig
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_MIGRATE
+from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
 from components.protocol.migration import MigrateRequest, MigratingRequest, MigrationMode, MigrationReport
+from components.rescheduler.replication import copy_prefix, drop_prefix, drop_prefix_client, import_prefix_client
+from components.router import Router, RouterConfig
+from components.router.feed import RouterFeed
 from components.runtime import Runtime, RuntimeConfig
 from components.runtime.servers import NatsServer
 from components.workers.config import EngineKind, WorkerConfig
@@ -372,6 +377,93 @@ async def test_the_workers_counters_reach_the_frontends_metrics(pair: Pair):
     body = pair.frontend.metrics.render().decode()
     lines = [line for line in body.splitlines() if line.startswith("kvmesh_worker_migrations_total{")]
     assert any(f'worker="{a}"' in line and 'direction="out"' in line for line in lines), lines
+
+
+# --- hot-prefix replication on vLLM: import_prefix pulls a cached prefix over NIXL; drop_prefix evicts it ----------
+
+
+@requires_nixl
+async def test_a_prefix_copied_from_a_to_b_is_announced_by_b_and_hit_there_without_recompute(pair: Pair):
+    """``import_prefix`` on b copies a 30-block prefix a computed (components/workers/replication.py): a exports it
+    from its prefix cache (``export_prefix``), b's engine pulls it over NIXL, computing none of it; b's KV events
+    announce the 30 blocks, so a KV router lists b as a holder; a request with the prefix on b then finds all 960
+    tokens in b's own prefix cache and computes only its suffix. ``drop_prefix`` on b evicts them again: the router
+    forgets b, and the prefix is no longer cached there."""
+    a, b = pair.a.engine, pair.b.engine
+    assert isinstance(a, VllmEngine) and isinstance(b, VllmEngine)
+    prefix = prompt_of(30 * BS, 2611)  # 960 tokens, 30 blocks: fresh to both engines
+    hashes = block_hashes(prefix, BS)
+    rt = await Runtime.connect(pair.runtime_config)
+    router = Router(RouterConfig(router_seed=0, router_policy="kv"))
+    feed = RouterFeed(rt, router, NS, ["backend"], watch_workers=True)
+    await feed.start()
+    imports = await import_prefix_client(rt, NS, "backend")
+    drops = await drop_prefix_client(rt, NS, "backend")
+    try:
+        await wait_until(lambda: len(router.members()) == 2)
+        held = lambda w: router.index.overlaps(hashes).get(w.instance_id, 0)  # noqa: E731
+        await run_on(pair, pair.a, gen_request("rep-warm", [*prefix, *prompt_of(7, 1)], 1))
+        await wait_until(lambda: held(pair.a) == 30)
+        assert held(pair.b) == 0
+
+        # A prefix the source does not hold is refused, and nothing runs.
+        missing = await copy_prefix(
+            imports, pair.b.instance_id, pair.a.instance_id, block_hashes(prompt_of(64, 5), BS), 30
+        )
+        assert missing.imported == 0 and "holds none" in missing.error, missing
+
+        before = prompt_counters(b)
+        t0 = time.perf_counter()
+        reply = await copy_prefix(imports, pair.b.instance_id, pair.a.instance_id, hashes, timeout_s=30)
+        call_s = time.perf_counter() - t0
+        assert (reply.error, reply.held_by_source, reply.imported) == ("", 30, 30), reply
+        print(f"\nprefix copy of 30 blocks a -> b: call {call_s * 1e3:.1f} ms, pull {reply.transfer_s * 1e3:.1f} ms")
+        # b computed none of the 960 tokens: vLLM counts the last one, computed again for its logits, as pulled.
+        await wait_until(lambda: sum(prompt_counters(b)) - sum(before) >= 960, timeout_s=10)
+        assert tuple(x - y for x, y in zip(prompt_counters(b), before, strict=True)) == (0, 0, 960)
+        await wait_until(lambda: held(pair.b) == 30)  # b's BLOCK_STORED events reached the router
+
+        before = prompt_counters(b)
+        items = [
+            TokenChunk.from_dict(x)
+            async for x in await pair.generate.direct(
+                gen_request("rep-hit", [*prefix, *prompt_of(20, 2)], 2).to_dict(), pair.b.instance_id
+            )
+        ]
+        assert items[0].num_cached_tokens == 960, items[0]
+        await wait_until(lambda: sum(prompt_counters(b)) - sum(before) >= 980, timeout_s=10)
+        assert tuple(x - y for x, y in zip(prompt_counters(b), before, strict=True)) == (20, 960, 0)
+
+        dropped = await drop_prefix(drops, pair.b.instance_id, hashes, timeout_s=30)
+        assert (dropped.error, dropped.dropped, dropped.in_use) == ("", 30, 0), dropped
+        await wait_until(lambda: held(pair.b) == 0)  # BLOCK_REMOVED: the router forgot b
+        assert held(pair.a) == 30
+        assert b.cached_prefix_tokens([*prefix, 1]) == 0 and b.dead_reason() is None
+    finally:
+        for client in (imports, drops):
+            await client.close()
+        await feed.stop()
+        await rt.shutdown(drain_timeout_s=2.0)
+
+
+async def test_a_worker_without_a_kv_connector_refuses_a_prefix_copy_at_once(pair: Pair):
+    """A vLLM worker started without the NIXL connector (here b's engine says so, as one would) answers
+    ``import_prefix`` with the reason at once: no hang, and the source is not asked to keep anything."""
+    b = pair.b.engine
+    assert isinstance(b, VllmEngine)
+    role, b.kv_role = b.kv_role, None
+    rt = await Runtime.connect(pair.runtime_config)
+    imports = await import_prefix_client(rt, NS, "backend")
+    try:
+        await imports.wait_for_instances(2, timeout_s=10)
+        reply = await copy_prefix(
+            imports, pair.b.instance_id, pair.a.instance_id, block_hashes(prompt_of(64, 4), BS), 5
+        )
+    finally:
+        b.kv_role = role
+        await imports.close()
+        await rt.shutdown(drain_timeout_s=2.0)
+    assert reply.imported == 0 and "no KV connector" in reply.error, reply
 
 
 @requires_nixl

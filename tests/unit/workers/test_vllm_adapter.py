@@ -194,6 +194,22 @@ def test_unknown_parents_other_tiers_and_malformed_events_are_skipped_and_counte
     assert t.last_event_id == 0 and t.kv_state().block_hashes == []
 
 
+def test_a_cached_prefix_maps_back_to_its_tokens_and_vllm_hashes_while_cached():
+    # What a prefix copy's source answers from (hot-prefix replication): the prefix's kvmesh hashes -> the tokens its
+    # blocks hold, the run from the first block only; a drop's vLLM hashes; both forget evicted and cleared blocks.
+    t = KvEventTranslator(2)
+    kh = block_hashes([1, 2, 3, 4, 5, 6], 2)
+    t.translate([stored([10, 11], [1, 2, 3, 4]), stored([12], [5, 6], parent=11)])
+    assert t.prefix_tokens(kh) == [1, 2, 3, 4, 5, 6]
+    assert t.prefix_tokens([*kh[:2], 999, kh[2]]) == [1, 2, 3, 4]  # stops at the first block not cached
+    assert t.prefix_tokens([kh[1]]) == [3, 4]  # a chained hash names its block (the caller passes from the start)
+    assert sorted(t.vllm_hashes(kh[1:])) == [11, 12]
+    t.translate([removed([11])])
+    assert t.prefix_tokens(kh) == [1, 2] and t.vllm_hashes(kh) == [10, 12]
+    t.translate([{"type": "AllBlocksCleared"}])
+    assert t.prefix_tokens(kh) == [] and t.vllm_hashes(kh) == []
+
+
 # --- load -----------------------------------------------------------------------------------------------------------
 
 

@@ -41,6 +41,8 @@ RUNTIME_DIR_ENV = "KVMESH_VLLM_RUNTIME_DIR"
 SAMPLER_DRAWS_KEY = "kvmesh_sampler_draws"
 # Loaded by name in vLLM's engine-core and model-worker processes (hooks.py).
 SCHEDULER_CLS = "components.workers.engines.vllm.hooks.OwnedScheduler"
+# The engine core's method hooks.py adds to evict a prefix's free cached blocks (``VllmEngine.drop_prefix``).
+DROP_UTILITY = "kvmesh_drop_blocks"
 WORKER_EXTENSION_CLS = "components.workers.engines.vllm.hooks.KvmeshWorkerExtension"
 
 MIB = 2**20

@@ -18,6 +18,11 @@ block's (vLLM) hash, so the kvmesh hashes follow from ``block_hashes(token_ids, 
 of that parent)``: each block's hash covers the whole prefix up to it, so the chain equals ``block_hashes`` of the
 full prompt. A vLLM -> kvmesh map lets ``BlockRemoved`` (which carries only vLLM hashes) translate.
 
+Tokens: the translator also keeps each cached block's token ids (a 4-byte ``array`` per block: 128 bytes at block
+size 32), so that ``prefix_tokens`` can answer which tokens a prefix named only by kvmesh hashes holds: vLLM pulls
+KV for a prompt (its tokens), never for hashes, and the rescheduler that asks for a copy knows only the hashes
+(hot-prefix replication, components/workers/replication.py).
+
 Reference counts: vLLM can hold one hash in two physical blocks (two requests that computed the same block before
 either was cached each store it and each evict it). The translator counts copies and announces a removal only when
 the last copy goes, so a router's set of (worker, hash) pairs stays exact; a repeated store is announced again, which
@@ -28,6 +33,7 @@ Imports: the standard library, ``msgpack``, the engine contract and ``components
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import logging
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -173,6 +179,7 @@ class KvEventTranslator:
         self.last_event_id = 0
         self._by_vllm_hash: dict[Hashable, _Mirrored] = {}
         self._copies: dict[int, int] = {}  # kvmesh hash -> physical copies held; insertion order = store order
+        self._tokens: dict[int, array.array[int]] = {}  # kvmesh hash -> the block's token ids, while cached
         # Skipped input, for diagnostics and tests.
         self.num_unknown_parents = 0  # BlockStored whose parent was never seen (events lost before a replay)
         self.num_unknown_removals = 0  # BlockRemoved of a hash never seen
@@ -189,6 +196,7 @@ class KvEventTranslator:
             elif kind == "AllBlocksCleared":
                 self._by_vllm_hash.clear()
                 self._copies.clear()
+                self._tokens.clear()
                 out.append(self._event(KvEventKind.ALL_CLEARED))
             else:
                 self.num_skipped += 1
@@ -211,6 +219,24 @@ class KvEventTranslator:
     def holds(self, kvmesh_hash: int) -> bool:
         """Whether a block with this kvmesh hash is cached now (as the events said)."""
         return kvmesh_hash in self._copies
+
+    def vllm_hashes(self, kvmesh_hashes: Iterable[int]) -> list[Hashable]:
+        """vLLM's hashes (as its events name them) of the cached blocks with these kvmesh hashes: one kvmesh hash may
+        have more than one (module docstring). A scan of the mirror, for a rare call (a prefix's drop)."""
+        want = set(kvmesh_hashes)
+        return [vh for vh, m in self._by_vllm_hash.items() if m.kvmesh_hash in want]
+
+    def prefix_tokens(self, kvmesh_hashes: Iterable[int]) -> list[int]:
+        """The token ids of the run of ``kvmesh_hashes``, from the first, that is cached now (whole blocks; empty
+        when the first is not cached). Chained hashes: a block's hash covers every token before it, so these are
+        exactly the prefix's tokens."""
+        out: list[int] = []
+        for h in kvmesh_hashes:
+            tokens = self._tokens.get(h)
+            if tokens is None:
+                break
+            out.extend(tokens)
+        return out
 
     def _event(self, kind: KvEventKind, hashes: list[int] | None = None, parent: int | None = None) -> KvEvent:
         self.last_event_id += 1
@@ -250,7 +276,10 @@ class KvEventTranslator:
                 return
             parent = mirrored.kvmesh_hash
         ours = block_hashes(tokens, self.block_size, parent_hash=parent)
-        for vh, kh in zip(vllm_hashes, ours, strict=True):
+        bs = self.block_size
+        for i, (vh, kh) in enumerate(zip(vllm_hashes, ours, strict=True)):
+            if kh not in self._tokens:
+                self._tokens[kh] = array.array("i", tokens[i * bs : (i + 1) * bs])
             m = self._by_vllm_hash.get(vh)
             if m is None:
                 self._by_vllm_hash[vh] = _Mirrored(kh, 1)
@@ -277,6 +306,7 @@ class KvEventTranslator:
                 self._copies[m.kvmesh_hash] = left
             else:
                 del self._copies[m.kvmesh_hash]
+                self._tokens.pop(m.kvmesh_hash, None)
                 gone.append(m.kvmesh_hash)
         if gone:
             out.append(self._event(KvEventKind.BLOCK_REMOVED, gone))

@@ -89,6 +89,7 @@ from components.protocol.migration import MigratingRequest, MigrationMode
 
 from ..base import EngineDeadError, EngineRequestError
 from .config import (
+    DROP_UTILITY,
     OWNER_PID_ENV,
     RUNTIME_DIR_ENV,
     SAMPLER_DRAWS_KEY,
@@ -787,6 +788,100 @@ class VllmEngine:
         if token in sp.stop_token_ids:
             return FinishReason.STOP
         return None
+
+    # --- hot-prefix replication: a cached prefix's KV copied to another engine (components/workers/replication.py) -
+
+    def prefix_copy_refusal(self) -> str | None:
+        """Why this engine can take no part in a copy of a prefix's KV (None when it can): the copy is a NIXL hand-off
+        (nixl.py), so an engine without the connector neither exports nor pulls one."""
+        if self.kv_role is None:
+            return f"this vLLM engine has no KV connector ({self.migration_reason})"
+        if not self.config.enable_prefix_caching:
+            return "this vLLM engine runs without prefix caching: a copied prefix would not stay"
+        return None
+
+    async def export_prefix(self, kvmesh_hashes: list[int]) -> tuple[int, list[int], dict[str, Any] | None, str]:
+        """The source of a prefix copy: ``(held, token_ids, handoff, error)``. ``held``: the prefix's blocks, from
+        its start, this engine's prefix cache holds (as its KV events told, which also give their tokens); those
+        tokens are computed as a request of their own with ``do_remote_decode`` (``export_tokens``: served from the
+        prefix cache, vLLM computes the last block again for its logits) and their blocks kept for the pull that
+        ``handoff`` names, until the destination has pulled them or ``kv_transfer_lease_s`` ran out."""
+        refusal = self.prefix_copy_refusal()
+        if refusal is not None:
+            return 0, [], None, refusal
+        tokens = self._translator.prefix_tokens(kvmesh_hashes)
+        if not tokens:
+            return 0, [], None, "this engine holds none of the prefix"
+        held = len(tokens) // self.block_size
+        handoff = await self.export_tokens(tokens, f"prefix-{kvmesh_hashes[held - 1] & 0xFFFFFFFF:08x}")
+        if handoff is None:
+            return held, tokens, None, "vLLM kept no blocks for a pull (the engine's log says why)"
+        return held, tokens, handoff, ""
+
+    async def pull_prefix(self, token_ids: list[int], handoff: Mapping[str, Any]) -> tuple[int, str]:
+        """The destination of a prefix copy: pull the blocks ``handoff`` names for ``token_ids`` (whole blocks) into
+        this engine's prefix cache; ``(blocks new here, error)``.
+
+        The tokens are submitted with the hand-off and ``max_tokens=1`` (as ``generate_remote`` pulls a remote
+        prefill's blocks): vLLM's scheduler allocates blocks for what its prefix cache lacks, its connector reads the
+        source's blocks into them, the engine computes the last token for its logits, and the request ends, so the
+        blocks stay cached, free, under vLLM's own LRU, and are announced with ``BlockStored`` like any other. The
+        sampled token is discarded. The request is not a client's: it is in neither the load report nor the
+        migration agent's table. A pull that fails is computed here again by vLLM (``kv_load_failure_policy``):
+        the error then says so."""
+        refusal = self.prefix_copy_refusal()
+        if refusal is not None:
+            return 0, refusal
+        llm, v = self._check_alive()
+        problem = check_handoff(handoff, len(token_ids), self.block_size)
+        if problem is None and len(token_ids) % self.block_size:
+            problem = f"{len(token_ids)} tokens are not whole blocks of {self.block_size}"
+        if problem is not None:
+            return 0, f"the source's hand-off cannot be pulled: {problem}"
+        validate_prompt(token_ids, self.vocab_size)  # ids from another worker's events: one out of range kills vLLM
+        new = len(token_ids) // self.block_size - self._cached_blocks(token_ids)
+        failures = self._stats.num_kv_transfer_failures
+        params = v.SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            output_kind=v.RequestOutputKind.FINAL_ONLY,
+            detokenize=False,
+            extra_args={"kv_transfer_params": dict(handoff)},
+        )
+        stream = llm.generate(v.tokens_input(list(token_ids)), params, f"prefix-pull#{next(self._export_ids)}")
+        try:
+            async for out in stream:
+                if out.finished:
+                    break
+        except v.EngineDeadError as exc:
+            raise EngineDeadError(f"vLLM engine {self.name!r} died: {exc}") from exc
+        except (v.ClientError, v.EngineGenerateError) as exc:
+            return 0, f"vLLM refused or failed the pull: {exc!r}"
+        finally:
+            await stream.aclose()
+        if self._stats.num_kv_transfer_failures > failures:
+            return new, "the NIXL pull failed; vLLM computed the prefix here instead"
+        return new, ""
+
+    async def drop_prefix(self, kvmesh_hashes: list[int]) -> tuple[int, int]:
+        """Evict the prefix's cached blocks that no request holds; ``(dropped, in use)``, counted in distinct blocks
+        of the prefix this engine held. vLLM's client API evicts nothing less than the whole cache, so this calls
+        the engine-core method hooks.py adds (``kvmesh_drop_blocks``: the KV cache manager's ``evict_blocks``), which
+        publishes ``BlockRemoved`` as any eviction does. Raises ``EngineRequestError`` with the reason where it
+        cannot (no prefix caching, an engine core without kvmesh's scheduler), ``EngineDeadError`` for a dead one."""
+        llm, _ = self._check_alive()
+        if not self.config.enable_prefix_caching:
+            raise EngineRequestError("this vLLM engine runs without prefix caching: it holds no prefix to drop")
+        wanted = self._translator.vllm_hashes(kvmesh_hashes)
+        if not wanted:
+            return 0, 0
+        try:
+            dropped, in_use = await llm.engine_core.call_utility_async(DROP_UTILITY, wanted)
+        except Exception as exc:  # vLLM's client raises a bare Exception carrying the engine core's message
+            if llm.errored:
+                raise EngineDeadError(f"vLLM engine {self.name!r} is dead: {llm.dead_error!r}") from exc
+            raise EngineRequestError(f"vLLM's engine core could not evict the prefix: {exc}") from exc
+        return int(dropped), int(in_use)
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Leading prompt tokens vLLM's prefix cache holds now, as its KV events told (whole blocks, at most

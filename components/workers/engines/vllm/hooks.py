@@ -16,6 +16,15 @@ then itself. The engine core's parent is the kvmesh worker; the model worker's p
 SIGKILLed kvmesh worker takes both down within about two polls. A thread rather than ``PR_SET_PDEATHSIG``: that
 signal follows the parent *thread*, and vLLM's engine is built on a thread of the worker's executor.
 
+**Prefix drop.** ``OwnedScheduler.kvmesh_drop_blocks`` evicts the cached blocks of given hashes that no request
+holds, through the KV cache manager's ``evict_blocks`` (what vLLM's scheduler itself calls for blocks whose KV load
+failed): each block loses its hash, stays free, and vLLM publishes ``BlockRemoved``. vLLM's client API has no such
+call (only ``reset_prefix_cache``, all or nothing), so ``install_engine_core_utility`` adds a method of that name to
+the engine core (the engine-core process only), which the adapter calls as vLLM calls its own utilities
+(``call_utility_async``: a method looked up by name on the engine core, run between two engine steps). It publishes
+the ``BlockRemoved`` events itself: vLLM publishes its queued events at the end of a step, and an idle engine runs
+none, so the router would otherwise learn of the drop only with the engine's next request.
+
 **Quick exit.** Both hooks also freeze the garbage collector's heap when their process starts to exit
 (``freeze_heap_at_exit``): without it, an engine shutdown took 5 s, most of it two interpreters walking vLLM's
 import heap while they finalized, and vLLM SIGKILLed the engine core that was still at it.
@@ -47,7 +56,7 @@ from typing import Any
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .config import OWNER_PID_ENV, RUNTIME_DIR_ENV, SAMPLER_DRAWS_KEY
+from .config import DROP_UTILITY, OWNER_PID_ENV, RUNTIME_DIR_ENV, SAMPLER_DRAWS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +142,67 @@ def _kill_children() -> None:
                 child.kill()
 
 
+def install_engine_core_utility() -> bool:
+    """Give vLLM's engine core the ``DROP_UTILITY`` method (it asks its scheduler); True when added now."""
+    from vllm.v1.engine.core import EngineCore
+
+    if hasattr(EngineCore, DROP_UTILITY):
+        return False
+
+    def kvmesh_drop_blocks(self: Any, event_hashes: Any) -> tuple[int, int]:
+        drop = getattr(self.scheduler, DROP_UTILITY, None)
+        if drop is None:
+            raise RuntimeError(f"the engine core's scheduler {type(self.scheduler).__name__} is not kvmesh's")
+        return drop(event_hashes)  # type: ignore[no-any-return]
+
+    setattr(EngineCore, DROP_UTILITY, kvmesh_drop_blocks)
+    return True
+
+
 class OwnedScheduler(Scheduler):  # type: ignore[misc]
-    """vLLM's scheduler, in an engine-core process that dies with the kvmesh worker that owns it."""
+    """vLLM's scheduler, in an engine-core process that dies with the kvmesh worker that owns it, and that can evict
+    a prefix's free cached blocks (``kvmesh_drop_blocks``, module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         start_lifeline("engine-core")
         freeze_heap_at_exit()
+        install_engine_core_utility()
         super().__init__(*args, **kwargs)
+
+    def kvmesh_drop_blocks(self, event_hashes: Any) -> tuple[int, int]:
+        """Evict the cached blocks whose hashes, as vLLM's KV events name them (``maybe_convert_block_hash``: 64-bit
+        ints by default), are in ``event_hashes``, where no request holds any copy of the hash; ``(hashes evicted,
+        hashes kept because a request holds them)``. Scans every block of the pool (a Python loop over
+        ``num_gpu_blocks``): a drop is a rare, cold action, run between two engine steps."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+
+        want = set(event_hashes)
+        pool = self.kv_cache_manager.block_pool
+        free: dict[Any, list[int]] = {}
+        held: set[Any] = set()
+        for block in pool.blocks:
+            key = block.block_hash
+            if key is None or get_group_id(key) != 0:
+                continue
+            h = maybe_convert_block_hash(get_block_hash(key))
+            if h not in want:
+                continue
+            if block.ref_cnt > 0:
+                held.add(h)
+            else:
+                free.setdefault(h, []).append(block.block_id)
+        evict = {block_id for h, ids in free.items() if h not in held for block_id in ids}
+        if evict:
+            self.kv_cache_manager.evict_blocks(evict)
+            # vLLM publishes the KV events it queued at the end of its next step, and an idle engine takes none:
+            # published now, as that step would (the same queue, so their order is kept), routers forget the holder
+            # at once rather than with the next request.
+            events: Any = self.kv_cache_manager.take_events()  # KVCacheEvents, as vLLM's own step passes them
+            if events:
+                from vllm.distributed.kv_events import KVEventBatch
+
+                self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        return len([h for h in free if h not in held]), len(held)
 
 
 def install_sampler_continuation(runner_cls: type) -> bool:
