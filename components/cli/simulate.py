@@ -246,9 +246,9 @@ def _write_requests(path: Path, workload: Workload, res: RunResult) -> None:
 
 
 def _tensorboard(series: _Series, log_dir: Path) -> None:
-    from tensorboardX import SummaryWriter  # imported here: only a run that writes event files needs it
+    from components.planner.board import summary_writer  # imports tensorboardX: only a run that writes event files
 
-    with SummaryWriter(logdir=str(log_dir)) as writer:
+    with summary_writer(str(log_dir)) as writer:
         for step, t in enumerate(series.t):
             scalars = {
                 "pull/kv_usage": series.kv_usage[step],

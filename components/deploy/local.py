@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 from pydantic import BaseModel, Field
@@ -57,8 +58,12 @@ from components.deploy.state import (
 )
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_KV_STATE
 from components.protocol.metadata import WorkerMetadata, WorkerRole
-from components.runtime import InstanceInfo, Runtime, RuntimeConfig, RuntimeMeshError
+from components.runtime.config import RuntimeConfig
+from components.runtime.errors import RuntimeMeshError
 from components.runtime.servers import EtcdServer, NatsServer, ServerProcess, free_port
+
+if TYPE_CHECKING:
+    from components.runtime import InstanceInfo, Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +278,10 @@ class Deployment:
         t0 = time.monotonic()
         deadline = t0 + self.cfg.ready_timeout_s
         next_progress = t0 + self.cfg.progress_interval_s
+        # Imported here: the runtime's clients (nats-py with aiohttp, aetcd with grpc) are ~0.3 s of import that
+        # ``kvmesh stop``/``logs``, the planner and graph loading never use; only waiting for readiness does.
+        from components.runtime import Runtime
+
         rcfg = RuntimeConfig(etcd_endpoints=self.state.etcd_endpoints, nats_url=self.state.nats_url)
         runtime = await Runtime.connect(rcfg, name=f"kvmesh-serve-{self.graph.namespace}")
         seen: dict[str, set[int]] = {}

@@ -1,16 +1,46 @@
 """``PlannerBoard``: the planner's TensorBoard event files, written by the live planner (loop.py) and by the
 simulated one (``kvmesh simulate``), so that a live and a simulated run open side by side with the same tags.
 
-Imports this package's policy and, when a board is made, tensorboardX.
+Imports this package's policy and, when a board is made, tensorboardX (without torch: ``summary_writer``).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from components.planner.policy import Adjustment, Observation, Pool, PullFigures
 from components.planner.sla.figures import SlaFigures
+
+if TYPE_CHECKING:
+    from tensorboardX import SummaryWriter
+
+
+def summary_writer(log_dir: str) -> SummaryWriter:
+    """A tensorboardX ``SummaryWriter`` for ``log_dir``, imported without importing torch.
+
+    tensorboardX/writer.py runs ``try: import torch`` when it is imported, only to name ``torch.Tensor`` in its
+    annotations (``numpy_compatible``); the scalars and text written here are Python numbers and strings, which it
+    turns into numpy arrays whether torch is there or not (x2num.make_np imports torch only for a torch tensor). With
+    vLLM's torch installed that import cost ~2.2 s of CPU (``import tensorboardX``: 2.44 s wall, 0.22-0.49 s with
+    torch blocked, on the 2-core machine) and several times that on a loaded one, in every planner started with
+    ``--log-dir`` and every ``kvmesh simulate`` that writes event files. So, while tensorboardX is first imported,
+    ``sys.modules["torch"]`` is None (``import torch`` then raises ModuleNotFoundError, which writer.py catches);
+    where torch is already loaded it costs nothing and is left alone. Nothing in the planner imports torch, so no
+    other thread's import can meet the blocked name.
+    """
+    if "torch" in sys.modules or "tensorboardX.writer" in sys.modules:
+        from tensorboardX import SummaryWriter
+    else:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            if sys.modules.get("torch", False) is None:
+                del sys.modules["torch"]
+    return SummaryWriter(logdir=log_dir)
 
 
 class PlannerBoard:
@@ -27,10 +57,8 @@ class PlannerBoard:
     """
 
     def __init__(self, log_dir: str) -> None:
-        from tensorboardX import SummaryWriter  # imported here: only a planner with --log-dir needs it
-
         self.log_dir = log_dir
-        self._writer = SummaryWriter(logdir=log_dir)
+        self._writer = summary_writer(log_dir)  # imports tensorboardX: only a planner with --log-dir needs it
 
     def pull(
         self, step: int, obs: Observation, figures: PullFigures, running: int, waiting: int, walltime: float

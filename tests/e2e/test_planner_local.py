@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import re
 import signal
@@ -322,7 +323,11 @@ async def test_graph_planner_scales_decode_up_under_kv_load_and_back_down_losing
 
     acc = read_scalars(tb)
     workers = [e.value for e in acc.Scalars("pull/decode_workers")]
-    assert workers[0] == 1 and max(workers) == 2 and workers[-1] == 1
+    # serve starts the planner with the workers, and its first pulls can come before the first worker registered
+    # (0 workers: the planner holds on missing metrics). Since tensorboardX no longer imports torch, the planner is
+    # up ~2 s sooner than before, and a loaded run saw a 0 first. From the first worker seen: 1, then 2, then 1.
+    seen = list(itertools.dropwhile(lambda n: n == 0, workers))
+    assert seen[0] == 1 and max(seen) == 2 and seen[-1] == 1, workers
     assert max(e.value for e in acc.Scalars("adjustment/kv_usage")) > 0.6
     assert {"pull/kv_usage", "pull/running_requests", "pull/waiting_requests", "pull/gpus"} <= set(
         acc.Tags()["scalars"]

@@ -26,7 +26,6 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
 
 from components.frontend import Frontend, FrontendConfig
 from components.frontend.tokenizer import Tokenizer, load_tokenizer
@@ -69,6 +68,10 @@ class Stack:
         self.frontend = frontend
         self.url = url
         self.workers: list[Worker] = []
+        # Imported here, not at the top: AutoTokenizer imports torch (~2-3 s), which collecting the suite
+        # paid in every pytest process (both xdist workers and the vLLM run) whether it ran this or not.
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(MODEL_PATH)
         self._direct = 0
         self.clients: list[AsyncOpenAI] = []

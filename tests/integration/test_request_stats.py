@@ -15,7 +15,6 @@ from typing import Any
 import aiohttp
 import pytest
 from openai import AsyncOpenAI
-from transformers import AutoTokenizer
 
 from components.fleet.live import LiveFleet
 from components.fleet.model import RequestWindow
@@ -109,6 +108,10 @@ async def test_the_window_counts_every_request_its_tokens_and_latencies(served: 
     await served.add_worker(speedup_ratio=1.0)
     t0 = await served.heard()
     client = served.openai()
+    # Imported here, not at the top: AutoTokenizer imports torch (~2-3 s), which collecting the suite
+    # paid in every pytest process (both xdist workers and the vLLM run) whether it ran this or not.
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(MODEL_PATH)
     messages: Any = [{"role": "user", "content": "héllo there"}]
     chat_text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -6,7 +6,6 @@ import random
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from components.frontend.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, load_tokenizer
 
@@ -44,6 +43,10 @@ def test_multibyte_characters_split_across_chunks_are_never_emitted_half(tok: To
 
 
 def test_any_chunking_gives_the_same_text_as_one_transformers_decode(tok: Tokenizer):
+    # Imported here, not at the top: AutoTokenizer imports torch (~2-3 s), which collecting the suite
+    # paid in every pytest process (both xdist workers and the vLLM run) whether it ran this or not.
+    from transformers import AutoTokenizer
+
     hf = AutoTokenizer.from_pretrained(MODEL_PATH)  # the reference: transformers' own decode, not our fast path
     rng = random.Random(7)
     for _ in range(200):
@@ -114,6 +117,8 @@ def test_an_output_that_ends_inside_a_character_sends_no_replacement_character_a
 
 
 def test_the_offset_free_encoder_gives_transformers_ids_on_prompts_and_chat_templates(tok: Tokenizer):
+    from transformers import AutoTokenizer
+
     hf = AutoTokenizer.from_pretrained(MODEL_PATH, local_files_only=True)
     assert tok._backend_encode_fast is not None  # tokenizers >= 0.21: the fast path is the one under test
     rng = random.Random(3)

@@ -5,6 +5,12 @@ files read back with tensorboard's own event reader), the Prometheus exposition 
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from components.fleet import MemoryFleet
@@ -295,6 +301,33 @@ def test_board_leaves_out_unknown_figures_and_marks_no_operation(tmp_path):
     assert not {"pull/kv_usage", "pull/prefill_queue_size", "pull/prefill_workers"} & tags
     text = acc.Tensors("adjustment/decisions/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "[no-operation] decode: would scale up 1 -> 2" in text
+
+
+# Made in a fresh interpreter: whether tensorboardX imported torch is only visible in a process that has not loaded it.
+_BOARD_ALONE = """
+import importlib.util, json, sys
+from components.planner.board import PlannerBoard
+board = PlannerBoard(sys.argv[1])
+board._writer.add_scalar("pull/decode_workers", 2, 1, walltime=100.0)
+board.close()
+importable = importlib.util.find_spec("torch") is not None
+print(json.dumps({"torch_loaded": "torch" in sys.modules, "torch_importable": importable}))
+"""
+
+
+def test_the_board_writes_without_importing_torch_and_leaves_torch_importable(tmp_path):
+    """tensorboardX tries ``import torch`` when imported (2-9 s of a planner's start-up with vLLM's torch installed);
+    the board keeps it out while tensorboardX loads, then lifts the block."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here: there is nothing to keep out")
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", _BOARD_ALONE, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch_loaded": False, "torch_importable": True}
+    [event] = read_events(str(tmp_path)).Scalars("pull/decode_workers")
+    assert (event.step, event.value, event.wall_time) == (1, 2.0, 100.0)
 
 
 def test_adjustment_to_dict_is_json_ready():
