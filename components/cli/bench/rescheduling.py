@@ -13,6 +13,11 @@ For each workload:
    request alone).
 2. **Causal floor**: ``sim.causal_ttft_floor_s`` at each rate (each request alone on an idle worker, a cached block
    available only once an earlier request could have computed it): what no dispatch or migration beats.
+   With ``--pooled``, also the **pooled fleet** (``sim.pooled_fleet``): each seed's workload at the same rates on
+   one engine with the fleet's KV, sequences and token budgets and an even share of each step's compute, no
+   rescheduling: what no rescheduler beats (as far as it is optimistic: docs/rescheduler.md, "Reachability"),
+   queueing included; reported beside the floor, and each TTFT verdict says whether it reaches the goal
+   (``reachable_by_pooled``, on the medians and per seed; ``met`` does not change).
 3. **Cells**: each dispatch policy (``least_loaded``, ``kv``) with rescheduling off and on, at each load, for each
    seed (the workload's seed and the router's). "On" is ``components.sim.rescheduling.PolicyRescheduler``: the live
    rescheduler's ``policy_planner`` and the migration agent's ``select_requests``, every other knob at
