@@ -331,14 +331,16 @@ def pooled_fleet(fleet: FleetSpec) -> FleetSpec:
       cost falls on the fleet's sequences at 1/N of it on average; and N tokens' worth of quadratic cost split in N
       parts costs 1/N**2 each (``StepTimeModel.prefill_ms`` is convex in the tokens).
 
-    Replayed with one worker it is an optimistic reference for any rescheduler on ``fleet`` (docs/rescheduler.md,
-    "Reachability"): every request sees the whole fleet's free KV at once, nothing waits for a migration or pays for
-    one, no worker is fuller than another, and a lone prompt is prefilled faster than on any engine. Not optimistic
-    in two respects, both small with the default model: one FIFO queue (a request waits behind a prompt that another
-    worker's queue might not have put in front of it), and the prefill's cost spread over every sequence where a
-    fleet could keep prefills off some engines. The per-step decode fixed cost is kept whole: dividing it too (the
-    real step at the pooled batch over N) gives an engine that decodes a lone sequence N times as fast as any
-    engine can, holds KV for a fraction of the time and bounds nothing (TTFT p99 below the causal floor)."""
+    Replayed with one worker it is meant as an optimistic reference for any rescheduler on ``fleet``
+    (docs/rescheduler.md, "The pooled reference"): every request sees the whole fleet's free KV at once, nothing
+    waits for a migration or pays for one, no worker is fuller than another, and a lone prompt is prefilled faster
+    than on any engine. It is not optimistic in some respects: one FIFO queue with preempted requests at its front
+    (arrivals wait behind them, where a fleet's router sends them to a worker with room: on the short/long mix at
+    0.8 of capacity a 4-worker fleet with ``kv`` dispatch beats it), every sequence decoding at one speed, and every
+    prefill's cost spread over every sequence (a fleet could keep prompts off some engines). The per-step decode fixed
+    cost is kept whole: dividing it too (the real step at the pooled batch over N) gives an engine that decodes a
+    lone sequence N times as fast as any engine can, holds KV for a fraction of the time and bounds nothing (TTFT
+    p99 below the causal floor)."""
     n = fleet.workers
     if n < 1:
         raise ValueError(f"a pooled fleet needs at least one worker (got {n})")

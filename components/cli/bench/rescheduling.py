@@ -15,7 +15,7 @@ For each workload:
    available only once an earlier request could have computed it): what no dispatch or migration beats.
    With ``--pooled``, also the **pooled fleet** (``sim.pooled_fleet``): each seed's workload at the same rates on
    one engine with the fleet's KV, sequences and token budgets and an even share of each step's compute, no
-   rescheduling: what no rescheduler beats (as far as it is optimistic: docs/rescheduler.md, "Reachability"),
+   rescheduling: what no rescheduler beats (as far as it is optimistic: docs/rescheduler.md, "The pooled reference"),
    queueing included; reported beside the floor, and each TTFT verdict says whether it reaches the goal
    (``reachable_by_pooled``, on the medians and per seed; ``met`` does not change).
 3. **Cells**: each dispatch policy (``least_loaded``, ``kv``) with rescheduling off and on, at each load, for each
@@ -157,10 +157,11 @@ def judge_ttft(off: float | None, on: float | None, floor: float | None) -> Verd
 
 
 def reachable_by_pooled(off: float | None, floor: float | None, pooled: float | None) -> bool | None:
-    """Whether the pooled fleet's TTFT p99 (``sim.pooled_fleet``: the workers as one engine, an optimistic reference
-    for any rescheduler) meets the goal ``ttft_goal`` sets from ``off``. False: not even the pooled fleet reaches it,
-    so the target is out of reach of every rescheduler as far as that reference is optimistic (docs/rescheduler.md,
-    "Reachability"); True says only that the reference does not rule it out. None: a figure is missing."""
+    """Whether the pooled fleet's TTFT p99 (``sim.pooled_fleet``: the workers as one engine, meant as an optimistic
+    reference for any rescheduler) meets the goal ``ttft_goal`` sets from ``off``. False: not even the pooled fleet
+    reaches it, so the target is out of reach of every rescheduler as far as that reference is optimistic, which
+    it is not everywhere (docs/rescheduler.md, "The pooled reference": on the short/long mix at 0.8, ``kv`` without
+    rescheduling beats it); True: the reference does not rule the target out. None: a figure is missing."""
     g = ttft_goal(off, floor)
     if g is None or pooled is None:
         return None
