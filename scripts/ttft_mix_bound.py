@@ -10,7 +10,9 @@ binds); per load-report tick (0.1 s) each worker's waiting requests x 0.1 s, spl
 cover its waiting prompts' blocks: waiting behind prefills), "imbalance" (they do not, the fleet's do) and "fleet"
 (the fleet's do not either); and, for the requests at or above the run's p99, the mean share of the ticks between
 arrival and first token at which the fleet was short. ``perturb``: TTFT p99 off and on (Llumnix's defaults, and
-``rescheduling_neutral_load_threshold`` 0.7) at the bench's rates times ``1 + k / 10,000``. One JSON line per run.
+``rescheduling_neutral_load_threshold`` 0.7) at the bench's rates times ``1 + k / 10,000``; side ``pooled``: the
+workload on ``sim.pooled_fleet(FLEET)`` (one engine, no dispatch choice: reported once per seed, dispatch "-").
+``--capacity RPS`` skips the capacity search (7.5 min under load) with a rate already measured. One JSON line per run.
 """
 
 from __future__ import annotations
@@ -84,6 +86,17 @@ def bound(task: tuple[str, float, int, float]) -> dict[str, Any]:
 
 def perturb(task: tuple[str, float, int, str, int, float]) -> dict[str, Any]:
     dispatch, load, seed, side, k, cap = task
+    if side == "pooled":
+        res = sim.replay(
+            build(Spec("llumnix", N, seed, VOCAB)).at_rate(cap * load * (1 + k * 1e-4)),
+            sim.pooled_fleet(FLEET),
+            "round_robin",
+            seed,
+        )
+        p99 = pct(res.ttft_s, 0.99)
+        return {"dispatch": "-", "load": load, "seed": seed, "side": side, "k": k,
+                "ttft_p99_ms": None if p99 is None else round(1000 * p99, 1), "preemptions": res.preemptions,
+                "migrations": 0}  # fmt: skip
     overrides = SIDES[side]
     r = run_cell(Spec("llumnix", N, seed, VOCAB), FLEET, dispatch, None if overrides is None else POLICIES_ON,
                  cap * load * (1 + k * 1e-4), overrides)  # fmt: skip
@@ -96,9 +109,10 @@ def main() -> None:
     p.add_argument("--part", choices=("bound", "perturb"), required=True)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--ks", default="-2,-1,0,1,2", help="perturb: the k of rate x (1 + k / 10,000)")
-    p.add_argument("--sides", default="off,on,on07", help="perturb: off, on (Llumnix's defaults), on07")
+    p.add_argument("--sides", default="off,on,on07", help="perturb: off, on (Llumnix's defaults), on07, pooled")
+    p.add_argument("--capacity", type=float, default=0.0, help="req/s measured before (default: search it)")
     args = p.parse_args()
-    cap = capacity()
+    cap = args.capacity or capacity()
     print(json.dumps({"capacity_rps": cap}), flush=True)
     cells = [(d, load, s) for d in ("least_loaded", "kv") for load in (0.8, 1.0) for s in BENCH_SEEDS]
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
@@ -107,7 +121,13 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
         else:
             ks = [int(x) for x in args.ks.split(",")]
-            tasks = [(*c, side, k, cap) for side in args.sides.split(",") for c in cells for k in ks]
+            pooled_cells = [("-", load, s) for load in (0.8, 1.0) for s in BENCH_SEEDS]
+            tasks = [
+                (*c, side, k, cap)
+                for side in args.sides.split(",")
+                for c in (pooled_cells if side == "pooled" else cells)
+                for k in ks
+            ]
             for row in pool.imap(perturb, tasks, chunksize=1):
                 print(json.dumps(row), flush=True)
 

@@ -10,6 +10,9 @@ router could do better): they are properties of the workload and the engine's pe
 * ``without_cached_prefixes``: the workload with every prompt cut to what the infinite one-worker cache does not
   serve: replayed on a fleet, what any routing would see if every worker held every prefix ever computed, at once
   and for free (the queueing no cache can take away);
+* ``pooled_fleet``: the fleet as one engine with all its KV and its compute spread evenly over its engines: replayed,
+  what any rescheduler would see if migration were free and instant and made the workers one pool (the queueing for
+  KV that no move between workers can take away);
 * ``derive_programs``: program (conversation) ids from Mooncake hash ids alone, for the affinity policies;
 * ``find_capacity``: the arrival rate at which round-robin's queues stop draining (``replay``); with
   ``growth_slack``, also the rate above which its backlog grows (``backlog_growth``: the steady-state capacity).
@@ -313,6 +316,54 @@ def without_cached_prefixes(workload: Workload, block_size: int) -> Workload:
         dataclasses.replace(r, prompt=r.prompt[h:]) if h else r for r, h in zip(workload.requests, hits, strict=True)
     )
     return dataclasses.replace(workload, requests=requests)
+
+
+def pooled_fleet(fleet: FleetSpec) -> FleetSpec:
+    """``fleet``'s ``workers`` engines as ONE engine: their KV blocks, running sequences and step token budgets added
+    up, and a step time that is what one of them takes on an even share of the pooled step's batch, less what the
+    fleet's parallelism hides of a prefill:
+
+    * decode: ``decode_base_ms`` kept (each engine reads its weights once per step, in parallel with the others: not
+      divided), ``decode_ms_per_seq`` and ``decode_ms_per_kv_token`` over N (each engine decodes 1/N of the
+      sequences and their KV);
+    * prefill: ``prefill_base_ms`` and ``prefill_ms_per_token`` over N, ``prefill_ms_per_token_sq`` over N**2: a
+      prompt is prefilled on one engine, whose sequences wait for it while the other N - 1 engines' do not, so its
+      cost falls on the fleet's sequences at 1/N of it on average; and N tokens' worth of quadratic cost split in N
+      parts costs 1/N**2 each (``StepTimeModel.prefill_ms`` is convex in the tokens).
+
+    Replayed with one worker it is meant as an optimistic reference for any rescheduler on ``fleet``
+    (docs/rescheduler.md, "The pooled reference"): every request sees the whole fleet's free KV at once, nothing
+    waits for a migration or pays for one, no worker is fuller than another, and a lone prompt is prefilled faster
+    than on any engine. It is not optimistic in some respects: one FIFO queue with preempted requests at its front
+    (arrivals wait behind them, where a fleet's router sends them to a worker with room: on the short/long mix at
+    0.8 of capacity a 4-worker fleet with ``kv`` dispatch beats it), every sequence decoding at one speed, and every
+    prefill's cost spread over every sequence (a fleet could keep prompts off some engines). The per-step decode fixed
+    cost is kept whole: dividing it too (the real step at the pooled batch over N) gives an engine that decodes a
+    lone sequence N times as fast as any engine can, holds KV for a fraction of the time and bounds nothing (TTFT
+    p99 below the causal floor)."""
+    n = fleet.workers
+    if n < 1:
+        raise ValueError(f"a pooled fleet needs at least one worker (got {n})")
+    if fleet.prefill:
+        raise ValueError("pooled_fleet pools an aggregated fleet; this one has prefill engines")
+    e = fleet.engine
+    # Validated anew, not ``model_copy``: a copy would keep the original's cached ``step_time_model``.
+    engine = MockEngineConfig.model_validate(
+        e.model_dump()
+        | {
+            "num_gpu_blocks": n * e.num_gpu_blocks,
+            "max_num_seqs": n * e.max_num_seqs,
+            "max_num_batched_tokens": n * e.max_num_batched_tokens,
+            "num_host_blocks": n * e.num_host_blocks,
+            "prefill_base_ms": e.prefill_base_ms / n,
+            "prefill_ms_per_token": e.prefill_ms_per_token / n,
+            "prefill_ms_per_token_sq": e.prefill_ms_per_token_sq / (n * n),
+            "decode_base_ms": e.decode_base_ms,
+            "decode_ms_per_seq": e.decode_ms_per_seq / n,
+            "decode_ms_per_kv_token": e.decode_ms_per_kv_token / n,
+        }
+    )
+    return dataclasses.replace(fleet, workers=1, engine=engine, decode_engine=None)
 
 
 # Replays a workload (already at its rate) on some fleet: ``kvmesh bench disagg`` passes its disaggregated fleet's.

@@ -13,6 +13,11 @@ For each workload:
    request alone).
 2. **Causal floor**: ``sim.causal_ttft_floor_s`` at each rate (each request alone on an idle worker, a cached block
    available only once an earlier request could have computed it): what no dispatch or migration beats.
+   With ``--pooled``, also the **pooled fleet** (``sim.pooled_fleet``): each seed's workload at the same rates on
+   one engine with the fleet's KV, sequences and token budgets and an even share of each step's compute, no
+   rescheduling: what no rescheduler beats (as far as it is optimistic: docs/rescheduler.md, "The pooled reference"),
+   queueing included; reported beside the floor, and each TTFT verdict says whether it reaches the goal
+   (``reachable_by_pooled``, on the medians and per seed; ``met`` does not change).
 3. **Cells**: each dispatch policy (``least_loaded``, ``kv``) with rescheduling off and on, at each load, for each
    seed (the workload's seed and the router's). "On" is ``components.sim.rescheduling.PolicyRescheduler``: the live
    rescheduler's ``policy_planner`` and the migration agent's ``select_requests``, every other knob at
@@ -125,19 +130,42 @@ class Verdict:
         return {"status": self.status, "why": self.why}
 
 
-def judge_ttft(off: float | None, on: float | None, floor: float | None) -> Verdict:
-    """TTFT p99 at least ``TTFT_SPEEDUP`` x better (on <= off / 1.5), or, where off / 1.5 is below the causal floor
-    (no dispatch reaches it), at least 80% of the way from off to the floor (on <= off - 0.8 (off - floor))."""
-    if off is None or on is None or off <= 0:
-        return Verdict(NOT_JUDGED, "no TTFT measured")
+def ttft_goal(off: float | None, floor: float | None) -> tuple[float, str] | None:
+    """The TTFT p99 (ms) the target asks of the 'on' side given off's: ``off / TTFT_SPEEDUP``, or, where that is below
+    the causal floor (no dispatch reaches it), 80% of the way from off to the floor; and how it was set. None: no
+    off measured."""
+    if off is None or off <= 0:
+        return None
     goal = off / TTFT_SPEEDUP
     how = f"{TTFT_SPEEDUP:g}x: <= {goal:.1f} ms"
     if floor is not None and goal < floor:
         goal = off - TTFT_FLOOR_SHARE * (off - floor)
         how = f"1.5x passes below the causal floor {floor:.1f} ms; 80% of the way to it: <= {goal:.1f} ms"
+    return goal, how
+
+
+def judge_ttft(off: float | None, on: float | None, floor: float | None) -> Verdict:
+    """TTFT p99 at least ``TTFT_SPEEDUP`` x better (on <= off / 1.5), or, where off / 1.5 is below the causal floor
+    (no dispatch reaches it), at least 80% of the way from off to the floor (on <= off - 0.8 (off - floor))."""
+    g = ttft_goal(off, floor)
+    if g is None or on is None or off is None:
+        return Verdict(NOT_JUDGED, "no TTFT measured")
+    goal, how = g
     return Verdict(
         MET if on <= goal else NOT_MET, f"off {off:.1f} ms, on {on:.1f} ms ({off / max(on, 1e-9):.2f}x); {how}"
     )
+
+
+def reachable_by_pooled(off: float | None, floor: float | None, pooled: float | None) -> bool | None:
+    """Whether the pooled fleet's TTFT p99 (``sim.pooled_fleet``: the workers as one engine, meant as an optimistic
+    reference for any rescheduler) meets the goal ``ttft_goal`` sets from ``off``. False: not even the pooled fleet
+    reaches it, so the target is out of reach of every rescheduler as far as that reference is optimistic, which
+    it is not everywhere (docs/rescheduler.md, "The pooled reference": on the short/long mix at 0.8, ``kv`` without
+    rescheduling beats it); True: the reference does not rule the target out. None: a figure is missing."""
+    g = ttft_goal(off, floor)
+    if g is None or pooled is None:
+        return None
+    return pooled <= g[0]
 
 
 def judge_at_most(what: str, off: float | None, on: float | None, fraction: float) -> Verdict:
@@ -171,12 +199,30 @@ def judge_hit_rate(off: float | None, on: float | None) -> Verdict:
 
 
 def judge(
-    workload: str, load: float, off: dict[str, Any], on: dict[str, Any], floor_p99_ms: float | None
-) -> dict[str, dict[str, str]]:
-    """Every target for one (workload, dispatch, load): on vs off medians (``off``/``on``: a cell's ``median``)."""
-    out: dict[str, dict[str, str]] = {}
+    workload: str,
+    load: float,
+    off: dict[str, Any],
+    on: dict[str, Any],
+    floor_p99_ms: float | None,
+    pooled: dict[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Every target for one (workload, dispatch, load): on vs off medians (``off``/``on``: a cell's ``median``).
+
+    ``pooled`` (``--pooled``): the pooled fleet's TTFT p99 at this load, ``{"median": ms, "per_seed": [ms, ...]}``,
+    and ``off_per_seed``, off's TTFT p99 of each seed in the same order: the TTFT verdict then says beside ``status``
+    whether the pooled reference reaches the goal (``reachable_by_pooled``, on the medians, and per seed); the
+    status itself does not change."""
+    out: dict[str, dict[str, Any]] = {}
     if workload == "llumnix" and load in TTFT_LOADS:
         out["ttft_p99"] = judge_ttft(off.get("ttft_p99_ms"), on.get("ttft_p99_ms"), floor_p99_ms).to_dict()
+        if pooled is not None:
+            t = out["ttft_p99"]
+            t["pooled_p99_ms"] = pooled.get("median")
+            t["reachable_by_pooled"] = reachable_by_pooled(off.get("ttft_p99_ms"), floor_p99_ms, pooled.get("median"))
+            t["reachable_by_pooled_per_seed"] = [
+                reachable_by_pooled(o, floor_p99_ms, p)
+                for o, p in zip(pooled.get("off_per_seed", []), pooled.get("per_seed", []), strict=True)
+            ]
     else:
         out["ttft_p99"] = Verdict(NOT_JUDGED, "judged on Llumnix's setting at 0.8 and 1.0 only").to_dict()
     out["preemptions"] = judge_at_most(
@@ -320,6 +366,19 @@ def _floor(spec: Spec, fleet: FleetSpec, rates: Sequence[float]) -> list[float |
     return out
 
 
+def _pooled(spec: Spec, fleet: FleetSpec, rates: Sequence[float]) -> list[dict[str, Any]]:
+    """Per rate, the TTFT p99 and preemptions of the workload replayed on ``sim.pooled_fleet(fleet)`` (one engine
+    with the fleet's KV and its compute spread evenly; no dispatch choice, no rescheduling)."""
+    w = build(spec)
+    pooled = sim.pooled_fleet(fleet)
+    out = []
+    for rate in rates:
+        res = sim.replay(w.at_rate(rate), pooled, "round_robin", spec.seed)
+        p99 = pct(res.ttft_s, 0.99)
+        out.append({"ttft_p99_ms": None if p99 is None else round(1000 * p99, 1), "preemptions": res.preemptions})
+    return out
+
+
 def _call(task: tuple[Any, ...]) -> Any:
     fn, *args = task
     return fn(*args)
@@ -376,8 +435,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (_floor, specs[n, seeds[0]], fleets[n], [capacity[n]["capacity_rps"] * x for x in args.loads])
             for n in args.workloads
         ]
+        nf = len(tasks) + len(args.workloads)
+        if args.pooled:
+            jobs += [
+                (_pooled, specs[n, s], fleets[n], [capacity[n]["capacity_rps"] * x for x in args.loads])
+                for n in args.workloads
+                for s in seeds
+            ]
         results = pool.map(_call, jobs, chunksize=1)
-    floors = {n: f for n, f in zip(args.workloads, results[len(tasks) :], strict=True)}
+    floors = {n: f for n, f in zip(args.workloads, results[len(tasks) : nf], strict=True)}
+    pooled_runs = (
+        dict(zip([(n, s) for n in args.workloads for s in seeds], results[nf:], strict=True)) if args.pooled else {}
+    )
     cells: dict[tuple[str, str, str, float], list[dict[str, Any]]] = {}
     for (n, d, side, load, _s), r in zip(tasks, results[: len(tasks)], strict=True):
         cells.setdefault((n, d, side, load), []).append(r)
@@ -404,6 +473,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "points": {},
             "targets": {},
         }
+        if args.pooled:
+            # The pooled fleet's TTFT p99 and preemptions per load, median and spread over seeds, each seed's in order.
+            entry["ttft_pooled_p99_ms"] = {}
+            for i, x in enumerate(args.loads):
+                runs = [pooled_runs[n, s][i] for s in seeds]
+                entry["ttft_pooled_p99_ms"][f"{x:g}"] = {
+                    k: None if v is None else round(v, 1) for k, v in spread([r["ttft_p99_ms"] for r in runs]).items()
+                } | {
+                    "per_seed": [r["ttft_p99_ms"] for r in runs],
+                    "preemptions_per_seed": [r["preemptions"] for r in runs],
+                }
         for d in args.dispatch:
             entry["points"][d] = {}
             entry["targets"][d] = {}
@@ -417,12 +497,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "per_seed": runs,
                     }
                 entry["points"][d][f"{load:g}"] = by_side
+                pooled = None
+                if args.pooled:
+                    pooled = entry["ttft_pooled_p99_ms"][f"{load:g}"] | {
+                        "off_per_seed": [r["ttft_p99_ms"] for r in by_side["off"]["per_seed"]]
+                    }
                 verdicts = judge(
                     n,
                     load,
                     by_side["off"]["median"],
                     by_side["on"]["median"],
                     entry["ttft_causal_floor_p99_ms"][f"{load:g}"],
+                    pooled,
                 )
                 entry["targets"][d][f"{load:g}"] = verdicts
                 for v in verdicts.values():
@@ -445,6 +531,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "median": f"over seeds {seeds}; spread: min and max",
         "targets": "on vs off medians, same dispatch; 'not judged' never counts as met",
     }
+    if args.pooled:
+        report["rules"]["pooled"] = (
+            "with --pooled: each seed's workload at the same rates on sim.pooled_fleet (the workers as one engine: "
+            "their KV blocks, sequences and token budgets added, decode_base_ms kept, the other step-time "
+            "coefficients over N, prefill_ms_per_token_sq over N**2), no rescheduling; reachable_by_pooled: its TTFT "
+            "p99 meets the goal the TTFT target sets from off's (medians; per seed: each seed's off and pooled)"
+        )
     report.update(
         dispatch=list(args.dispatch), loads=list(args.loads), seeds=seeds, policies_on=list(args.policies_on),
         jobs=args.jobs, wall_s=round(time.perf_counter() - t0, 1),
@@ -466,7 +559,7 @@ def _f(x: float | None, nd: int = 1) -> str:
 def table(name: str, entry: dict[str, Any], dispatch: Sequence[str], loads: Sequence[float]) -> str:
     lines = [f"== {name}: capacity {entry['capacity_rps']:.3f} req/s, {entry['requests']} requests"]
     lines.append(
-        f"{'dispatch':<13}{'load':>5} {'side':<4}{'ttft p99 ms':>12}{'floor':>8}{'preempt':>8}{'tok/s':>9}"
+        f"{'dispatch':<13}{'load':>5} {'side':<4}{'ttft p99 ms':>12}{'floor':>8}{'pooled':>8}{'preempt':>8}{'tok/s':>9}"
         f"{'imbal95':>8}{'hit':>7}{'migr':>6}"
     )
     for d in dispatch:
@@ -475,8 +568,9 @@ def table(name: str, entry: dict[str, Any], dispatch: Sequence[str], loads: Sequ
             for side in ("off", "on"):
                 m = entry["points"][d][key][side]["median"]
                 floor = entry["ttft_causal_floor_p99_ms"][key]
+                pooled = (entry.get("ttft_pooled_p99_ms") or {}).get(key, {}).get("median")
                 lines.append(
-                    f"{d:<13}{key:>5} {side:<4}{_f(m['ttft_p99_ms']):>12}{_f(floor):>8}"
+                    f"{d:<13}{key:>5} {side:<4}{_f(m['ttft_p99_ms']):>12}{_f(floor):>8}{_f(pooled):>8}"
                     f"{_f(m['preemptions'], 0):>8}{_f(m['output_tokens_per_s'], 0):>9}{_f(m['kv_imbalance_p95'], 3):>8}"
                     f"{_f(m['hit_rate'], 3):>7}{_f(m['migrations'], 0):>6}"
                 )
@@ -485,7 +579,8 @@ def table(name: str, entry: dict[str, Any], dispatch: Sequence[str], loads: Sequ
 
 def plot(report: dict[str, Any], path: str) -> str | None:
     """TTFT p99 (median over seeds, bars: min to max) against load, off dashed and on solid per dispatch policy, the
-    causal floor dotted; one panel per workload. None when matplotlib is missing."""
+    causal floor dotted, the pooled fleet's (``--pooled``) dash-dotted; one panel per workload. None when matplotlib
+    is missing."""
     try:
         import matplotlib
 
@@ -516,6 +611,11 @@ def plot(report: dict[str, Any], path: str) -> str | None:
         fy = [v / 1000.0 for v in floor.values() if v is not None]
         if fx:
             ax.plot(fx, fy, ":", color="black", label="causal floor")
+        pooled = entry.get("ttft_pooled_p99_ms") or {}
+        px = [float(x) for x, v in pooled.items() if v["median"] is not None]
+        py = [v["median"] / 1000.0 for v in pooled.values() if v["median"] is not None]
+        if px:
+            ax.plot(px, py, "-.", marker="s", color="tab:green", label="pooled fleet (one engine)")
         ax.set_yscale("log")
         ax.set_title(f"{name}\ncapacity {entry['capacity_rps']:.2f} req/s", fontsize=9)
         ax.set_xlabel("offered load (x round-robin capacity)")
@@ -581,6 +681,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FIELD=VALUE",
         help="a ReschedulerConfig field of the 'on' side (repeatable), e.g. rescheduling_req_select_rule=num_requests "
         "--set rescheduling_req_select_value=1; every other field keeps its default (Llumnix's)",
+    )
+    p.add_argument(
+        "--pooled",
+        action="store_true",
+        help="also replay each seed's workload at the same rates on the pooled fleet (sim.pooled_fleet: the workers "
+        "as one engine with all their KV, compute spread evenly, no rescheduling): its TTFT p99 is reported beside "
+        "the causal floor, and each TTFT verdict says whether it reaches the goal (reachable_by_pooled)",
     )
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="simulated workers (default 4)")
     p.add_argument("--num-gpu-blocks", type=int, default=DEFAULT_GPU_BLOCKS, help="KV blocks per worker (1280)")

@@ -34,6 +34,26 @@ def test_ttft_target_by_speedup_or_by_the_way_to_the_causal_floor():
     assert rb.judge_ttft(None, 10.0, None).status == rb.NOT_JUDGED
 
 
+def test_the_pooled_reference_says_whether_the_ttft_goal_is_in_reach():
+    # Off 12,000 ms, floor 51.5: the goal is 12,000 / 1.5 = 8,000 ms.
+    assert rb.reachable_by_pooled(12_000.0, 51.5, 9_000.0) is False
+    assert rb.reachable_by_pooled(12_000.0, 51.5, 8_000.0) is True
+    # Off 100, floor 80: 100 / 1.5 = 66.7 is below the floor, so 80% of the way: 100 - 0.8 x 20 = 84 ms.
+    assert rb.reachable_by_pooled(100.0, 80.0, 84.0) is True
+    assert rb.reachable_by_pooled(100.0, 80.0, 85.0) is False
+    assert rb.reachable_by_pooled(None, 80.0, 50.0) is None and rb.reachable_by_pooled(100.0, 80.0, None) is None
+    # In judge: on the medians (off 12,000 against pooled 9,000: out of reach) and per seed (off 12,000 / 9,000:
+    # goals 8,000 / 6,000 against pooled 9,000 / 5,000: out, in); the verdict itself is the one without --pooled.
+    off, on = {"ttft_p99_ms": 12_000.0}, {"ttft_p99_ms": 7_000.0}
+    pooled = {"median": 9_000.0, "per_seed": [9_000.0, 5_000.0], "off_per_seed": [12_000.0, 9_000.0]}
+    t = rb.judge("llumnix", 1.0, off, on, 51.5, pooled)["ttft_p99"]
+    assert t["status"] == rb.MET == rb.judge("llumnix", 1.0, off, on, 51.5)["ttft_p99"]["status"]
+    assert t["pooled_p99_ms"] == 9_000.0 and t["reachable_by_pooled"] is False
+    assert t["reachable_by_pooled_per_seed"] == [False, True]
+    assert "reachable_by_pooled" not in rb.judge("llumnix", 1.0, off, on, 51.5)["ttft_p99"]
+    assert "reachable_by_pooled" not in rb.judge("trace", 1.0, off, on, 51.5, pooled)["ttft_p99"]
+
+
 def test_cuts_throughput_and_hit_rate_and_what_is_not_judged():
     assert rb.judge_at_most("preemptions", 10, 5, rb.PREEMPTION_CUT).status == rb.MET
     assert rb.judge_at_most("preemptions", 10, 6, rb.PREEMPTION_CUT).status == rb.NOT_MET
@@ -79,7 +99,7 @@ def test_the_short_long_mix_is_mostly_short_with_a_tenth_very_long():
 def test_the_command_runs_a_tiny_sweep_and_reports_every_cell_and_verdict(tmp_path, capsys):
     png = tmp_path / "r.png"
     code = cli_main(["bench", "rescheduling", "--workloads", "llumnix", "--requests", "40", "--seeds", "2",
-                     "--workers", "1", "--loads", "1.0", "--jobs", "1", "--png", str(png)])  # fmt: skip
+                     "--workers", "1", "--loads", "1.0", "--jobs", "1", "--png", str(png), "--pooled"])  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out.strip().splitlines()[-1])
@@ -100,6 +120,12 @@ def test_the_command_runs_a_tiny_sweep_and_reports_every_cell_and_verdict(tmp_pa
             "kv_imbalance_p95",
             "hit_rate",
         }
+        ttft = entry["targets"][d]["1"]["ttft_p99"]
+        assert len(ttft["reachable_by_pooled_per_seed"]) == 2 and ttft["pooled_p99_ms"] is not None
+    # --pooled: the pooled fleet's TTFT p99 per seed beside the causal floor.
+    pooled = entry["ttft_pooled_p99_ms"]["1"]
+    assert len(pooled["per_seed"]) == 2 and pooled["min"] <= pooled["median"] <= pooled["max"]
+    assert "pooled" in report["rules"]
     counts = report["target_counts"]
     assert sum(counts.values()) == 2 * 5
     assert png.stat().st_size > 10_000

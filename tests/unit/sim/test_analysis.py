@@ -171,6 +171,54 @@ def test_without_cached_prefixes_cuts_each_prompt_to_what_no_earlier_prompt_had(
     assert [len(a.prompt) - len(b.prompt) for a, b in zip(reqs, cut.requests, strict=True)] == hits
 
 
+def test_the_pooled_fleet_is_one_engine_with_the_fleets_kv_and_an_even_share_of_each_step():
+    fleet = FleetSpec(workers=4, engine=MockEngineConfig(num_gpu_blocks=1280))
+    pooled = sim.pooled_fleet(fleet)
+    e = pooled.engine
+    assert pooled.workers == 1 and e.num_gpu_blocks == 5120 and e.max_num_seqs == 4 * 256
+    assert e.max_num_batched_tokens == 4 * 8192
+    m = e.step_time_model
+    # Prefill base and per token over 4, the square term over 16; decode base kept, per sequence and per KV over 4.
+    assert (m.prefill_base_ms, m.prefill_ms_per_token) == pytest.approx((16.5 / 4, 1.518e-2 / 4))
+    assert m.prefill_ms_per_token_sq == pytest.approx(4.21e-7 / 16)
+    assert (m.decode_base_ms, m.decode_ms_per_seq, m.decode_ms_per_kv_token) == pytest.approx((5.0, 0.005, 7.5e-6))
+    # A pooled step of 4,096 prefill tokens and 200 sequences attending to 400,000 KV tokens:
+    # prefill 4.125 + 3.795e-3 x 4096 (15.544) + 2.63125e-8 x 4096^2 (0.4415) = 20.111;
+    # decode 5 + 0.005 x 200 (1) + 7.5e-6 x 400,000 (3) = 9: 29.111 ms.
+    assert m.step_ms(4096, 200, 400_000) == pytest.approx(29.111, abs=1e-3)
+    # No split of that batch over the 4 engines finishes sooner (a step lasts as long as its slowest engine):
+    # even (each 1,024 prefill tokens, 50 sequences, 100,000 KV tokens): 16.5 + 15.544 + 0.4415 + 9 = 41.486 ms;
+    # the prompt on one engine with a quarter of the decodes: 16.5 + 62.177 + 7.063 + 9 = 94.740 ms.
+    one = fleet.engine.step_time_model
+    assert one.step_ms(1024, 50, 100_000) == pytest.approx(41.486, abs=1e-3)
+    assert one.step_ms(4096, 50, 100_000) == pytest.approx(94.740, abs=1e-3)
+    # The cached step model is the pooled one, not the copied engine's (MockEngineConfig caches step_time_model).
+    _ = fleet.engine.step_time_model
+    assert sim.pooled_fleet(fleet).engine.step_time_model.decode_ms_per_seq == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="prefill engines"):
+        sim.pooled_fleet(dataclasses.replace(fleet, prefill=1))
+
+
+def test_a_lone_prompt_is_prefilled_with_the_whole_fleets_compute_on_the_pooled_fleet():
+    fleet = FleetSpec(workers=4, engine=MockEngineConfig(num_gpu_blocks=1280))
+    w = Workload("w", (SimRequest(0.0, block(1, 160), 1),))
+    # One engine: 16.5 + 1.518e-2 x 160 + 4.21e-7 x 160^2 = 18.9396 ms; pooled: 4.125 + 0.6072 + 0.000674 = 4.7329.
+    assert sim.simulate(w, "round_robin", fleet, 0).ttft_s == [pytest.approx(0.0189396, abs=1e-6)]
+    assert sim.simulate(w, "round_robin", sim.pooled_fleet(fleet), 0).ttft_s == [pytest.approx(0.0047329, abs=1e-6)]
+
+
+def test_the_pooled_fleet_admits_what_no_single_worker_has_room_for():
+    # 2 workers of 20 blocks (320 tokens). Three requests of 100 prompt + 100 output tokens: 13 blocks each at the end.
+    # Any dispatch puts two on one worker (26 blocks > 20): one is preempted, whichever policy places them. The pooled
+    # fleet holds 40 blocks: all three (39) fit, nothing is preempted.
+    fleet = FleetSpec(workers=2, engine=MockEngineConfig(num_gpu_blocks=20, max_model_len=320))
+    w = Workload("w", tuple(SimRequest(0.001 * i, block(10 + i, 100), 100) for i in range(3)))
+    for policy in ("round_robin", "least_loaded", "kv"):
+        assert sim.simulate(w, policy, fleet, 0).preemptions == 1
+    res = sim.simulate(w, "round_robin", sim.pooled_fleet(fleet), 0)
+    assert res.preemptions == 0 and res.output_tokens == 300
+
+
 def test_a_working_sets_regime_is_read_against_one_worker_and_the_fleet():
     from components.cli.bench.routing import regime
 
