@@ -16,10 +16,10 @@ of the burst's prompts to reach the worker start a prefill step of the k that ar
 That step's prompts get their first tokens at its end, 10 + 150 k ms on, over the target for k >= 4. The planner sees
 it coming from the step's start: k <= 7, by the waiting prompts (3 or more: a new prompt's predicted TTFT >= 610 ms,
 the fast loop's TTFT rule); k >= 8, by the batch (ITL 62-70 ms: at once for 9 or 10, two pulls running for 8). Under
-CPU load the burst straggles (k from 1 to 10 in 25 runs here). Before the fix the TTFT rule waited for a request
+CPU load the burst straggles (k from 1 to 10 in 30 runs here). Before the fix the TTFT rule waited for a request
 to finish (an output length) and a throughput decision at the same pull dropped the fast loop's raise, so with k = 6
 or 7 the raise came from the ITL rule at the second step's start, the moment the first step's tokens went out: 5
-runs of 15 failed (e.g. decided 1.18 s into the burst, 0.19 s after the first breach; docs/sla-planner.md).
+runs of 17 failed (e.g. decided 1.18 s into the burst, 0.19 s after the first breach; docs/sla-planner.md).
 """
 
 from __future__ import annotations
