@@ -40,7 +40,8 @@ Throughput loop (every ``adjustment_interval``)
    read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's speed. An interval whose pulls
    caught no worker decoding, though tokens were sent, predicts ITL as a lone sequence's step at the mean context
    (else a factor raised in a burst would stay up through the quiet after it).
-4. Several workers per step: the new size is absolute, not one worker at a time.
+4. Several workers per step: the new size is absolute, not one worker at a time. A pool the throughput loop cannot
+   size (no output length heard yet) holds at its decision, but the fast loop's raise at that pull stands.
 
 Fast loop (every pull)
 ----------------------
@@ -57,7 +58,9 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   step in the load is seen within seconds, not at the next decision), or of each frontend's latest report in it when
   that is higher (a step's first second: the 3 s window still holds the level before it, and read 4.0, 7.5, then
   11.5 requests/s on a step to 9.45, one decision a pull, where each second the pool is short queues ~9 long
-  prompts on it).
+  prompts on it). Before any request finished (no output length heard: a burst's first second on a cold pool)
+  an aggregated pool is sized on its prompts' share alone, a lower bound: the queue that breaks TTFT is of prompts,
+  and waiting for an output length let a burst's first prompts break the target before the raise.
   Not by spreading the queue: the queued prompts stay on the workers that hold them, so new workers only take new
   arrivals, and a pool sized for a backlog would be too large once it drains. When that sizing says the pool
   suffices (or nothing was heard) but the queue will not
@@ -496,8 +499,12 @@ class SlaController:
             else:
                 if recent is not None:
                     rate, r_isl, r_osl = recent
+                    # Without an output length (a burst's first second: none of its requests finished), the
+                    # prompts' share alone: a burst's queue is what breaks TTFT, and waiting for its first request
+                    # to finish let the first prompts' TTFT break the target first (kvmesh's SLA e2e burst under
+                    # CPU load: 779 ms predicted at a pull 0.8 s before the first breach, no raise).
                     sizes, _ = self._throughput_sizes(
-                        obs, [rate], [r_isl], [r_osl] if r_osl is not None else None, perf_of
+                        obs, [rate], [r_isl], [r_osl] if r_osl is not None else None, perf_of, prompts_only=True
                     )
                     size = sizes.get(pool)
                     if size is not None and size > n:
@@ -731,14 +738,21 @@ class SlaController:
         held_for = self._held_for
         self._forecast = dict(wanted)
         for pool, cur in current.items():
+            f = fast.get(pool)
             if pool not in wanted:
                 reasons[pool] = why[pool]
                 self.target.pop(pool, None)
+                if f is not None and f.need is not None and f.need > cur:
+                    # The throughput loop cannot size the pool (a burst's first seconds: no request finished, no
+                    # output length), but the fast loop's raise at this pull stands, as at any other pull. Dropped,
+                    # it waited a pull (kvmesh's SLA e2e burst, under CPU load: 0.77 s, decided 0.43 s after the
+                    # first TTFT breach).
+                    self.target[pool] = f.need
+                    reasons[pool] = f"fast loop: {f.reason}; throughput loop: {why[pool]}"
                 continue
             floor = wanted[pool]
             self.floor[pool] = floor
             want, reason = floor, why[pool]
-            f = fast.get(pool)
             if f is not None and f.need is not None and f.need > want:
                 want, reason = f.need, f"{reason}; fast loop: {f.reason}"
             if want < cur and f is not None and f.broken:
@@ -823,9 +837,12 @@ class SlaController:
         osls: Sequence[float] | None,
         perf: Mapping[Pool, PerfModel],
         times: Sequence[float] | None = None,
+        prompts_only: bool = False,
     ) -> tuple[dict[Pool, int], dict[Pool, str]]:
         """Each pool's size: the most any of ``rates`` (with their lengths; ``times``: how far ahead each is, for the
-        reason) needs; a pool missing from the first mapping holds (its reason in the second)."""
+        reason) needs; a pool missing from the first mapping holds (its reason in the second). ``prompts_only``: an
+        aggregated pool with no output length known is sized on its prefill share alone, a lower bound (else it is
+        missing)."""
         cfg = self.config
         pools = [Pool.DECODE] + ([Pool.PREFILL] if obs.prefill is not None else [])
         needs: dict[Pool, list[int]] = {p: [] for p in pools}
@@ -849,6 +866,21 @@ class SlaController:
                 )
                 needs[Pool.PREFILL].append(max(cfg.min_endpoint, sp.workers))
                 why_at[Pool.PREFILL].append(f"prefill: {sp.reason}")
+            if osl is None and prompts_only and obs.prefill is None:
+                # Aggregated, no output length yet: the prefill share alone, a lower bound (the decode share only
+                # adds to it), which is what the TTFT rule needs to know (module docstring, "Fast loop").
+                _, sp = replicas.prefill_workers(
+                    rate, isl, perf[Pool.DECODE], cfg.ttft_s, self.ttft_correction, queue_wait=cfg.queue_wait
+                )
+                pm = sp.metrics
+                prefill_share = pm["demand_tokens_per_s"] / (pm["max_utilisation"] * pm["worker_tokens_per_s"])
+                n = replicas.workers_for(prefill_share, 1.0)
+                needs[Pool.DECODE].append(max(cfg.min_endpoint, n))
+                why_at[Pool.DECODE].append(
+                    f"aggregated: prefill {prefill_share:.2f} workers' worth = {n} at least (no output length heard "
+                    f"yet: the decode share is unknown) (prefill: {sp.reason})"
+                )
+                continue
             if osl is None:
                 missing[Pool.DECODE] = "no output length heard yet (no request finished): holding"
                 continue

@@ -24,7 +24,7 @@ from components.perf.model import StepTimeModel
 from components.planner.policy import Direction, Pool
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
-from components.protocol.messages import LoadSnapshot
+from components.protocol.messages import LoadSnapshot, RequestStatsReport
 from components.runtime.flags import add_model_arguments, model_from_args
 from tests.unit.planner.sla.support import MODEL, ROUND, Fleet, pull
 
@@ -958,3 +958,77 @@ def test_an_addition_in_progress_is_raised_when_the_next_pulls_ask_for_more():
     fleet.report_loads(34.0)
     out = ctl.pull(fleet.snapshot(34.0))
     assert out.adjustment is None or not out.adjustment.changes()
+
+
+# The e2e burst's workers (tests/e2e/test_planner_sla.py): prefill 10 ms + 0.5 ms/token, decode 30 ms + 4 ms/sequence
+# (no KV term): a 300-token prompt alone takes 160 ms; a batch of 7 steps in 58 ms, one of 9 in 66 ms, of 10 in 70.
+BURST = StepTimeModel(
+    prefill_base_ms=10.0,
+    prefill_ms_per_token=0.5,
+    prefill_ms_per_token_sq=0.0,
+    decode_base_ms=30.0,
+    decode_ms_per_seq=4.0,
+    decode_ms_per_kv_token=0.0,
+)
+
+
+def burst_fleet() -> tuple[Fleet, SlaController]:
+    """One aggregated worker, TTFT 600 ms, ITL 60 ms, a decision every 3 s, pulls every 0.25 s, budget 3 (the e2e
+    test's settings); the first pull at 0 starts the interval. No request heard yet."""
+    fleet = Fleet(decode=1, perf=BURST)
+    cfg = config(ttft=600.0, itl=60.0, adjustment_interval=3.0, metric_pulling_interval=0.25, max_gpu_budget=3)
+    ctl = SlaController(cfg, MODEL)
+    assert pull(ctl, fleet, 0.0).adjustment is None
+    return fleet, ctl
+
+
+def burst_report(fleet: Fleet, now_s: float) -> None:
+    """The frontend's report of a burst's first 0.25 s: ten 300-token prompts arrived, none finished (40 requests/s,
+    no output length yet)."""
+    report = RequestStatsReport(MODEL, 0.25, requests=10, prompt_tokens=3000, finished=0, output_tokens=0)
+    fleet.state.apply_request_stats("frontend-1", report, now_s)
+
+
+def test_a_throughput_decision_that_cannot_size_the_pool_keeps_the_fast_loops_raise_at_its_pull():
+    """The burst's ten sequences in one batch step in 70 ms > 60 (beyond the edge: 9 step in 66 ms), a raise at the
+    pull that sees it: to 2 workers (5 each, 50 ms). That pull is the throughput decision's (3 s), which cannot size
+    the pool (no request finished: no output length) and holds; the raise must stand, not wait a pull (the e2e burst
+    under CPU load: 0.77 s, decided after the first TTFT breach)."""
+    fleet, ctl = burst_fleet()
+    burst_report(fleet, 2.9)
+    fleet.set_load(Pool.DECODE, num_running=10, batch_size=10, num_kv_tokens=3000, kv_usage=0.01)
+    out = pull(ctl, fleet, 3.0)
+    assert out.sla is not None and out.sla.interval  # the throughput decision's pull
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 1, 2), d.reason
+    assert "fast loop: predicted ITL 70.0 ms > 60 ms target" in d.reason and "no output length heard yet" in d.reason
+    assert fleet.count(Pool.DECODE) == 2
+
+
+def test_the_fast_loop_raises_on_a_bursts_queue_before_any_of_its_requests_finished():
+    """Six of the burst's prompts in the step, four waiting (1200 prompt tokens): a new prompt waits at least
+    1200 x 0.5 = 600 ms, then computes its own 160 ms: over the 600 ms target, while the batch of 6 steps in 54 ms
+    (no ITL breach). No output length yet, so the prompts' share alone sizes the pool, a lower bound: 40 requests/s x
+    300 tokens = 12000 prompt tokens/s; a worker computes 300 tokens in 160 ms (1875 tokens/s) at most
+    rho = 2 (600 - 160) / (1200 - 160) = 0.846 busy: 7.6 -> 8 workers, which the 3-GPU budget cuts to 3. Raised at
+    this pull, not once a request finishes (the e2e burst under CPU load: 779 ms predicted 0.6 s before the first
+    breach, and no raise)."""
+    fleet, ctl = burst_fleet()
+    burst_report(fleet, 1.1)
+    fleet.set_load(
+        Pool.DECODE,
+        num_running=6,
+        num_waiting=4,
+        num_waiting_prefill_tokens=1200,
+        batch_size=6,
+        num_kv_tokens=1800,
+        kv_usage=0.01,
+    )
+    out = pull(ctl, fleet, 1.25)
+    assert out.sla is not None and out.sla.predicted_ttft_s is not None and out.sla.predicted_ttft_s > 0.76
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 1, 3), d.reason
+    assert "predicted TTFT" in d.reason and "40.0 requests/s need 8" in d.reason
+    assert fleet.count(Pool.DECODE) == 3
