@@ -103,19 +103,21 @@ async def served(make_runtime, namespace) -> AsyncIterator[Served]:
 
 
 async def test_the_window_counts_every_request_its_tokens_and_latencies(served: Served):
-    # speedup_ratio 1: the mock engine takes its modelled step times, so TTFT and the gaps are real durations.
-    await served.add_worker(speedup_ratio=1.0)
-    await served.add_worker(speedup_ratio=1.0)
-    t0 = await served.heard()
-    client = served.openai()
     # Imported here, not at the top: AutoTokenizer imports torch (~2-3 s), which collecting the suite
-    # paid in every pytest process (both xdist workers and the vLLM run) whether it ran this or not.
+    # paid in every pytest process (both xdist workers and the vLLM run) whether it ran this or not. And before
+    # the workers: the import blocks this process's event loop, where the frontend and the workers run, for
+    # seconds; after them, a loaded CI run's frontend found no worker to route to and answered 503.
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL_PATH)
     messages: Any = [{"role": "user", "content": "héllo there"}]
     chat_text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     chat_ids = list(tok.encode(chat_text, add_special_tokens=False))  # the template's tokens, as test_frontend derives
+    # speedup_ratio 1: the mock engine takes its modelled step times, so TTFT and the gaps are real durations.
+    await served.add_worker(speedup_ratio=1.0)
+    await served.add_worker(speedup_ratio=1.0)
+    t0 = await served.heard()
+    client = served.openai()
     # (prompt token count, output tokens) of each request, and the usage the frontend answered with.
     sent: list[tuple[int, int]] = []
     usage_prompts: list[int] = []
