@@ -41,7 +41,7 @@ from components.planner.board import PlannerBoard
 from components.planner.config import DEFAULT_SCALING_TIMEOUT_S, AnyPlannerConfig, PlannerConfig
 from components.planner.connectors.base import Connector, ConnectorError
 from components.planner.controller import PendingChange, PlannerController
-from components.planner.metrics import MetricsServer, PlannerMetrics
+from components.planner.metrics import PlannerMetrics
 from components.planner.policy import (
     Adjustment,
     Direction,
@@ -52,6 +52,7 @@ from components.planner.sla.controller import SlaController
 from components.planner.status import status_key
 from components.runtime import Runtime
 from components.runtime.errors import ConnectError, RuntimeMeshError
+from components.runtime.metrics_http import MetricsServer
 
 logger = logging.getLogger(__name__)
 

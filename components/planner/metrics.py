@@ -26,7 +26,7 @@ connector was asked to make: ``done`` or ``failed``), ``kvmesh_planner_pulls_tot
 ``kvmesh_planner_adjustments_total``; gauges ``kvmesh_planner_no_operation{model}`` (1 under --no-operation) and
 ``kvmesh_planner_change_in_progress{model,pool}``.
 
-Imports prometheus_client and aiohttp; nothing of the runtime.
+Imports prometheus_client; the HTTP server is ``components.runtime.metrics_http``'s (nothing of the mesh).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, exposition, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -43,8 +42,6 @@ from components.planner.policy import Adjustment, Observation, Pool, PullFigures
 from components.planner.sla.figures import SlaFigures
 
 logger = logging.getLogger(__name__)
-
-CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
 
 
 class PlannerMetrics:
@@ -169,39 +166,3 @@ class _Figures(Collector):
                 targets.add_metric([model, str(d.pool)], d.target)
             yield targets
             yield gauge("kvmesh_planner_adjustment_gpus", "GPUs with the last decisions applied", adj.gpus_after)
-
-
-class MetricsServer:
-    """``GET /metrics`` on ``host:port`` (0: a free port) for one ``PlannerMetrics``."""
-
-    def __init__(self, metrics: PlannerMetrics, host: str, port: int) -> None:
-        self.metrics = metrics
-        self.host = host
-        self.port = port
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_get("/metrics", self._handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
-        try:
-            await site.start()
-        except OSError:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        host, port = runner.addresses[0][:2]
-        shown = f"[{host}]" if ":" in str(host) else host
-        self.url = f"http://{shown}:{port}/metrics"
-        return self.url
-
-    async def _handle(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-    async def stop(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()

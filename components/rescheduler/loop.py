@@ -49,12 +49,13 @@ from components.rescheduler.executor import (
     migrate_client,
     totals_to_dict,
 )
-from components.rescheduler.metrics import MetricsServer, ReschedulerMetrics
+from components.rescheduler.metrics import ReschedulerMetrics
 from components.rescheduler.policies import plan_cycle
 from components.rescheduler.replicator import ActionResult, LiveReplicator
 from components.rescheduler.status import status_key
 from components.rescheduler.views import instance_views
 from components.runtime import Client, Runtime, RuntimeMeshError
+from components.runtime.metrics_http import MetricsServer
 
 logger = logging.getLogger(__name__)
 

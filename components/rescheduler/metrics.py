@@ -17,22 +17,20 @@ Counters (``mode`` is the migration mode that ran, as the source reported it: ``
 and the gauge ``kvmesh_rescheduler_in_flight_sources{rescheduler}`` (sources with a ``migrate`` call in flight).
 ``rescheduler`` is ``standalone`` or ``colocated``, where it runs.
 
-Imports prometheus_client and aiohttp; nothing of the runtime.
+Imports prometheus_client; the HTTP server is ``components.runtime.metrics_http``'s (nothing of the mesh).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, exposition, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from components.rescheduler.executor import CallOutcome, PairResult
 from components.rescheduler.replicator import ActionResult
 
-CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
 AUTO_MODE = "auto"
 
 
@@ -120,39 +118,3 @@ class _Gauges(Collector):
         )
         g.add_metric([self.m.where], float(self.m.in_flight()))
         yield g
-
-
-class MetricsServer:
-    """``GET /metrics`` on ``host:port`` (0: a free port) for one ``ReschedulerMetrics``."""
-
-    def __init__(self, metrics: ReschedulerMetrics, host: str, port: int) -> None:
-        self.metrics = metrics
-        self.host = host
-        self.port = port
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_get("/metrics", self._handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
-        try:
-            await site.start()
-        except OSError:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        host, port = runner.addresses[0][:2]
-        shown = f"[{host}]" if ":" in str(host) else host
-        self.url = f"http://{shown}:{port}/metrics"
-        return self.url
-
-    async def _handle(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-    async def stop(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()

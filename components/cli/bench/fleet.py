@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from components.cli.bench.mesh import add_mesh_arguments, mesh_servers
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
 from components.runtime import Runtime, RuntimeConfig
@@ -101,19 +102,7 @@ async def _measure_fleet(cfg: RuntimeConfig, args: argparse.Namespace, num_worke
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from components.runtime.servers import EtcdServer, NatsServer
-
-    servers: list[Any] = []
-    try:
-        etcd, nats_url = args.etcd, args.nats
-        if not etcd:
-            servers.append(e := EtcdServer())
-            e.start()
-            etcd = e.endpoint
-        if not nats_url:
-            servers.append(n := NatsServer(jetstream=False))
-            n.start()
-            nats_url = n.url
+    with mesh_servers(args.etcd, args.nats) as (etcd, nats_url):
         cfg = RuntimeConfig(etcd_endpoints=[etcd], nats_url=nats_url)
         baseline = await _measure_fleet(cfg, args, 1, "benchfleet1")
         fleet = await _measure_fleet(cfg, args, args.workers, "benchfleet")
@@ -129,9 +118,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ),
             "requests_per_s_ratio": round(fleet["requests_per_s"] / baseline["requests_per_s"], 3),
         }
-    finally:
-        for s in servers:
-            s.cleanup()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,8 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--num-gpu-blocks", type=int, default=4096, help="KV blocks per simulated worker")
     p.add_argument("--idle-s", type=float, default=2.0, help="length of the idle measurement")
-    p.add_argument("--etcd", default="", help="etcd endpoint; default: start one on a free loopback port")
-    p.add_argument("--nats", default="", help="NATS URL; default: start one on a free loopback port")
+    add_mesh_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from components.cli.bench.mesh import add_mesh_arguments, mesh_servers
 from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_MIGRATE
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
 from components.protocol.migration import MigrateRequest, MigrationReport
@@ -544,19 +545,7 @@ def plot(report: dict[str, Any], path: str) -> bool:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from components.runtime.servers import EtcdServer, NatsServer
-
-    servers: list[Any] = []
-    try:
-        etcd, nats_url = args.etcd, args.nats
-        if not etcd:
-            servers.append(e := EtcdServer())
-            e.start()
-            etcd = e.endpoint
-        if not nats_url:
-            servers.append(n := NatsServer(jetstream=False))
-            n.start()
-            nats_url = n.url
+    with mesh_servers(args.etcd, args.nats) as (etcd, nats_url):
         cfg = RuntimeConfig(etcd_endpoints=[etcd], nats_url=nats_url)
         report: dict[str, Any] = {"bench": "migration"}
         if args.lengths:
@@ -566,9 +555,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.failover_requests > 0:
             report["failover"] = await failover(cfg, args)
         return report
-    finally:
-        for s in servers:
-            s.cleanup()
 
 
 def _ints(text: str) -> list[int]:
@@ -589,8 +575,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--failover-tokens", type=int, default=300, help="output tokens per failover request")
     p.add_argument("--failover-rounds", type=int, default=1, help="ABBA pairs of failover runs (limit 0 and 3)")
     p.add_argument("--png", default="bench-migration.png", help="where to draw downtime against length ('' for none)")
-    p.add_argument("--etcd", default="", help="etcd endpoint; default: start one on a free loopback port")
-    p.add_argument("--nats", default="", help="NATS URL; default: start one on a free loopback port")
+    add_mesh_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from components.cli.bench.mesh import add_mesh_arguments, mesh_servers
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
 from components.runtime import Runtime, RuntimeConfig
 
@@ -516,21 +517,9 @@ def plot(report: dict[str, Any], path: str) -> bool:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from components.runtime.servers import EtcdServer, NatsServer
-
     if args.via == "serve":
         return await run_serve(args)
-    servers: list[Any] = []
-    try:
-        etcd, nats_url = args.etcd, args.nats
-        if not etcd:
-            servers.append(e := EtcdServer())
-            e.start()
-            etcd = e.endpoint
-        if not nats_url:
-            servers.append(n := NatsServer(jetstream=False))
-            n.start()
-            nats_url = n.url
+    with mesh_servers(args.etcd, args.nats) as (etcd, nats_url):
         cfg = RuntimeConfig(etcd_endpoints=[etcd], nats_url=nats_url)
         rng = random.Random(args.seed)
         rounds = []
@@ -543,9 +532,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
             )
         return {"bench": "scale-down", "settings": _settings(args), "rounds": rounds, "summary": summarize(rounds)}
-    finally:
-        for s in servers:
-            s.cleanup()
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -603,8 +589,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds where in the rescheduler's cycle each SIGTERM falls")
     p.add_argument("--round-timeout-s", type=float, default=120.0, help="bound of each wait in a round")
     p.add_argument("--png", default="bench-scale-down.png", help="where to draw the rounds ('' for none)")
-    p.add_argument("--etcd", default="", help="etcd endpoint; default: start one on a free loopback port")
-    p.add_argument("--nats", default="", help="NATS URL; default: start one on a free loopback port")
+    add_mesh_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:

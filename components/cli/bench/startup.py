@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from components.cli.bench.mesh import add_mesh_arguments, mesh_servers
 from components.protocol.endpoints import ENDPOINT_GENERATE
 from components.runtime.config import RuntimeConfig
 
@@ -121,20 +122,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from components.runtime.servers import EtcdServer, NatsServer
-
-    servers: list[Any] = []
     t_start = time.perf_counter()
-    try:
-        etcd, nats_url = args.etcd, args.nats
-        if not etcd:
-            servers.append(e := EtcdServer())
-            e.start()
-            etcd = e.endpoint
-        if not nats_url:
-            servers.append(n := NatsServer(jetstream=False))
-            n.start()
-            nats_url = n.url
+    with mesh_servers(args.etcd, args.nats) as (etcd, nats_url):
         cfg = RuntimeConfig(etcd_endpoints=[etcd], nats_url=nats_url)
         kinds: dict[str, Any] = {}
         for kind in args.kinds:
@@ -161,9 +150,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "wall_s": round(time.perf_counter() - t_start, 1),
         }
-    finally:
-        for s in servers:
-            s.cleanup()
 
 
 def _kinds(text: str) -> tuple[str, ...]:
@@ -186,8 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds a stopped worker has to exit before its process group is killed (default 60)",
     )
-    p.add_argument("--etcd", default="", help="etcd endpoint; default: start one on a free loopback port")
-    p.add_argument("--nats", default="", help="NATS URL; default: start one on a free loopback port")
+    add_mesh_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:

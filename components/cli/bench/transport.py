@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any
 
+from components.cli.bench.mesh import add_mesh_arguments, mesh_servers
 from components.runtime.bare_nats import BareClient, BareResponder
 from components.runtime.config import RuntimeConfig
 from components.runtime.runtime import Runtime
@@ -103,20 +104,11 @@ async def _measure(one: Any, chunks: int, latency_requests: int, requests: int, 
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from components.runtime.servers import EtcdServer, NatsServer
+    with mesh_servers(args.etcd, args.nats) as (etcd, nats_url):
+        return await _run(args, etcd, nats_url)
 
-    servers: list[Any] = []
-    etcd, nats_url = args.etcd, args.nats
-    if not etcd:
-        e = EtcdServer()
-        e.start()
-        servers.append(e)
-        etcd = e.endpoint
-    if not nats_url:
-        n = NatsServer(jetstream=False)
-        n.start()
-        servers.append(n)
-        nats_url = n.url
+
+async def _run(args: argparse.Namespace, etcd: str, nats_url: str) -> dict[str, Any]:
     cfg = RuntimeConfig(etcd_endpoints=[etcd], nats_url=nats_url)
     env = os.environ | {"KVMESH_ETCD_ENDPOINTS": etcd, "KVMESH_NATS_URL": nats_url}
     child = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
@@ -187,8 +179,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             child.wait(10)
         if child.poll() is None:
             child.kill()
-        for s in servers:
-            s.cleanup()
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -197,8 +187,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--chunks", type=int, default=64, help="chunks streamed per request")
     ap.add_argument("--latency-requests", type=int, default=500, help="sequential requests in the latency phase")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per side; the best of each is kept")
-    ap.add_argument("--etcd", default="", help="etcd endpoint; default: start one on a free loopback port")
-    ap.add_argument("--nats", default="", help="NATS URL; default: start one on a free loopback port")
+    add_mesh_arguments(ap)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -403,7 +403,8 @@ def test_metrics_show_the_tensorboard_figures_and_count_decisions_by_pool_and_di
 async def test_the_metrics_server_answers_on_a_free_loopback_port():
     import aiohttp
 
-    from components.planner.metrics import MetricsServer, PlannerMetrics
+    from components.planner.metrics import PlannerMetrics
+    from components.runtime.metrics_http import MetricsServer
 
     server = MetricsServer(PlannerMetrics(MODEL, no_operation=True), "127.0.0.1", 0)
     url = await server.start()
