@@ -491,9 +491,10 @@ class VllmEngine:
         )
         self._subscriber_task = asyncio.create_task(self._subscriber.run(), name=f"vllm-kv-events:{self.name}")
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, process_timeout_s: float | None = None) -> None:
         """Abort what is still running, stop the KV-event subscriber, shut vLLM's processes down, end
-        ``kv_events()``."""
+        ``kv_events()``. ``process_timeout_s``: how long vLLM waits for its engine core to exit after SIGTERM before
+        it SIGKILLs it (None: vLLM's own default, 5 s)."""
         if self._closed:
             return
         self._closed = True
@@ -526,7 +527,7 @@ class VllmEngine:
                     handler.cancel()
                     await asyncio.wait({handler})  # not `await handler`: its CancelledError is not ours to swallow
                 try:
-                    await asyncio.to_thread(llm.shutdown)
+                    await asyncio.to_thread(llm.shutdown, process_timeout_s)
                 finally:
                     # Drop the last reference while the interpreter is whole: AsyncLLM.__del__ shuts down again, and
                     # at interpreter exit vLLM's module globals are already None.
