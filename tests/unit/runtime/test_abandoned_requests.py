@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from components.runtime import BusUnavailableError, request_plane
-from components.runtime.request_plane import RequestContext
+from components.runtime.bus import BusMessage
+from components.runtime.codec import pack, unpack
+from components.runtime.request_plane import ACK, CANCEL, REQ, RequestContext
 from tests.support.mesh import Mesh
 from tests.support.waiting import wait_until
 
@@ -91,6 +93,29 @@ async def test_a_finished_abandoned_stream_is_forgotten_without_another_cancel(m
     await wait_until(lambda: served.server.num_inflight == 0)
     await wait_until(lambda: not client_rt.mux._abandoned)  # its END removed it
     assert client_rt.mux.num_cancels_resent == 0
+
+
+async def test_a_request_cancelled_before_its_handler_ran_leaves_nothing_in_flight(mesh):
+    # Regression (issue 28: ``kvmesh stop`` took 76 s after an external nats-server's restart under load). A REQ and
+    # its CANCEL that the instance reads together (a client's bus keeps both while the server is away and sends them
+    # in one write when it is back) are handled in one event-loop round: the CANCEL cancelled the handler's task
+    # before its first step, so the cleanup in its ``finally`` never ran and the request stayed in flight for good;
+    # the worker's drain then waited its whole timeout (60 s) for a request nobody ran.
+    _, served, handler = await serve_endless(mesh)
+    frames: list[list[object]] = []
+
+    async def on_reply(msg: BusMessage) -> None:
+        frames.append(unpack(msg.data))
+
+    await mesh.bus.subscribe("inbox.together", on_reply)
+    for rid in ("a", "b"):
+        await mesh.bus.publish(served.info.subject, pack([REQ, rid, {}]), reply="inbox.together")
+        await mesh.bus.publish(served.info.subject, pack([CANCEL, rid]))
+    await wait_until(lambda: len(frames) == 2)  # both ACKed: the instance took both requests
+    assert frames == [[0, ACK, None], [0, ACK, None]]
+    await wait_until(lambda: served.server.num_inflight == 0, timeout_s=1.0)
+    assert handler.started == 0  # cancelled before they ran
+    assert await asyncio.wait_for(served.server.drain(timeout_s=30.0), 1.0) == 0  # nothing to wait for
 
 
 async def test_an_instance_cancels_the_requests_of_a_client_that_is_gone(mesh):
