@@ -1053,6 +1053,16 @@ async def open_stream(
             raise InstanceDrainingError(instance_id)
         if seq != 0 or kind != ACK:
             raise InstanceGoneError(instance_id, f"protocol error: first frame {seq}/{kind}")
+    except asyncio.CancelledError:
+        # The caller left while waiting for the ACK (its client went away): the REQ may still reach the instance,
+        # up to request_ack_timeout_s later when it waited in this bus's buffer while nats-server was away, and it
+        # would run there to its end for nobody (its frames dropped here, no CANCEL ever sent). Cancelled as a
+        # stream closed early is, and again if its frames keep coming (a CANCEL for a request that never arrived
+        # is ignored).
+        mux.close(key)
+        mux.abandon(key, subject, rid)
+        asyncio.get_running_loop().create_task(bus.publish(subject, pack([CANCEL, rid])), name=f"cancel:{rid}")
+        raise
     except BaseException:
         mux.close(key)
         raise
