@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,8 @@ from components.runtime import (
     StreamInterruptedError,
     collect,
 )
-from components.runtime.request_plane import probe_instance
+from components.runtime.codec import pack, unpack
+from components.runtime.request_plane import ACK, CANCEL, REQ, probe_instance
 from components.runtime.runtime import Runtime
 from tests.support.waiting import wait_until, wait_until_async
 
@@ -386,6 +388,43 @@ async def test_nats_restart_is_survived(make_runtime, nats_server, namespace):
                 raise
             await asyncio.sleep(0.1)
     assert [x["i"] for x in got] == [0, 1, 2]
+
+
+async def test_a_request_and_its_cancel_read_together_leave_nothing_in_flight(make_runtime, namespace):
+    """Regression (issue 28: after an external nats-server's restart under load, ``kvmesh stop`` took 76 s against
+    its 30 s bound while every worker reported nothing running). While nats-server is away, nats-py keeps what a
+    client publishes and sends it all in one write once it is back: a REQ whose ACK did not come within
+    ``request_ack_timeout_s`` and the CANCEL that followed it then reach the instance together. Read in one go, the
+    CANCEL cancelled the handler's task before it had run a line, so the cleanup in its ``finally`` never ran: the
+    request stayed in flight for good and the worker's drain waited out its 60 s for it. Here the two are sent the
+    same way (one write, nothing awaited between them) with nats-server up, so the test does not depend on which
+    process reconnects first after a restart."""
+    rt = await make_runtime()
+    other = await make_runtime()
+    served = await rt.namespace(namespace).component("backend").endpoint("generate").serve(stream_handler)
+    acks: list[str] = []
+    inbox = other.bus.new_inbox()
+
+    async def on_reply(msg: Any) -> None:
+        if not msg.data:  # a status message (no responders): not the instance's
+            return
+        seq, kind, _ = unpack(msg.data)
+        if seq == 0 and kind == ACK:
+            acks.append(msg.subject)
+
+    await other.bus.subscribe(inbox, on_reply)
+    await other.bus.flush()
+    num = 5
+    for i in range(num):
+        rid = f"together-{i}"
+        # A request that would stream for 10 s were it not cancelled; no await yields between the two publishes.
+        await other.bus.publish(served.info.subject, pack([REQ, rid, {"n": 1000, "delay_s": 0.01}]), reply=inbox)
+        await other.bus.publish(served.info.subject, pack([CANCEL, rid]))
+    await wait_until(lambda: len(acks) == num)  # every REQ reached the instance (it ACKs before starting one)
+    await wait_until(lambda: served.server.num_inflight == 0, timeout_s=2)
+    t0 = time.monotonic()
+    assert await served.stop(drain_timeout_s=30) == 0  # nothing left to wait for or cancel
+    assert time.monotonic() - t0 < 5
 
 
 async def test_event_plane_typed_and_ordered(make_runtime, namespace):

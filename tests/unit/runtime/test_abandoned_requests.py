@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from components.runtime import BusUnavailableError, request_plane
-from components.runtime.request_plane import RequestContext
+from components.runtime.bus import BusMessage
+from components.runtime.codec import pack, unpack
+from components.runtime.request_plane import ACK, CANCEL, REQ, RequestContext
 from tests.support.mesh import Mesh
 from tests.support.waiting import wait_until
 
@@ -91,6 +93,62 @@ async def test_a_finished_abandoned_stream_is_forgotten_without_another_cancel(m
     await wait_until(lambda: served.server.num_inflight == 0)
     await wait_until(lambda: not client_rt.mux._abandoned)  # its END removed it
     assert client_rt.mux.num_cancels_resent == 0
+
+
+async def test_a_request_cancelled_before_its_handler_ran_leaves_nothing_in_flight(mesh):
+    # Regression (issue 28: ``kvmesh stop`` took 76 s after an external nats-server's restart under load). A REQ and
+    # its CANCEL that the instance reads together (a client's bus keeps both while the server is away and sends them
+    # in one write when it is back) are handled in one event-loop round: the CANCEL cancelled the handler's task
+    # before its first step, so the cleanup in its ``finally`` never ran and the request stayed in flight for good;
+    # the worker's drain then waited its whole timeout (60 s) for a request nobody ran.
+    _, served, handler = await serve_endless(mesh)
+    frames: list[list[object]] = []
+
+    async def on_reply(msg: BusMessage) -> None:
+        frames.append(unpack(msg.data))
+
+    await mesh.bus.subscribe("inbox.together", on_reply)
+    for rid in ("a", "b"):
+        await mesh.bus.publish(served.info.subject, pack([REQ, rid, {}]), reply="inbox.together")
+        await mesh.bus.publish(served.info.subject, pack([CANCEL, rid]))
+    await wait_until(lambda: len(frames) == 2)  # both ACKed: the instance took both requests
+    assert frames == [[0, ACK, None], [0, ACK, None]]
+    await wait_until(lambda: served.server.num_inflight == 0, timeout_s=1.0)
+    assert handler.started == 0  # cancelled before they ran
+    assert await asyncio.wait_for(served.server.drain(timeout_s=30.0), 1.0) == 0  # nothing to wait for
+
+
+async def test_a_caller_that_leaves_while_waiting_for_the_ack_cancels_the_request(mesh, monkeypatch):
+    # The caller of ``generate`` is cancelled (its HTTP client left) after the REQ went out and before the ACK came:
+    # a window of up to ``request_ack_timeout_s`` (2 s) while nats-server is away and the REQ waits in the client's
+    # buffer. The instance gets the REQ all the same; it used to run the request to its end for nobody (no CANCEL was
+    # sent, and its frames were dropped without the re-sent CANCEL an abandoned stream gets), holding a drain that
+    # long. Here the caller leaves right after sending, so its wait for the ACK is what gets cancelled.
+    _, served, handler = await serve_endless(mesh)
+    client_rt = await mesh.runtime()
+    client = await client_rt.namespace("t").component("c").endpoint("gen").client()
+    real_publish = mesh.bus.publish
+
+    async def publish_then_leave(subject: str, data: bytes, reply: str = "") -> None:
+        await real_publish(subject, data, reply)
+        if unpack(data)[0] == REQ:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # the caller's next await (the ACK's) raises CancelledError
+
+    acks: list[object] = []
+
+    async def on_batch(msg: BusMessage) -> None:
+        acks.extend(item for item in unpack(msg.data) if item[1] == 0 and item[2] == ACK)
+
+    await mesh.bus.subscribe(client_rt.mux.batch_subject, on_batch)
+    monkeypatch.setattr(mesh.bus, "publish", publish_then_leave)
+    calling = asyncio.ensure_future(client.generate({}, instance_id=served.instance_id))
+    with pytest.raises(asyncio.CancelledError):
+        await calling
+    await wait_until(lambda: len(acks) == 1)  # the instance took the request
+    await wait_until(lambda: served.server.num_inflight == 0, timeout_s=1.0)  # and it ended there
+    assert handler.started == handler.cancelled
 
 
 async def test_an_instance_cancels_the_requests_of_a_client_that_is_gone(mesh):
