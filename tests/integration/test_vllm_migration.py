@@ -203,6 +203,8 @@ def metric(pair: Pair, name: str, **labels: str) -> float | None:
 async def test_workers_say_how_they_migrate_in_metadata_metrics_and_status(pair: Pair):
     for w in (pair.a, pair.b):
         assert w.metadata["migration_mode"] == MODE
+        # With the connector it can be either end of a hot-prefix copy (without it, it would refuse every one).
+        assert w.metadata["prefix_copy_mode"] == ("kv_transfer" if HAVE_NIXL else "")
         engine = w.engine
         assert isinstance(engine, VllmEngine)
         assert engine.kv_role == ("kv_both" if HAVE_NIXL else None), engine.migration_reason
@@ -574,6 +576,8 @@ async def test_a_worker_without_a_kv_connector_refuses_a_prefix_copy_at_once(pai
     b = pair.b.engine
     assert isinstance(b, VllmEngine)
     role, b.kv_role = b.kv_role, None
+    # Its metadata says so: the rescheduler makes it neither end of a copy (replication_inputs.worker_loads).
+    assert pair.b.metadata["prefix_copy_mode"] == ""
     rt = await Runtime.connect(pair.runtime_config)
     imports = await import_prefix_client(rt, NS, "backend")
     try:
