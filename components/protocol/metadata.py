@@ -57,6 +57,10 @@ class WorkerMetadata:
     # How its engine moves a running request to another worker (``protocol.migration.MigrationMode``'s value:
     # live or recompute); "" where it cannot (no migration agent). A str for the same reason as above.
     migration_mode: str = ""
+    # How it takes part in a hot-prefix copy, either end (``protocol.replication.PrefixCopyMode``'s value);
+    # "" where it cannot: a prefill worker, a vLLM engine without the NIXL connector or without prefix caching (it
+    # would refuse every copy), a worker that does not say. A str for the same reason as above.
+    prefix_copy_mode: str = ""
     # The engine's step-time model (components.perf.model.StepTimeModel's fields: ms per step by its shape), for the
     # kv router's predicted time to first token; empty: the router's defaults.
     step_time: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -14,7 +14,16 @@ but the standard library.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
+
+
+class PrefixCopyMode(enum.StrEnum):
+    """How a worker takes part in a prefix copy, either end (``WorkerMetadata.prefix_copy_mode``; "" there: it
+    cannot, so the rescheduler makes it neither a copy's source nor its destination)."""
+
+    SIMULATED = "simulated"  # a simulated engine: the source's kv_state, the modelled transfer, the import
+    KV_TRANSFER = "kv_transfer"  # vLLM with its NIXL connector and prefix caching: a hand-off the destination pulls
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,7 +16,9 @@ policy (policies/replication.py, ``plan_replication``). Pure: no I/O, time is ``
   - ``num_free_blocks``: total less active blocks of that report (cached free blocks count as free: an import may
     evict them, as a prefill would);
   - ``eligible``: schedulable, its report fresh (the fleet's staleness rule), not a prefill worker (a copy makes a
-    holder only where requests are routed).
+    holder only where requests are routed), and its metadata names a ``prefix_copy_mode``;
+  - ``can_export``: its metadata names a ``prefix_copy_mode`` (a holder that would refuse, a vLLM engine without
+    the NIXL connector, is no source; a draining one still is).
 
 Imports components.fleet (rank 3), components.perf (rank 1) and this package's policies.
 """
@@ -55,8 +57,10 @@ def worker_loads(snapshot: FleetSnapshot, model: str) -> list[WorkerLoad]:
         if wait is None or inst.load is None:
             continue
         snap = inst.load.snapshot
-        eligible = inst.schedulable and inst.load.fresh(snapshot.now_s)
-        out.append(WorkerLoad(iid, wait, max(0, snap.num_total_blocks - snap.num_active_blocks), eligible))
+        copies = bool(inst.meta.prefix_copy_mode)
+        eligible = copies and inst.schedulable and inst.load.fresh(snapshot.now_s)
+        free = max(0, snap.num_total_blocks - snap.num_active_blocks)
+        out.append(WorkerLoad(iid, wait, free, eligible, can_export=copies))
     return out
 
 

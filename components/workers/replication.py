@@ -50,6 +50,7 @@ from components.protocol.replication import (
     ExportPrefixRequest,
     ImportPrefixReply,
     ImportPrefixRequest,
+    PrefixCopyMode,
 )
 from components.runtime import Client, RequestContext, Runtime, RuntimeMeshError
 from components.workers.engines.base import EngineError
@@ -66,6 +67,20 @@ def can_import(engine: object) -> bool:
 def can_pull(engine: object) -> bool:
     """Whether ``engine`` copies a prefix's KV by a hand-off over a KV connector (vLLM): it serves both sides."""
     return all(callable(getattr(engine, name, None)) for name in ("export_prefix", "pull_prefix", "drop_prefix"))
+
+
+def prefix_copy_mode(engine: object) -> str:
+    """What the worker of ``engine`` announces as its ``prefix_copy_mode`` (a ``PrefixCopyMode`` value, "" when it
+    cannot copy): a vLLM engine that would refuse every copy (``prefix_copy_refusal``: no NIXL connector, no prefix
+    caching) says so in its metadata, so that the rescheduler never picks it for either end. Measured on vLLM: the
+    refusal comes at once, but the policy, which sends a hot prefix to the eligible worker predicted lowest, would
+    pick the same refusing worker every cycle, and no other worker would get the copy."""
+    if can_import(engine):
+        return str(PrefixCopyMode.SIMULATED)
+    if can_pull(engine):
+        refusal = getattr(engine, "prefix_copy_refusal", None)
+        return "" if callable(refusal) and refusal() is not None else str(PrefixCopyMode.KV_TRANSFER)
+    return ""
 
 
 def held_run(block_hashes: tuple[int, ...], cached: set[int]) -> int:

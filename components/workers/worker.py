@@ -62,7 +62,7 @@ from components.runtime import RequestContext, Runtime, ServedEndpoint
 from components.workers.config import WorkerConfig
 from components.workers.disagg import PrefillLoop, RemotePrefiller, supports_remote_decode
 from components.workers.engines.base import Engine, remote_prefill_mode_of
-from components.workers.replication import PrefixImporter, can_import, can_pull
+from components.workers.replication import PrefixImporter, can_import, can_pull, prefix_copy_mode
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,8 @@ class Worker:
             else dict(getattr(self.engine, "step_time", None) or {}),
             profile_id="" if self.profile is None else self.profile.profile_id,
             migration_mode="" if self.agent is None else str(self.agent.mode),
+            # A prefill worker serves no import_prefix (a copy makes a holder only where requests are routed).
+            prefix_copy_mode="" if self.prefill_loop is not None else prefix_copy_mode(self.engine),
         ).to_dict()
 
     async def start(self) -> None:

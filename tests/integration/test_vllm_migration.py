@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 import pytest
 import pytest_asyncio
+from openai import AsyncOpenAI
 
 from components.cli.status import collect, render_table
 from components.frontend import Frontend, FrontendConfig
@@ -34,6 +35,8 @@ from components.protocol.endpoints import ENDPOINT_GENERATE, ENDPOINT_MIGRATE
 from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import GenerateRequest, SamplingParams, TokenChunk
 from components.protocol.migration import MigrateRequest, MigratingRequest, MigrationMode, MigrationReport
+from components.rescheduler.config import ReschedulerConfig
+from components.rescheduler.loop import Rescheduler
 from components.rescheduler.replication import copy_prefix, drop_prefix, drop_prefix_client, import_prefix_client
 from components.router import Router, RouterConfig
 from components.router.feed import RouterFeed
@@ -200,6 +203,8 @@ def metric(pair: Pair, name: str, **labels: str) -> float | None:
 async def test_workers_say_how_they_migrate_in_metadata_metrics_and_status(pair: Pair):
     for w in (pair.a, pair.b):
         assert w.metadata["migration_mode"] == MODE
+        # With the connector it can be either end of a hot-prefix copy (without it, it would refuse every one).
+        assert w.metadata["prefix_copy_mode"] == ("kv_transfer" if HAVE_NIXL else "")
         engine = w.engine
         assert isinstance(engine, VllmEngine)
         assert engine.kv_role == ("kv_both" if HAVE_NIXL else None), engine.migration_reason
@@ -446,12 +451,133 @@ async def test_a_prefix_copied_from_a_to_b_is_announced_by_b_and_hit_there_witho
         await rt.shutdown(drain_timeout_s=2.0)
 
 
+@requires_nixl
+async def test_the_rescheduler_loop_copies_a_hot_prefix_to_the_other_vllm_worker_and_drops_it_once_cold(pair: Pair):
+    """The rescheduler's own loop (``prefix_replication``, colocated on a kv-routing frontend's runtime as ``kvmesh
+    frontend --colocated-rescheduling-mode`` runs it) on the two vLLM workers, as
+    test_prefix_replication.py runs it on simulated ones: from the frontend's request reports (the document's
+    hashes, 32-token blocks) and the workers' KV events and load reports, it copies a hot document from a to b over
+    NIXL, b then serves it from its own prefix cache, and once the document goes cold the loop drops b's replica
+    while a keeps its own.
+
+    Requests carry one 768-token document (24 blocks) and a fresh 150-token question each, pinned to a (the router
+    still hashes them, so the reports carry the document). A 1 ms target makes any queued prefill on a hot: a burst
+    of 5 requests puts 5 x 918 prompt tokens in a's queue (``num_waiting_prefill_tokens``: prompts with no output
+    yet) for at least one of its 50 ms load reports, while b is idle (0 ms predicted). Rates over a 3 s window:
+    2 requests make 0.67 a second, above the hot 0.5; one request over 2 holders is 0.17 a second each, not below
+    the cold 0.15, so the hit on b keeps the replica until 3 s after it."""
+    doc = prompt_of(24 * BS, 2677)
+    hashes = block_hashes(doc, BS)
+    questions = [prompt_of(150, 2700 + i) for i in range(16)]
+    rt = await Runtime.connect(pair.runtime_config)
+    fe = Frontend(
+        FrontendConfig(
+            namespace=NS, port=0, router_policy="kv", request_stats_interval_s=0.2, request_stats_prefixes=4
+        ),
+        rt,
+    )
+    cfg = ReschedulerConfig(
+        enable_rescheduling=True,
+        rescheduling_interval_ms=50,
+        rescheduling_policies=["prefix_replication"],
+        rescheduling_migrate_timeout_s=30.0,
+        prefix_replication_target_ttft_ms=1.0,
+        prefix_replication_min_rate_per_s=0.5,
+        prefix_replication_cold_rate_per_s=0.15,
+        prefix_replication_min_age_s=0.0,
+        prefix_replication_window_s=3.0,
+    )
+    r: Rescheduler | None = None
+    client: AsyncOpenAI | None = None
+    try:
+        url = await fe.start()
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        registry = fe.registry
+        await wait_until(lambda: "tiny-llama" in registry.models and len(registry.models["tiny-llama"].instances) == 2)
+        r = Rescheduler.from_config(rt, NS, cfg, where="colocated")
+        await r.start()
+        assert r.replicator is not None
+        replicator = r.replicator
+        await wait_until(lambda: len(replicator.router.members()) == 2)
+        asked = iter(questions)
+
+        async def ask(on: Worker) -> Any:
+            return await client.completions.create(
+                model="tiny-llama",
+                prompt=doc + next(asked),
+                max_tokens=2,
+                temperature=0.0,
+                extra_headers={"x-worker-instance-id": f"{on.instance_id:x}"},
+            )
+
+        for _ in range(2):
+            await ask(pair.a)
+        await wait_until(lambda: replicator.holders_of(hashes) == [pair.a.instance_id])
+        await wait_until(lambda: any(p.requests_per_s >= 0.5 for p in replicator.last_prefixes))
+        assert fe.router.index.overlaps(hashes).get(pair.b.instance_id, 0) == 0
+        # A burst a's load reports may all miss on a fast step: another, up to three (each within the window).
+        for _ in range(3):
+            await asyncio.gather(*(ask(pair.a) for _ in range(5)))
+            with contextlib.suppress(AssertionError):
+                await wait_until(lambda: r is not None and r.prefix_totals[("copy", "succeeded")] >= 1, timeout_s=2)
+            if r.prefix_totals[("copy", "succeeded")]:
+                break
+        assert dict(r.prefix_totals) == {("copy", "succeeded"): 1}, r.status()["prefix_replication"]
+        assert r.last_prefix_cycle is not None
+        [copy] = [x for x in r.last_prefix_cycle.prefix_actions if str(x.action.kind) == "copy"]
+        act = copy.action
+        assert (act.source_id, act.destination_id, act.num_blocks, act.prefix_hash) == (
+            pair.a.instance_id,
+            pair.b.instance_id,
+            24,
+            hashes[-1],
+        )
+        assert (copy.blocks, str(copy.outcome)) == (24, "succeeded"), copy.detail
+        # b's BLOCK_STORED: the frontend's router and the replicator's list b as a holder of all 24 blocks.
+        await wait_until(lambda: fe.router.index.overlaps(hashes).get(pair.b.instance_id) == 24)
+        both = sorted([pair.a.instance_id, pair.b.instance_id])
+        await wait_until(lambda: sorted(replicator.holders_of(hashes)) == both)
+
+        # b serves the document from its own prefix cache: vLLM's usage and its counters (150 computed, 768 hit).
+        b = pair.b.engine
+        assert isinstance(b, VllmEngine)
+        before = prompt_counters(b)
+        hit = await ask(pair.b)
+        assert hit.usage.prompt_tokens_details is not None
+        assert hit.usage.prompt_tokens_details.cached_tokens == 768
+        await wait_until(lambda: sum(prompt_counters(b)) - sum(before) >= 918, timeout_s=10)
+        assert tuple(x - y for x, y in zip(prompt_counters(b), before, strict=True)) == (150, 768, 0)
+
+        # No more requests: the window empties, the replica is cold, the loop drops it on b; a keeps the document.
+        await wait_until(lambda: r is not None and r.prefix_totals[("drop", "succeeded")] >= 1, timeout_s=15)
+        [drop] = [x for x in r.last_prefix_cycle.prefix_actions if str(x.action.kind) == "drop"]
+        assert (drop.action.destination_id, drop.blocks, drop.detail) == (
+            pair.b.instance_id,
+            24,
+            "24 dropped, 0 in use kept",
+        )
+        await wait_until(lambda: fe.router.index.overlaps(hashes).get(pair.b.instance_id, 0) == 0)
+        await wait_until(lambda: replicator.holders_of(hashes) == [pair.a.instance_id])
+        assert fe.router.index.overlaps(hashes).get(pair.a.instance_id) == 24
+        assert b.cached_prefix_tokens([*doc, 1]) == 0 and b.dead_reason() is None
+        assert r.status()["prefix_replication"]["totals"] == {"copy": {"succeeded": 1}, "drop": {"succeeded": 1}}
+    finally:
+        if r is not None:
+            await r.stop()
+        if client is not None:
+            await client.close()
+        await fe.stop()
+        await rt.shutdown(drain_timeout_s=2.0)
+
+
 async def test_a_worker_without_a_kv_connector_refuses_a_prefix_copy_at_once(pair: Pair):
     """A vLLM worker started without the NIXL connector (here b's engine says so, as one would) answers
     ``import_prefix`` with the reason at once: no hang, and the source is not asked to keep anything."""
     b = pair.b.engine
     assert isinstance(b, VllmEngine)
     role, b.kv_role = b.kv_role, None
+    # Its metadata says so: the rescheduler makes it neither end of a copy (replication_inputs.worker_loads).
+    assert pair.b.metadata["prefix_copy_mode"] == ""
     rt = await Runtime.connect(pair.runtime_config)
     imports = await import_prefix_client(rt, NS, "backend")
     try:

@@ -52,6 +52,18 @@ def test_worked_example_hot_document_gets_one_copy_on_the_least_loaded_non_holde
     assert any("already running" in s for s in plan2.skipped)
 
 
+def test_the_source_is_a_holder_that_can_hand_the_prefix_over() -> None:
+    # Holders 0 (300 ms) and 1 (900 ms): mean 600 >= 500, hot. 0 is predicted lower but cannot hand its KV over (a
+    # vLLM engine without the NIXL connector): the source is 1. Neither can: no copy, and the plan says why.
+    doc = PrefixLoad(DOC, 512, (0, 1), 2.0)
+    workers = [WorkerLoad(0, 300, 10_000, can_export=False), WorkerLoad(1, 900, 10_000), WorkerLoad(2, 100, 10_000)]
+    [copy] = plan_replication([doc], workers, ReplicationState(), CFG, 0)[0].actions
+    assert (copy.source_id, copy.destination_id) == (1, 2)
+    workers[1] = WorkerLoad(1, 900, 10_000, can_export=False)
+    plan, _ = plan_replication([doc], workers, ReplicationState(), CFG, 0)
+    assert plan.actions == () and plan.skipped == (f"prefix {DOC:x}: no holder that can hand it over",)
+
+
 def test_not_hot_below_the_target_the_rate_or_the_length() -> None:
     workers = fleet(900, 100)
     assert (

@@ -32,8 +32,9 @@ STEP = {
 }
 
 
-def meta(role: WorkerRole = WorkerRole.AGGREGATED) -> dict:
-    return WorkerMetadata(model=MODEL, role=role, node="n", pid=1, block_size=16, step_time=STEP).to_dict()
+def meta(role: WorkerRole = WorkerRole.AGGREGATED, copy_mode: str = "simulated") -> dict:
+    d = WorkerMetadata(model=MODEL, role=role, node="n", pid=1, block_size=16, step_time=STEP).to_dict()
+    return {**d, "prefix_copy_mode": copy_mode}  # as a worker announces it (workers/replication.py)
 
 
 def load(running: int, waiting_tokens: int, total: int = 1000, active: int = 0) -> LoadSnapshot:
@@ -83,6 +84,43 @@ def test_worker_loads_predict_the_queueing_wait_from_each_load_report():
     # A single report is stale 10 s after it arrived (the fleet's first-report rule, LOAD_REPORTS.first_report_s).
     assert [w.eligible for w in worker_loads(fleet().snapshot(110.0), MODEL)] == [False, False, False]
     assert worker_loads(snap, "other") == []
+
+
+def test_a_worker_that_announces_no_prefix_copy_is_neither_a_destination_nor_a_source():
+    """Regression: a vLLM worker without the NIXL connector (or prefix caching) refuses every copy at once
+    (test_vllm_migration.py), but it was eligible, so a hot prefix's copy went to it whenever it was predicted
+    lowest, failed, and went to it again the next cycle: no other worker ever got the copy. Its metadata now says it
+    cannot (``prefix_copy_mode`` ""), so the copy goes to the next worker, from a holder that can hand it over."""
+    f = fleet()
+    # Worker 3 (0 ms, the lowest) cannot copy: the document goes to worker 5 (a report now; 10 ms).
+    f.set_members(
+        MODEL, [(1, meta()), (2, meta()), (3, meta(copy_mode="")), (4, meta(WorkerRole.PREFILL)), (5, meta())]
+    )
+    f.apply_load(5, load(running=0, waiting_tokens=0, active=0), 100.0)
+    doc = tuple(range(100, 120))
+    f.apply_request_stats("a", report([(doc, 5)]), 99.0)
+    snap = f.snapshot(100.0)
+    workers = worker_loads(snap, MODEL)
+    assert [(w.instance_id, w.eligible, w.can_export) for w in workers] == [
+        (1, True, True),
+        (2, True, True),
+        (3, False, False),
+        (5, True, True),
+    ]
+    cfg = ReplicationConfig(
+        prefix_replication_target_ttft_ms=38.0, prefix_replication_min_blocks=16, prefix_replication_min_rate_per_s=1.0
+    )
+    # Held by 1 and 2 (45 and 39 ms: a mean of 42 ms, at or above 38): hot. 3 would be the destination by its 0 ms;
+    # it cannot copy, so 5 (0 ms too; ties by id), from 2, the holder predicted lower.
+    loads, _ = prefix_loads(snap, MODEL, 5.0, lambda h: [1, 2])
+    [copy] = plan_replication(loads, workers, ReplicationState(), cfg, snap.now_s)[0].actions
+    assert (copy.source_id, copy.destination_id) == (2, 5)
+    # Held by 3 and 1 (0 and 45 ms: 22.5 ms, hot against a 1 ms target): 3 is predicted lower but cannot hand it
+    # over, so the source is 1.
+    loads, _ = prefix_loads(snap, MODEL, 5.0, lambda h: [1, 3])
+    hot = cfg.model_copy(update={"prefix_replication_target_ttft_ms": 1.0})
+    [copy] = plan_replication(loads, workers, ReplicationState(), hot, snap.now_s)[0].actions
+    assert (copy.source_id, copy.destination_id) == (1, 5)
 
 
 def report(at_prefixes: list[tuple[tuple[int, ...], int]]) -> RequestStatsReport:

@@ -6,7 +6,8 @@ Which prefixes' KV to copy to more workers, and which copies to drop, off the re
 - ``PrefixLoad``: a prefix (named by its last block's chained hash, which names the whole chain), its length in
   blocks, the workers that hold all of it (the router's KV index), and the requests per second that carried it;
 - ``WorkerLoad``: a worker's predicted TTFT for a new request (the router's kv cost: its queued prefill through the
-  perf model), its free KV blocks, and whether it may receive a copy (schedulable, fresh, runs a KV hand-off);
+  perf model), its free KV blocks, whether it may receive a copy (schedulable, fresh, runs a KV hand-off) and
+  whether it can be a copy's source (runs a KV hand-off);
 - ``ReplicationState``: the replicas this policy made (so it drops only its own) and the copies still running.
 
 Rules, in order (numbers from ``ReplicationConfig``):
@@ -20,7 +21,8 @@ Rules, in order (numbers from ``ReplicationConfig``):
    scales as 1/holders: it needs ``ceil(holders x mean / target)`` holders, at most ``max_holders``.
 3. Copy: hottest prefix first, one copy per prefix and per destination per cycle, at most ``max_copies_per_cycle``:
    to the eligible non-holder with room for the prefix and the lowest predicted TTFT below the target (ties: lowest
-   id); from the holder with the lowest predicted TTFT. A prefix with a copy running gets none.
+   id); from the holder that can hand it over (``can_export``) with the lowest predicted TTFT. A prefix with a copy
+   running gets none.
 
 Pure (STYLE.md habit 1): the standard library and this package only; time is ``now_s``.
 """
@@ -49,6 +51,9 @@ class WorkerLoad:
     predicted_ttft_ms: float
     num_free_blocks: int
     eligible: bool = True
+    # It can hand a prefix it holds over to another worker (its engine takes part in a copy: a vLLM engine needs the
+    # NIXL connector); a holder that cannot is no source, though its TTFT still counts in its prefix's mean.
+    can_export: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -185,7 +190,7 @@ def plan_replication(
         if p.prefix_hash in busy_prefixes:
             skipped.append(f"prefix {p.prefix_hash:x}: a copy is already running")
             continue
-        sources = [by_id[h] for h in p.holders if h in by_id]
+        sources = [by_id[h] for h in p.holders if h in by_id and by_id[h].can_export]
         candidates = [
             w
             for w in workers
@@ -196,7 +201,8 @@ def plan_replication(
             and w.predicted_ttft_ms < target
         ]
         if not sources or not candidates:
-            skipped.append(f"prefix {p.prefix_hash:x}: no {'holder' if not sources else 'destination'}")
+            missing = "holder that can hand it over" if not sources else "destination"
+            skipped.append(f"prefix {p.prefix_hash:x}: no {missing}")
             continue
         src = min(sources, key=lambda w: (w.predicted_ttft_ms, w.instance_id))
         dst = min(candidates, key=lambda w: (w.predicted_ttft_ms, w.instance_id))
@@ -208,7 +214,7 @@ def plan_replication(
                 src.instance_id,
                 p.num_blocks,
                 f"{len(p.holders)} holders at a mean predicted TTFT of {mean:.0f} ms >= {target:g} ms need {need}; "
-                f"{dst.instance_id} is predicted at {dst.predicted_ttft_ms:.0f} ms",
+                f"{dst.instance_id:x} is predicted at {dst.predicted_ttft_ms:.0f} ms",
             )
         )
         copies += 1

@@ -29,6 +29,7 @@ from components.workers.engines.vllm.nixl import (
     free_loopback_port,
     kv_transfer_config,
 )
+from components.workers.replication import prefix_copy_mode
 from components.workers.worker import Worker
 
 pytestmark = pytest.mark.unit
@@ -141,6 +142,11 @@ def test_an_engine_announces_recompute_until_it_has_started_with_a_connector():
     engine = VllmEngine(VllmEngineConfig(model_path="/m"), role=WorkerRole.DECODE)
     assert engine.remote_prefill_mode == "recompute" and engine.kv_transfer_port == 0
     assert engine.migration_mode == "recompute" and engine.kv_role is None
+    # Nor does it take part in a prefix copy (it would refuse): its worker announces none, so the rescheduler never
+    # picks it for either end (components/workers/replication.py).
+    assert prefix_copy_mode(engine) == ""
+    engine.kv_role = "kv_both"  # as a start with the connector sets it
+    assert prefix_copy_mode(engine) == "kv_transfer"
 
 
 # --- the connector's config and environment ----------------------------------------------------------------------

@@ -134,6 +134,8 @@ async def test_a_worker_registers_its_configured_role_and_its_engine_s_mode(role
         meta = WorkerMetadata.from_dict(info.metadata)
         assert (meta.role, meta.remote_prefill_mode) == (role, mode)
         assert meta.migration_mode == ("" if role == WorkerRole.PREFILL else "live")
+        # A prefill worker is no end of a prefix copy; the others copy by the simulated engine's import.
+        assert meta.prefix_copy_mode == ("" if role == WorkerRole.PREFILL else "simulated")
 
 
 # -- KV transfer time ------------------------------------------------------------------------------------------------
