@@ -1,5 +1,5 @@
 """``waiting_fit`` (not Llumnix's): move waiting requests from an aggregated worker whose queue does not fit its free
-KV to one whose free KV fits them.
+KV to the one with the least of its queue left unadmitted (free KV to spare, or the shortest backlog).
 
 Why: on the short/long output mix at the fleet's capacity the TTFT tail is the queue for KV (docs/rescheduler.md,
 "TTFT on the short/long mix"): a request waits at a worker whose KV is full (a few long outputs hold it) while
@@ -11,28 +11,32 @@ threshold 0.7 pairs full workers with no queue, which have nothing waiting to mo
 
 Per healthy aggregated worker (``common.healthy``), in KV blocks: ``free = total - used``; its queue needs
 ``waiting`` (``InstanceView.num_waiting_blocks``: the prompt tokens its waiting and partly prefilled requests still
-need, over the block size);
+need, over the block size); its **backlog** is ``waiting - free + headroom x total``
+(``--rescheduling-waiting-fit-headroom``, default 0: blocks kept for its own running requests' growth): the part of
+its queue it cannot admit now (negative: room to spare beyond its queue).
 
-- a **source** has ``waiting > free``: its queue does not fit what is free, so at least its tail waits for KV; its
-  ``deficit = waiting - free``;
-- a **destination** has ``spare = free - waiting - headroom x total > 0`` (``--rescheduling-waiting-fit-headroom``,
-  default 0: the blocks kept for its own running requests' growth): room beyond its own queue.
+Workers by backlog, largest first: the upper half (those with a positive backlog: a queue that does not fit) are
+sources, the lower half destinations, largest backlog paired with smallest (the i-th with the i-th; ties by instance
+id), as Llumnix's unit scope pairs loads. A destination need not have free KV: when the whole fleet is short (at
+capacity most of the tail's wait is such time, docs/rescheduler.md), a request waits least where the backlog ahead of
+it is smallest, and the destination queues it by arrival (the engine's ``add_request_by_arrival``), so the oldest
+requests of the fleet are admitted first wherever KV frees, as one pooled queue would admit them. A pair is made
+when the gap exceeds ``--rescheduling-load-balance-threshold`` x the source's blocks; it moves waiting requests in
+queue order (``first_come_waiting``) under a token budget of ``min(backlog_src, (backlog_src - backlog_dst) / 2)``
+blocks x block size: half the gap (the two backlogs meet), and never more than the source cannot admit. Worked
+example, 100 blocks each, 16-token blocks, headroom 0, threshold 0.01 (1 block):
 
-Sources by deficit, largest first, are paired with destinations by spare, largest first (the i-th with the i-th;
-ties by instance id). Each pair moves waiting requests in queue order (``first_come_waiting``) under a token budget
-of ``min(deficit, spare) x block size``: no more than the source cannot admit and the destination can. Worked
-example, 100 blocks each, 16-token blocks, headroom 0:
+=====  ====  =======  ====  =======  ===========================
+ id    used  waiting  free  backlog  role
+=====  ====  =======  ====  =======  ===========================
+ 1      98     40       2     38     source (largest)
+ 2      95     20       5     15     source
+ 3      90     20      10     10     destination
+ 4      70     20      30    -10     destination (smallest)
+=====  ====  =======  ====  =======  ===========================
 
-=====  ====  =======  ====  =======  =====
- id    used  waiting  free  deficit  spare
-=====  ====  =======  ====  =======  =====
- 1      98     40       2     38       -
- 2      95     10       5      5       -
- 3      50      0      50      -      50
- 4      70     20      30      -      10
-=====  ====  =======  ====  =======  =====
-
-pairs 1 -> 3 (budget min(38, 50) x 16 = 608 tokens) and 2 -> 4 (min(5, 10) x 16 = 80 tokens).
+pairs 1 -> 4, budget min(38, (38 + 10) / 2 = 24) = 24 blocks = 384 tokens, and 2 -> 3, min(15, 2.5) = 2 blocks =
+32 tokens (rounded down).
 
 The block size is the views' (``InstanceView`` carries none): ``components.perf.model.BLOCK_SIZE`` unless given.
 
@@ -62,28 +66,34 @@ def waiting_fit(views: Sequence[InstanceView], config: ReschedulerConfig, block_
     pairs: list[MigrationPair] = []
     rejected: list[Rejection] = []
     for model, members in sorted(by_model.items()):
-        deficit: dict[int, int] = {}
-        spare: dict[int, int] = {}
-        for v in members:
-            free = v.num_total_blocks - v.num_used_blocks
-            if v.num_waiting_blocks > free:
-                deficit[v.instance_id] = v.num_waiting_blocks - free
-            else:
-                room = free - v.num_waiting_blocks - int(config.rescheduling_waiting_fit_headroom * v.num_total_blocks)
-                if room > 0:
-                    spare[v.instance_id] = room
-        sources = sorted(deficit, key=lambda i: (-deficit[i], i))
-        destinations = sorted(spare, key=lambda i: (-spare[i], i))
+        backlog = {
+            v.instance_id: v.num_waiting_blocks
+            - (v.num_total_blocks - v.num_used_blocks)
+            + int(config.rescheduling_waiting_fit_headroom * v.num_total_blocks)
+            for v in members
+        }
+        total = {v.instance_id: v.num_total_blocks for v in members}
+        ranked = sorted(backlog, key=lambda i: (-backlog[i], i))
+        half = len(ranked) // 2
+        sources = [i for i in ranked[:half] if backlog[i] > 0]
+        destinations = sorted(ranked[half:], key=lambda i: (backlog[i], i))
         for k, src in enumerate(sources):
-            if k >= len(destinations):
+            dst = destinations[k]
+            gap = backlog[src] - backlog[dst]
+            if gap <= config.rescheduling_load_balance_threshold * total[src]:
                 rejected.append(
                     Rejection(
-                        Policy.WAITING_FIT, src, None, f"queue {deficit[src]} blocks past free KV: no destination left"
+                        Policy.WAITING_FIT,
+                        src,
+                        dst,
+                        f"backlog {backlog[src]} -> {backlog[dst]} blocks: gap {gap} <= load-balance threshold "
+                        f"{config.rescheduling_load_balance_threshold:g} x {total[src]}",
                     )
                 )
                 continue
-            dst = destinations[k]
-            blocks = min(deficit[src], spare[dst])
+            blocks = min(backlog[src], gap // 2)
+            if blocks <= 0:
+                continue
             pairs.append(
                 MigrationPair(
                     source_id=src,
@@ -93,8 +103,8 @@ def waiting_fit(views: Sequence[InstanceView], config: ReschedulerConfig, block_
                     select_rule=TOKENS,
                     select_order=FIRST_COME_WAITING,
                     select_value=float(blocks * block_size),
-                    reason=f"queue {deficit[src]} blocks past free KV on {src}; {spare[dst]} spare on {dst}: "
-                    f"{blocks} blocks of waiting requests",
+                    reason=f"backlog {backlog[src]} -> {backlog[dst]} blocks (queue past free KV): {blocks} blocks "
+                    "of waiting requests",
                 )
             )
     return PolicyResult(tuple(pairs), tuple(rejected))
