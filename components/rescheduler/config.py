@@ -35,7 +35,7 @@ class Policy(enum.StrEnum):
     BINPACKING_MITIGATION = "binpacking_mitigation"  # move decode requests off a worker above the TPOT ceiling
     BINPACKING_CONSOLIDATION = "binpacking_consolidation"  # empty a worker below the TPOT floor into a fuller one
     # Not Llumnix's: move waiting requests (no KV yet) from an aggregated worker whose queue does not fit its free KV
-    # to one whose free KV fits them (components/rescheduler/policies/waiting.py).
+    # to the one with the smallest backlog (components/rescheduler/policies/waiting.py).
     WAITING_FIT = "waiting_fit"
     # Not Llumnix's: copy hot prefixes' KV to more workers, drop cold copies (ReplicationConfig; it plans KV copies,
     # not migration pairs, so the loop runs it beside plan_cycle: components/rescheduler/replication.py).
@@ -120,8 +120,8 @@ class LlumnixConfig(BaseModel):
         description="The policies a cycle runs, in this order (a pair an earlier policy chose wins over a "
         "conflicting later one): decode_load, neutral_load, prefill_failover, decode_failover, neutral_failover, "
         "binpacking_mitigation, binpacking_consolidation, waiting_fit (not Llumnix's: waiting requests from a "
-        "worker whose queue does not fit its free KV to one whose free KV fits them), prefix_replication (not "
-        "Llumnix's: the --prefix-replication-* flags).",
+        "worker whose queue does not fit its free KV to the one with the least of its queue left unadmitted), "
+        "prefix_replication (not Llumnix's: the --prefix-replication-* flags).",
     )
     rescheduling_decode_load_metric: Literal["kv_cache_usage_ratio_projected"] = Field(
         default="kv_cache_usage_ratio_projected",
@@ -238,8 +238,8 @@ class LlumnixConfig(BaseModel):
         default=0.0,
         ge=0,
         lt=1,
-        description="waiting_fit: the fraction of a destination's KV blocks kept free for its own running requests' "
-        "growth; a destination takes waiting requests only into its free blocks beyond its own queue's and this.",
+        description="waiting_fit: the fraction of a worker's KV blocks counted as taken in its backlog (waiting "
+        "blocks - free blocks + this x total), kept for its own running requests' growth.",
     )
     rescheduling_max_migrations_per_source: int = Field(
         default=1,
