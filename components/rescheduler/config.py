@@ -34,6 +34,9 @@ class Policy(enum.StrEnum):
     NEUTRAL_FAILOVER = "neutral_failover"  # empty failing aggregated workers
     BINPACKING_MITIGATION = "binpacking_mitigation"  # move decode requests off a worker above the TPOT ceiling
     BINPACKING_CONSOLIDATION = "binpacking_consolidation"  # empty a worker below the TPOT floor into a fuller one
+    # Not Llumnix's: move waiting requests (no KV yet) from an aggregated worker whose queue does not fit its free KV
+    # to the one with the smallest backlog (components/rescheduler/policies/waiting.py).
+    WAITING_FIT = "waiting_fit"
     # Not Llumnix's: copy hot prefixes' KV to more workers, drop cold copies (ReplicationConfig; it plans KV copies,
     # not migration pairs, so the loop runs it beside plan_cycle: components/rescheduler/replication.py).
     PREFIX_REPLICATION = "prefix_replication"
@@ -116,8 +119,9 @@ class LlumnixConfig(BaseModel):
         default_factory=lambda: list(DEFAULT_POLICIES),
         description="The policies a cycle runs, in this order (a pair an earlier policy chose wins over a "
         "conflicting later one): decode_load, neutral_load, prefill_failover, decode_failover, neutral_failover, "
-        "binpacking_mitigation, binpacking_consolidation, prefix_replication (not Llumnix's: the "
-        "--prefix-replication-* flags).",
+        "binpacking_mitigation, binpacking_consolidation, waiting_fit (not Llumnix's: waiting requests from a "
+        "worker whose queue does not fit its free KV to the one with the least of its queue left unadmitted), "
+        "prefix_replication (not Llumnix's: the --prefix-replication-* flags).",
     )
     rescheduling_decode_load_metric: Literal["kv_cache_usage_ratio_projected"] = Field(
         default="kv_cache_usage_ratio_projected",
@@ -228,6 +232,14 @@ class LlumnixConfig(BaseModel):
         description="Longest wait for one migrate call (a source worker's agent selecting and moving requests) "
         "before it counts as failed; the cycle's other migrations go on.",
         json_schema_extra={"cli_aliases": ["--llumlet-grpc-timeout-seconds"]},
+    )
+    # Not Llumnix's (policies/waiting.py), hence a name of its own.
+    rescheduling_waiting_fit_headroom: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="waiting_fit: the fraction of a worker's KV blocks counted as taken in its backlog (waiting "
+        "blocks - free blocks + this x total), kept for its own running requests' growth.",
     )
     rescheduling_max_migrations_per_source: int = Field(
         default=1,

@@ -571,6 +571,9 @@ def replay(
     # --- rescheduling --------------------------------------------------------------------------------------------
 
     def running_requests() -> dict[int, list[RunningRequest]]:
+        """Each routed worker's requests: running ones that have a token (arrival order), then its waiting queue
+        (queue order, ``waiting=True``: never admitted or preempted, no KV). A preempted request is waiting, not
+        running: it holds no KV (before, it was listed as running and a migration sent KV it no longer had)."""
         out: dict[int, list[RunningRequest]] = {w.iid: [] for w in routed}
         for rid, t in reqs.items():
             if (
@@ -579,15 +582,44 @@ def replay(
                 and t.worker in out
                 and rid not in migrating
                 and t.landing is None  # in transit: on no worker yet
+                and not workers[t.worker].engine.is_waiting(rid)
             ):
                 out[t.worker].append(RunningRequest(rid, t.worker, t.prompt_len, t.output_tokens, t.max_tokens))
+        for w in routed:
+            for q in w.engine.scheduler.waiting:
+                t = reqs[q.request_id]
+                out[w.iid].append(
+                    RunningRequest(q.request_id, w.iid, t.prompt_len, t.output_tokens, t.max_tokens, waiting=True)
+                )
         return out
+
+    def move_waiting(rid: str, src: _Worker, dst: _Worker, now: float) -> None:
+        """A waiting request (no KV) leaves ``src``'s queue for ``dst``'s at once, in arrival order: nothing to
+        transfer; ``dst`` computes its prompt, and a preempted request's tokens so far, when it admits it."""
+        nonlocal migrations
+        t = reqs[rid]
+        src.engine.abort(rid)
+        t.worker = dst.iid
+        request = GenerateRequest(
+            rid,
+            [*t.prompt, *([0] * t.output_tokens)],
+            SamplingParams(max_tokens=t.max_tokens - t.output_tokens, ignore_eos=True, temperature=0.0),
+        )
+        dst.engine.add_by_arrival(request, now, t.arrival_s)
+        migrations += 1
+        if not dst.busy:
+            start_step(dst, now)
+        if migration_done is not None:
+            migration_done(rid, now)
 
     def stop_migrating(w: _Worker, now: float) -> None:
         """At a step boundary: the worker's requests marked for migration leave it, their KV in transit."""
         for rid in [r for r, dst in migrating.items() if reqs[r].worker == w.iid]:
             t = reqs[rid]
             dst = migrating.pop(rid)
+            if t.output_tokens < t.max_tokens and w.engine.is_waiting(rid):  # preempted since: it has no KV to send
+                move_waiting(rid, w, workers[dst], now)
+                continue
             if t.output_tokens >= t.max_tokens or not w.engine.abort(rid):
                 if migration_done is not None:
                     migration_done(rid, now)
@@ -744,7 +776,11 @@ def replay(
                 mt = reqs.get(m.request_id)
                 if mt is None or mt.worker != m.src or m.dst not in workers or not workers[m.dst].span.registered(now):
                     raise ValueError(f"bad migration {m}: the request does not run on {m.src}, or {m.dst} is no worker")
-                if m.request_id not in migrating and mt.output_tokens < mt.max_tokens:
+                if m.request_id in migrating or mt.output_tokens >= mt.max_tokens:
+                    continue
+                if workers[m.src].engine.is_waiting(m.request_id):
+                    move_waiting(m.request_id, workers[m.src], workers[m.dst], now)
+                else:
                     migrating[m.request_id] = m.dst
             if remaining > 0:
                 push(now + rescheduler.interval_s, _RESCHEDULE, 0)

@@ -9,9 +9,9 @@ Each cycle (every ``rescheduling_interval_ms`` of virtual time, called by ``repl
 3. each order becomes ``Migration``s by the migration agent's own selection, ``select_requests`` (components/
    migration/policies/selection.py), over the source's request table built from what ``replay`` hands over: its
    running requests that have produced a token, in the replay's order (arrival order: the engine's running order
-   unless a preemption reordered it), with no waiting request (the replay moves only decoding requests, so an
-   order that takes waiting ones, FCW, finds none), and the KV capacity from the worker's load report (total
-   blocks x block size, RATIO's base);
+   unless a preemption reordered it), its waiting queue in queue order (never admitted or preempted: no KV, so
+   the replay moves them at once with nothing to transfer; FCW and FCWSR take them), and the KV capacity from the
+   worker's load report (total blocks x block size, RATIO's base);
 4. a pair stays in flight, as the live executor's migrate call does, until every request it moved has landed on its
    destination or finished before it could leave (``replay`` calls ``migration_done``).
 
@@ -119,13 +119,10 @@ class PolicyRescheduler:
         if instance is not None and instance.load is not None:
             block_size = instance.meta.block_size if instance.meta.block_size > 0 else BLOCK_SIZE
             capacity = instance.load.snapshot.num_total_blocks * block_size
+        free = [r for r in running if r.request_id not in self._pair_of]
         table = RequestTable(
-            tuple(
-                RequestView(r.request_id, r.prompt_tokens, r.output_tokens)
-                for r in running
-                if r.request_id not in self._pair_of
-            ),
-            (),
+            tuple(RequestView(r.request_id, r.prompt_tokens, r.output_tokens) for r in free if not r.waiting),
+            tuple(RequestView(r.request_id, r.prompt_tokens, r.output_tokens) for r in free if r.waiting),
             capacity,
         )
         return list(select_requests(table, order.select_rule, order.select_value, order.select_order).request_ids)

@@ -66,6 +66,15 @@ class VirtualEngine:
         """Queue a request (raises ``EngineRequestError`` for one it can never serve, as the real engine does)."""
         self.scheduler.add_request(request, now_s)
 
+    def add_by_arrival(self, request: GenerateRequest, now_s: float, arrival_s: float) -> None:
+        """Queue a request another engine handed over before admitting it, in arrival order
+        (``Scheduler.add_request_by_arrival``)."""
+        self.scheduler.add_request_by_arrival(request, now_s, arrival_s)
+
+    def is_waiting(self, request_id: str) -> bool:
+        """True when the request is queued here without KV (never admitted, or preempted)."""
+        return self.scheduler.is_waiting(request_id)
+
     @property
     def has_work(self) -> bool:
         """Requests waiting or running (``Scheduler.has_unfinished_requests``, read here: asked after every step)."""

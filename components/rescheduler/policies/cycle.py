@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from components.rescheduler.config import Policy, ReschedulerConfig
-from components.rescheduler.policies import binpacking, failover, load
+from components.rescheduler.policies import binpacking, failover, load, waiting
 from components.rescheduler.types import CyclePlan, InstanceView, MigrationPair, PolicyResult, Rejection
 
 PolicyFn = Callable[[Sequence[InstanceView], ReschedulerConfig], PolicyResult]
@@ -37,6 +37,7 @@ POLICIES: dict[Policy, PolicyFn] = {
     Policy.NEUTRAL_FAILOVER: failover.neutral_failover,
     Policy.BINPACKING_MITIGATION: binpacking.mitigation,
     Policy.BINPACKING_CONSOLIDATION: binpacking.consolidation,
+    Policy.WAITING_FIT: waiting.waiting_fit,
 }
 
 

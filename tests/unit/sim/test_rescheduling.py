@@ -102,3 +102,74 @@ def test_a_replay_with_rescheduling_moves_requests_and_delivers_every_token_once
     assert min(res.itl_s) >= 0
     assert all(t >= 0 for t in res.ttft_by_request_s)
     assert r.in_flight == frozenset()  # every pair ended
+
+
+class _MoveFirstWaiting:
+    """A stub ``Rescheduler``: at its first cycle, records what the replay handed it and moves worker 1's first
+    waiting request to worker 2; records when the replay says each move is over."""
+
+    interval_s = 0.05
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[RunningRequest]] = {}
+        self.cycle_s = -1.0
+        self.done: dict[str, float] = {}
+
+    def cycle(self, now_s, fleet, running):
+        if self.cycle_s >= 0:
+            return []
+        self.cycle_s = now_s
+        self.seen = {w: list(rs) for w, rs in running.items()}
+        waiting = [r for r in running[1] if r.waiting]
+        return [Migration(waiting[0].request_id, 1, 2)] if waiting else []
+
+    def migration_done(self, request_id, now_s):
+        self.done[request_id] = now_s
+
+
+def test_a_waiting_request_moves_at_once_without_a_kv_transfer_and_is_admitted_by_the_destination():
+    # Round robin on 2 workers of 128 x 16 = 2,048 tokens: even requests (1,000-token prompts, 20 out: 64 blocks
+    # each) go to worker 1, which holds two; the third and fourth wait in its queue (no KV). Odd ones (16 + 2) go
+    # to worker 2, which is idle after a few steps. At the first cycle (0.05 s after the first arrival) the replay
+    # hands worker 1's queue over as waiting (r4, r6 in queue order), the stub moves r4 to worker 2: it lands in
+    # the same instant (nothing to transfer: before, a waiting request was never handed over, and a migration was
+    # a KV transfer of its context at its source's next step end) and worker 2 admits it at once.
+    reqs = tuple(
+        SimRequest(0.001 * k, tuple(10_000 * k + i for i in range(1000 if k % 2 == 0 else 16)), 20 if k % 2 == 0 else 2)
+        for k in range(8)
+    )
+    spec = FleetSpec(workers=2, engine=ENGINE)
+    stub = _MoveFirstWaiting()
+    res = replay(Workload("w", reqs), spec, "round_robin", rescheduler=stub)
+    static = replay(Workload("w", reqs), spec, "round_robin")
+    on_1 = [r for r in stub.seen[1]]
+    assert [r.request_id for r in on_1 if r.waiting] == ["r4", "r6"]
+    assert all(r.output_tokens > 0 for r in on_1 if not r.waiting)  # running ones have their first token
+    assert stub.done == {"r4": stub.cycle_s}  # landed in the cycle's instant: no transfer
+    assert res.migrations == 1 and res.worker_by_request[4] == 2 and static.worker_by_request[4] == 1
+    assert res.output_tokens_by_request == [q.max_tokens for q in reqs]
+    # Admitted on worker 2 at once: its first token comes one prefill after the cycle, long before worker 1 would
+    # have freed room for it.
+    assert res.ttft_by_request_s[4] < static.ttft_by_request_s[4] - 0.05
+
+
+def test_a_preempted_request_is_handed_over_as_waiting_not_running():
+    # One worker of 8 blocks x 16 = 128 tokens, two requests of 16 + 100 tokens: both admitted, both decode, the
+    # pool runs out and the newer (r1) is preempted back to the queue with its tokens so far and no KV. The replay
+    # must list it as waiting (before, it listed it as running: a migration would have sent KV it no longer had).
+    small = MockEngineConfig(num_gpu_blocks=8, max_model_len=128)
+    reqs = (SimRequest(0.0, tuple(range(16)), 100), SimRequest(0.0, tuple(range(100, 116)), 100))
+    seen: list[list[RunningRequest]] = []
+
+    class Watch:
+        interval_s = 0.02
+
+        def cycle(self, now_s, fleet, running):
+            seen.append(list(running[1]))
+            return []
+
+    res = replay(Workload("w", reqs), FleetSpec(workers=1, engine=small), "round_robin", rescheduler=Watch())
+    assert res.preemptions >= 1
+    preempted = [rs for rs in seen if any(r.request_id == "r1" and r.output_tokens > 0 and r.waiting for r in rs)]
+    assert preempted, "r1 was never handed over as a waiting request with tokens"
+    assert all(not (r.waiting and r.request_id == "r0") for rs in preempted for r in rs)

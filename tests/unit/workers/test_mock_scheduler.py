@@ -299,6 +299,32 @@ def test_a_preempted_request_goes_to_the_front_of_the_waiting_queue_without_bloc
     assert snap.num_waiting_prefill_tokens == b.num_tokens + 4
 
 
+def test_a_handed_over_waiting_request_queues_by_arrival_behind_the_preempted():
+    # The queue after a preemption: b (preempted, front), then c (arrived at 0.0) and d (arrived at 5.0). A request
+    # handed over by another engine that arrived at 3.0 goes between c and d; one that arrived at -1.0 (before
+    # everyone) still goes behind b (a preempted request keeps the front); one that arrived at 9.0 goes last.
+    sched = make_scheduler(**tight_config(), max_num_seqs=2)
+    sched.add_request(make_request("a", 8, offset=0, max_tokens=20), 0.0)
+    sched.add_request(make_request("b", 8, offset=100, max_tokens=20), 0.0)
+    sched.add_request(make_request("c", 4, offset=200, max_tokens=20), 0.0)
+    for i in range(100):
+        if sched.step(float(i)).preempted_ids:
+            break
+    else:
+        raise AssertionError("no preemption")
+    sched.add_request(make_request("d", 4, offset=300, max_tokens=4), 5.0)
+    assert [r.request_id for r in sched.waiting] == ["b", "c", "d"]
+    sched.add_request_by_arrival(make_request("x", 4, offset=400, max_tokens=4), 6.0, arrival_s=3.0)
+    sched.add_request_by_arrival(make_request("y", 4, offset=500, max_tokens=4), 6.0, arrival_s=-1.0)
+    sched.add_request_by_arrival(make_request("z", 4, offset=600, max_tokens=4), 6.0, arrival_s=9.0)
+    assert [r.request_id for r in sched.waiting] == ["b", "y", "c", "x", "d", "z"]
+    assert sched.requests["x"].arrival_s == 3.0 and sched.requests["x"].status is RequestStatus.WAITING
+    assert sched.is_waiting("b") and sched.is_waiting("x") and not sched.is_waiting("a")
+    assert not sched.is_waiting("nobody")
+    tokens, _ = run_until_idle(sched)
+    assert len(tokens["x"]) == len(tokens["y"]) == len(tokens["z"]) == 4
+
+
 # --- output tokens ----------------------------------------------------------------------------------------------------
 
 

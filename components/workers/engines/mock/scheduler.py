@@ -265,6 +265,29 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
+    def add_request_by_arrival(self, request: GenerateRequest, now_s: float, arrival_s: float) -> Request:
+        """Validate and queue a request that arrived at ``arrival_s`` elsewhere (a waiting request another engine
+        handed over), in arrival order: behind the preempted requests at the front of the queue (they keep vLLM's
+        front-of-queue rule) and behind every waiting request that arrived at or before it, ahead of the later
+        ones. Llumnix's llumlet does the same (``add_waiting_request`` sorts its waiting queue first come first
+        served), so a migrated request neither jumps the destination's queue nor goes to its back."""
+        self.validate(request)
+        req = self._new_request(request, now_s)
+        req.arrival_s = arrival_s
+        self.requests[req.request_id] = req
+        at = len(self.waiting)
+        for i, r in enumerate(self.waiting):
+            if r.status is not RequestStatus.PREEMPTED and r.arrival_s > arrival_s:
+                at = i
+                break
+        self.waiting.insert(at, req)
+        return req
+
+    def is_waiting(self, request_id: str) -> bool:
+        """True when ``request_id`` is in the waiting queue (never admitted, or preempted): it holds no KV."""
+        req = self.requests.get(request_id)
+        return req is not None and req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
     def _new_request(self, request: GenerateRequest, now_s: float) -> Request:
         seed_material = f"{self.config.seed}/{request.sampling.seed}".encode()
         sampler = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(seed_material))
