@@ -69,10 +69,17 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   hold ``B = queued prompts + (rate - n / r) x startup`` prompts then (``r``: one request's workers' worth, the
   sizing's own, linear in the rate; not below 0), and over the next ``adjustment_interval`` (the raised pool stands
   at least until the next decision) that backlog takes ``min(n, B x r / interval)`` workers' worth from new arrivals.
-  The raise is ``ceil(rate x r + that)``, at most n more than on the rate alone. On the step (1 -> 9.87
-  requests/s of 8,000-token prompts, 30 s start-up) the one worker holds ~170-260 prompts when the new ones come,
-  ~140-210 s of its time: the rate's 6.8 workers' worth asked for 7 of the 8 the load needs; with the one holding
-  the backlog, 8. A 1.23 s start-up leaves a backlog of a few prompts, a small fraction of a worker over an interval.
+  The raise is ``ceil(rate x r + that)``, at most n more than on the rate alone. On the step (1 -> 10.3
+  requests/s of 8,000-token prompts, 30 s start-up; ``kvmesh bench planner --load step --seed 4``) the first full
+  second's report said 9.0 requests/s, 6.24 workers' worth: 7 of the 8 the load needs, and the 8th a pull later;
+  the one worker would still hold 236 prompts when the new ones came, so 7.24 -> 8 at that pull. A 1.23 s start-up
+  leaves a backlog of a few prompts, a small fraction of a worker over an interval.
+  An aggregated pool's raise also reads the rate from its workers' queues: they report at every pull, and no prompt
+  leaves a queue but into service, so the prompts by which the queued prompt tokens grew since the last pull (same
+  pool, every worker reporting) over its seconds are a floor on the arrival rate; the raise takes it when it is
+  above the reports' rate. A frontend's report of the second that just ended may land just after the pull: on the
+  step the pull a second after it read the second before (0.4 requests/s, the pool "served") while ~7 prompts had
+  queued, and added one worker on the queue's trend (kvmesh bench planner --load step, seeds 3-5).
   When that sizing says the pool
   suffices (or nothing was heard) but the queue will not
   be back within target an adjustment interval from now at its recent pace (the last ``FAST_TREND_PULLS`` pulls'
@@ -251,6 +258,9 @@ class SlaController:
         # each pool's (size, mean queue wait ms) at its last settled pulls, oldest first
         self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
         self._itl_breaches: dict[Pool, tuple[int, int]] = {}  # pool -> (its size, pulls running over the ITL target)
+        # An aggregated pool's (size, pull time, prompt tokens queued on its workers) at the last pull every worker
+        # reported: the queue's growth over a pull is a floor on the arrivals (module docstring, "Fast loop").
+        self._queued: dict[Pool, tuple[int, float, float]] = {}
         self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
         self._asked: dict[Pool, int] = {}  # the fast loop's largest need per pool since the last decision
         # Per pool, the most asked for (forecast sizing or fast-loop raise) in each of the last scale_down_window
@@ -495,6 +505,7 @@ class SlaController:
             earlier = sum(w for _, w in list(history)[:FAST_TREND_PULLS]) / FAST_TREND_PULLS
             later = sum(w for _, w in list(history)[FAST_TREND_PULLS:]) / FAST_TREND_PULLS
             trend = (earlier, later)
+        grown = self._queue_growth(pool, obs, load, snap.now_s)
         if trigger is not None and self.ttft_correction * trigger > cfg.ttft:
             own = self.ttft_correction * own_ms
             seen = f"predicted TTFT {self.ttft_correction * trigger:.0f} ms{via} > {cfg.ttft:g} ms target"
@@ -504,6 +515,10 @@ class SlaController:
                 recent, heard = latest, "the frontends' latest reports'"
             else:
                 heard = f"the last {self._fast_window_s():g} s'"
+            if grown is not None and self._last_isl is not None and (recent is None or grown > recent[0]):
+                # The workers report at every pull; a frontend's report of the same second may land just after it.
+                recent = (grown, self._last_isl, recent[2] if recent is not None else self._last_osl)
+                heard = "the workers' queues' growth over the last pull (arrivals at least that):"
             size: int | None = None
             if own >= cfg.ttft:
                 reasons.append(f"{seen}, but a prompt alone takes {own:.0f} ms: more workers do not help")
@@ -600,6 +615,20 @@ class SlaController:
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
         return _Fast(ttft_ms, step_itl_ms, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
+
+    def _queue_growth(self, pool: Pool, obs: Observation, load: _PoolLoad, now_s: float) -> float | None:
+        """Prompts/s by which an aggregated pool's queues grew since its last pull (every worker reporting, the same
+        pool): no prompt leaves a queue but into service, so the arrivals were at least that. None: not known."""
+        if pool != Pool.DECODE or obs.prefill is not None or not load.fresh or len(load.fresh) != len(load.workers):
+            self._queued.pop(pool, None)
+            return None
+        n = len(load.workers)
+        tokens = float(sum(i.load.snapshot.num_waiting_prefill_tokens for i in load.fresh if i.load is not None))
+        before = self._queued.get(pool)
+        self._queued[pool] = (n, now_s, tokens)
+        if before is None or before[0] != n or now_s <= before[1] or not self._last_isl:
+            return None
+        return (tokens - before[2]) / self._last_isl / (now_s - before[1])
 
     def _backlog_held(
         self,

@@ -519,6 +519,28 @@ def test_a_fast_raise_counts_the_workers_the_start_ups_backlog_holds():
     )
 
 
+def test_a_fast_raise_reads_the_arrivals_from_the_queues_growth_when_the_frontends_report_is_not_in_yet():
+    # 10 requests/s heard up to 32 s; between the pulls at 31 and 32 s the 2 workers' queues went from nothing to
+    # 30000 prompt tokens each: 60 prompts of 1000 in one second. No prompt leaves a queue but into service, so at
+    # least 60 arrived, whatever the frontend's report of that second (not in yet) will say. 60 requests/s need
+    # 4.02 workers' worth -> 5 (the step test above); on the reports' 10 requests/s the pool (2) suffices and nothing
+    # was raised. No start-up: the queue the 2 hold (60 prompts, 60 x 4.02 / 60 = 4.02 worker-seconds) is 0.13 of a
+    # worker over the next 30 s, which leaves 5.
+    worth = prefill_need(60) + decode_need(60)
+    assert (math.ceil(worth), math.ceil(worth + 60 * worth / 60 / 30)) == (5, 5)
+    assert math.ceil(prefill_need(10) + decode_need(10)) == 1
+    fleet, ctl = fast_fleet()
+    fleet.requests(31.0, 1.0, rate=10, isl=1000, osl=200)
+    assert pull(ctl, fleet, 31.0).adjustment is None
+    fleet.requests(32.0, 1.0, rate=10, isl=1000, osl=200)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=30000)
+    out = pull(ctl, fleet, 32.0)
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 5)
+    assert "the workers' queues' growth over the last pull (arrivals at least that): 60.0 requests/s need 5" in d.reason
+
+
 def test_a_short_start_up_leaves_a_backlog_too_small_to_hold_a_worker():
     # The same step and queue with a 1.23 s start-up: the 2 hold 40 + (60 - 29.9) x 1.23 = 77 prompts when the new
     # workers come, 77 x 4.02 / 60 = 5.2 worker-seconds, 0.17 of a worker over the next 30 s: 4.02 + 0.17 -> 5, what
