@@ -78,8 +78,9 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   leaves a queue but into service, so the prompts by which the queued prompt tokens grew since the last pull (same
   pool, every worker reporting) over its seconds are a floor on the arrival rate; the raise takes it when it is
   above the reports' rate. A frontend's report of the second that just ended may land just after the pull: on the
-  step the pull a second after it read the second before (0.4 requests/s, the pool "served") while ~7 prompts had
-  queued, and added one worker on the queue's trend (kvmesh bench planner --load step, seeds 3-5).
+  step the pull a second after it read the second before (~0.4 requests/s, the pool "served") while 3-6 prompts had
+  queued, and added one worker on the queue's trend (kvmesh bench planner --load step, seeds 3-5: now 1 -> 3, 4
+  or 6 at that pull, on 2.9-5.9 requests/s of growth).
   When that sizing says the pool
   suffices (or nothing was heard) but the queue will not
   be back within target an adjustment interval from now at its recent pace (the last ``FAST_TREND_PULLS`` pulls'
