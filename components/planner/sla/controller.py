@@ -62,7 +62,26 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   an aggregated pool is sized on its prompts' share alone, a lower bound: the queue that breaks TTFT is of prompts,
   and waiting for an output length let a burst's first prompts break the target before the raise.
   Not by spreading the queue: the queued prompts stay on the workers that hold them, so new workers only take new
-  arrivals, and a pool sized for a backlog would be too large once it drains. When that sizing says the pool
+  arrivals, and a pool sized for a backlog would be too large once it drains. But for the same reason the workers
+  holding it are not there for new arrivals while they drain it, which a sizing on the rate alone counts them for
+  (aggregated pools; a disaggregated prefill pool's queue is shared, and new prefill workers drain it too): until a
+  worker asked for now comes, ``worker_startup_s`` on, every arrival goes to the current n workers, so they will
+  hold ``B = queued prompts + (rate - n / r) x startup`` prompts then (``r``: one request's workers' worth, the
+  sizing's own, linear in the rate; not below 0), and over the next ``adjustment_interval`` (the raised pool stands
+  at least until the next decision) that backlog takes ``min(n, B x r / interval)`` workers' worth from new arrivals.
+  The raise is ``ceil(rate x r + that)``, at most n more than on the rate alone. On the step (1 -> 10.3
+  requests/s of 8,000-token prompts, 30 s start-up; ``kvmesh bench planner --load step --seed 4``) the first full
+  second's report said 9.0 requests/s, 6.24 workers' worth: 7 of the 8 the load needs, and the 8th a pull later;
+  the one worker would still hold 236 prompts when the new ones came, so 7.24 -> 8 at that pull. A 1.23 s start-up
+  leaves a backlog of a few prompts, a small fraction of a worker over an interval.
+  An aggregated pool's raise also reads the rate from its workers' queues: they report at every pull, and no prompt
+  leaves a queue but into service, so the prompts by which the queued prompt tokens grew since the last pull (same
+  pool, every worker reporting) over its seconds are a floor on the arrival rate; the raise takes it when it is
+  above the reports' rate. A frontend's report of the second that just ended may land just after the pull: on the
+  step the pull a second after it read the second before (~0.4 requests/s, the pool "served") while 3-6 prompts had
+  queued, and added one worker on the queue's trend (kvmesh bench planner --load step, seeds 3-5: now 1 -> 3, 4
+  or 6 at that pull, on 2.9-5.9 requests/s of growth).
+  When that sizing says the pool
   suffices (or nothing was heard) but the queue will not
   be back within target an adjustment interval from now at its recent pace (the last ``FAST_TREND_PULLS`` pulls'
   mean wait against the 5 before's, extrapolated; same pool, every worker reporting, no change in progress): one
@@ -240,6 +259,9 @@ class SlaController:
         # each pool's (size, mean queue wait ms) at its last settled pulls, oldest first
         self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
         self._itl_breaches: dict[Pool, tuple[int, int]] = {}  # pool -> (its size, pulls running over the ITL target)
+        # An aggregated pool's (size, pull time, prompt tokens queued on its workers) at the last pull every worker
+        # reported: the queue's growth over a pull is a floor on the arrivals (module docstring, "Fast loop").
+        self._queued: dict[Pool, tuple[int, float, float]] = {}
         self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
         self._asked: dict[Pool, int] = {}  # the fast loop's largest need per pool since the last decision
         # Per pool, the most asked for (forecast sizing or fast-loop raise) in each of the last scale_down_window
@@ -484,6 +506,7 @@ class SlaController:
             earlier = sum(w for _, w in list(history)[:FAST_TREND_PULLS]) / FAST_TREND_PULLS
             later = sum(w for _, w in list(history)[FAST_TREND_PULLS:]) / FAST_TREND_PULLS
             trend = (earlier, later)
+        grown = self._queue_growth(pool, obs, load, snap.now_s)
         if trigger is not None and self.ttft_correction * trigger > cfg.ttft:
             own = self.ttft_correction * own_ms
             seen = f"predicted TTFT {self.ttft_correction * trigger:.0f} ms{via} > {cfg.ttft:g} ms target"
@@ -493,6 +516,10 @@ class SlaController:
                 recent, heard = latest, "the frontends' latest reports'"
             else:
                 heard = f"the last {self._fast_window_s():g} s'"
+            if grown is not None and self._last_isl is not None and (recent is None or grown > recent[0]):
+                # The workers report at every pull; a frontend's report of the same second may land just after it.
+                recent = (grown, self._last_isl, recent[2] if recent is not None else self._last_osl)
+                heard = "the workers' queues' growth over the last pull (arrivals at least that):"
             size: int | None = None
             if own >= cfg.ttft:
                 reasons.append(f"{seen}, but a prompt alone takes {own:.0f} ms: more workers do not help")
@@ -507,8 +534,22 @@ class SlaController:
                         obs, [rate], [r_isl], [r_osl] if r_osl is not None else None, perf_of, prompts_only=True
                     )
                     size = sizes.get(pool)
+                    said = f"{rate:.1f} requests/s need {size}"
+                    held = self._backlog_held(pool, obs, load, rate, r_isl, r_osl, perf_of[pool])
+                    if size is not None and held is not None:
+                        # The queue the current workers will still hold when new ones come (module docstring).
+                        worth, backlog, holders = held
+                        with_backlog = min(size + n, replicas.workers_for(worth + holders, 1.0))
+                        if with_backlog > size:
+                            size = with_backlog
+                            said = (
+                                f"{rate:.1f} requests/s need {worth:.2f} workers' worth, and the {n} holding the "
+                                f"queue will still hold {backlog:.0f} prompts when new workers come "
+                                f"({cfg.worker_startup_s:g} s on), {holders:.2f} workers' worth of the next "
+                                f"{cfg.adjustment_interval:g} s: {size}"
+                            )
                     if size is not None and size > n:
-                        reasons.append(f"{seen}; {heard} {rate:.1f} requests/s need {size}")
+                        reasons.append(f"{seen}; {heard} {said}")
                 # Where the wait will be an adjustment interval from now at its recent pace (per pull: the halves'
                 # means are FAST_TREND_PULLS pulls apart).
                 projected = None
@@ -575,6 +616,51 @@ class SlaController:
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
         return _Fast(ttft_ms, step_itl_ms, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
+
+    def _queue_growth(self, pool: Pool, obs: Observation, load: _PoolLoad, now_s: float) -> float | None:
+        """Prompts/s by which an aggregated pool's queues grew since its last pull (every worker reporting, the same
+        pool): no prompt leaves a queue but into service, so the arrivals were at least that. None: not known."""
+        if pool != Pool.DECODE or obs.prefill is not None or not load.fresh or len(load.fresh) != len(load.workers):
+            self._queued.pop(pool, None)
+            return None
+        n = len(load.workers)
+        tokens = float(sum(i.load.snapshot.num_waiting_prefill_tokens for i in load.fresh if i.load is not None))
+        before = self._queued.get(pool)
+        self._queued[pool] = (n, now_s, tokens)
+        if before is None or before[0] != n or now_s <= before[1] or not self._last_isl:
+            return None
+        return (tokens - before[2]) / self._last_isl / (now_s - before[1])
+
+    def _backlog_held(
+        self,
+        pool: Pool,
+        obs: Observation,
+        load: _PoolLoad,
+        rate: float,
+        isl: float,
+        osl: float | None,
+        perf: PerfModel,
+    ) -> tuple[float, float, float] | None:
+        """For a TTFT raise of an aggregated pool at ``rate`` requests/s: (the rate's workers' worth, unrounded; the
+        prompts its current workers will still hold when a worker asked for now comes, ``worker_startup_s`` on; the
+        workers' worth of the next ``adjustment_interval`` that backlog takes), module docstring "Fast loop"; None
+        where it does not apply (a disaggregated model: its prompts wait in one shared queue that new prefill workers
+        drain too; no fresh report; no load)."""
+        cfg = self.config
+        if pool != Pool.DECODE or obs.prefill is not None or not load.fresh or rate <= 0 or isl <= 0:
+            return None
+        prefill_share, decode_share, _, _ = self._aggregated_worth(rate, isl, osl, perf)
+        worth = prefill_share + decode_share
+        if worth <= 0:
+            return None
+        per_request = worth / rate  # one request's share of a worker's second (the sizing's own, linear in rate)
+        n = len(load.workers)
+        tokens = sum(i.load.snapshot.num_waiting_prefill_tokens for i in load.fresh if i.load is not None)
+        queued = tokens * n / len(load.fresh) / isl  # prompts; a worker without a fresh report counted as the mean
+        # Until the new workers come, every arrival goes to the current n, which serve n / per_request a second.
+        backlog = max(0.0, queued + (rate - n / per_request) * cfg.worker_startup_s)
+        holders = min(float(n), backlog * per_request / cfg.adjustment_interval)
+        return worth, backlog, holders
 
     def _fast_window_s(self) -> float:
         return FAST_WINDOW_PULLS * self.config.metric_pulling_interval
@@ -869,11 +955,7 @@ class SlaController:
             if osl is None and prompts_only and obs.prefill is None:
                 # Aggregated, no output length yet: the prefill share alone, a lower bound (the decode share only
                 # adds to it), which is what the TTFT rule needs to know (module docstring, "Fast loop").
-                _, sp = replicas.prefill_workers(
-                    rate, isl, perf[Pool.DECODE], cfg.ttft_s, self.ttft_correction, queue_wait=cfg.queue_wait
-                )
-                pm = sp.metrics
-                prefill_share = pm["demand_tokens_per_s"] / (pm["max_utilisation"] * pm["worker_tokens_per_s"])
+                prefill_share, _, sp, _ = self._aggregated_worth(rate, isl, None, perf[Pool.DECODE])
                 n = replicas.workers_for(prefill_share, 1.0)
                 needs[Pool.DECODE].append(max(cfg.min_endpoint, n))
                 why_at[Pool.DECODE].append(
@@ -884,26 +966,23 @@ class SlaController:
             if osl is None:
                 missing[Pool.DECODE] = "no output length heard yet (no request finished): holding"
                 continue
-            _, sd = replicas.decode_workers(
-                rate,
-                isl,
-                osl,
-                perf[Pool.DECODE],
-                cfg.itl_s,
-                self.itl_correction,
-                kv_capacity_tokens=self._kv_capacity_tokens,
-            )
             if obs.prefill is not None:
+                _, sd = replicas.decode_workers(
+                    rate,
+                    isl,
+                    osl,
+                    perf[Pool.DECODE],
+                    cfg.itl_s,
+                    self.itl_correction,
+                    kv_capacity_tokens=self._kv_capacity_tokens,
+                )
                 needs[Pool.DECODE].append(max(cfg.min_endpoint, sd.workers))
                 why_at[Pool.DECODE].append(f"decode: {sd.reason}")
                 continue
             # Aggregated: one pool does both; the sum of both demands' worker fractions (module docstring).
-            _, sp = replicas.prefill_workers(
-                rate, isl, perf[Pool.DECODE], cfg.ttft_s, self.ttft_correction, queue_wait=cfg.queue_wait
-            )
-            pm, dm = sp.metrics, sd.metrics
-            prefill_share = pm["demand_tokens_per_s"] / (pm["max_utilisation"] * pm["worker_tokens_per_s"])
-            decode_share = dm["demand_tokens_per_s"] / dm["worker_tokens_per_s"]
+            prefill_share, decode_share, sp, sd_ = self._aggregated_worth(rate, isl, osl, perf[Pool.DECODE])
+            assert sd_ is not None
+            sd = sd_
             n = replicas.workers_for(prefill_share + decode_share, 1.0)
             needs[Pool.DECODE].append(max(cfg.min_endpoint, n))
             why_at[Pool.DECODE].append(
@@ -932,6 +1011,23 @@ class SlaController:
             )
             reasons[p] = f"{sized}; {why_at[p][at]}: {sizes[p]} workers{span}"
         return sizes, reasons
+
+    def _aggregated_worth(
+        self, rate: float, isl: float, osl: float | None, perf: PerfModel
+    ) -> tuple[float, float, replicas.Sizing, replicas.Sizing | None]:
+        """An aggregated pool's workers' worth at ``rate`` requests/s, unrounded: (prefill share, decode share, and
+        the two sizings behind them); ``osl`` None: the prefill share alone (decode share 0, no decode sizing)."""
+        cfg = self.config
+        _, sp = replicas.prefill_workers(rate, isl, perf, cfg.ttft_s, self.ttft_correction, queue_wait=cfg.queue_wait)
+        pm = sp.metrics
+        prefill_share = pm["demand_tokens_per_s"] / (pm["max_utilisation"] * pm["worker_tokens_per_s"])
+        if osl is None:
+            return prefill_share, 0.0, sp, None
+        _, sd = replicas.decode_workers(
+            rate, isl, osl, perf, cfg.itl_s, self.itl_correction, kv_capacity_tokens=self._kv_capacity_tokens
+        )
+        dm = sd.metrics
+        return prefill_share, dm["demand_tokens_per_s"] / dm["worker_tokens_per_s"], sp, sd
 
     def _scale_down(
         self,

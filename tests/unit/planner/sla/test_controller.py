@@ -491,6 +491,74 @@ def test_the_fast_loop_sizes_a_step_on_its_first_second_not_on_the_window_that_s
     assert "predicted TTFT 879 ms > 500 ms target; the frontends' latest reports' 60.0 requests/s need 5" in d.reason
 
 
+def test_a_fast_raise_counts_the_workers_the_start_ups_backlog_holds():
+    # The step test above with a 30 s start-up: 10 requests/s until 32 s, then 60, and 20000 prompt tokens (20
+    # prompts of 1000) queued on each of the 2 workers at 33 s. 60 requests/s are 4.02 workers' worth (5 on the rate
+    # alone, as above). Until the new workers come, 30 s on, every arrival goes to the 2, which serve 2 / (4.02 / 60)
+    # = 29.9 requests/s: they will still hold 40 + (60 - 29.9) x 30 = 944 prompts then, which stay with them (the
+    # router does not move a queue), 944 x 4.02 / 60 = 63 worker-seconds: more than both of them for the next 30 s
+    # interval. The new arrivals get none of the 2, so the pool is 4.02 + 2 -> 7 workers, not 5.
+    worth = prefill_need(60) + decode_need(60)
+    per_request = worth / 60
+    backlog = 40 + (60 - 2 / per_request) * 30
+    holders = min(2.0, backlog * per_request / 30)
+    assert (math.ceil(worth), holders, math.ceil(worth + holders)) == (5, 2.0, 7)
+    fleet, ctl = fast_fleet(worker_startup_s=30.0)
+    for t in (31.0, 32.0):
+        fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
+        assert pull(ctl, fleet, t).adjustment is None
+    fleet.requests(33.0, 1.0, rate=60, isl=1000, osl=200)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    out = pull(ctl, fleet, 33.0)
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 7)
+    assert (
+        f"60.0 requests/s need {worth:.2f} workers' worth, and the 2 holding the queue will still hold {backlog:.0f} "
+        "prompts when new workers come (30 s on), 2.00 workers' worth of the next 30 s: 7" in d.reason
+    )
+
+
+def test_a_fast_raise_reads_the_arrivals_from_the_queues_growth_when_the_frontends_report_is_not_in_yet():
+    # 10 requests/s heard up to 32 s; between the pulls at 31 and 32 s the 2 workers' queues went from nothing to
+    # 30000 prompt tokens each: 60 prompts of 1000 in one second. No prompt leaves a queue but into service, so at
+    # least 60 arrived, whatever the frontend's report of that second (not in yet) will say. 60 requests/s need
+    # 4.02 workers' worth -> 5 (the step test above); on the reports' 10 requests/s the pool (2) suffices and nothing
+    # was raised. No start-up: the queue the 2 hold (60 prompts, 60 x 4.02 / 60 = 4.02 worker-seconds) is 0.13 of a
+    # worker over the next 30 s, which leaves 5.
+    worth = prefill_need(60) + decode_need(60)
+    assert (math.ceil(worth), math.ceil(worth + 60 * worth / 60 / 30)) == (5, 5)
+    assert math.ceil(prefill_need(10) + decode_need(10)) == 1
+    fleet, ctl = fast_fleet()
+    fleet.requests(31.0, 1.0, rate=10, isl=1000, osl=200)
+    assert pull(ctl, fleet, 31.0).adjustment is None
+    fleet.requests(32.0, 1.0, rate=10, isl=1000, osl=200)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=30000)
+    out = pull(ctl, fleet, 32.0)
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 5)
+    assert "the workers' queues' growth over the last pull (arrivals at least that): 60.0 requests/s need 5" in d.reason
+
+
+def test_a_short_start_up_leaves_a_backlog_too_small_to_hold_a_worker():
+    # The same step and queue with a 1.23 s start-up: the 2 hold 40 + (60 - 29.9) x 1.23 = 77 prompts when the new
+    # workers come, 77 x 4.02 / 60 = 5.2 worker-seconds, 0.17 of a worker over the next 30 s: 4.02 + 0.17 -> 5, what
+    # the rate alone asks for.
+    worth = prefill_need(60) + decode_need(60)
+    per_request = worth / 60
+    holders = (40 + (60 - 2 / per_request) * 1.23) * per_request / 30
+    assert math.ceil(worth + holders) == math.ceil(worth) == 5
+    fleet, ctl = fast_fleet(worker_startup_s=1.23)
+    for t in (31.0, 32.0):
+        fleet.requests(t, 1.0, rate=10, isl=1000, osl=200)
+        pull(ctl, fleet, t)
+    fleet.requests(33.0, 1.0, rate=60, isl=1000, osl=200)
+    fleet.set_load(Pool.DECODE, num_waiting_prefill_tokens=20000)
+    out = pull(ctl, fleet, 33.0)
+    assert out.adjustment is not None and out.adjustment.decisions[0].target == 5
+
+
 def test_a_fast_raise_before_the_first_decision_holds_the_pool_through_it():
     # Cold: no throughput decision yet. A burst at 1-3 s (60 requests/s, 20000 prompt tokens queued on the worker)
     # is raised by the fast loop to 5 at 3 s; the load falls back to 10 requests/s. The first decision (30 s) would

@@ -123,8 +123,12 @@ def test_the_sla_planner_on_the_simulator_follows_a_step_up_and_down():
     assert all(a.decided_s > 20.0 for a in res.actions)
     assert ups and 20.0 < ups[0].decided_s < 25.0 and (ups[0].before, ups[0].target) == (1, high)
     assert "fast loop" in ups[0].reason
-    assert max(size_at(t) for t in range(20, 41)) == high
-    assert downs and all(a.decided_s > 40.0 for a in downs)
+    # At most one more: the one worker holding the step's first seconds' queue (it keeps it: the router does not
+    # move a queue) is counted as busy with it for part of the next interval, which the rate's 3 do not cover
+    # (components/planner/sla/controller.py, "Fast loop").
+    assert high <= max(size_at(t) for t in range(20, 41)) <= high + 1
+    # Before the step ends a removal only takes back that one (not below the rate's 3).
+    assert downs and all(a.decided_s > 40.0 or a.target >= high for a in downs)
     assert size_at(89.0) == low
     # The decisions the replay carried out are the controller's own, with its SLA figures on every pull.
     assert all(p.outcome.sla is not None for p in planner.pulls)
