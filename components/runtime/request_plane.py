@@ -513,6 +513,28 @@ class _Outbox:
 
 
 # Markers queued next to a stream's frames, told apart by identity; their negative seq keeps them off the hot path.
+# CANCELs published without waiting (a stream closed early, a cancel sent again, a caller gone before its ACK): the
+# loop keeps only weak references to its tasks, so they are held here until they end, and each logs its failure.
+_cancels_in_flight: set[asyncio.Task[None]] = set()
+
+
+def _cancel_in_background(bus: Bus, subject: str, request_id: str, name: str) -> None:
+    """Publish ``CANCEL request_id`` on ``subject`` without waiting (no running loop: the process is exiting)."""
+    try:
+        task = asyncio.get_running_loop().create_task(_publish_cancel(bus, subject, request_id), name=name)
+    except RuntimeError:
+        return
+    _cancels_in_flight.add(task)
+    task.add_done_callback(_cancels_in_flight.discard)
+
+
+async def _publish_cancel(bus: Bus, subject: str, request_id: str) -> None:
+    try:
+        await bus.publish(subject, pack([CANCEL, request_id]))
+    except Exception as e:  # noqa: BLE001 - best effort: the instance's own client check ends the request too
+        logger.debug("cancel of %s on %s not sent: %s", request_id, subject, e)
+
+
 _NO_RESPONDERS: list[Any] = [None, -1, -1, None]  # the stream's instance subject had no subscriber
 _IDLE: list[Any] = [None, -3, -1, None]  # nothing for idle_probe_s: probe the instance
 _SILENT: list[Any] = [None, -4, -1, None]  # the probe's answer did not come within probe_timeout_s
@@ -655,9 +677,7 @@ class ResponseMux:
         entry[2] = now
         self.num_cancels_resent += 1
         logger.info("request %s still streams after it was cancelled; cancelling it again", entry[1])
-        asyncio.get_running_loop().create_task(
-            self._bus.publish(entry[0], pack([CANCEL, entry[1]])), name=f"cancel-again:{entry[1]}"
-        )
+        _cancel_in_background(self._bus, entry[0], entry[1], f"cancel-again:{entry[1]}")
 
     def _on_connection_lost(self, conn: Any) -> None:
         """An instance's connection closed: probe its streams now rather than after ``idle_probe_s`` of silence.
@@ -1012,10 +1032,7 @@ class ResponseStream:
             return
         self._finish()
         self._mux.abandon(self._key, self.subject, self.request_id)
-        with contextlib.suppress(RuntimeError):  # no running loop: the process is exiting
-            asyncio.get_running_loop().create_task(
-                self._bus.publish(self.subject, pack([CANCEL, self.request_id])), name=f"cancel:{self.request_id}"
-            )
+        _cancel_in_background(self._bus, self.subject, self.request_id, f"cancel:{self.request_id}")
 
     def __del__(self) -> None:
         if not self._done:
@@ -1061,7 +1078,7 @@ async def open_stream(
         # is ignored).
         mux.close(key)
         mux.abandon(key, subject, rid)
-        asyncio.get_running_loop().create_task(bus.publish(subject, pack([CANCEL, rid])), name=f"cancel:{rid}")
+        _cancel_in_background(bus, subject, rid, f"cancel:{rid}")
         raise
     except BaseException:
         mux.close(key)
