@@ -4,12 +4,14 @@ and continuations. The reference for "same tokens" is the same request run unmov
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from components.migration.engine import SuspendedChunk, supports_migration
 from components.protocol.messages import FinishReason, GenerateRequest, SamplingParams, TokenChunk
+from components.protocol.migration import MigratingRequest
 from components.workers.engines.base import EngineRequestError
 from components.workers.engines.mock import MockEngine, MockEngineConfig
 
@@ -185,3 +187,25 @@ async def test_a_continuation_request_produces_the_rest_of_the_unmoved_output() 
     with pytest.raises(EngineRequestError, match="nothing left to produce"):
         [c async for c in eng.generate(GenerateRequest("d", [1, 2, 3], SamplingParams(max_tokens=2), 2))]
     await eng.shutdown()
+
+
+async def test_a_request_moved_without_kv_queues_by_the_age_of_its_wall_clock_arrival() -> None:
+    # The agent stamps a request's first arrival on the wall clock; the engine queues by its own clock (here held
+    # at 1000 s). A request that arrived 5 s ago goes between one queued at 990 s and one at 999 s; one with no
+    # stamp (0.0) goes first, as before. Inspected before the engine's loop runs a step.
+    engine = MockEngine(make_config(), name="dst", clock=lambda: 1000.0)
+    await engine.start()
+    try:
+        engine.scheduler.add_request(request("c"), 990.0)
+        engine.scheduler.add_request(request("d"), 999.0)
+        stamped = MigratingRequest("x", list(range(1, 71)), [], SamplingParams(max_tokens=5), arrival_s=time.time() - 5)
+        x = engine.commit_migration(None, stamped)
+        unstamped = MigratingRequest("y", list(range(1, 71)), [], SamplingParams(max_tokens=5))
+        y = engine.commit_migration(None, unstamped)
+        assert [r.request_id for r in engine.scheduler.waiting] == ["y", "c", "x", "d"]
+        assert 994.0 < engine.scheduler.requests["x"].arrival_s < 996.0
+        assert engine.scheduler.abort("c") and engine.scheduler.abort("d")
+        assert len([t async for c in x for t in c.token_ids]) == 5
+        assert len([t async for c in y for t in c.token_ids]) == 5
+    finally:
+        await engine.shutdown()

@@ -8,6 +8,7 @@ import pytest
 
 from components.protocol.kv_hashing import block_hashes
 from components.protocol.messages import FinishReason, GenerateRequest, KvEventKind, SamplingParams
+from components.protocol.migration import MigratingRequest
 from components.workers.engines.base import EngineRequestError
 from components.workers.engines.mock.config import MockEngineConfig
 from components.workers.engines.mock.scheduler import (
@@ -323,6 +324,31 @@ def test_a_handed_over_waiting_request_queues_by_arrival_behind_the_preempted():
     assert not sched.is_waiting("nobody")
     tokens, _ = run_until_idle(sched)
     assert len(tokens["x"]) == len(tokens["y"]) == len(tokens["z"]) == 4
+
+
+def test_a_request_committed_without_kv_queues_by_arrival_and_without_one_at_the_front():
+    # A migration by recompute (no KV reserved): with its first arrival known (3.0) it queues as a handed-over
+    # waiting request does, behind the preempted b and the earlier c, ahead of d (5.0); with none it goes first.
+    sched = make_scheduler(**tight_config(), max_num_seqs=2)
+    sched.add_request(make_request("a", 8, offset=0, max_tokens=20), 0.0)
+    sched.add_request(make_request("b", 8, offset=100, max_tokens=20), 0.0)
+    sched.add_request(make_request("c", 4, offset=200, max_tokens=20), 0.0)
+    for i in range(100):
+        if sched.step(float(i)).preempted_ids:
+            break
+    else:
+        raise AssertionError("no preemption")
+    sched.add_request(make_request("d", 4, offset=300, max_tokens=4), 5.0)
+    moved = MigratingRequest("x", list(range(400, 404)), [], SamplingParams(max_tokens=4, ignore_eos=True))
+    sched.commit_migration(None, moved, 6.0, arrival_s=3.0)
+    assert [r.request_id for r in sched.waiting] == ["b", "c", "x", "d"]
+    assert sched.requests["x"].arrival_s == 3.0 and sched.requests["x"].status is RequestStatus.WAITING
+    unknown = MigratingRequest("y", list(range(500, 504)), [], SamplingParams(max_tokens=4, ignore_eos=True))
+    sched.commit_migration(None, unknown, 6.0)
+    assert [r.request_id for r in sched.waiting] == ["y", "b", "c", "x", "d"]
+    assert sched.requests["y"].status is RequestStatus.PREEMPTED
+    tokens, _ = run_until_idle(sched)
+    assert len(tokens["x"]) == len(tokens["y"]) == 4
 
 
 # --- output tokens ----------------------------------------------------------------------------------------------------

@@ -363,7 +363,11 @@ class MockEngine:
         rid = request.request_id
         if rid in self._queues:
             raise DuplicateRequestError(rid)
-        self._scheduler.commit_migration(migration_id, request, self._clock())
+        now_s = self._clock()
+        # The agent stamps the request's first arrival on the wall clock (0.0: unknown, e.g. an older agent); the
+        # scheduler orders its queue on this engine's clock, so the stamp crosses over by its age.
+        arrival_s = now_s - max(0.0, time.time() - request.arrival_s) if request.arrival_s > 0.0 else None
+        self._scheduler.commit_migration(migration_id, request, now_s, arrival_s)
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[rid] = queue
         self._publish_kv_events(self._scheduler.take_kv_events())

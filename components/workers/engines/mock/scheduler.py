@@ -273,15 +273,20 @@ class Scheduler:
         served), so a migrated request neither jumps the destination's queue nor goes to its back."""
         self.validate(request)
         req = self._new_request(request, now_s)
-        req.arrival_s = arrival_s
         self.requests[req.request_id] = req
+        self._queue_by_arrival(req, arrival_s)
+        return req
+
+    def _queue_by_arrival(self, req: Request, arrival_s: float) -> None:
+        """Put ``req`` (waiting, no KV) in the queue by ``arrival_s``: behind the preempted requests and every
+        waiting request that arrived at or before it (``add_request_by_arrival``)."""
+        req.arrival_s = arrival_s
         at = len(self.waiting)
         for i, r in enumerate(self.waiting):
             if r.status is not RequestStatus.PREEMPTED and r.arrival_s > arrival_s:
                 at = i
                 break
         self.waiting.insert(at, req)
-        return req
 
     def is_waiting(self, request_id: str) -> bool:
         """True when ``request_id`` is in the waiting queue (never admitted, or preempted): it holds no KV."""
@@ -512,12 +517,17 @@ class Scheduler:
         ph.block_ids = []
         return True
 
-    def commit_migration(self, migration_id: str | None, incoming: MigratingRequest, now_s: float) -> Request:
+    def commit_migration(
+        self, migration_id: str | None, incoming: MigratingRequest, now_s: float, arrival_s: float | None = None
+    ) -> Request:
         """Make a request another engine suspended a request of this one. With ``migration_id`` its KV for
         ``num_computed_tokens`` tokens is in the blocks reserved under it (plus, allocated now, those of the final
-        stage): it runs, decoding next step. Without, it waits at the front of the queue and recomputes. Raises
-        ``EngineRequestError`` for a request this engine cannot serve and ``MigrationRoomError`` without room (the
-        reservation, if any, is freed in both cases)."""
+        stage): it runs, decoding next step. Without, it waits and recomputes: queued by ``arrival_s`` (its arrival
+        on its first engine, on this scheduler's clock) as ``add_request_by_arrival`` queues a waiting request
+        another engine handed over (the simulator's move of a waiting or preempted request does the same), or,
+        with no arrival known, at the front of the queue as a preempted request. Raises ``EngineRequestError`` for
+        a request this engine cannot serve and ``MigrationRoomError`` without room (the reservation, if any, is
+        freed in both cases)."""
         outputs = incoming.output_token_ids
         request = GenerateRequest(
             incoming.request_id, incoming.all_token_ids, incoming.sampling, num_output_tokens=len(outputs)
@@ -549,6 +559,8 @@ class Scheduler:
                     self._store_full_blocks(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+            elif arrival_s is not None:
+                self._queue_by_arrival(req, arrival_s)  # recompute, first come first served
             else:
                 req.status = RequestStatus.PREEMPTED  # recompute: first in line, as a preempted request is
                 self.waiting.appendleft(req)
