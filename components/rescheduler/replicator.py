@@ -37,9 +37,11 @@ from components.rescheduler.config import ReplicationConfig
 from components.rescheduler.policies.replication import (
     ActionKind,
     PrefixLoad,
+    Replica,
     ReplicationAction,
     ReplicationState,
     copy_finished,
+    drop_failed,
     plan_replication,
 )
 from components.rescheduler.replication import copy_prefix, drop_prefix, drop_prefix_client, import_prefix_client
@@ -125,6 +127,9 @@ class LiveReplicator:
         self.states: dict[str, ReplicationState] = {}
         # (model, prefix name) -> its chained block hashes, for the replicas this policy made (a drop names them).
         self._chains: dict[tuple[str, int], tuple[int, ...]] = {}
+        # (model, prefix name, worker) -> the replica a drop now running released from the state, with its hashes:
+        # restored when the drop fails (``drop_failed``), so a cold replica is never forgotten while it still holds KV.
+        self._dropping: dict[tuple[str, int, int], tuple[Replica, tuple[int, ...]]] = {}
         self._import: Client | None = None
         self._drop: Client | None = None
         self.last_skipped: list[str] = []
@@ -170,8 +175,13 @@ class LiveReplicator:
             state = self.states.get(model, ReplicationState())
             plan, self.states[model] = plan_replication(prefixes, workers, state, self.config, now_s)
             self.last_skipped += [f"{model}: {s}" for s in plan.skipped]
+            ours_before = {(r.prefix_hash, r.instance_id): r for r in state.replicas}
             for a in plan.actions:
-                out.append((model, a, chains.get(a.prefix_hash) or self._chains.get((model, a.prefix_hash), ())))
+                hashes = chains.get(a.prefix_hash) or self._chains.get((model, a.prefix_hash), ())
+                out.append((model, a, hashes))
+                rep = ours_before.get((a.prefix_hash, a.destination_id))
+                if a.kind is ActionKind.DROP and rep is not None:
+                    self._dropping[(model, a.prefix_hash, a.destination_id)] = (rep, hashes)
         # Keep the hashes of the replicas still ours (a dropped or evicted one's are not needed again).
         ours = {(m, r.prefix_hash) for m, st in self.states.items() for r in st.replicas}
         self._chains = {k: v for k, v in self._chains.items() if k in ours}
@@ -215,6 +225,12 @@ class LiveReplicator:
             self.states[model] = copy_finished(state, a.prefix_hash, a.destination_id, self.clock(), ok)
             if ok:
                 self._chains[(model, a.prefix_hash)] = hashes
+        else:
+            dropping = self._dropping.pop((model, a.prefix_hash, a.destination_id), None)
+            if dropping is not None and outcome is not ActionOutcome.SUCCEEDED and hashes:
+                rep, chain = dropping
+                self.states[model] = drop_failed(self.states.get(model, ReplicationState()), rep)
+                self._chains[(model, a.prefix_hash)] = chain
         level = logging.INFO if outcome is ActionOutcome.SUCCEEDED else logging.WARNING
         logger.log(
             level,

@@ -13,6 +13,7 @@ from components.rescheduler.policies.replication import (
     ReplicationState,
     WorkerLoad,
     copy_finished,
+    drop_failed,
     holders_needed,
     plan_replication,
 )
@@ -141,6 +142,52 @@ def test_copy_finished_records_a_replica_or_forgets_a_failure() -> None:
     state = ReplicationState((), frozenset({(DOC, 3)}))
     assert copy_finished(state, DOC, 3, 5.0, ok=True) == ReplicationState((Replica(DOC, 3, 5.0),), frozenset())
     assert copy_finished(state, DOC, 3, 5.0, ok=False) == ReplicationState((), frozenset())
+
+
+def test_drop_failed_makes_the_replica_ours_again_once() -> None:
+    other = Replica(0xBEEF, 1, 2.0)
+    state = ReplicationState((other,), frozenset({(DOC, 5)}))
+    restored = drop_failed(state, Replica(DOC, 3, 1.0))
+    assert restored == ReplicationState((other, Replica(DOC, 3, 1.0)), frozenset({(DOC, 5)}))
+    assert drop_failed(restored, Replica(DOC, 3, 9.0)) == restored  # already ours: unchanged
+
+
+async def test_a_drop_that_fails_is_tried_again_next_cycle_and_one_that_succeeds_is_not(monkeypatch) -> None:
+    # The live loop over a made-up fleet view: DOC (4 blocks) is held by worker 1 and by our replica on 3, and no
+    # request carries it any more, so the policy drops the replica every cycle it still owns it. The first drop
+    # times out: the replica must stay ours (before the fix it was forgotten and never dropped again); the second
+    # succeeds and the third cycle has nothing to drop.
+    from types import SimpleNamespace
+
+    import components.rescheduler.replicator as live
+    from components.protocol.replication import DropPrefixReply
+
+    chain = (11, 12, 13, DOC)
+    monkeypatch.setattr(live, "prefix_loads", lambda *a: ([PrefixLoad(DOC, 4, (1, 3), 0.0)], {DOC: chain}))
+    monkeypatch.setattr(live, "worker_loads", lambda *a: [WorkerLoad(1, 10.0, 100), WorkerLoad(3, 10.0, 100)])
+    calls: list[tuple[int, tuple[int, ...]]] = []
+
+    async def drop(client: object, iid: int, hashes: tuple[int, ...], timeout_s: float) -> DropPrefixReply:
+        calls.append((iid, tuple(hashes)))
+        if len(calls) == 1:
+            raise TimeoutError
+        return DropPrefixReply(dropped=4)
+
+    monkeypatch.setattr(live, "drop_prefix", drop)
+    rep = live.LiveReplicator(object(), "ns", "backend", CFG, call_timeout_s=1.0)  # type: ignore[arg-type]
+    rep.fleet.snapshot = lambda now_s: SimpleNamespace(instances={1: SimpleNamespace(model="m")})  # type: ignore[method-assign]
+    rep._drop = object()  # type: ignore[assignment]
+    rep.states["m"] = ReplicationState((Replica(DOC, 3, 0.0),))
+    rep._chains[("m", DOC)] = chain
+    first = await rep.cycle(1_000.0)
+    assert [(r.action.kind, r.outcome) for r in first.results] == [(ActionKind.DROP, "timed_out")]
+    assert rep.states["m"].replicas == (Replica(DOC, 3, 0.0),)
+    second = await rep.cycle(1_001.0)
+    assert [(r.action.kind, r.outcome) for r in second.results] == [(ActionKind.DROP, "succeeded")]
+    assert calls == [(3, chain), (3, chain)]
+    assert rep.states["m"].replicas == ()
+    third = await rep.cycle(1_002.0)
+    assert third.results == () and len(calls) == 2
 
 
 def test_config_rejects_a_cold_rate_at_or_above_the_hot_rate() -> None:

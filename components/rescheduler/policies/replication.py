@@ -223,6 +223,15 @@ def plan_replication(
     return ReplicationPlan(tuple(actions), tuple(skipped)), ReplicationState(tuple(kept), frozenset(in_flight))
 
 
+def drop_failed(state: ReplicationState, replica: Replica) -> ReplicationState:
+    """The state after a drop of ``replica`` failed (an error or no reply): the replica is ours again, with its
+    first ``created_s``, so a later cycle that still finds it cold drops it again (``plan_replication`` removed it
+    from the state when it planned the drop). Already there (restored twice): unchanged."""
+    if any(r.prefix_hash == replica.prefix_hash and r.instance_id == replica.instance_id for r in state.replicas):
+        return state
+    return ReplicationState((*state.replicas, replica), state.in_flight)
+
+
 def copy_finished(
     state: ReplicationState, prefix_hash: int, instance_id: int, now_s: float, ok: bool
 ) -> ReplicationState:
