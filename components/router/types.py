@@ -19,6 +19,7 @@ import enum
 import functools
 import math
 import random
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
@@ -198,7 +199,15 @@ class WorkerTable(Sequence[WorkerSnapshot]):
       moves a worker's later, so the bound stays one) and finds the exact earliest only when ``now_s`` reaches the
       bound: about once per publishing interval (100 ms), not per decision, as an exact minimum would need (the
       worker holding it is the next to report, so it moves with nearly every report: ~4 us a decision at 256);
-    - ``load_range()``: the fewest and most ``active_requests``, for the ``kv`` imbalance test (a count per value);
+    - ``load_range()``: the fewest and most ``active_requests``, for the ``kv`` imbalance test (a count per value,
+      and the two ends kept as snapshots are replaced: found again only when the last worker at an end leaves it);
+    - ``prefill_rates``, ``queued_tokens``, ``residuals``, ``decode_steps``: per position, the snapshot's
+      ``prefill_ms_per_token``, ``queued_prefill_tokens`` (as a float: the value ``int + float`` converts it to),
+      ``step_residual_ms`` where prefill is queued (else 0.0) and ``decode_step_ms``, in ``array('d')``s (read them,
+      do not modify them): the four numbers of the ``kv`` cost, each read from one 2 KB array at 256 workers that
+      every decision reads, where a snapshot's fields are separate float objects of a tuple rebuilt at the worker's
+      last change, out of the CPU caches by the time a decision asks (four cache misses a worker, ~6 workers a
+      decision: ``policies/kv.py``, ``lowest_ttft``);
     - ``by_queued_wait()``: ``(queued_wait_ms, position)`` pairs, ascending, where ``queued_wait_ms`` is how long
       the worker's prefill queue holds a new prompt (``queued_wait_ms(w)``), with
       ``prefill_ms_floor`` and ``decode_ms_floor``, the least ``prefill_ms_per_token`` and ``decode_step_ms`` any
@@ -212,6 +221,8 @@ class WorkerTable(Sequence[WorkerSnapshot]):
     """
 
     __slots__ = (
+        "_load_hi",
+        "_load_lo",
         "_loads",
         "_stale",
         "_stale_lo",
@@ -221,8 +232,12 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         "_wait_stale",
         "_workers",
         "decode_ms_floor",
+        "decode_steps",
         "positions",
         "prefill_ms_floor",
+        "prefill_rates",
+        "queued_tokens",
+        "residuals",
     )
 
     def __init__(self, workers: Iterable[WorkerSnapshot]) -> None:
@@ -233,6 +248,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         self._loads: dict[int, int] = {}
         for w in ws:
             self._loads[w.active_requests] = self._loads.get(w.active_requests, 0) + 1
+        self._load_lo = self._load_hi = -1  # the ends of ``_loads``'s keys; -1: to be found (``load_range``)
         self._wait = [queued_wait_ms(w) for w in ws]
         # by_queued_wait as two parallel lists (bisecting floats is ~2x faster than bisecting (float, int) pairs)
         self._wait_order = sorted(range(len(ws)), key=self._wait.__getitem__)
@@ -240,6 +256,10 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         self._wait_stale: set[int] = set()  # positions replaced since by_queued_wait last sorted them
         self.prefill_ms_floor = min((w.prefill_ms_per_token for w in ws), default=0.0)
         self.decode_ms_floor = min((w.decode_step_ms for w in ws), default=0.0)
+        self.prefill_rates = array("d", [w.prefill_ms_per_token for w in ws])
+        self.queued_tokens = array("d", [w.queued_prefill_tokens for w in ws])
+        self.residuals = array("d", [w.step_residual_ms if w.queued_prefill_tokens else 0.0 for w in ws])
+        self.decode_steps = array("d", [w.decode_step_ms for w in ws])
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -272,10 +292,21 @@ class WorkerTable(Sequence[WorkerSnapshot]):
             loads = self._loads
             if loads[old_n] == 1:
                 del loads[old_n]
+                if old_n == self._load_lo or old_n == self._load_hi:
+                    self._load_lo = -1  # an end left: found again when next asked
             else:
                 loads[old_n] -= 1
             loads[n] = loads.get(n, 0) + 1
+            if self._load_lo >= 0:
+                if n < self._load_lo:
+                    self._load_lo = n
+                elif n > self._load_hi:
+                    self._load_hi = n
         self._wait_stale.add(i)  # re-sorted when next asked (``by_queued_wait``: kv only)
+        self.prefill_rates[i] = w.prefill_ms_per_token
+        self.queued_tokens[i] = w.queued_prefill_tokens
+        self.residuals[i] = w.step_residual_ms if w.queued_prefill_tokens else 0.0
+        self.decode_steps[i] = w.decode_step_ms
         if w.prefill_ms_per_token < self.prefill_ms_floor:
             self.prefill_ms_floor = w.prefill_ms_per_token
         if w.decode_step_ms < self.decode_ms_floor:
@@ -319,8 +350,12 @@ class WorkerTable(Sequence[WorkerSnapshot]):
 
     def load_range(self) -> tuple[int, int]:
         """The fewest and the most requests in flight on a worker (0, 0 with no workers)."""
-        loads = self._loads
-        return (min(loads), max(loads)) if loads else (0, 0)
+        if self._load_lo < 0:
+            loads = self._loads
+            if not loads:
+                return 0, 0
+            self._load_lo, self._load_hi = min(loads), max(loads)
+        return self._load_lo, self._load_hi
 
 
 class DecisionKind(enum.StrEnum):

@@ -396,3 +396,110 @@ def test_a_search_probes_first_where_the_last_one_saw_its_first_worker_stop_and_
         held[w] = held[w][:20]
         for hashes in (new, block_hashes(convs[0], BS), block_hashes(convs[1], BS)):
             assert idx.overlaps(hashes) == brute(hashes)
+
+
+def test_a_search_probes_first_where_the_last_search_from_the_same_block_found_its_stops_and_stays_exact():
+    # 40 workers hold a 32-block system prompt; 3 of them a conversation past it, to blocks 100, 250 and 480 of 512.
+    # The conversation's next turns (its history, then new text) search the same prefix again: after one search, the
+    # next reads block 0, 31 and 32 (the first stop), then the two blocks around each depth found last time (99 and
+    # 100, 249 and 250, 479 and 480) instead of galloping to block 511 and bisecting three brackets (~30 reads).
+    # Where the stops moved (evictions, new holders, a worker gone and its bit reused, shorter prompts) the answer is
+    # still the brute-force one, and a lazy prompt is hashed no further than the gallop alone would hash it.
+    import random
+
+    from components.protocol.kv_hashing import PromptHashes
+
+    rng = random.Random(5)
+    system = list(range(1, 16 * 32 + 1))
+    conv = system + [rng.randrange(2**17) for _ in range(16 * 480)]
+    chain = block_hashes(conv, BS)
+    idx = KvIndex()
+    held: dict[int, list[int]] = {}
+    for w in range(40):
+        held[w] = chain[: {0: 100, 1: 250, 2: 480}.get(w, 32)]
+        idx.apply(w, [stored(0, held[w])])
+    eid = dict.fromkeys(held, 1)
+
+    def brute(hashes: list[int]) -> dict[int, int]:
+        out = {}
+        for w, hs in held.items():
+            k = next((i for i, (a, b) in enumerate(zip(hs, hashes, strict=False)) if a != b), min(len(hs), len(hashes)))
+            if k:
+                out[w] = k
+        return out
+
+    def turn() -> list[int]:  # the history (480 blocks), then a new 32-block message
+        return block_hashes(conv[: 16 * 480] + [rng.randrange(2**17) for _ in range(16 * 32)], BS)
+
+    first = turn()
+    _CountingHashes.reads = 0
+    assert idx.overlaps(_CountingHashes(first)) == brute(first) == {0: 100, 1: 250, 2: 480, **brute(first)}
+    assert _CountingHashes.reads > 20  # gallop and bisections
+    for _ in range(3):
+        again = turn()
+        _CountingHashes.reads = 0
+        assert idx.overlaps(_CountingHashes(again)) == brute(again)
+        assert _CountingHashes.reads <= 9  # 0; 31, 32; 99, 100; 249, 250; 479, 480
+
+    def check(*prompts: list[int]) -> None:
+        for hashes in prompts:
+            assert idx.overlaps(hashes) == brute(hashes)
+
+    def move(w: int, depth: int) -> None:  # worker w now holds the conversation to ``depth`` (tail-first eviction)
+        old = held[w]
+        if depth < len(old):
+            idx.apply(w, [removed(eid[w], reversed(old[depth:]))])
+        else:
+            idx.apply(w, [stored(eid[w], chain[len(old) : depth], chain[len(old) - 1])])
+        eid[w] += 1
+        held[w] = chain[:depth]
+
+    move(0, 60)  # a stop moved down, below the first gallop probe past the system prompt
+    check(turn(), turn())
+    move(1, 400)  # one moved deeper
+    check(turn(), turn())
+    move(5, 300)  # a new holder past the system prompt
+    check(turn(), turn())
+    idx.remove_worker(2)  # a holder gone; its bit goes to the next new worker, which holds something else
+    del held[2]
+    held[77] = chain[:40]
+    idx.apply(77, [stored(0, held[77])])
+    check(turn(), turn(), chain[:300], chain[:479], chain[:33], block_hashes(system, BS))
+    # Nobody holds past block 100 any more: a lazy prompt is hashed to block 128 (the gallop's 63 and 127), not
+    # towards the hinted 400 and 480.
+    for w in (1, 5):
+        move(w, 90)
+    lazy = PromptHashes(conv[: 16 * 480] + [1] * (16 * 32), BS)
+    hashes = lazy.computed(len(lazy))
+    lazy = PromptHashes(conv[: 16 * 480] + [1] * (16 * 32), BS)
+    assert idx.overlaps(lazy) == brute(hashes)
+    assert lazy.num_computed == 128
+
+
+def test_search_hints_are_bounded():
+    idx = KvIndex()
+    idx.MAX_SEARCH_HINTS = 4
+    for w in range(3):
+        idx.apply(w, [stored(0, H[: 2 + w])])
+    for i in range(10):  # ten prompts sharing block 0 only: ten hint keys (their block 1), never more than 4 kept
+        hashes = block_hashes(PROMPT[:16] + [1000 + i] * (16 * 7), BS)
+        assert idx.overlaps(hashes) == dict.fromkeys(range(3), 1)
+        assert len(idx._hints) <= 4  # (a private count: what the bound is about)
+
+
+def test_expanding_a_mask_lists_its_workers_in_bit_order_whatever_the_number_of_bits():
+    # A few bits are taken one by one, many through the mask's binary digits: the same workers, in the same order
+    # (the overlaps dict's order), for masks either side of the switch (16 bits).
+    import random
+
+    rng = random.Random(2)
+    idx = KvIndex()
+    owners = [1000 + 7 * w for w in range(300)]
+    for w in owners:
+        idx.apply(w, [stored(0, H[:1])])
+    for k in (1, 2, 15, 16, 17, 40, 300):
+        bits = sorted(rng.sample(range(300), k))
+        mask = sum(1 << b for b in bits)
+        result: dict[int, int] = {}
+        idx._expand(mask, 5, result)  # (the private step under test)
+        assert list(result.items()) == [(owners[b], 5) for b in bits]

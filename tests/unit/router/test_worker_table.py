@@ -76,6 +76,11 @@ def check_table(table: WorkerTable, ws: list[WorkerSnapshot]) -> None:
     assert all(table.prefill_ms_floor <= w.prefill_ms_per_token for w in ws)
     assert all(table.decode_ms_floor <= w.decode_step_ms for w in ws)
     assert table.positions == {w.instance_id: i for i, w in enumerate(ws)}
+    # kv's four numbers per position, as the snapshots have them (the residual only where prefill is queued).
+    assert list(table.prefill_rates) == [w.prefill_ms_per_token for w in ws]
+    assert list(table.queued_tokens) == [w.queued_prefill_tokens for w in ws]
+    assert list(table.residuals) == [w.step_residual_ms if w.queued_prefill_tokens else 0.0 for w in ws]
+    assert list(table.decode_steps) == [w.decode_step_ms for w in ws]
 
 
 @pytest.mark.parametrize("ties", [False, True])
@@ -167,13 +172,15 @@ def test_lowest_ttft_reads_only_the_workers_that_can_win():
     req = RouteRequest(list(range(1024)), "m", NOW, block_size=BS)
     reads = 0
 
-    class Counting(WorkerTable):
+    class Counting(list):  # a worker's numbers are read from the table's arrays, its rate first
         def __getitem__(self, i):  # type: ignore[override]
             nonlocal reads
             reads += 1
-            return WorkerTable.__getitem__(self, i)
+            return list.__getitem__(self, i)
 
-    found = kv.lowest_ttft(req, Counting(ws), 1.0)
+    table = WorkerTable(ws)
+    table.prefill_rates = Counting(table.prefill_rates)  # type: ignore[assignment]
+    found = kv.lowest_ttft(req, table, 1.0)
     assert found == ([0], min(kv.ttft_costs(req, ws, 1.0)))
     # Every worker runs at the floor rates here, so a worker's bound is its cost: the walk reads worker 0 and stops
     # at worker 1, whose bound is 100 tokens (~2 ms) above worker 0's cost.
@@ -198,3 +205,23 @@ def test_the_reason_is_formatted_once_and_only_when_read():
     why = lazy_reason("{} of {}: {}", n, 8, lazy_reason("cost {:.1f}", 2.25))
     n = 4
     assert RouteDecision(1, why).reason == "3 of 8: cost 2.2"
+
+
+def test_the_load_range_follows_its_ends_as_workers_leave_and_reach_them():
+    # load_range keeps its two ends: a worker reaching past one moves it; the last worker at an end leaving it makes
+    # the table find that end again; a worker leaving an end others still share leaves it where it is.
+    ws = [WorkerSnapshot(i, {}, active_requests=n) for i, n in enumerate([3, 5, 5, 9])]
+    table = WorkerTable(ws)
+    assert table.load_range() == (3, 9)
+    table.replace(0, ws[0]._replace(active_requests=1))  # a new low end
+    assert table.load_range() == (1, 9)
+    table.replace(3, ws[3]._replace(active_requests=12))  # a new high end
+    assert table.load_range() == (1, 12)
+    table.replace(1, ws[1]._replace(active_requests=4))  # 5 still held by worker 2: no end moves
+    assert table.load_range() == (1, 12)
+    table.replace(0, ws[0]._replace(active_requests=6))  # the low end's last worker leaves it
+    assert table.load_range() == (4, 12)
+    table.replace(3, ws[3]._replace(active_requests=0))  # the high end's last worker becomes the low end
+    assert table.load_range() == (0, 6)
+    table.replace(2, ws[2]._replace(active_requests=20))  # from inside the range to past its high end
+    assert table.load_range() == (0, 20)
