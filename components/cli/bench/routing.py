@@ -176,17 +176,26 @@ def oracle_reuse_lru(prompts: Sequence[Sequence[int]], block_size: int, capacity
 
 
 def fleet_for(
-    spec: WorkloadSpec, workers: int, num_gpu_blocks: int, block_size: int, num_host_blocks: int = 0
+    spec: WorkloadSpec,
+    workers: int,
+    num_gpu_blocks: int,
+    block_size: int,
+    num_host_blocks: int = 0,
+    in_batch_prefix_caching: bool = False,
 ) -> FleetSpec:
     """The simulated fleet for a workload: the mock engine's defaults, a context long enough for its longest
-    request (rounded up to a multiple of 1024), a cache that holds at least that request, and a host-memory tier of
-    ``num_host_blocks`` per worker."""
+    request (rounded up to a multiple of 1024), a cache that holds at least that request, a host-memory tier of
+    ``num_host_blocks`` per worker, and the engines' ``enable_in_batch_prefix_caching`` (off: vLLM's behaviour)."""
     w = build(spec)
     longest = max(len(r.prompt) + r.max_tokens for r in w.requests)
     max_len = max(MockEngineConfig().max_model_len, -(-longest // 1024) * 1024)
     blocks = max(num_gpu_blocks, -(-max_len // block_size) + 1)
     engine = MockEngineConfig(
-        max_model_len=max_len, num_gpu_blocks=blocks, block_size=block_size, num_host_blocks=num_host_blocks
+        max_model_len=max_len,
+        num_gpu_blocks=blocks,
+        block_size=block_size,
+        num_host_blocks=num_host_blocks,
+        enable_in_batch_prefix_caching=in_batch_prefix_caching,
     )
     return FleetSpec(workers=workers, engine=engine)
 
@@ -789,8 +798,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     planned = plan(args)
     host_blocks = {"host": args.host_kv_blocks, "device": 0}
     pairs = [(s, f) for p in planned for s in p.replicates for f in args.fleets]
+    in_batch = args.enable_in_batch_prefix_caching
     fleets = {
-        (s, f): fleet_for(s, args.workers, args.num_gpu_blocks, args.block_size, host_blocks[f]) for s, f in pairs
+        (s, f): fleet_for(s, args.workers, args.num_gpu_blocks, args.block_size, host_blocks[f], in_batch)
+        for s, f in pairs
     }
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(args.jobs) as pool:
@@ -853,6 +864,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "max_model_len": e.max_model_len,
                 "kv_tokens_per_worker": e.num_gpu_blocks * e.block_size,
                 "host_kv_tokens_per_worker": e.num_host_blocks * e.block_size,
+                "enable_in_batch_prefix_caching": e.enable_in_batch_prefix_caching,
             },
             "ttft_causal_floor_ms": {f"{x:g}": c for x, c in zip(args.loads, causal[s, f], strict=True)},
             "points": {p: {} for p in args.policies},
@@ -905,6 +917,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "(sim.without_cached_prefixes), at the target loads; reachable_by_ideal: round-robin's p99 over it is at least "
         "the p99 target",
         "host_kv_blocks_per_worker": args.host_kv_blocks,
+        "enable_in_batch_prefix_caching": "every engine (capacity search and floors' fleets included) holds a waiting "
+        "request whose next uncached block a running request computes until it is stored"
+        if in_batch
+        else "off (vLLM's behaviour: requests admitted together compute a shared prefix each)",
         "synthetic_scales": list(args.synthetic_scales),
         "synthetic_requests": f"--requests at scale 1, {LARGE_REQUESTS_FACTOR}x above",
         "working_set": f"the fewest blocks one LRU cache needs to serve {sim.WORKING_SET_FRACTION:g} of what the "
@@ -1043,6 +1059,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--workers, i.e. the base and one as wide as the fleet)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--enable-in-batch-prefix-caching",
+        action="store_true",
+        help="every simulated engine holds a waiting request whose next uncached block a running request is "
+        "computing until that block is stored, then admits it with the longer hit (MockEngineConfig."
+        "enable_in_batch_prefix_caching, SGLang's in-batch prefix caching; off: vLLM's behaviour, as before). The "
+        "capacity search runs on the same engines, so loads are fractions of this fleet's own capacity",
+    )
     p.add_argument("--vocab-size", type=int, default=MockEngineConfig().vocab_size, help="token ids of the prompts")
     p.add_argument("--output-tokens", type=int, default=256, help="output length where a trace gives none (ShareGPT)")
     p.add_argument(

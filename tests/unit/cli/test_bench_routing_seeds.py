@@ -171,3 +171,14 @@ def test_the_plan_runs_each_workload_at_every_seed_and_the_held_out_set_at_seeds
     held = [s for p in planned if p.group == "held_out" for s in p.replicates]
     assert len(held) == 6 and len({s.seed for s in held}) == 6 and min(s.seed for s in held) >= rb.HELD_OUT_SEED_BASE
     assert all(s.params is not None for s in held)
+
+
+def test_in_batch_prefix_caching_is_off_by_default_and_the_flag_turns_it_on_in_every_engine():
+    p = argparse.ArgumentParser()
+    rb.add_arguments(p)
+    assert p.parse_args([]).enable_in_batch_prefix_caching is False
+    assert p.parse_args(["--enable-in-batch-prefix-caching"]).enable_in_batch_prefix_caching is True
+    spec = rb.WorkloadSpec("synthetic", "documents", 10, 0, 1000, 8)
+    assert not rb.fleet_for(spec, 2, 64, 16).engine.enable_in_batch_prefix_caching
+    fleet = rb.fleet_for(spec, 2, 64, 16, 0, True)
+    assert fleet.engine.enable_in_batch_prefix_caching and fleet.decode_config.enable_in_batch_prefix_caching

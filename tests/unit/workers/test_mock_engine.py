@@ -400,3 +400,23 @@ def test_the_engines_request_errors_survive_pickling_with_their_fields():
     assert str(e) == str(PromptTooLongError("r1", 9000, 8192))
     d = pickle.loads(pickle.dumps(DuplicateRequestError("r2")))
     assert (type(d), d.request_id, str(d)) == (DuplicateRequestError, "r2", str(DuplicateRequestError("r2")))
+
+
+async def test_in_batch_prefix_caching_holds_a_request_whose_prefix_is_being_computed_in_the_live_engine_too():
+    # Two streams opened together are queued before the first step (asyncio runs the two tasks before the step loop
+    # it woke): off, both compute the 4-block prefix; on, the second waits for the first to store it and hits it.
+    def pair() -> list[GenerateRequest]:
+        prefix = list(range(1000, 1064))
+        sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+        return [GenerateRequest("a", [*prefix, *range(10)], sampling), GenerateRequest("b", [*prefix, 7], sampling)]
+
+    cached = {}
+    for on in (False, True):
+        engine = await make_engine(enable_in_batch_prefix_caching=on)
+        try:
+            a, b = await asyncio.gather(*(collect(engine.generate(r)) for r in pair()))
+        finally:
+            await engine.shutdown()
+        assert len(tokens_of(a)) == len(tokens_of(b)) == 4
+        cached[on] = (a[0].num_cached_tokens, b[0].num_cached_tokens)
+    assert cached == {False: (0, 0), True: (0, 64)}

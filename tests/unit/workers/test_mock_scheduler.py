@@ -178,6 +178,96 @@ def test_prefix_caching_disabled_recomputes_everything():
     assert sched.take_kv_events() == []
 
 
+# --- in-batch prefix caching (enable_in_batch_prefix_caching) ---------------------------------------------------------
+
+PREFIX = list(range(1000, 1064))  # 4 full blocks of 16
+
+
+def test_in_batch_prefix_caching_off_both_compute_the_prefix_on_the_second_waits_and_then_hits_4_blocks():
+    def two_together(**overrides) -> Scheduler:
+        sched = make_scheduler(**overrides)
+        sched.add_request(make_request("a", [*PREFIX, *range(10)], max_tokens=2), 0.0)
+        sched.add_request(make_request("b", [*PREFIX, *range(50, 60)], max_tokens=2), 0.0)
+        return sched
+
+    off = two_together().step(0.0)
+    # vLLM's behaviour (the default): a block is cached only once computed, so b computes a's 4 blocks beside it.
+    assert off.num_scheduled_tokens == {"a": 74, "b": 74} and off.chunks["b"].num_cached_tokens == 0
+
+    sched = two_together(enable_in_batch_prefix_caching=True)
+    first = sched.step(0.0)
+    assert first.num_scheduled_tokens == {"a": 74}  # b's first block is being computed by a: held
+    assert sched.is_waiting("b")
+    second = sched.step(1.0)
+    # a's 4 prefix blocks are stored now: b is admitted with them (64 tokens) and computes its own 10.
+    assert second.num_scheduled_tokens == {"a": 1, "b": 10}
+    assert second.chunks["b"].num_cached_tokens == 64 and second.num_prefill_tokens == 10
+    tokens, _ = run_until_idle(sched)
+    plain = make_request("b", [*PREFIX, *range(50, 60)], max_tokens=2)
+    assert second.chunks["b"].token_ids + tokens["b"] == solo_output(plain)  # the same answer as alone
+
+
+def test_in_batch_prefix_caching_holds_through_a_chunked_prefill_and_lets_other_prefixes_pass():
+    # a's 74 tokens take 2 steps at 40 a step; b (same prefix) waits them out, c (another prefix, queued behind b)
+    # does not wait for b.
+    sched = make_scheduler(enable_in_batch_prefix_caching=True, max_num_batched_tokens=40)
+    sched.add_request(make_request("a", [*PREFIX, *range(10)], max_tokens=1), 0.0)
+    sched.add_request(make_request("b", [*PREFIX, *range(50, 60)], max_tokens=1), 0.0)
+    sched.add_request(make_request("c", 20, offset=5000, max_tokens=1), 0.0)
+    sched.add_request(make_request("d", 8, offset=7000, max_tokens=1), 0.0)
+    _, steps = run_until_idle(sched)
+    scheduled = [s.num_scheduled_tokens for s in steps]
+    assert scheduled[0] == {"a": 40}  # 2 whole blocks and 8 tokens of the third: the budget is spent
+    # a's last 34 tokens, then c, behind the held b, gets the 6 left (chunked). b is held: a computes its block 2.
+    assert scheduled[1] == {"a": 34, "c": 6}
+    # a stored the 4 prefix blocks: b is admitted with them (10 to compute) in queue order, before d.
+    assert scheduled[2] == {"c": 14, "b": 10, "d": 8}
+    first_chunks = {rid: c for s in steps for rid, c in s.chunks.items() if c.position == 0}
+    assert first_chunks["b"].num_cached_tokens == 64 and first_chunks["c"].num_cached_tokens == 0
+
+
+def test_in_batch_prefix_caching_admits_a_held_request_once_its_holder_is_aborted():
+    # At most 16 tokens a prefill a step while others wait: a computes block 0 in the first step, b is held.
+    sched = make_scheduler(
+        enable_in_batch_prefix_caching=True, max_num_batched_tokens=64, long_prefill_token_threshold=16
+    )
+    sched.add_request(make_request("a", [*PREFIX, *range(10)], max_tokens=1), 0.0)
+    sched.add_request(make_request("b", [*PREFIX, *range(50, 60)], max_tokens=1), 0.0)
+    assert sched.step(0.0).num_scheduled_tokens == {"a": 16}
+    assert sched.abort("a")
+    out = sched.step(1.0)
+    # Nobody computes b's block 1 any more: b is admitted, alone (no cap), hits a's stored block 0 and computes the
+    # other 58 tokens itself.
+    assert out.num_scheduled_tokens == {"b": 58} and out.chunks["b"].num_cached_tokens == 16
+    assert not sched.has_unfinished_requests()
+
+
+def test_in_batch_prefix_caching_does_not_deadlock_when_the_holder_is_preempted():
+    # 7 blocks of 16, a budget of 64 and at most 16 tokens a prefill a step: x (31 tokens, then decoding), a and b (the
+    # 4-block prefix and 10 tokens each) arrive together. Off, b computes the prefix beside a from the first step. On,
+    # b is held while a computes it; a, the newest running request, is preempted when its fifth block does not fit
+    # (x's decode grows); once x has finished a is admitted again and stores the prefix, and b follows with 4 blocks
+    # from the cache. Every request finishes with its solo answer.
+    overrides = {"enable_in_batch_prefix_caching": True, "num_gpu_blocks": 7, "max_model_len": 112}
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16, **overrides)
+    requests = [
+        make_request("x", 31, offset=9000, max_tokens=60),
+        make_request("a", [*PREFIX, *range(10)], max_tokens=3),
+        make_request("b", [*PREFIX, *range(50, 60)], max_tokens=3),
+    ]
+    for r in requests:
+        sched.add_request(r, 0.0)
+    tokens, steps = run_until_idle(sched)
+    preempted_at = next(i for i, s in enumerate(steps) if "a" in s.preempted_ids)
+    assert steps[0].num_scheduled_tokens == {"x": 16, "a": 16}  # b held from the first step
+    assert all("b" not in s.num_scheduled_tokens for s in steps[: preempted_at + 1])
+    assert set(tokens) == {"x", "a", "b"}
+    for r in requests:
+        assert tokens[r.request_id] == solo_output(r, **overrides)
+    first_b = next(s.chunks["b"] for s in steps if "b" in s.chunks)
+    assert first_b.num_cached_tokens == 64  # a stored the whole prefix again before b was admitted
+
+
 # --- batching bounds --------------------------------------------------------------------------------------------------
 
 

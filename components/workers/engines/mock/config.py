@@ -70,6 +70,16 @@ class MockEngineConfig(BaseModel):
         "gets at most this many tokens per step, so one long prompt cannot fill a step that decoding sequences wait "
         "on (a disaggregated decode worker's local prefills, for example). 0: no cap (vLLM's default).",
     )
+    enable_in_batch_prefix_caching: bool = Field(
+        default=False,
+        description="Hold a waiting request whose next uncached block another running request of this engine is "
+        "computing right now (same chained hash at the same position, not yet stored) until that block is stored, "
+        "then admit it with the longer cache hit, instead of computing the same prefix again beside it (SGLang's "
+        "in-batch prefix caching; vLLM computes it twice). A held request keeps its place in the queue and does not "
+        "hold up the requests behind it; it is admitted as soon as no running request is computing its next block "
+        "(the holder finished that prefix, was preempted, aborted or suspended). Needs enable_prefix_caching. Off: "
+        "vLLM's behaviour.",
+    )
     max_model_len: int = Field(
         default=8192,
         ge=1,

@@ -20,7 +20,11 @@ given at most that many tokens in one step (vLLM's rule, applied before the budg
    ``max_num_seqs`` run. Admission first looks the request's chained block hashes up in the prefix cache: hit blocks
    are shared (reference counted) and their tokens not recomputed, capped so that at least one token is computed
    (the step needs it to produce logits, as in vLLM). Without chunked prefill a prompt that does not fit the budget
-   whole waits (head of line: later requests wait behind it).
+   whole waits (head of line: later requests wait behind it). A block is cached only once computed, so two requests
+   sharing a prefix that are admitted before either has stored it both compute it (vLLM's behaviour). With
+   ``enable_in_batch_prefix_caching`` (off by default; SGLang's in-batch prefix caching) a waiting request whose
+   first uncached block a running request is computing is held, keeping its place, and the queue behind it is looked
+   at; it is admitted, hitting the longer prefix, once no running request computes that block any more.
 3. Bookkeeping: blocks that became full get their hashes (a ``BLOCK_STORED`` event), requests that caught up sample
    a token, and finished requests free their blocks.
 
@@ -230,6 +234,7 @@ class Scheduler:
         self._eos_token_id = config.eos_token_id
         self._budget = config.max_num_batched_tokens
         self._long_prefill_cap = config.long_prefill_token_threshold
+        self._in_batch_caching = config.enable_in_batch_prefix_caching and config.enable_prefix_caching
 
     # --- requests in and out ----------------------------------------------------------------------------------------
 
@@ -674,10 +679,15 @@ class Scheduler:
         if preempted or not waiting:
             return scheduled, preempted, num_prefill, num_decode, kv_tokens
         cfg = self.config
-        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-            req = waiting[0]
+        holding = self._in_batch_caching
+        i = 0  # the queue position looked at: past the requests held this step (only with in-batch prefix caching)
+        while i < len(waiting) and budget > 0 and len(running) < cfg.max_num_seqs:
+            req = waiting[i]
             hits = self._prefix_hits(req)
             loaded = self._host_hits(req, len(hits))
+            if holding and self._next_block_in_flight(req, len(hits) + loaded):
+                i += 1  # held: it keeps its place, and the requests behind it are looked at
+                continue
             n = req.num_tokens - (len(hits) + loaded) * bs
             if 0 < cap < n:
                 n = cap
@@ -688,7 +698,10 @@ class Scheduler:
             # The loaded blocks need device blocks as much as computed ones do.
             if not self._allocate_slots(req, n + loaded * bs, hits):
                 break
-            waiting.popleft()
+            if i:
+                del waiting[i]
+            else:
+                waiting.popleft()
             req.num_computed_tokens = (len(hits) + loaded) * bs
             req.num_stored_blocks = len(hits)
             if loaded:
@@ -710,6 +723,20 @@ class Scheduler:
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._ensure_hashes(req, max_blocks)
         return self.pool.lookup_prefix(req.block_hashes[:max_blocks])
+
+    def _next_block_in_flight(self, req: Request, num_held: int) -> bool:
+        """In-batch prefix caching: whether a running request is computing ``req``'s block ``num_held`` (the first
+        one past its cache hits) and has not stored it yet. Chained hashes make equal hashes at one position an equal
+        prefix, so that request stores exactly the block ``req`` would compute. Only running requests hold one back:
+        a preempted, aborted or suspended holder leaves the queue's requests free to be admitted."""
+        if num_held >= (req.num_tokens - 1) // self.block_size:
+            return False  # nothing more could come from the cache (the last token is always computed)
+        h = req.block_hashes[num_held]
+        for r in self.running:
+            hashes = r.block_hashes
+            if r.num_stored_blocks <= num_held < len(hashes) and hashes[num_held] == h:
+                return True
+        return False
 
     def _host_hits(self, req: Request, device_hits: int) -> int:
         """Blocks of ``req``'s prefix the host tier holds right after the ``device_hits`` the device cache holds (at
