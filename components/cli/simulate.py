@@ -423,6 +423,7 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
             "interval_ms": rescheduler_config.rescheduling_interval_ms,
             **rescheduler.counters(),
             "migrations_landed": res.migrations,
+            "migrations_refused": res.migrations_refused,
         }
         if replicator is not None:
             report["rescheduler"]["prefix_copies_landed"] = replicator.copies

@@ -14,9 +14,11 @@ stated:
   ``FleetSpec.connector_delay_s`` after a decision the connector acts on it. The replay tells the scaler when a
   pool's change is done (``resize_done``), as a live connector's ``set_pool_size`` returns.
 * ``Rescheduler``: called every ``interval_s`` with the snapshot and the requests each routed worker runs; returns
-  migrations. A migration of a running request stops it at its worker's next step boundary, moves its KV (the
-  prompt and the tokens generated so far, modelled as a KV transfer of that many tokens) and the request decodes on
-  at the destination: the client sees every token once, in order, with the transfer as one longer gap. A migration
+  migrations. A migration of a running request stops it at its worker's next step boundary, once the destination
+  has reserved blocks for its context (a destination without room refuses, and the request stays where it is, as
+  the live agent's "aborted by destination"), moves its KV (the prompt and the tokens generated so far, modelled as
+  a KV transfer of that many tokens) and the request decodes on at the destination: the client sees every token
+  once, in order, with the transfer as one longer gap. A migration
   of a waiting request (``RunningRequest.waiting``: never admitted, or preempted, so it holds no KV) moves it at
   once with nothing to transfer, into the destination's waiting queue in arrival order; the destination computes
   its prompt (and a preempted request's tokens so far) when it admits it, as its source would have.

@@ -206,6 +206,9 @@ class RunResult:
     actions: list[Action] = dataclasses.field(default_factory=list)
     spans: dict[str, list[tuple[float, float | None]]] = dataclasses.field(default_factory=dict)
     migrations: int = 0  # requests moved by the rescheduler
+    # Running requests the rescheduler selected whose destination had no room for their KV when their source stopped
+    # them: refused, they stayed on their source (the live agent's "aborted by destination").
+    migrations_refused: int = 0
     # Each request's output tokens as its client received them, in the workload's order.
     output_tokens_by_request: list[int] = dataclasses.field(default_factory=list)
     # When each request's last token came (its finish), in the workload's order: what a backlog over time is read from
@@ -381,6 +384,7 @@ def replay(
     max_queue = 0
     migrating: dict[str, int] = {}  # request id -> destination, stopped at its worker's next step end
     migrations = 0
+    migrations_refused = 0  # running requests a destination had no room for: they stayed on their source
     heap: list[tuple[float, int, int, int]] = []
     seq = 0
     for i in range(n_requests):
@@ -613,40 +617,55 @@ def replay(
             migration_done(rid, now)
 
     def stop_migrating(w: _Worker, now: float) -> None:
-        """At a step boundary: the worker's requests marked for migration leave it, their KV in transit."""
+        """At a step boundary: the worker's requests marked for migration leave it, their KV in transit. As the live
+        agent does (components/migration/agent.py: ``pre_alloc`` before the source suspends the request), the
+        destination reserves blocks for the request's whole context first; a destination without room refuses, and
+        the request stays on its source, decoding on as if it had not been selected (``migrations_refused``).
+        Before, the source let the request go first and a destination without room recomputed it: a preemption in
+        all but name, which no engine counted."""
+        nonlocal migrations_refused
         for rid in [r for r, dst in migrating.items() if reqs[r].worker == w.iid]:
             t = reqs[rid]
             dst = migrating.pop(rid)
             if t.output_tokens < t.max_tokens and w.engine.is_waiting(rid):  # preempted since: it has no KV to send
                 move_waiting(rid, w, workers[dst], now)
                 continue
-            if t.output_tokens >= t.max_tokens or not w.engine.abort(rid):
+            if t.output_tokens >= t.max_tokens:
                 if migration_done is not None:
                     migration_done(rid, now)
                 continue  # it finished in this step
-            context = t.prompt_len + t.output_tokens
-            t.worker = dst
-            t.landing = GenerateRequest(
+            request = GenerateRequest(
                 rid,
                 [*t.prompt, *([0] * t.output_tokens)],
                 SamplingParams(max_tokens=t.max_tokens - t.output_tokens, ignore_eos=True, temperature=0.0),
             )
-            push(now + w.engine.kv_transfer_time_s(context), _LAND, int(rid[1:]))
+            d = workers[dst].engine
+            if not d.reserve_remote_prefill(request, now):
+                migrations_refused += 1  # aborted by destination: no room for its KV
+                if migration_done is not None:
+                    migration_done(rid, now)
+                continue
+            if not w.engine.abort(rid):  # not running here after all: give the reservation back
+                d.abort(rid)
+                if migration_done is not None:
+                    migration_done(rid, now)
+                continue
+            t.worker = dst
+            t.landing = request
+            push(now + w.engine.kv_transfer_time_s(t.prompt_len + t.output_tokens), _LAND, int(rid[1:]))
 
     def land(rid: str, now: float) -> None:
+        """The request's KV arrived in the blocks its destination reserved when its source stopped it: it decodes on
+        there."""
         nonlocal migrations
         t = reqs[rid]
-        request = t.landing
-        assert request is not None
+        assert t.landing is not None
         t.landing = None
         w = workers[t.worker]
         migrations += 1
-        if w.engine.reserve_remote_prefill(request, now):
-            chunk = w.engine.commit_remote_prefill(rid, 0)
-            assert chunk is not None
-            emit(rid, chunk, now)
-        else:  # no room for its KV: the destination recomputes it
-            w.engine.add(request, now)
+        chunk = w.engine.commit_remote_prefill(rid, 0)
+        assert chunk is not None
+        emit(rid, chunk, now)
         events = w.engine.take_kv_events()
         if events and index_kv:
             router.apply_kv_events(w.iid, events)
@@ -847,6 +866,7 @@ def replay(
         actions=[dataclasses.replace(a, done_s=_done_s(a, spans)) for a, spans in actions],
         spans={DECODE: connectors[DECODE].spans(), PREFILL: connectors[PREFILL].spans()},
         migrations=migrations,
+        migrations_refused=migrations_refused,
     )
 
 

@@ -18,8 +18,10 @@ Each cycle (every ``rescheduling_interval_ms`` of virtual time, called by ``repl
 Counters, as the live loop's (components/rescheduler/loop.py): cycles, pairs by policy, requests moved by policy,
 pairs skipped because their source was busy, and refusals by policy.
 
-What differs from a live deployment: a migration here cannot fail (no destination refuses; one that has no room for
-the KV recomputes it, replay.py), so there are no failed or timed-out counts.
+What differs from a live deployment: a migration here fails only one way, as the live agent's "aborted by
+destination": a destination without room for the request's KV when its source stops it refuses, and the request
+stays on its source (replay.py, ``RunResult.migrations_refused``; before, the destination recomputed it, a
+preemption no engine counted). No call times out and no transfer fails.
 
 Imports: components.rescheduler (rank 5: its config, planner and views), components.migration (4: the selection),
 this package's dynamics, and the standard library.

@@ -330,6 +330,7 @@ def run_cell(
         "kv_imbalance_p95": kv_imbalance(samples.samples),
         "hit_rate": round(res.hit_rate, 4),
         "migrations": res.migrations,
+        "migrations_refused": res.migrations_refused,
         "rescheduler": None if resched is None else resched.counters(),
         "cpu_s": round(time.process_time() - t0, 2),
     }

@@ -173,3 +173,44 @@ def test_a_preempted_request_is_handed_over_as_waiting_not_running():
     preempted = [rs for rs in seen if any(r.request_id == "r1" and r.output_tokens > 0 and r.waiting for r in rs)]
     assert preempted, "r1 was never handed over as a waiting request with tokens"
     assert all(not (r.waiting and r.request_id == "r0") for rs in preempted for r in rs)
+
+
+class _MoveOnceBothRun:
+    """A stub ``Rescheduler``: once r0 (worker 1) and r1 (worker 2) both have a token, moves r0 to worker 2."""
+
+    interval_s = 0.02
+
+    def __init__(self) -> None:
+        self.done: dict[str, float] = {}
+        self.moved_s = -1.0
+
+    def cycle(self, now_s, fleet, running):
+        ids = {r.request_id for rs in running.values() for r in rs if not r.waiting and r.output_tokens > 0}
+        if self.moved_s >= 0 or not {"r0", "r1"} <= ids:
+            return []
+        self.moved_s = now_s
+        return [Migration("r0", 1, 2)]
+
+    def migration_done(self, request_id, now_s):
+        self.done[request_id] = now_s
+
+
+def test_a_destination_without_room_refuses_and_the_request_stays_on_its_source():
+    # Round robin on 2 workers of 128 blocks x 16 = 2,048 tokens: r0 (300-token prompt, 100 out) runs on worker 1,
+    # r1 (1,900-token prompt, 60 out: 119 blocks at admission, 123 at its end) on worker 2, which has 9 blocks free
+    # or fewer: r0's context (300 tokens and more: 19+ blocks) does not fit. As the live agent does (the destination
+    # reserves before the source stops the request; a refusal is "aborted by destination" and the request resumes
+    # where it was), r0 stays on worker 1 and decodes on. Before, worker 1 let r0 go first and worker 2, without
+    # room, recomputed it: a preemption that no engine counted (res.preemptions stayed 0).
+    reqs = (SimRequest(0.0, tuple(range(300)), 100), SimRequest(0.0, tuple(range(1000, 2900)), 60))
+    spec = FleetSpec(workers=2, engine=ENGINE.model_copy(update={"max_model_len": 2048}))
+    stub = _MoveOnceBothRun()
+    res = replay(Workload("w", reqs), spec, "round_robin", rescheduler=stub)
+    static = replay(Workload("w", reqs), spec, "round_robin")
+    assert stub.moved_s >= 0 and "r0" in stub.done  # selected, and the move is over
+    assert res.worker_by_request == [1, 2] == static.worker_by_request
+    # Nothing recomputed: r0 finishes when it does without the rescheduler.
+    assert res.finish_by_request_s == pytest.approx(static.finish_by_request_s)
+    assert res.output_tokens_by_request == [100, 60]
+    assert res.preemptions == 0
+    assert res.migrations_refused == 1 and res.migrations == 0
