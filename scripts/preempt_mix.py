@@ -18,16 +18,19 @@ the defaults: the judged run of "Waiting requests on the simulator").
 ``pooled``: the bench's pooled reference (``--pooled``, ``sim.pooled_fleet``) per seed and load: TTFT p99 and
 preemptions.
 
-``where``: one run with a recorder (a rescheduler that moves nothing and records every 100 ms of virtual time; the
-replay is the same as without it, checked by the TTFT p99 and preemptions it prints beside the plain run's). Per
-record: each worker's preemptions since the last record, KV use, free blocks and the blocks its waiting prompts
-need. Reported: the preemptions by the fleet's KV use at the record that follows them, and by whether the other
-workers had "spare" blocks (free blocks less what their own waiting prompts need: KV a migration could fill without
-displacing an admission they are about to make); the P95 of the KV imbalance (max - min of the workers' KV use)
-over all records, over the steady part (arrivals' second quarter to the last arrival) and over the drain after the
-last arrival; and a granularity floor: at each record the imbalance of the best placement found by longest first
-(each request's blocks, whole, onto the emptiest worker; the blocks the listed requests do not account for spread
-evenly), i.e. what a rescheduler that re-placed every request at every record, at no cost, would leave.
+``where``: one run of ``--side`` (off or any "on" side) with an observer at each load report (100 ms of virtual
+time): each worker's preemptions since the last report, KV use, free blocks and the blocks its waiting prompts need.
+Reported: the preemptions by the fleet's KV use at the report that follows them, and by whether the other workers had
+"spare" blocks (free blocks less what their own waiting prompts need: KV a migration could fill without displacing
+an admission they are about to make); the P95 of the KV imbalance (max - min of the workers' KV use) over all
+reports, over the steady part (arrivals' second quarter to the last arrival) and over the drain after the last
+arrival. Off only, a second replay with a recorder in the rescheduler's place (it moves nothing: its TTFT p99 and
+preemptions are printed beside the run's, the same) for a granularity floor: at each record the imbalance of the
+best placement found by longest first (each request's blocks, whole, onto the emptiest worker; the blocks the listed
+requests do not account for spread evenly), i.e. what a rescheduler that re-placed every request at every record,
+at no cost, would leave.
+
+``table``: markdown rows from ``cells``' JSON lines (files given), for docs/rescheduler.md.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import argparse
 import json
 import multiprocessing
 import statistics
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,7 +119,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], sides: Sequence[str]) -> list[d
     out = []
     keys = sorted({(r["dispatch"], r["load"]) for r in rows})
     for dispatch, load in keys:
-        by_side = {}
+        by_side: dict[str, dict[str, Any]] = {}
         for side in sides:
             runs = sorted((r for r in rows if (r["dispatch"], r["load"], r["side"]) == (dispatch, load, side)),
                           key=lambda r: r["seed"])  # fmt: skip
@@ -388,4 +390,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
