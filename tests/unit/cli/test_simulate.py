@@ -303,6 +303,7 @@ def test_enable_rescheduling_runs_the_policies_in_the_replay_and_reports_their_c
         "interval_ms": 500,
         **r.counters(),
         "migrations_landed": res.migrations,
+        "migrations_refused": res.migrations_refused,
     }
     assert report["rescheduler"]["cycles"] > 0
     # Without the flag: no rescheduler, and no key.
@@ -340,6 +341,7 @@ def test_a_graphs_rescheduler_section_runs_in_the_replay_without_the_flag(tmp_pa
         "interval_ms": 500,
         **r.counters(),
         "migrations_landed": res.migrations,
+        "migrations_refused": res.migrations_refused,
     }
     assert report["rescheduler"]["cycles"] > 0
 
