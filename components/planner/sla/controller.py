@@ -36,13 +36,12 @@ Throughput loop (every ``adjustment_interval``)
    the pools' TTFTs at each pull, for a disaggregated model); ITL as the mean step the tokens saw, from each worker's
    step in progress at each pull weighted by the tokens it sends (``itl.py``: a mean over pulls weighs a step by its
    time, and a long prefill chunk step sends no more tokens than a short decode step). An interval without a
-   prediction (no prompt length
-   known yet) or an observation keeps the factor, and so does one in which any worker's predicted TTFT went over
-   target at a pull: while a queue builds or drains, the first tokens sent in an interval are of prompts that
-   waited behind an earlier queue than the pulls saw, so the ratio measures the queue's history (a draining backlog
-   read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's speed. An interval whose pulls
-   caught no worker decoding, though tokens were sent, predicts ITL as a lone sequence's step at the mean context
-   (else a factor raised in a burst would stay up through the quiet after it).
+   prediction (no prompt length known yet) or an observation keeps the factor, and so does one in which any
+   worker's predicted TTFT went over target at a pull: while a queue builds or drains, the first tokens sent in an
+   interval are of prompts that waited behind an earlier queue than the pulls saw, so the ratio measures the
+   queue's history (a draining backlog read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's
+   speed. An interval whose pulls caught no worker decoding, though tokens were sent, predicts ITL as a lone
+   sequence's step at the mean context (else a factor raised in a burst would stay up through the quiet after it).
 4. Several workers per step: the new size is absolute, not one worker at a time. A pool the throughput loop cannot
    size (no output length heard yet) holds at its decision, but the fast loop's raise at that pull stands.
 
