@@ -155,13 +155,20 @@ class LoadSnapshot:
     num_preemptions: int  # cumulative since the engine started
     batch_size: int  # sequences in the last step (a TPOT predictor's input)
     num_kv_tokens: int  # tokens attended in the last decode step (a TPOT predictor's input)
+    # Prompt tokens computed in the last step (its prefill chunk), None where the engine does not say. With
+    # ``batch_size`` and ``num_kv_tokens`` it is the whole shape of the step: a step's time is its decode part plus
+    # this chunk's, and the queue (``num_waiting_prefill_tokens``) is what is left after the chunk was taken, so it
+    # does not show a step's own chunk (docs/sla-planner.md, "The ITL the tokens see").
+    num_prefill_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoadSnapshot:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        """From ``to_dict``'s payload; a field with a default may be absent (a worker from before it was added)."""
+        fields = dataclasses.fields(cls)
+        return cls(**{f.name: d[f.name] for f in fields if f.name in d or f.default is dataclasses.MISSING})
 
 
 # Where a KV event's blocks live, with vLLM's names for its tiers (``vllm.distributed.kv_events``' ``medium``):

@@ -33,13 +33,15 @@ Throughput loop (every ``adjustment_interval``)
 3. Corrections (unless ``no_correction``): ``correction.update_correction`` with the interval's observed mean TTFT
    and ITL against the mean of what the fast loop predicted (uncorrected) at the interval's pulls: TTFT including
    queue wait, so the factor corrects the engine's speed and not queueing the model already counts (the larger of
-   the pools' TTFTs at each pull, for a disaggregated model). An interval without a prediction (no prompt length
-   known yet) or an observation keeps the factor, and so does one in which any worker's predicted TTFT went over
-   target at a pull: while a queue builds or drains, the first tokens sent in an interval are of prompts that
-   waited behind an earlier queue than the pulls saw, so the ratio measures the queue's history (a draining backlog
-   read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's speed. An interval whose pulls
-   caught no worker decoding, though tokens were sent, predicts ITL as a lone sequence's step at the mean context
-   (else a factor raised in a burst would stay up through the quiet after it).
+   the pools' TTFTs at each pull, for a disaggregated model); ITL as the mean step the tokens saw, from each worker's
+   step in progress at each pull weighted by the tokens it sends (``itl.py``: a mean over pulls weighs a step by its
+   time, and a long prefill chunk step sends no more tokens than a short decode step). An interval without a
+   prediction (no prompt length known yet) or an observation keeps the factor, and so does one in which any
+   worker's predicted TTFT went over target at a pull: while a queue builds or drains, the first tokens sent in an
+   interval are of prompts that waited behind an earlier queue than the pulls saw, so the ratio measures the
+   queue's history (a draining backlog read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's
+   speed. An interval whose pulls caught no worker decoding, though tokens were sent, predicts ITL as a lone
+   sequence's step at the mean context (else a factor raised in a burst would stay up through the quiet after it).
 4. Several workers per step: the new size is absolute, not one worker at a time. A pool the throughput loop cannot
    size (no output length heard yet) holds at its decision, but the fast loop's raise at that pull stands.
 
@@ -93,8 +95,9 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   (the concurrency is what it is; spread over more workers each steps faster), at most ``_FAST_MAX_FACTOR`` x. The
   trigger is the decode step alone, as the replica formula sizes it; the prefill chunk a worker's own queue adds to
   its steps is that backlog's, which the TTFT rule handles. The ITL reported (``SlaFigures.predicted_itl_s``) and
-  compared with the frontends' for the correction is the whole step a token sees, chunk included, so that a
-  prefill burst does not read as a slow decode engine.
+  compared with the frontends' for the correction is the whole step a token sees, the chunk the step computes
+  included (the report's ``num_prefill_tokens``; the queue only where an engine does not say), weighted by the
+  tokens each worker's step sends (``itl.py``), so that a prefill burst does not read as a slow decode engine.
 
 The next throughput decision may bring a raised pool back down only through the consolidation check.
 
@@ -160,7 +163,7 @@ from components.planner.policy import (
     pull_figures,
     worker_gpus,
 )
-from components.planner.sla import consolidation, correction, replicas, startup
+from components.planner.sla import consolidation, correction, itl, replicas, startup
 from components.planner.sla.budget import BudgetPlan, plan_budget
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.figures import SlaFigures
@@ -206,9 +209,12 @@ class _Fast:
     """One pool's fast-loop reading at this pull."""
 
     ttft_ms: float | None = None  # mean predicted TTFT over fresh workers, uncorrected
-    # mean predicted ITL over fresh workers decoding, uncorrected: the step a token sees, a prefill chunk from the
-    # worker's own queue included (what the frontends observe; the correction and the figures compare it)
+    # predicted ITL over fresh workers decoding, uncorrected: the mean step a token sees, each worker's step in
+    # progress with its prefill chunk, weighted by the tokens it sends (``itl.ItlSum``: what the frontends observe;
+    # the correction and the figures compare it)
     itl_ms: float | None = None
+    # the samples behind ``itl_ms``, which the interval's prediction sums
+    itl_sum: itl.ItlSum = dataclasses.field(default_factory=itl.ItlSum)
     need: int | None = None  # the size the fast loop asks for (None: no raise)
     reason: str = ""
     broken: str = ""  # which corrected prediction is over its target now ("" none): the pool may not shrink
@@ -255,7 +261,7 @@ class SlaController:
         self._last_osl: float | None = None  # the latest output length heard
         self._ttft_pred: list[float] = []  # this interval's fast-loop TTFT predictions (ms, uncorrected)
         self._ttft_max = 0.0  # the largest one worker's predicted TTFT at any of this interval's pulls (ms)
-        self._itl_pred: list[float] = []  # and ITL
+        self._itl_pred = itl.ItlSum()  # and ITL: this interval's token-weighted step samples (itl.py)
         # each pool's (size, mean queue wait ms) at its last settled pulls, oldest first
         self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
         self._itl_breaches: dict[Pool, tuple[int, int]] = {}  # pool -> (its size, pulls running over the ITL target)
@@ -302,8 +308,7 @@ class SlaController:
             self._ttft_pred.append(max(ttfts))
         self._ttft_max = max([self._ttft_max, *(f.ttft_max_ms for f in fast.values() if f.ttft_max_ms is not None)])
         itl_ms = fast[Pool.DECODE].itl_ms
-        if itl_ms is not None:
-            self._itl_pred.append(itl_ms)
+        self._itl_pred += fast[Pool.DECODE].itl_sum
 
         adj: Adjustment | None = None
         sla = SlaFigures(now_s=now, interval=False)
@@ -316,7 +321,7 @@ class SlaController:
         ):
             adj, sla = self._throughput(snap, obs, loads, fast)
             self.interval_start_s = now
-            self._ttft_pred, self._itl_pred, self._ttft_max = [], [], 0.0
+            self._ttft_pred, self._itl_pred, self._ttft_max = [], itl.ItlSum(), 0.0
             self._asked = {}
         if adj is None:
             adj = self._fast_raise(obs, fast)
@@ -457,29 +462,32 @@ class SlaController:
             reading if reading is not None else (None, 0.0, 0.0, False, None)
         )
         itl_ms: float | None = None  # the decode step alone: what the ITL raise can spread
-        step_itl_ms: float | None = None  # the step a token sees, with the prefill chunk the worker's queue puts in
+        sampled = itl.ItlSum()  # the steps the tokens see, each worker's step in progress with its chunk (itl.py)
         batch = kv_tokens = 0.0
         if pool == Pool.DECODE:
             decoding = [i for i in load.fresh if i.load is not None and i.load.snapshot.batch_size > 0]
             if decoding:
-                steps, full_steps = [], []
+                steps = []
                 for inst in decoding:
                     assert inst.load is not None
                     s = inst.load.snapshot
                     p = self._worker_perf(inst)
                     steps.append(p.decode_ms(s.batch_size, s.num_kv_tokens))
-                    chunk = min(s.num_waiting_prefill_tokens, max(0, p.max_num_batched_tokens - s.batch_size))
-                    if inst.meta.block_size > 0 and s.num_total_blocks > 0:
-                        # A prompt is prefilled only into free KV blocks: a worker whose cache is full steps its
-                        # decodes alone however many prompts wait (they wait for memory, not for the token
-                        # budget). Counting a chunk there read every step of a full worker as a chunk step: on the
-                        # step's plateau (8,000-token prompts) the ITL correction fell to ~0.4 and the decode pool
-                        # was sized at 1.88 workers' worth, 8 -> 6 (kvmesh bench planner --load step --seed 1).
-                        free = max(0, s.num_total_blocks - s.num_active_blocks) * inst.meta.block_size
-                        chunk = min(chunk, free)
-                    full_steps.append(p.step_ms(chunk, s.batch_size, s.num_kv_tokens))
+                    free = (
+                        max(0, s.num_total_blocks - s.num_active_blocks) * inst.meta.block_size
+                        if inst.meta.block_size > 0 and s.num_total_blocks > 0
+                        else None
+                    )
+                    ms = itl.step_ms(
+                        p,
+                        s.batch_size,
+                        s.num_kv_tokens,
+                        s.num_prefill_tokens,
+                        waiting_prefill_tokens=s.num_waiting_prefill_tokens,
+                        free_kv_tokens=free,
+                    )
+                    sampled = sampled.add(s.batch_size, ms)
                 itl_ms = sum(steps) / len(steps)
-                step_itl_ms = sum(full_steps) / len(full_steps)
                 # The pool's batch and KV spread over all its n workers (the router spreads new requests over
                 # every worker; running ones stay put, but each finishes within its output): a worker that just
                 # joined and decodes nothing yet is part of the pool, not absent from it. Averaging over the decoding
@@ -615,7 +623,7 @@ class SlaController:
             broken.append(f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms")
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
-        return _Fast(ttft_ms, step_itl_ms, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
+        return _Fast(ttft_ms, sampled.mean_ms, sampled, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
 
     def _queue_growth(self, pool: Pool, obs: Observation, load: _PoolLoad, now_s: float) -> float | None:
         """Prompts/s by which an aggregated pool's queues grew since its last pull (every worker reporting, the same
@@ -786,7 +794,8 @@ class SlaController:
                 )
             else:
                 t = correction.update_correction(self.ttft_correction, window.mean_ttft_s, predicted_ttft_s)
-            predicted_itl_s = _mean_s(self._itl_pred)
+            itl_mean_ms = self._itl_pred.mean_ms
+            predicted_itl_s = itl_mean_ms / 1e3 if itl_mean_ms is not None else None
             if predicted_itl_s is None and self._last_isl is not None and self._last_osl is not None:
                 # No pull caught a worker decoding (light load: short requests between pulls), yet tokens were
                 # sent: a lone sequence at the mean context is what they saw. Without this a factor raised in a

@@ -8,10 +8,11 @@ Each adjustment interval, for TTFT and ITL separately::
     new  = clamp(new, lo, hi)
 
 ``replicas`` multiplies the model's times by the factor (> 1: the engine is slower than its profile, so more
-workers). What "predicted" means is the caller's: for ITL the model's decode step at the interval's mean batch and
-context; for TTFT, the model's TTFT including queue wait (``consolidation.predicted_ttft_ms``), so that the factor
-corrects the engine's speed and not the queueing the model already counts (a TTFT factor that also absorbed queue
-wait would scale the pool for a queue that more workers have already drained: a feedback loop).
+workers). What "predicted" means is the caller's: for ITL the mean step the interval's tokens saw, from the workers'
+reports of their steps in progress weighted by the tokens each sends (``itl``); for TTFT, the model's TTFT including
+queue wait (``consolidation.predicted_ttft_ms``), so that the factor corrects the engine's speed and not the
+queueing the model already counts (a TTFT factor that also absorbed queue wait would scale the pool for a queue that
+more workers have already drained: a feedback loop).
 
 Defaults, and why:
 

@@ -552,6 +552,26 @@ def test_snapshot_under_pressure():
     assert snap.batch_size == 1 and snap.num_kv_tokens == 21
 
 
+def test_a_snapshot_reports_the_prefill_chunk_of_the_step_in_progress():
+    # Budget 64 tokens a step. "a" (40 prompt tokens) is prefilled whole in step 1; a report then says 40 computed and
+    # nothing queued. In step 2 "a" decodes (1 token) beside the first 63 of "b"'s 100: the report says 63 computed,
+    # 37 still queued; the queue alone would show the next step's chunk, never this one's. Step 3: 37 and a decode.
+    sched = make_scheduler(max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 40, max_tokens=8), 0.0)
+    sched.step(0.0)
+    snap = sched.snapshot(0.5)
+    assert (snap.num_prefill_tokens, snap.num_waiting_prefill_tokens, snap.batch_size) == (40, 0, 1)
+    sched.add_request(make_request("b", 100, offset=1000, max_tokens=8), 1.0)
+    out = sched.step(1.0)
+    snap = sched.snapshot(1.5)
+    assert out.num_prefill_tokens == 63 and out.num_decode_seqs == 1
+    assert (snap.num_prefill_tokens, snap.num_waiting_prefill_tokens, snap.batch_size) == (63, 37, 2)
+    sched.step(2.0)
+    assert (sched.snapshot(2.5).num_prefill_tokens, sched.snapshot(2.5).num_waiting_prefill_tokens) == (37, 0)
+    run_until_idle(sched)
+    assert sched.snapshot(9.0).num_prefill_tokens == 0  # idle: no step in progress
+
+
 def test_an_idle_engine_reports_no_batch_and_counts_its_cached_blocks_as_free():
     sched = make_scheduler()
     sched.add_request(make_request("a", 40, max_tokens=3), 0.0)

@@ -225,13 +225,15 @@ def sched(running=0, waiting=0, skipped=0, usage=0.0, details=None):
 
 def test_stats_sum_preemptions_and_take_the_batch_from_iteration_details():
     s = VllmStats(num_total_blocks=63)
-    details = types.SimpleNamespace(num_ctx_requests=1, num_generation_requests=3, is_dummy=False)
+    details = types.SimpleNamespace(num_ctx_requests=1, num_ctx_tokens=512, num_generation_requests=3, is_dummy=False)
     s.record(
         sched(running=4, waiting=2, skipped=1, usage=0.5, details=details), types.SimpleNamespace(num_preempted_reqs=2)
     )
     s.record(sched(running=3, waiting=3, usage=0.75), types.SimpleNamespace(num_preempted_reqs=1))
     assert (s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions) == (3, 3, 0.75, 3)
     assert s.batch_size == 4  # the last step that had details
+    assert s.num_prefill_tokens == 512  # its prompt tokens (vLLM's num_ctx_tokens): the step's chunk
+    assert load_snapshot(s, [RequestProgress(num_prompt_tokens=100)], now_s=1.0).num_prefill_tokens == 512
     s.record(None, None)
     assert s.num_records == 3 and s.num_running == 3
 

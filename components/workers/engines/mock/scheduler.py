@@ -224,6 +224,7 @@ class Scheduler:
         self.num_steps = 0
         self._last_batch_size = 0
         self._last_decode_kv_tokens = 0
+        self._last_prefill_tokens = 0
         self._host_loading = 0  # blocks the step being scheduled loads from the host tier
         # The config is frozen: what every step reads of it, read once (a simulated fleet runs ~180 steps a second
         # of CPU per engine, and each pydantic attribute read or cached_property lookup is ~50 ns).
@@ -614,6 +615,7 @@ class Scheduler:
         self.num_steps += 1
         self._last_batch_size = len(scheduled)
         self._last_decode_kv_tokens = kv_tokens
+        self._last_prefill_tokens = num_prefill
         # Positional, in StepOutput's field order: keywords cost ~0.7 us more, once a step.
         return StepOutput(
             now_s,
@@ -855,7 +857,7 @@ class Scheduler:
         if not self.requests:
             # Idle: nothing waits or runs, and the last step's batch says nothing about an engine that has gone idle.
             # Positional, in LoadSnapshot's field order: an idle engine reports every 100 ms as a busy one does.
-            return LoadSnapshot(now_s, active / total, total, active, 0, 0, 0, self.num_preemptions, 0, 0)
+            return LoadSnapshot(now_s, active / total, total, active, 0, 0, 0, self.num_preemptions, 0, 0, 0)
         pending = 0
         for r in self.waiting:
             pending += len(r.all_token_ids) - r.num_computed_tokens
@@ -873,4 +875,5 @@ class Scheduler:
             self.num_preemptions,
             self._last_batch_size,
             self._last_decode_kv_tokens,  # num_kv_tokens
+            self._last_prefill_tokens,  # num_prefill_tokens
         )

@@ -335,6 +335,7 @@ class VllmStats:
     num_waiting: int = 0
     num_preemptions: int = 0
     batch_size: int = 0  # requests in the last step, from iteration details (0 when vLLM sent none)
+    num_prefill_tokens: int | None = None  # prompt tokens in the last step, from the same details (None: none sent)
     num_records: int = 0
     num_prompt_tokens_computed: int = 0
     num_prompt_tokens_local_hit: int = 0
@@ -357,6 +358,8 @@ class VllmStats:
             details = getattr(scheduler_stats, "iteration_details", None)
             if details is not None and not getattr(details, "is_dummy", False):
                 self.batch_size = int(details.num_ctx_requests) + int(details.num_generation_requests)
+                ctx_tokens = getattr(details, "num_ctx_tokens", None)  # vLLM 0.32 sends it; a fake may not
+                self.num_prefill_tokens = int(ctx_tokens) if ctx_tokens is not None else None
             self._record_kv_connector(getattr(scheduler_stats, "kv_connector_stats", None))
         if iteration_stats is not None:
             self.num_preemptions += int(iteration_stats.num_preempted_reqs)
@@ -423,4 +426,5 @@ def load_snapshot(stats: VllmStats, requests: Iterable[RequestProgress], now_s: 
         # An idle engine's last step says nothing about the next one (as in the mock engine).
         batch_size=(stats.batch_size or stats.num_running) if n else 0,
         num_kv_tokens=kv_tokens,
+        num_prefill_tokens=(stats.num_prefill_tokens if n else 0),
     )

@@ -88,6 +88,8 @@ class Fleet:
                     num_preemptions=0,
                     batch_size=f.get("batch_size", 0),
                     num_kv_tokens=f.get("num_kv_tokens", 0),
+                    # Only when a test gives it (None: an engine that does not report its step's chunk).
+                    **({"num_prefill_tokens": f["num_prefill_tokens"]} if "num_prefill_tokens" in f else {}),
                 )
                 self.state.apply_load(i, snap, now_s)
 

@@ -750,6 +750,55 @@ def test_a_worker_whose_cache_is_full_steps_its_decodes_without_a_prefill_chunk(
         assert out.sla is not None and out.sla.predicted_itl_s == pytest.approx(expected_s), kv_usage
 
 
+def itl_interval(reports: list[dict[str, int]], observed_itl_s: float) -> SlaController:
+    """One worker decoding 20 sequences over 22000 KV tokens; its load reports at pulls 1-30 s are ``reports`` (extra
+    LoadSnapshot fields), the frontends' mean ITL over the interval ``observed_itl_s``; the controller after the
+    decision at 30 s, its ITL factor from 1.0 (smoothing 0.5)."""
+    fleet = Fleet(decode=1)
+    ctl = SlaController(config(itl=50.0, no_correction=False), MODEL)
+    pull(ctl, fleet, 0.0)  # the interval's first pull, the worker idle (a pull's sample counts in its interval)
+    for t, extra in enumerate(reports, start=1):
+        fleet.set_load(Pool.DECODE, num_running=20, batch_size=20, num_kv_tokens=22_000, **extra)
+        if t == 30:
+            fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, itl_s=observed_itl_s)
+        pull(ctl, fleet, float(t), apply=False)
+    return ctl
+
+
+# A batch of 20 over 22000 KV tokens decodes in 5 + 0.4 + 0.66 = 6.06 ms (ROUND).
+DECODE_20_MS = 5 + 0.02 * 20 + 3e-5 * 22_000
+
+
+def test_the_itl_correction_counts_the_chunk_of_the_step_each_report_lands_in():
+    # Prompts come one at a time and go into the next step whole, so the queue is empty at every report; a third of
+    # the reports land in a step computing a 2000-token chunk (10 + 80 + 6.06 = 96.06 ms), as the engine spends a
+    # third of its time in them. The tokens' mean gap is the worker's second over its steps:
+    # 1000 / (333.3 / 96.06 + 666.7 / 6.06) = 8.812 ms, what the frontends report. Predicted as the reports' batch
+    # over batch / step, 600 / (10 x 20 / 96.06 + 20 x 20 / 6.06), the same: the factor stays 1.0. Read from the
+    # queue the chunk steps vanished (6.06 ms at every pull), and the factor went to 0.5 x 8.812 / 6.06 + 0.5 = 1.23:
+    # a decode engine read 45% slower than it is.
+    chunk_ms = 10 + 0.04 * 2000 + DECODE_20_MS
+    observed_ms = 1000 / ((1000 / 3) / chunk_ms + (2000 / 3) / DECODE_20_MS)
+    assert observed_ms == pytest.approx(600 / (10 * 20 / chunk_ms + 20 * 20 / DECODE_20_MS))
+    reports = [{"num_prefill_tokens": 2000}] * 10 + [{"num_prefill_tokens": 0}] * 20
+    ctl = itl_interval(reports, observed_ms / 1e3)
+    assert ctl.itl_correction == pytest.approx(1.0)
+
+
+def test_the_itl_correction_weighs_each_report_by_the_tokens_it_stands_for():
+    # An engine that does not report its step's chunk: the queue is read instead (5000 tokens waiting at a third of
+    # the reports: steps of 10 + 200 + 6.06 = 216.06 ms, as on the step load's plateau, where a backlog of
+    # 8,000-token prompts waits). A report lands in a step in proportion to its time, and a 216 ms step sends the
+    # tokens a 6 ms one does: the tokens' mean gap is 1000 / (333.3 / 216.06 + 666.7 / 6.06) = 8.964 ms. The mean
+    # over the reports, (10 x 216.06 + 20 x 6.06) / 30 = 76.06 ms, read the engine 8.5x fast: factor
+    # 0.5 x 8.964 / 76.06 + 0.5 = 0.56 (the step load's ~0.4-0.5 after a few intervals). Weighted: 1.0.
+    chunk_ms = 10 + 0.04 * 5000 + DECODE_20_MS
+    observed_ms = 1000 / ((1000 / 3) / chunk_ms + (2000 / 3) / DECODE_20_MS)
+    reports = [{"num_waiting_prefill_tokens": 5000}] * 10 + [{}] * 20
+    ctl = itl_interval(reports, observed_ms / 1e3)
+    assert ctl.itl_correction == pytest.approx(1.0)
+
+
 def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
     # Light load: no pull sees a worker decoding, but the frontends report tokens 5.053 ms apart, a lone sequence's
     # step at the mean context 1000 + 200 / 2 = 1100: 5 + 0.02 + 0.033 ms. That is the prediction, so a factor of 3

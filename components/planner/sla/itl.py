@@ -1,0 +1,82 @@
+"""The inter-token latency the tokens see, predicted from the workers' load reports: what the ITL correction
+(``correction``) compares the frontends' observed mean ITL with, and the fast loop's ``predicted_itl_s`` figure.
+
+A decode token's gap is the step it came out of, so the frontends' mean ITL over an interval is the mean step time
+weighted by the tokens each step sent (its decoding sequences): ``sum(b x t) / sum(b)`` over the engines' steps.
+The planner sees the engines only through load reports taken at its pulls, and a report describes the step in
+progress when it was taken (the simulated engine records a step's shape when it schedules it). A pull lands in a
+step with a chance in proportion to the step's time, so a mean over pulls weighs each step by its time: a 170 ms
+chunk step of an 8,000-token prompt counts 17 times a 10 ms decode step that sent as many tokens. Weighting each
+sample by the tokens per second it stands for, ``b / t``, undoes that::
+
+    predicted ITL = sum(b) / sum(b / t)        over every worker decoding at every pull of the interval
+
+(``ItlSum``), each ``t`` the modelled time of the step the report describes (``step_ms``): its decode part
+(``batch_size`` sequences attending ``num_kv_tokens``) plus its prefill chunk, the report's ``num_prefill_tokens``.
+
+Not the queue: ``num_waiting_prefill_tokens`` is what is left once the step in progress took its chunk, so it shows
+the next step's chunk only for prompts that arrived during this step. Read as the step's own chunk it missed most
+chunk steps where prompts come one by one and are prefilled at once (Dynamo's sinusoid, ~1,000-token prompts: 16-80%
+of the workers' time in chunk steps, the queue empty at nearly every report) and counted one at every report where a
+backlog waits (the step load's plateau): kvmesh bench planner --load sinusoid / step, seed 3, per interval in
+docs/sla-planner.md, "The ITL the tokens see". A report without ``num_prefill_tokens`` (an engine that does not say)
+falls back to that queue reading, bounded by the step's token budget and the worker's free KV.
+
+Standard library and the perf model's types only (a policy module: STYLE.md habit 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from components.perf.profile import PerfModel
+
+__all__ = ["ItlSum", "step_ms"]
+
+
+def step_ms(
+    perf: PerfModel,
+    batch_size: int,
+    kv_tokens: float,
+    prefill_tokens: int | None,
+    *,
+    waiting_prefill_tokens: int = 0,
+    free_kv_tokens: float | None = None,
+) -> float:
+    """The modelled time, in ms, of the step a worker's load report describes (module docstring): ``batch_size``
+    sequences, ``kv_tokens`` attended by its decodes, ``prefill_tokens`` computed (the report's
+    ``num_prefill_tokens``); 0 for an empty step.
+
+    ``prefill_tokens`` None (an engine that does not say): the chunk is read from the queue,
+    ``waiting_prefill_tokens``, at most the step's token budget left by its batch and at most ``free_kv_tokens``
+    (None: unknown; a full cache prefills nothing: its prompts wait for memory, not for the budget)."""
+    chunk = prefill_tokens
+    if chunk is None:
+        chunk = min(waiting_prefill_tokens, max(0, perf.max_num_batched_tokens - batch_size))
+        if free_kv_tokens is not None:
+            chunk = min(chunk, int(max(0.0, free_kv_tokens)))
+    return perf.step_ms(max(0, chunk), batch_size, round(kv_tokens))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ItlSum:
+    """Token-weighted step samples (module docstring): ``tokens`` = sum of the samples' batches, ``rate`` = sum of
+    batch / step ms (tokens per ms). Sums add, so one per pull and one per interval are the same thing."""
+
+    tokens: float = 0.0
+    rate: float = 0.0
+
+    def add(self, batch: float, ms: float) -> ItlSum:
+        """With one more report: ``batch`` sequences stepping in ``ms``; a sample with no batch or no time adds
+        nothing (no token came out of it)."""
+        if batch <= 0 or ms <= 0:
+            return self
+        return ItlSum(self.tokens + batch, self.rate + batch / ms)
+
+    def __add__(self, other: ItlSum) -> ItlSum:
+        return ItlSum(self.tokens + other.tokens, self.rate + other.rate)
+
+    @property
+    def mean_ms(self) -> float | None:
+        """The mean gap a token saw, ms; None without a sample."""
+        return self.tokens / self.rate if self.rate > 0 else None
