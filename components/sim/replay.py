@@ -298,13 +298,19 @@ def replay(
     itl_sink: Sink | None = None,
     itl_from_s: float = -math.inf,
     request_stats_interval_s: float = REQUEST_STATS_INTERVAL_S,
+    request_stats_offset_s: float = 0.0,
 ) -> RunResult:
     """Replay ``workload`` on ``fleet`` with ``policy`` (module docstring); deterministic for a seed. ``observer``
     (read-only: it changes nothing of the replay) is called at every load-report tick with the fleet's ``Sample``.
     ``scaler`` resizes the pools and ``rescheduler`` moves running requests (components/sim/dynamics.py).
     ``itl_sink``: where inter-token gaps go instead of ``RunResult.itl_s`` (a histogram for long runs); gaps of
     requests that arrived before ``itl_from_s`` (a warm-up) are not recorded. ``request_stats_interval_s``: how often
-    the simulated frontend's request report reaches the fleet view the scaler reads (with a scaler only).
+    the simulated frontend's request report reaches the fleet view the scaler reads (with a scaler only);
+    ``request_stats_offset_s`` (in ``[0, request_stats_interval_s)``): the phase of those reports, at offset + k x
+    the interval (a live frontend reports on its own cadence, from its start: ``kvmesh bench planner-live`` gives the
+    simulated side the live one's phase, measured). A scaler that starts before 0 (a live planner started before the
+    load) watches a fleet that serves from its start, with load and request reports from then (zero, until the first
+    arrival), as a deployment's workers and frontend report before the load.
 
     Events are (time, order, kind, payload) in one heap, ``order`` a counter, so events at one instant run in the
     order they were scheduled: at one instant step ends before arrivals before load reports, as they were scheduled;
@@ -329,9 +335,11 @@ def replay(
     }
     workers: dict[int, _Worker] = {}  # routed workers (aggregated or decode), every one ever started
     prefillers: dict[int, _Worker] = {}
-    for span in connectors[DECODE].start_fleet(spec.workers, 0.0):
+    # The fleet serves from 0, or from the scaler's first pull when that is earlier (docstring).
+    fleet_start_s = min(0.0, scaler.start_s) if scaler is not None else 0.0
+    for span in connectors[DECODE].start_fleet(spec.workers, fleet_start_s):
         workers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(spec.decode_config), span)
-    for span in connectors[PREFILL].start_fleet(spec.prefill, 0.0):
+    for span in connectors[PREFILL].start_fleet(spec.prefill, fleet_start_s):
         prefillers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(spec.engine), span)
     step_time = step_time_of(spec.decode_config)
     meta: dict[str, object] = {
@@ -362,7 +370,7 @@ def replay(
             members += [(p.iid, dict(prefill_meta)) for p in serving_prefill]
         router.set_workers(MODEL, members)
 
-    membership_changed(0.0)
+    membership_changed(fleet_start_s)
     # The router reads its KV index only for a policy that uses it (``select``, ``on_routed`` and ``load_view`` all
     # test ``uses_kv`` first): for the others the engines' KV events change nothing it decides, and are not indexed
     # (an hour of Mooncake trace on 64 workers: ~460k batches of events, ~15% of the replay's CPU time). A scaler or
@@ -387,12 +395,13 @@ def replay(
         heap.append((requests[i].arrival_s, seq, _ARRIVAL, i))
         seq += 1
     heapq.heapify(heap)
-    # Load reports start with the run: at the first arrival for a static fleet (nothing to report before it), at 0
-    # with a scaler (the fleet it watches serves from 0, and its first pulls may come before any arrival).
+    # Load reports start with the run: at the first arrival for a static fleet (nothing to report before it), at the
+    # fleet's start with a scaler (the fleet it watches serves from then, and its first pulls may come before any
+    # arrival).
     if n_requests or scaler is not None:
         first_report_s = requests[0].arrival_s if n_requests else 0.0
         if scaler is not None:
-            first_report_s = min(0.0, first_report_s)
+            first_report_s = min(fleet_start_s, first_report_s)
         heapq.heappush(heap, (first_report_s, seq, _REPORT, 0))
         seq += 1
     remaining = n_requests
@@ -404,10 +413,16 @@ def replay(
     if scaler is not None:
         if not request_stats_interval_s > 0:
             raise ValueError(f"request_stats_interval_s must be > 0, got {request_stats_interval_s}")
+        if not 0 <= request_stats_offset_s < request_stats_interval_s:
+            raise ValueError(
+                f"request_stats_offset_s must be within [0, {request_stats_interval_s:g}), got {request_stats_offset_s}"
+            )
         stats = RequestCounts()
-        # The k-th report at k x the interval (a product, not a running sum: no drift over an hour of 1 s steps),
-        # scheduled before the first pull so that, at an instant they share, the report is in when the scaler reads.
-        heapq.heappush(heap, (request_stats_interval_s, seq, _STATS, 1))
+        # The k-th report at offset + k x the interval (a product, not a running sum: no drift over an hour of 1 s
+        # steps), the first after the fleet's start, scheduled before the first pull so that, at an instant they
+        # share, the report is in when the scaler reads.
+        first_k = math.floor((fleet_start_s - request_stats_offset_s) / request_stats_interval_s) + 1
+        heapq.heappush(heap, (request_stats_offset_s + first_k * request_stats_interval_s, seq, _STATS, first_k))
         seq += 1
         until_s = scaler.until_s
         heapq.heappush(heap, (scaler.start_s, seq, _PULL, 0))
@@ -789,7 +804,7 @@ def replay(
             router.fleet.apply_request_stats(SIM_FRONTEND, stats.report(MODEL, request_stats_interval_s), now)
             stats.reset()
             if remaining > 0 or now < until_s:
-                push((payload + 1) * request_stats_interval_s, _STATS, payload + 1)
+                push(request_stats_offset_s + (payload + 1) * request_stats_interval_s, _STATS, payload + 1)
         elif kind == _REPLICATE:
             assert replicator is not None
             free = {w.iid: w.engine.num_free_blocks for w in routed}

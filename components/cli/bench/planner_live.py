@@ -62,8 +62,10 @@ from components.cli.bench.loadgen.stats import RequestResult
 from components.cli.bench.scaling import Sinusoid, arrival_times
 from components.deploy.graph import load_graph, planner_watcher
 from components.deploy.state import log_path, read_state, resolve_state_dir
-from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.endpoints import ENDPOINT_GENERATE, TOPIC_REQUEST_STATS
 from components.runtime import Runtime, RuntimeConfig
+from components.runtime.events import EventSubscription
+from components.sim.replay import REQUEST_STATS_INTERVAL_S
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK_TOKENS = 512  # tokens per Mooncake hash id (components.sim.traces.MooncakeBlocks)
@@ -77,6 +79,7 @@ _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 # decision it follows: a line up to this much "before" the decision still follows it.
 _LOG_SLACK_S = 0.005
 
+_ACTION_FIELDS = ("pool", "direction", "from", "to", "decided_s", "reason")  # an action in the JSON, in this order
 # Per mode, the defaults of the flags whose right value depends on it (None on the command line: this).
 MODE_DEFAULTS: dict[str, dict[str, float]] = {
     # The load planner (KV-use thresholds): a 0.2x-speed worker, so that a few requests/s fill its cache.
@@ -337,6 +340,49 @@ def planner_phase_s(adjustments_s: list[float], adjustment_interval: float) -> f
     return round(adjustments_s[0] % adjustment_interval, 3) if adjustments_s else 0.0
 
 
+def report_phase_s(walls: list[float], interval_s: float = REQUEST_STATS_INTERVAL_S) -> float | None:
+    """The wall time (any one, on the frontend's cadence) at which the live frontend's request reports arrive, from
+    the receive times of a few of them: the first, moved by the median of the others' offsets from its whole-interval
+    grid (a report can come a few ms late under load; the cadence itself does not drift). None: none heard."""
+    if not walls:
+        return None
+    ref = walls[0]
+    offsets = [(w - ref) - round((w - ref) / interval_s) * interval_s for w in walls]
+    return ref + statistics.median(offsets)
+
+
+def simulated_inputs(
+    lives: list[dict[str, Any]],
+    t0: float,
+    phase_s: float,
+    adjustment_interval: float,
+    report_wall_s: float | None,
+    interval_s: float = REQUEST_STATS_INTERVAL_S,
+) -> dict[str, Any]:
+    """What the live run fed its planner, as the simulated side's inputs (``--sim-inputs live``): the arrivals at
+    the load generator's actual sends (``request_lives``' ``start_s``, relative to ``t0``; sorted, so a trace of
+    them starts at the first send), the planner's first pull one adjustment interval before its first decision at
+    ``phase_s`` (the live planner starts with the deployment, before the load: its first decision reads an interval
+    that began before the first arrival, which a simulated planner started at ``phase_s`` never makes), and the
+    phase of the frontend's request reports (received at ``report_wall_s`` + whole intervals: which arrivals each
+    of the planner's windows counts). ``planner_start_s`` and ``request_stats_offset_s`` are on the simulation's
+    clock, whose 0 is the first send (``kvmesh simulate --planner-start-s``/``--request-stats-offset-s``); an offset
+    of 0 when no report was heard (the simulator's own default)."""
+    sends = sorted(x["start_s"] for x in lives)
+    first = sends[0]
+    offset = 0.0
+    if report_wall_s is not None:
+        offset = round((report_wall_s - t0 - first) % interval_s, 3)
+        if offset >= interval_s:  # rounded up to a whole interval
+            offset = 0.0
+    return {
+        "arrivals_s": sends,
+        "first_send_s": first,
+        "planner_start_s": round(phase_s - adjustment_interval - first, 3),
+        "request_stats_offset_s": offset,
+    }
+
+
 def compare(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: float) -> dict[str, Any]:
     """Pair the two action lists in order: the same (pool, direction, from, to) and decided within ``tolerance_s``."""
     pairs = []
@@ -418,6 +464,29 @@ def _read_board(log_dir: Path) -> tuple[list[tuple[float, str]], list[tuple[floa
     return texts, pools
 
 
+async def _frontend_report_times(rt: Runtime, namespace: str, n: int = 3, timeout_s: float = 3.0) -> list[float]:
+    """The wall times at which ``n`` of the frontend's request reports arrive (its cadence's phase: which arrivals
+    each of the planner's windows counts), heard before the load; fewer when none comes within ``timeout_s``."""
+    sub: EventSubscription[Any] = await rt.namespace(namespace).events.subscribe(TOPIC_REQUEST_STATS)
+    walls: list[float] = []
+    try:
+        for _ in range(n):
+            try:
+                await sub.get(timeout_s)
+            except TimeoutError:
+                break
+            walls.append(time.time())
+    finally:
+        await sub.close()
+    return walls
+
+
+def sim_inputs_of(args: argparse.Namespace) -> str:
+    """``--sim-inputs``, or its mode's default: live for the sla mode, scheduled for the load mode (as before)."""
+    chosen = getattr(args, "sim_inputs", None)
+    return chosen if chosen is not None else ("live" if getattr(args, "mode", "load") == "sla" else "scheduled")
+
+
 async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> dict[str, Any]:
     state_dir = resolve_state_dir(out / "state")
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -429,6 +498,7 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
         raise RuntimeError(f"kvmesh serve failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
     namespace = ""
     results: list[dict[str, Any]] = []
+    report_walls: list[float] = []
     try:
         state = read_state(next(state_dir.glob("*.json")))
         namespace = state.namespace
@@ -440,6 +510,8 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
         try:
             client = await rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
             await client.wait_for_instances(1, timeout_s=60)
+            if sim_inputs_of(args) == "live":
+                report_walls = await _frontend_report_times(rt, namespace)
         finally:
             await rt.shutdown(drain_timeout_s=1)
         vocab = load_graph(ROOT / args.graph, overrides(args, None)[1::2]).workers[0]
@@ -484,15 +556,18 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
         "pools": [(round(w - t0, 3), n) for w, n in pools],
         "results": results,
         "stopping_s": round(stopping - t0, 3),
+        "report_walls": report_walls,
         "planner_log": planner_log.read_text(errors="replace").splitlines() if planner_log.exists() else [],
     }
 
 
-def _simulate(args: argparse.Namespace, trace: Path, startup_s: float, phase_s: float, out: Path) -> dict[str, Any]:
+def _simulate(
+    args: argparse.Namespace, trace: Path, startup_s: float, start_s: float, out: Path, stats_offset_s: float = 0.0
+) -> dict[str, Any]:
     done = _kvmesh(
         "simulate", "--graph", str(ROOT / args.graph), "--trace", str(trace), *overrides(args, None),
-        "--startup-s", str(startup_s), "--planner-start-s", str(phase_s), "--seed", str(args.seed),
-        "--out", str(out), "--no-progress", "--no-png",
+        "--startup-s", str(startup_s), f"--planner-start-s={start_s}", f"--request-stats-offset-s={stats_offset_s}",
+        "--seed", str(args.seed), "--out", str(out), "--no-progress", "--no-png",
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"kvmesh simulate failed: {done.stderr[-2000:]}")
@@ -565,11 +640,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # simulated one is started at the same phase, so that the two decide at the same instants until a change
     # restarts an interval.
     phase_s = planner_phase_s([w - live["t0"] for w, _ in live["texts"]], args.adjustment_interval)
-    sim = _simulate(args, trace, startup_s, phase_s, out / "sim")
+    lives = request_lives(live["results"], shifted, live["t0"], args.output_tokens)
+    inputs: dict[str, Any] = {"from": sim_inputs_of(args)}
+    if inputs["from"] == "live" and lives:
+        # The simulated side on what the live planner was fed (simulated_inputs): the sends, a planner started one
+        # interval before its first decision, the frontend's report phase.
+        wall = report_phase_s(live["report_walls"])
+        got = simulated_inputs(lives, live["t0"], phase_s, args.adjustment_interval, wall)
+        sim_trace = out / "sim-trace.jsonl"
+        write_trace(sim_trace, got["arrivals_s"], args.prompt_tokens, args.output_tokens)
+        lags = sorted(a - b for a, b in zip(sorted(x["start_s"] for x in lives), shifted, strict=False))
+        inputs |= {
+            "trace": str(sim_trace),
+            "first_send_s": got["first_send_s"],
+            "send_lag_ms": {"min": round(lags[0] * 1e3, 1), "median": round(statistics.median(lags) * 1e3, 1),
+                            "max": round(lags[-1] * 1e3, 1)},
+            "planner_start_s": got["planner_start_s"],
+            "frontend_reports_heard": len(live["report_walls"]),
+            "request_stats_offset_s": got["request_stats_offset_s"],
+        }  # fmt: skip
+        sim = _simulate(args, sim_trace, startup_s, got["planner_start_s"], out / "sim", got["request_stats_offset_s"])
+        shift_s = got["first_send_s"]  # the simulation's clock starts at the first send: back onto the live one's
+    else:
+        inputs |= {"trace": str(trace), "planner_start_s": phase_s, "request_stats_offset_s": 0.0}
+        sim = _simulate(args, trace, startup_s, phase_s, out / "sim")
+        shift_s = 0.0
     sim_actions = [
-        {f: a[f] for f in ("pool", "direction", "from", "to", "decided_s", "reason")}
+        {f: round(a[f] + shift_s, 3) if f == "decided_s" else a[f] for f in _ACTION_FIELDS}
         for a in sim["summary"]["scaling_actions"]
-        if a["decided_s"] <= window_end
+        if a["decided_s"] + shift_s <= window_end
     ]
     verdict = compare(live_in, sim_actions, args.adjustment_interval)
     # One worker's KV capacity in requests at once, and the requests in flight the peak offers by Little's law with
@@ -597,6 +696,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "startup_s": {"measured": delays, "used": startup_s},
         "planner_phase_s": phase_s,
+        "simulated_inputs": inputs,
         "live": {
             "actions": live_in,
             "actions_outside_window": len(live_actions) - len(live_in),
@@ -610,7 +710,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if sla:
         # Only the sla mode adds these (the load mode's JSON stays as it was).
-        lives = request_lives(live["results"], shifted, live["t0"], args.output_tokens)
         windows = scale_down_windows(live_in, live["planner_log"], live["t0"], live["stopping_s"])
         overlap = scale_down_overlap(lives, windows)
         # Each live request's life, for reading the verdict again (a window, an error) without another run.
@@ -642,7 +741,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     if args.png:
         png = out / "planner-live.png"
-        report["png"] = str(png) if _draw(png, shifted, live["pools"], sim["pools"], live_in) else None
+        sim_pools = [(t + shift_s, n) for t, n in sim["pools"]]
+        report["png"] = str(png) if _draw(png, shifted, live["pools"], sim_pools, live_in) else None
     (out / "planner-live.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -736,6 +836,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=3.0,
         help="worker start-up for the simulation when the live run measured none (no scale-up), seconds (default 3)",
+    )
+    p.add_argument(
+        "--sim-inputs",
+        choices=("live", "scheduled"),
+        default=None,
+        help="what the simulated side replays: live (the sla mode's default) the live run's inputs: the load "
+        "generator's actual sends, a planner started one adjustment interval before the live one's first decision "
+        "(as the live planner starts with the deployment, before the load) and the live frontend's request-report "
+        "phase (heard for ~3 s before the load); scheduled (the load mode's default) the trace's scheduled "
+        "arrivals, a planner started at the live one's phase, reports at whole seconds",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts (default 0)")
     p.add_argument("--png", action=argparse.BooleanOptionalAction, default=True, help="write planner-live.png")
