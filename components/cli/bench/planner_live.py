@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import json
 import math
+import random
 import re
 import statistics
 import subprocess
@@ -848,10 +849,117 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "arrivals, a planner started at the live one's phase, reports at whole seconds",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts (default 0)")
+    p.add_argument(
+        "--resimulate",
+        action="store_true",
+        help="no live run: the simulated side of the run already in --out (same flags as that run) again, --draws "
+        "times, each arrival moved by up to +-(--jitter-ms): how many distinct action sequences the simulated side "
+        "makes on the same inputs, and how many match the live run's (resimulated.json)",
+    )
+    p.add_argument("--draws", type=int, default=20, help="--resimulate: simulations (default 20)")
+    p.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=2.0,
+        help="--resimulate: each arrival moved by a uniform draw within +- this, ms (default 2: the load "
+        "generator's sends here are 3-7 ms after their schedule, within 1-2 ms of their median lag)",
+    )
     p.add_argument("--png", action=argparse.BooleanOptionalAction, default=True, help="write planner-live.png")
 
 
+def jittered(arrivals_s: list[float], jitter_s: float, rng: random.Random) -> list[float]:
+    """``arrivals_s``, each moved by a uniform draw within +-``jitter_s``, to the trace's millisecond, sorted."""
+    return sorted(round(t + rng.uniform(-jitter_s, jitter_s), 3) for t in arrivals_s)
+
+
+def spread(live: list[dict[str, Any]], draws: list[list[dict[str, Any]]], tolerance_s: float) -> dict[str, Any]:
+    """The simulated side's action sequences over ``draws`` (each a list of actions, times on the live clock): every
+    distinct sequence (its actions as ``pool:from->to@decided``), how many draws made it and whether it matches
+    ``live`` by ``compare``'s rule; how many draws match; how many distinct sequences of actions with the times left
+    out. Most frequent first."""
+    seen: dict[str, dict[str, Any]] = {}
+    shapes: set[str] = set()
+    for acts in draws:
+        key = " ".join(f"{a['pool']}:{a['from']}->{a['to']}@{a['decided_s']:.1f}" for a in acts)
+        shapes.add(" ".join(f"{a['pool']}:{a['from']}->{a['to']}" for a in acts))
+        if key not in seen:
+            seen[key] = {"actions": key, "draws": 0, "matches_live": compare(live, acts, tolerance_s)["same_sequence"]}
+        seen[key]["draws"] += 1
+    sequences = sorted(seen.values(), key=lambda x: -x["draws"])
+    return {
+        "draws": len(draws),
+        "matching_live": sum(x["draws"] for x in sequences if x["matches_live"]),
+        "distinct_sequences": len(sequences),
+        "distinct_without_times": len(shapes),
+        "sequences": sequences,
+    }
+
+
+def resimulate(args: argparse.Namespace) -> dict[str, Any]:
+    """``--resimulate``: the simulated side of the run in ``--out`` again, ``--draws`` times, each arrival moved by
+    up to +-``--jitter-ms`` (seeded by ``--seed``), on the inputs that run's simulated side had
+    (``simulated_inputs``; a run without them: the scheduled ones); ``spread`` of the outcomes against the live
+    actions. Writes ``resimulated.json``; each draw's files under ``resim/``."""
+    args = resolve_mode_defaults(args)
+    out = Path(args.out).resolve()
+    ran = json.loads((out / "planner-live.json").read_text())
+    live = ran["live"]["actions"]
+    scheduled = [row["timestamp"] / 1000 for row in map(json.loads, (out / "trace.jsonl").read_text().splitlines())]
+    window_end = scheduled[-1] + args.adjustment_interval
+    inputs = ran.get("simulated_inputs") or {"from": "scheduled"}
+    phase_s, startup_s = ran["planner_phase_s"], ran["startup_s"]["used"]
+    if inputs["from"] == "live":
+        lives = json.loads((out / "live-requests.json").read_text())
+        base = sorted(x["start_s"] for x in lives)
+        # The report phase on the live clock (the simulation's clock starts at each draw's first send).
+        report_s = inputs["request_stats_offset_s"] + inputs["first_send_s"]
+    else:
+        base, report_s = scheduled, 0.0
+    rng = random.Random(args.seed)
+    draws = []
+    for d in range(args.draws):
+        arrivals = jittered(base, args.jitter_ms / 1e3, rng)
+        first = arrivals[0]
+        trace = out / "resim" / f"trace-{d}.jsonl"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        write_trace(trace, arrivals, args.prompt_tokens, args.output_tokens)
+        start_s = phase_s - (args.adjustment_interval if inputs["from"] == "live" else 0.0) - first
+        offset_s = round((report_s - first) % REQUEST_STATS_INTERVAL_S, 3) % REQUEST_STATS_INTERVAL_S
+        sim = _simulate(args, trace, startup_s, round(start_s, 3), out / "resim" / str(d), offset_s)
+        acts = [
+            {f: round(a[f] + first, 3) if f == "decided_s" else a[f] for f in _ACTION_FIELDS}
+            for a in sim["summary"]["scaling_actions"]
+            if a["decided_s"] + first <= window_end
+        ]
+        draws.append(acts)
+    report = {
+        "bench": "planner-live --resimulate",
+        "run": str(out),
+        "inputs": inputs["from"],
+        "jitter_ms": args.jitter_ms,
+        "seed": args.seed,
+        "live": " ".join(f"{a['pool']}:{a['from']}->{a['to']}@{a['decided_s']:.1f}" for a in live),
+        "spread": spread(live, draws, args.adjustment_interval),
+    }
+    (out / "resimulated.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.resimulate:
+        try:
+            again = resimulate(args)
+        except (RuntimeError, ValueError, OSError, KeyError) as e:
+            print(f"kvmesh bench planner-live --resimulate: {e!r}", file=sys.stderr)
+            return 1
+        sp = again["spread"]
+        print(
+            f"{sp['draws']} draws (+-{args.jitter_ms:g} ms): {sp['distinct_sequences']} distinct sequences "
+            f"({sp['distinct_without_times']} without times); {sp['matching_live']} match the live one",
+            file=sys.stderr,
+        )
+        print(json.dumps(again))
+        return 0
     try:
         report = run(args)
     except (RuntimeError, ValueError, OSError) as e:

@@ -14,6 +14,7 @@ from components.cli.bench.planner_live import (
     add_arguments,
     align,
     compare,
+    jittered,
     log_time,
     one_worker_capacity,
     overrides,
@@ -26,6 +27,7 @@ from components.cli.bench.planner_live import (
     scale_down_windows,
     sim_inputs_of,
     simulated_inputs,
+    spread,
     startup_delays,
     write_trace,
 )
@@ -125,6 +127,35 @@ def test_the_simulated_side_is_fed_the_live_runs_inputs():
     # The sla mode's default is these inputs; the load mode keeps the scheduled ones; either can be chosen.
     assert sim_inputs_of(parsed("--mode", "sla")) == "live" and sim_inputs_of(parsed()) == "scheduled"
     assert sim_inputs_of(parsed("--mode", "sla", "--sim-inputs", "scheduled")) == "scheduled"
+
+
+def test_the_arrivals_move_within_the_jitter_and_stay_a_trace():
+    import random
+
+    base = [0.0, 0.001, 0.5, 2.0]
+    moved = jittered(base, 0.002, random.Random(1))
+    assert moved == sorted(moved) and all(round(t, 3) == t for t in moved)
+    # Each within 2 ms of an arrival (0.0 and 0.001 may swap places: sorted again, as a trace is).
+    assert len(moved) == len(base) and all(min(abs(m - b) for b in base) <= 0.002 + 1e-9 for m in moved)
+    assert jittered(base, 0.002, random.Random(1)) == moved  # seeded
+    assert jittered(base, 0.0, random.Random(1)) == base
+
+
+def test_the_simulated_sides_spread_counts_each_sequence_and_which_match_the_live_one():
+    def a(before: int, after: int, t: float) -> dict:
+        return {"pool": "decode", "direction": "up" if after > before else "down", "from": before, "to": after,
+                "decided_s": t}  # fmt: skip
+
+    live = [a(1, 2, 8.4), a(2, 3, 37.4), a(3, 4, 74.4)]
+    same = [a(1, 2, 8.4), a(2, 3, 37.4), a(3, 4, 74.4)]
+    within = [a(1, 2, 8.4), a(2, 3, 38.4), a(3, 4, 78.4)]  # the same actions, each within one interval
+    extra = [a(1, 2, 8.4), a(2, 3, 37.4), a(3, 4, 40.4), a(4, 3, 58.4), a(3, 4, 74.4)]
+    got = spread(live, [same, extra, within, same], 10.0)
+    assert got["draws"] == 4 and got["matching_live"] == 3
+    assert got["distinct_sequences"] == 3 and got["distinct_without_times"] == 2
+    first = got["sequences"][0]
+    assert first == {"actions": "decode:1->2@8.4 decode:2->3@37.4 decode:3->4@74.4", "draws": 2, "matches_live": True}
+    assert [x["matches_live"] for x in got["sequences"]] == [True, False, True]
 
 
 # -- the sla mode ------------------------------------------------------------------------------------------------------
