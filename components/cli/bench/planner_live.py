@@ -11,7 +11,13 @@
    its TensorBoard files (``adjustment/decisions``, wall time of each), its pool sizes from ``pull/decode_workers``.
 3. The live workers' start-up, measured: from each scale-up decision to the first pull that counts the new worker.
 4. Simulated: ``kvmesh simulate`` on the same graph and settings and the same trace, ``--startup-s`` set to the
-   measured start-up (the median; the simulator's default of 30 s is a vLLM worker's, not a mock worker's).
+   measured start-up (the median; the simulator's default of 30 s is a vLLM worker's, not a mock worker's). With
+   ``--sim-inputs live`` (the sla mode's default) on what the live planner was fed instead (``simulated_inputs``):
+   the load generator's actual sends, the planner started one adjustment interval before the live one's first
+   decision (the live planner starts with the deployment, before the load, so its first decision reads a window
+   that began before it), and the live frontend's request reports' phase, heard for ~3 s before the load (which
+   arrivals each window counts). ``--resimulate`` runs a finished run's simulated side again with its arrivals
+   jittered: how many different decisions the simulated side itself makes on the same inputs.
 5. The two sequences of scaling actions (pool, direction, from, to), decided within the load's span plus one
    adjustment interval, compared pair by pair: the same sequence, each pair within one adjustment interval of each
    other (the live planner's intervals start when it starts, before the load; the simulated one's at the first
