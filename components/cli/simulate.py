@@ -165,6 +165,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "default), in seconds after the first arrival modulo 1 (default 0: at whole seconds); a live frontend "
         "reports on its own phase, which decides which arrivals a planner's window counts",
     )
+    p.add_argument(
+        "--staggered-load-reports",
+        action="store_true",
+        help="each simulated worker's load report on its own phase (seeded by --seed), as live workers publish "
+        "from their own start, instead of all of them at one tick: what the planner and the router read is then 0 "
+        "to 100 ms old per worker, not one age for all (a planner pulling on a fixed cadence otherwise reads every "
+        "report at one fixed age, which decides some of its decisions at a threshold)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--no-png", action="store_true", help="do not draw simulate.png")
     p.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard event files")
@@ -397,6 +405,7 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
             rescheduler=rescheduler,
             replicator=replicator,
             request_stats_offset_s=args.request_stats_offset_s,
+            staggered_load_reports=args.staggered_load_reports,
         )
     finally:
         series.close()
@@ -418,6 +427,7 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         "connector_delay_s": args.connector_delay_s,
         "planner_start_s": None if planner is None else args.planner_start_s,
         "request_stats_offset_s": None if planner is None else args.request_stats_offset_s,
+        "staggered_load_reports": args.staggered_load_reports,
         "adjustments": None if planner is None else len(planner.adjustments),
         "scaling_actions": [
             {

@@ -283,6 +283,8 @@ class _Worker:
 _STEP, _ARRIVAL, _REPORT, _PF_STEP, _DELIVER, _READY, _PULL, _RESIZE, _RESCHEDULE, _LAND, _STATS = range(11)
 # Hot-prefix replication (components/sim/replication.py): a replicator's cycle, a copy's KV arriving.
 _REPLICATE, _IMPORT = 11, 12
+# With staggered load reports: one routed worker's own report (payload: its id).
+_WORKER_REPORT = 13
 
 
 def replay(
@@ -299,6 +301,7 @@ def replay(
     itl_from_s: float = -math.inf,
     request_stats_interval_s: float = REQUEST_STATS_INTERVAL_S,
     request_stats_offset_s: float = 0.0,
+    staggered_load_reports: bool = False,
 ) -> RunResult:
     """Replay ``workload`` on ``fleet`` with ``policy`` (module docstring); deterministic for a seed. ``observer``
     (read-only: it changes nothing of the replay) is called at every load-report tick with the fleet's ``Sample``.
@@ -310,7 +313,12 @@ def replay(
     the interval (a live frontend reports on its own cadence, from its start: ``kvmesh bench planner-live`` gives the
     simulated side the live one's phase, measured). A scaler that starts before 0 (a live planner started before the
     load) watches a fleet that serves from its start, with load and request reports from then (zero, until the first
-    arrival), as a deployment's workers and frontend report before the load.
+    arrival), as a deployment's workers and frontend report before the load. ``staggered_load_reports``: each routed
+    worker's load report reaches the fleet view (the router's and the scaler's) every ``metrics_interval_s`` on its
+    own phase, drawn (seeded by ``seed``, apart from the router's draws) when it starts, from its registration on, as
+    live workers publish from their own start, instead of all of them at the load-report tick: what a reader sees
+    is then 0 to ``metrics_interval_s`` old per worker, not one age for all, which a scaler pulling on a fixed
+    cadence would otherwise read at one fixed age. The observer's samples stay at the tick.
 
     Events are (time, order, kind, payload) in one heap, ``order`` a counter, so events at one instant run in the
     order they were scheduled: at one instant step ends before arrivals before load reports, as they were scheduled;
@@ -337,6 +345,8 @@ def replay(
     prefillers: dict[int, _Worker] = {}
     # The fleet serves from 0, or from the scaler's first pull when that is earlier (docstring).
     fleet_start_s = min(0.0, scaler.start_s) if scaler is not None else 0.0
+    # Staggered load reports: each routed worker's phase, drawn from a stream of its own (the router's is unchanged).
+    phases = random.Random(f"load-report-phases:{seed}") if staggered_load_reports else None
     for span in connectors[DECODE].start_fleet(spec.workers, fleet_start_s):
         workers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(spec.decode_config), span)
     for span in connectors[PREFILL].start_fleet(spec.prefill, fleet_start_s):
@@ -404,6 +414,11 @@ def replay(
             first_report_s = min(fleet_start_s, first_report_s)
         heapq.heappush(heap, (first_report_s, seq, _REPORT, 0))
         seq += 1
+        if phases is not None:
+            for w in workers.values():
+                first_s = w.span.ready_s + phases.uniform(0, spec.metrics_interval_s)
+                heapq.heappush(heap, (first_s, seq, _WORKER_REPORT, w.iid))
+                seq += 1
     remaining = n_requests
     last_finish = requests[0].arrival_s if n_requests else 0.0
     until_s = -math.inf
@@ -570,6 +585,8 @@ def replay(
         for span in added:
             pool_workers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(config), span)
             push(span.ready_s, _READY, span.worker_id)
+            if phases is not None and r.pool == DECODE:
+                push(span.ready_s + phases.uniform(0, spec.metrics_interval_s), _WORKER_REPORT, span.worker_id)
         if leaving:
             membership_changed(now)
         actions.append((Action(r.pool, now, None, r.direction, r.current, r.target, r.reason), added + leaving))
@@ -750,7 +767,8 @@ def replay(
                 snaps.append(snap)
                 w.in_flight_sum += snap.num_running + snap.num_waiting
                 w.samples += 1
-                apply_load(w.iid, snap, now)
+                if phases is None:  # staggered: each worker's own _WORKER_REPORT applies it
+                    apply_load(w.iid, snap, now)
             if scaler is not None and disagg:
                 report_queue(now)
             if observer is not None:
@@ -763,6 +781,14 @@ def replay(
             prefill_step_ended(prefillers[payload], now)
         elif kind == _DELIVER:  # a prefill engine delivers its item (KV and first token), then pops the next
             deliver(prefillers[payload], now)
+        elif kind == _WORKER_REPORT:  # staggered load reports: one routed worker's, on its own phase
+            w = workers[payload]
+            if w.span.left_s is not None and w.span.left_s <= now:
+                continue  # left routing: it reports no more (the tick's reports skip it too)
+            if w.span.registered(now):
+                router.fleet.apply_load(w.iid, w.engine.snapshot(now), now)
+            if remaining > 0 or now < until_s:
+                push(now + spec.metrics_interval_s, _WORKER_REPORT, payload)
         elif kind == _READY:  # a started worker registers: it joins routing (or the prefill queue's pollers)
             membership_changed(now)
             settle(now)

@@ -569,12 +569,20 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
 
 
 def _simulate(
-    args: argparse.Namespace, trace: Path, startup_s: float, start_s: float, out: Path, stats_offset_s: float = 0.0
+    args: argparse.Namespace,
+    trace: Path,
+    startup_s: float,
+    start_s: float,
+    out: Path,
+    stats_offset_s: float = 0.0,
+    staggered: bool = False,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     done = _kvmesh(
         "simulate", "--graph", str(ROOT / args.graph), "--trace", str(trace), *overrides(args, None),
         "--startup-s", str(startup_s), f"--planner-start-s={start_s}", f"--request-stats-offset-s={stats_offset_s}",
-        "--seed", str(args.seed), "--out", str(out), "--no-progress", "--no-png",
+        *(["--staggered-load-reports"] if staggered else []),
+        "--seed", str(args.seed if seed is None else seed), "--out", str(out), "--no-progress", "--no-png",
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"kvmesh simulate failed: {done.stderr[-2000:]}")
@@ -666,7 +674,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "frontend_reports_heard": len(live["report_walls"]),
             "request_stats_offset_s": got["request_stats_offset_s"],
         }  # fmt: skip
-        sim = _simulate(args, sim_trace, startup_s, got["planner_start_s"], out / "sim", got["request_stats_offset_s"])
+        inputs["staggered_load_reports"] = True
+        sim = _simulate(
+            args, sim_trace, startup_s, got["planner_start_s"], out / "sim", got["request_stats_offset_s"], True
+        )
         shift_s = got["first_send_s"]  # the simulation's clock starts at the first send: back onto the live one's
     else:
         inputs |= {"trace": str(trace), "planner_start_s": phase_s, "request_stats_offset_s": 0.0}
@@ -864,6 +875,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draws", type=int, default=20, help="--resimulate: simulations (default 20)")
     p.add_argument(
+        "--no-stagger",
+        action="store_true",
+        help="--resimulate: the workers' load reports all at one tick even where the run's simulated side "
+        "staggered them (for comparison)",
+    )
+    p.add_argument(
         "--jitter-ms",
         type=float,
         default=2.0,
@@ -903,7 +920,8 @@ def spread(live: list[dict[str, Any]], draws: list[list[dict[str, Any]]], tolera
 
 def resimulate(args: argparse.Namespace) -> dict[str, Any]:
     """``--resimulate``: the simulated side of the run in ``--out`` again, ``--draws`` times, each arrival moved by
-    up to +-``--jitter-ms`` (seeded by ``--seed``), on the inputs that run's simulated side had
+    up to +-``--jitter-ms`` (seeded by ``--seed``) and each draw with its own simulation seed (``--seed`` + draw: the
+    router's tie-breaks, the staggered load reports' phases), on the inputs that run's simulated side had
     (``simulated_inputs``; a run without them: the scheduled ones); ``spread`` of the outcomes against the live
     actions. Writes ``resimulated.json``; each draw's files under ``resim/``."""
     args = resolve_mode_defaults(args)
@@ -931,7 +949,12 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
         write_trace(trace, arrivals, args.prompt_tokens, args.output_tokens)
         start_s = phase_s - (args.adjustment_interval if inputs["from"] == "live" else 0.0) - first
         offset_s = round((report_s - first) % REQUEST_STATS_INTERVAL_S, 3) % REQUEST_STATS_INTERVAL_S
-        sim = _simulate(args, trace, startup_s, round(start_s, 3), out / "resim" / str(d), offset_s)
+        staggered = bool(inputs.get("staggered_load_reports", False)) and not args.no_stagger
+        # Each draw its own simulation seed (the run's, then the next ones): the router's tie-breaks and, staggered,
+        # the workers' report phases, which the live run does not fix either.
+        sim = _simulate(
+            args, trace, startup_s, round(start_s, 3), out / "resim" / str(d), offset_s, staggered, args.seed + d
+        )
         acts = [
             {f: round(a[f] + first, 3) if f == "decided_s" else a[f] for f in _ACTION_FIELDS}
             for a in sim["summary"]["scaling_actions"]
@@ -942,6 +965,7 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "planner-live --resimulate",
         "run": str(out),
         "inputs": inputs["from"],
+        "staggered_load_reports": bool(inputs.get("staggered_load_reports", False)) and not args.no_stagger,
         "jitter_ms": args.jitter_ms,
         "seed": args.seed,
         "live": " ".join(f"{a['pool']}:{a['from']}->{a['to']}@{a['decided_s']:.1f}" for a in live),

@@ -181,3 +181,38 @@ def test_a_scaler_started_before_the_load_watches_a_serving_fleet_from_its_start
     # The load is served as by a fleet started at 0: the same requests' times (worker-seconds count from -2.5).
     late = replay(w, FLEETS["aggregated"], "kv", seed=1, scaler=Listener(start_s=0.0))
     assert res.ttft_by_request_s == late.ttft_by_request_s and res.e2e_s == late.e2e_s
+
+
+@dataclasses.dataclass
+class Ages(Listener):
+    """A Listener that keeps, at each pull, the age of every serving worker's load report in the fleet view."""
+
+    ages: list[list[float]] = dataclasses.field(default_factory=list)
+
+    def pull(self, now_s: float, fleet: FleetSnapshot, pools: Mapping[str, PoolState]) -> Sequence[Resize]:
+        loads = [i.load for i in fleet.serving("sim")]
+        self.ages.append(sorted(round(now_s - x.received_s, 6) for x in loads if x is not None))
+        return super().pull(now_s, fleet, pools)
+
+
+def test_staggered_load_reports_reach_the_fleet_view_each_on_its_workers_phase():
+    # Live workers publish every 100 ms, each from its own start: a planner pulling every second reads each worker's
+    # report at its own age, 0-100 ms. At one tick for all (the default), every report is the same age at every
+    # pull: here 0.05 s (ticks at 0.1 k, pulls at 0.35 + k), for the whole run.
+    w = workload()
+    together, staggered, again = Ages(start_s=0.35), Ages(start_s=0.35), Ages(start_s=0.35)
+    replay(w, FLEETS["aggregated"], "kv", seed=1, scaler=together)
+    res = replay(w, FLEETS["aggregated"], "kv", seed=1, scaler=staggered, staggered_load_reports=True)
+    assert all(a == pytest.approx([0.05] * 3, abs=1e-6) for a in together.ages)
+    # Staggered: three different ages within [0, 0.1), each worker keeping its own from pull to pull.
+    first = staggered.ages[0]
+    assert len(first) == 3 and len(set(first)) == 3 and all(0 <= x < 0.1 for x in first)
+    assert all(a == pytest.approx(first, abs=1e-6) for a in staggered.ages)
+    # Drawn from the seed (apart from the router's draws): the same seed, the same phases; another, others.
+    replay(w, FLEETS["aggregated"], "kv", seed=1, scaler=again, staggered_load_reports=True)
+    assert again.ages == staggered.ages
+    other = Ages(start_s=0.35)
+    replay(w, FLEETS["aggregated"], "kv", seed=2, scaler=other, staggered_load_reports=True)
+    assert other.ages[0] != first
+    # Every request served (the router reads the reports too: its choices may differ from the tick's).
+    assert len(res.e2e_s) == len(w.requests)
