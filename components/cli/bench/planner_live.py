@@ -16,8 +16,10 @@
    the load generator's actual sends, the planner started one adjustment interval before the live one's first
    decision (the live planner starts with the deployment, before the load, so its first decision reads a window
    that began before it), and the live frontend's request reports' phase, heard for ~3 s before the load (which
-   arrivals each window counts). ``--resimulate`` runs a finished run's simulated side again with its arrivals
-   jittered: how many different decisions the simulated side itself makes on the same inputs.
+   arrivals each window counts), with the workers' load reports each on its own phase (``kvmesh simulate
+   --staggered-load-reports``: live workers publish from their own start, so a pull reads each report at its own
+   age). ``--resimulate`` runs a finished run's simulated side again with its arrivals jittered and a seed per draw:
+   how many different decisions the simulated side itself makes on the same inputs.
 5. The two sequences of scaling actions (pool, direction, from, to), decided within the load's span plus one
    adjustment interval, compared pair by pair: the same sequence, each pair within one adjustment interval of each
    other (the live planner's intervals start when it starts, before the load; the simulated one's at the first
