@@ -55,7 +55,7 @@ from components.runtime.flags import add_model_arguments, model_from_args
 from components.sim import RunResult, Sample, SimRequest, Workload, replay
 from components.sim.dynamics import DECODE, PREFILL
 from components.sim.errors import TraceFormatError
-from components.sim.replay import MODEL
+from components.sim.replay import MODEL, REQUEST_STATS_INTERVAL_S
 from components.sim.replication import PolicyReplicator
 from components.sim.report import Slo, summarize
 from components.sim.rescheduling import PolicyRescheduler
@@ -77,6 +77,13 @@ def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return v
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return v
 
 
@@ -143,11 +150,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--planner-start-s",
-        type=_non_negative,
+        type=_finite,
         default=0.0,
         help="the planner's first pull, in seconds after the first arrival (default 0); its adjustments come every "
-        "adjustment_interval from there, so a live planner started before the load is matched by giving the "
-        "offset of its pulls (its start time minus the load's, modulo adjustment_interval)",
+        "adjustment_interval from there. Negative: the planner (and the fleet it watches) starts before the load, "
+        "as a live planner started with its deployment does: its first decision then reads an interval that began "
+        "before the first arrival",
+    )
+    p.add_argument(
+        "--request-stats-offset-s",
+        type=_non_negative,
+        default=0.0,
+        help="with a planner: the phase of the simulated frontend's request reports (every 1 s, the frontend's "
+        "default), in seconds after the first arrival modulo 1 (default 0: at whole seconds); a live frontend "
+        "reports on its own phase, which decides which arrivals a planner's window counts",
+    )
+    p.add_argument(
+        "--staggered-load-reports",
+        action="store_true",
+        help="each simulated worker's load report on its own phase (seeded by --seed), as live workers publish "
+        "from their own start, instead of all of them at one tick: what the planner and the router read is then 0 "
+        "to 100 ms old per worker, not one age for all (a planner pulling on a fixed cadence otherwise reads every "
+        "report at one fixed age, which decides some of its decisions at a threshold)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--no-png", action="store_true", help="do not draw simulate.png")
@@ -320,6 +344,8 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
     graph = load_graph(args.graph, list(args.overrides))
     if not (args.startup_s >= 0 and args.connector_delay_s >= 0):
         raise WhatIfError("--startup-s and --connector-delay-s must be >= 0")
+    if not args.request_stats_offset_s < REQUEST_STATS_INTERVAL_S:
+        raise WhatIfError(f"--request-stats-offset-s must be below the reports' interval, {REQUEST_STATS_INTERVAL_S:g}")
     deployment = simulated_deployment(graph)
     fleet = dataclasses.replace(deployment.fleet, startup_s=args.startup_s, connector_delay_s=args.connector_delay_s)
     max_len = min(fleet.engine.max_model_len, fleet.decode_config.max_model_len)
@@ -378,6 +404,8 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
             scaler=planner,
             rescheduler=rescheduler,
             replicator=replicator,
+            request_stats_offset_s=args.request_stats_offset_s,
+            staggered_load_reports=args.staggered_load_reports,
         )
     finally:
         series.close()
@@ -398,6 +426,8 @@ def run(args: argparse.Namespace, progress: IO[str] | None) -> dict[str, Any]:
         "startup_s": args.startup_s,
         "connector_delay_s": args.connector_delay_s,
         "planner_start_s": None if planner is None else args.planner_start_s,
+        "request_stats_offset_s": None if planner is None else args.request_stats_offset_s,
+        "staggered_load_reports": args.staggered_load_reports,
         "adjustments": None if planner is None else len(planner.adjustments),
         "scaling_actions": [
             {

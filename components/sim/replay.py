@@ -286,6 +286,8 @@ class _Worker:
 _STEP, _ARRIVAL, _REPORT, _PF_STEP, _DELIVER, _READY, _PULL, _RESIZE, _RESCHEDULE, _LAND, _STATS = range(11)
 # Hot-prefix replication (components/sim/replication.py): a replicator's cycle, a copy's KV arriving.
 _REPLICATE, _IMPORT = 11, 12
+# With staggered load reports: one routed worker's own report (payload: its id).
+_WORKER_REPORT = 13
 
 
 def replay(
@@ -301,13 +303,25 @@ def replay(
     itl_sink: Sink | None = None,
     itl_from_s: float = -math.inf,
     request_stats_interval_s: float = REQUEST_STATS_INTERVAL_S,
+    request_stats_offset_s: float = 0.0,
+    staggered_load_reports: bool = False,
 ) -> RunResult:
     """Replay ``workload`` on ``fleet`` with ``policy`` (module docstring); deterministic for a seed. ``observer``
     (read-only: it changes nothing of the replay) is called at every load-report tick with the fleet's ``Sample``.
     ``scaler`` resizes the pools and ``rescheduler`` moves running requests (components/sim/dynamics.py).
     ``itl_sink``: where inter-token gaps go instead of ``RunResult.itl_s`` (a histogram for long runs); gaps of
     requests that arrived before ``itl_from_s`` (a warm-up) are not recorded. ``request_stats_interval_s``: how often
-    the simulated frontend's request report reaches the fleet view the scaler reads (with a scaler only).
+    the simulated frontend's request report reaches the fleet view the scaler reads (with a scaler only);
+    ``request_stats_offset_s`` (in ``[0, request_stats_interval_s)``): the phase of those reports, at offset + k x
+    the interval (a live frontend reports on its own cadence, from its start: ``kvmesh bench planner-live`` gives the
+    simulated side the live one's phase, measured). A scaler that starts before 0 (a live planner started before the
+    load) watches a fleet that serves from its start, with load and request reports from then (zero, until the first
+    arrival), as a deployment's workers and frontend report before the load. ``staggered_load_reports``: each routed
+    worker's load report reaches the fleet view (the router's and the scaler's) every ``metrics_interval_s`` on its
+    own phase, drawn (seeded by ``seed``, apart from the router's draws) when it starts, from its registration on, as
+    live workers publish from their own start, instead of all of them at the load-report tick: what a reader sees
+    is then 0 to ``metrics_interval_s`` old per worker, not one age for all, which a scaler pulling on a fixed
+    cadence would otherwise read at one fixed age. The observer's samples stay at the tick.
 
     Events are (time, order, kind, payload) in one heap, ``order`` a counter, so events at one instant run in the
     order they were scheduled: at one instant step ends before arrivals before load reports, as they were scheduled;
@@ -332,9 +346,13 @@ def replay(
     }
     workers: dict[int, _Worker] = {}  # routed workers (aggregated or decode), every one ever started
     prefillers: dict[int, _Worker] = {}
-    for span in connectors[DECODE].start_fleet(spec.workers, 0.0):
+    # The fleet serves from 0, or from the scaler's first pull when that is earlier (docstring).
+    fleet_start_s = min(0.0, scaler.start_s) if scaler is not None else 0.0
+    # Staggered load reports: each routed worker's phase, drawn from a stream of its own (the router's is unchanged).
+    phases = random.Random(f"load-report-phases:{seed}") if staggered_load_reports else None
+    for span in connectors[DECODE].start_fleet(spec.workers, fleet_start_s):
         workers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(spec.decode_config), span)
-    for span in connectors[PREFILL].start_fleet(spec.prefill, 0.0):
+    for span in connectors[PREFILL].start_fleet(spec.prefill, fleet_start_s):
         prefillers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(spec.engine), span)
     step_time = step_time_of(spec.decode_config)
     meta: dict[str, object] = {
@@ -365,7 +383,7 @@ def replay(
             members += [(p.iid, dict(prefill_meta)) for p in serving_prefill]
         router.set_workers(MODEL, members)
 
-    membership_changed(0.0)
+    membership_changed(fleet_start_s)
     # The router reads its KV index only for a policy that uses it (``select``, ``on_routed`` and ``load_view`` all
     # test ``uses_kv`` first): for the others the engines' KV events change nothing it decides, and are not indexed
     # (an hour of Mooncake trace on 64 workers: ~460k batches of events, ~15% of the replay's CPU time). A scaler or
@@ -391,14 +409,20 @@ def replay(
         heap.append((requests[i].arrival_s, seq, _ARRIVAL, i))
         seq += 1
     heapq.heapify(heap)
-    # Load reports start with the run: at the first arrival for a static fleet (nothing to report before it), at 0
-    # with a scaler (the fleet it watches serves from 0, and its first pulls may come before any arrival).
+    # Load reports start with the run: at the first arrival for a static fleet (nothing to report before it), at the
+    # fleet's start with a scaler (the fleet it watches serves from then, and its first pulls may come before any
+    # arrival).
     if n_requests or scaler is not None:
         first_report_s = requests[0].arrival_s if n_requests else 0.0
         if scaler is not None:
-            first_report_s = min(0.0, first_report_s)
+            first_report_s = min(fleet_start_s, first_report_s)
         heapq.heappush(heap, (first_report_s, seq, _REPORT, 0))
         seq += 1
+        if phases is not None:
+            for w in workers.values():
+                first_s = w.span.ready_s + phases.uniform(0, spec.metrics_interval_s)
+                heapq.heappush(heap, (first_s, seq, _WORKER_REPORT, w.iid))
+                seq += 1
     remaining = n_requests
     last_finish = requests[0].arrival_s if n_requests else 0.0
     until_s = -math.inf
@@ -408,10 +432,16 @@ def replay(
     if scaler is not None:
         if not request_stats_interval_s > 0:
             raise ValueError(f"request_stats_interval_s must be > 0, got {request_stats_interval_s}")
+        if not 0 <= request_stats_offset_s < request_stats_interval_s:
+            raise ValueError(
+                f"request_stats_offset_s must be within [0, {request_stats_interval_s:g}), got {request_stats_offset_s}"
+            )
         stats = RequestCounts()
-        # The k-th report at k x the interval (a product, not a running sum: no drift over an hour of 1 s steps),
-        # scheduled before the first pull so that, at an instant they share, the report is in when the scaler reads.
-        heapq.heappush(heap, (request_stats_interval_s, seq, _STATS, 1))
+        # The k-th report at offset + k x the interval (a product, not a running sum: no drift over an hour of 1 s
+        # steps), the first after the fleet's start, scheduled before the first pull so that, at an instant they
+        # share, the report is in when the scaler reads.
+        first_k = math.floor((fleet_start_s - request_stats_offset_s) / request_stats_interval_s) + 1
+        heapq.heappush(heap, (request_stats_offset_s + first_k * request_stats_interval_s, seq, _STATS, first_k))
         seq += 1
         until_s = scaler.until_s
         heapq.heappush(heap, (scaler.start_s, seq, _PULL, 0))
@@ -559,6 +589,8 @@ def replay(
         for span in added:
             pool_workers[span.worker_id] = _Worker(span.worker_id, VirtualEngine(config), span)
             push(span.ready_s, _READY, span.worker_id)
+            if phases is not None and r.pool == DECODE:
+                push(span.ready_s + phases.uniform(0, spec.metrics_interval_s), _WORKER_REPORT, span.worker_id)
         if leaving:
             membership_changed(now)
         actions.append((Action(r.pool, now, None, r.direction, r.current, r.target, r.reason), added + leaving))
@@ -754,7 +786,8 @@ def replay(
                 snaps.append(snap)
                 w.in_flight_sum += snap.num_running + snap.num_waiting
                 w.samples += 1
-                apply_load(w.iid, snap, now)
+                if phases is None:  # staggered: each worker's own _WORKER_REPORT applies it
+                    apply_load(w.iid, snap, now)
             if scaler is not None and disagg:
                 report_queue(now)
             if observer is not None:
@@ -767,6 +800,14 @@ def replay(
             prefill_step_ended(prefillers[payload], now)
         elif kind == _DELIVER:  # a prefill engine delivers its item (KV and first token), then pops the next
             deliver(prefillers[payload], now)
+        elif kind == _WORKER_REPORT:  # staggered load reports: one routed worker's, on its own phase
+            w = workers[payload]
+            if w.span.left_s is not None and w.span.left_s <= now:
+                continue  # left routing: it reports no more (the tick's reports skip it too)
+            if w.span.registered(now):
+                router.fleet.apply_load(w.iid, w.engine.snapshot(now), now)
+            if remaining > 0 or now < until_s:
+                push(now + spec.metrics_interval_s, _WORKER_REPORT, payload)
         elif kind == _READY:  # a started worker registers: it joins routing (or the prefill queue's pollers)
             membership_changed(now)
             settle(now)
@@ -808,7 +849,7 @@ def replay(
             router.fleet.apply_request_stats(SIM_FRONTEND, stats.report(MODEL, request_stats_interval_s), now)
             stats.reset()
             if remaining > 0 or now < until_s:
-                push((payload + 1) * request_stats_interval_s, _STATS, payload + 1)
+                push(request_stats_offset_s + (payload + 1) * request_stats_interval_s, _STATS, payload + 1)
         elif kind == _REPLICATE:
             assert replicator is not None
             free = {w.iid: w.engine.num_free_blocks for w in routed}

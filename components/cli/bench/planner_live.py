@@ -11,7 +11,15 @@
    its TensorBoard files (``adjustment/decisions``, wall time of each), its pool sizes from ``pull/decode_workers``.
 3. The live workers' start-up, measured: from each scale-up decision to the first pull that counts the new worker.
 4. Simulated: ``kvmesh simulate`` on the same graph and settings and the same trace, ``--startup-s`` set to the
-   measured start-up (the median; the simulator's default of 30 s is a vLLM worker's, not a mock worker's).
+   measured start-up (the median; the simulator's default of 30 s is a vLLM worker's, not a mock worker's). With
+   ``--sim-inputs live`` (the sla mode's default) on what the live planner was fed instead (``simulated_inputs``):
+   the load generator's actual sends, the planner started one adjustment interval before the live one's first
+   decision (the live planner starts with the deployment, before the load, so its first decision reads a window
+   that began before it), and the live frontend's request reports' phase, heard for ~3 s before the load (which
+   arrivals each window counts), with the workers' load reports each on its own phase (``kvmesh simulate
+   --staggered-load-reports``: live workers publish from their own start, so a pull reads each report at its own
+   age). ``--resimulate`` runs a finished run's simulated side again with its arrivals jittered and a seed per draw:
+   how many different decisions the simulated side itself makes on the same inputs.
 5. The two sequences of scaling actions (pool, direction, from, to), decided within the load's span plus one
    adjustment interval, compared pair by pair: the same sequence, each pair within one adjustment interval of each
    other (the live planner's intervals start when it starts, before the load; the simulated one's at the first
@@ -49,6 +57,7 @@ import argparse
 import asyncio
 import json
 import math
+import random
 import re
 import statistics
 import subprocess
@@ -62,8 +71,10 @@ from components.cli.bench.loadgen.stats import RequestResult
 from components.cli.bench.scaling import Sinusoid, arrival_times
 from components.deploy.graph import load_graph, planner_watcher
 from components.deploy.state import log_path, read_state, resolve_state_dir
-from components.protocol.endpoints import ENDPOINT_GENERATE
+from components.protocol.endpoints import ENDPOINT_GENERATE, TOPIC_REQUEST_STATS
 from components.runtime import Runtime, RuntimeConfig
+from components.runtime.events import EventSubscription
+from components.sim.replay import REQUEST_STATS_INTERVAL_S
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK_TOKENS = 512  # tokens per Mooncake hash id (components.sim.traces.MooncakeBlocks)
@@ -77,6 +88,7 @@ _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 # decision it follows: a line up to this much "before" the decision still follows it.
 _LOG_SLACK_S = 0.005
 
+_ACTION_FIELDS = ("pool", "direction", "from", "to", "decided_s", "reason")  # an action in the JSON, in this order
 # Per mode, the defaults of the flags whose right value depends on it (None on the command line: this).
 MODE_DEFAULTS: dict[str, dict[str, float]] = {
     # The load planner (KV-use thresholds): a 0.2x-speed worker, so that a few requests/s fill its cache.
@@ -337,6 +349,49 @@ def planner_phase_s(adjustments_s: list[float], adjustment_interval: float) -> f
     return round(adjustments_s[0] % adjustment_interval, 3) if adjustments_s else 0.0
 
 
+def report_phase_s(walls: list[float], interval_s: float = REQUEST_STATS_INTERVAL_S) -> float | None:
+    """The wall time (any one, on the frontend's cadence) at which the live frontend's request reports arrive, from
+    the receive times of a few of them: the first, moved by the median of the others' offsets from its whole-interval
+    grid (a report can come a few ms late under load; the cadence itself does not drift). None: none heard."""
+    if not walls:
+        return None
+    ref = walls[0]
+    offsets = [(w - ref) - round((w - ref) / interval_s) * interval_s for w in walls]
+    return ref + statistics.median(offsets)
+
+
+def simulated_inputs(
+    lives: list[dict[str, Any]],
+    t0: float,
+    phase_s: float,
+    adjustment_interval: float,
+    report_wall_s: float | None,
+    interval_s: float = REQUEST_STATS_INTERVAL_S,
+) -> dict[str, Any]:
+    """What the live run fed its planner, as the simulated side's inputs (``--sim-inputs live``): the arrivals at
+    the load generator's actual sends (``request_lives``' ``start_s``, relative to ``t0``; sorted, so a trace of
+    them starts at the first send), the planner's first pull one adjustment interval before its first decision at
+    ``phase_s`` (the live planner starts with the deployment, before the load: its first decision reads an interval
+    that began before the first arrival, which a simulated planner started at ``phase_s`` never makes), and the
+    phase of the frontend's request reports (received at ``report_wall_s`` + whole intervals: which arrivals each
+    of the planner's windows counts). ``planner_start_s`` and ``request_stats_offset_s`` are on the simulation's
+    clock, whose 0 is the first send (``kvmesh simulate --planner-start-s``/``--request-stats-offset-s``); an offset
+    of 0 when no report was heard (the simulator's own default)."""
+    sends = sorted(x["start_s"] for x in lives)
+    first = sends[0]
+    offset = 0.0
+    if report_wall_s is not None:
+        offset = round((report_wall_s - t0 - first) % interval_s, 3)
+        if offset >= interval_s:  # rounded up to a whole interval
+            offset = 0.0
+    return {
+        "arrivals_s": sends,
+        "first_send_s": first,
+        "planner_start_s": round(phase_s - adjustment_interval - first, 3),
+        "request_stats_offset_s": offset,
+    }
+
+
 def compare(live: list[dict[str, Any]], sim: list[dict[str, Any]], tolerance_s: float) -> dict[str, Any]:
     """Pair the two action lists in order: the same (pool, direction, from, to) and decided within ``tolerance_s``."""
     pairs = []
@@ -418,6 +473,29 @@ def _read_board(log_dir: Path) -> tuple[list[tuple[float, str]], list[tuple[floa
     return texts, pools
 
 
+async def _frontend_report_times(rt: Runtime, namespace: str, n: int = 3, timeout_s: float = 3.0) -> list[float]:
+    """The wall times at which ``n`` of the frontend's request reports arrive (its cadence's phase: which arrivals
+    each of the planner's windows counts), heard before the load; fewer when none comes within ``timeout_s``."""
+    sub: EventSubscription[Any] = await rt.namespace(namespace).events.subscribe(TOPIC_REQUEST_STATS)
+    walls: list[float] = []
+    try:
+        for _ in range(n):
+            try:
+                await sub.get(timeout_s)
+            except TimeoutError:
+                break
+            walls.append(time.time())
+    finally:
+        await sub.close()
+    return walls
+
+
+def sim_inputs_of(args: argparse.Namespace) -> str:
+    """``--sim-inputs``, or its mode's default: live for the sla mode, scheduled for the load mode (as before)."""
+    chosen = getattr(args, "sim_inputs", None)
+    return chosen if chosen is not None else ("live" if getattr(args, "mode", "load") == "sla" else "scheduled")
+
+
 async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> dict[str, Any]:
     state_dir = resolve_state_dir(out / "state")
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -429,6 +507,7 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
         raise RuntimeError(f"kvmesh serve failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
     namespace = ""
     results: list[dict[str, Any]] = []
+    report_walls: list[float] = []
     try:
         state = read_state(next(state_dir.glob("*.json")))
         namespace = state.namespace
@@ -440,6 +519,8 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
         try:
             client = await rt.namespace(namespace).component("backend").endpoint(ENDPOINT_GENERATE).client()
             await client.wait_for_instances(1, timeout_s=60)
+            if sim_inputs_of(args) == "live":
+                report_walls = await _frontend_report_times(rt, namespace)
         finally:
             await rt.shutdown(drain_timeout_s=1)
         vocab = load_graph(ROOT / args.graph, overrides(args, None)[1::2]).workers[0]
@@ -484,15 +565,26 @@ async def _live(args: argparse.Namespace, trace: Path, rows: int, out: Path) -> 
         "pools": [(round(w - t0, 3), n) for w, n in pools],
         "results": results,
         "stopping_s": round(stopping - t0, 3),
+        "report_walls": report_walls,
         "planner_log": planner_log.read_text(errors="replace").splitlines() if planner_log.exists() else [],
     }
 
 
-def _simulate(args: argparse.Namespace, trace: Path, startup_s: float, phase_s: float, out: Path) -> dict[str, Any]:
+def _simulate(
+    args: argparse.Namespace,
+    trace: Path,
+    startup_s: float,
+    start_s: float,
+    out: Path,
+    stats_offset_s: float = 0.0,
+    staggered: bool = False,
+    seed: int | None = None,
+) -> dict[str, Any]:
     done = _kvmesh(
         "simulate", "--graph", str(ROOT / args.graph), "--trace", str(trace), *overrides(args, None),
-        "--startup-s", str(startup_s), "--planner-start-s", str(phase_s), "--seed", str(args.seed),
-        "--out", str(out), "--no-progress", "--no-png",
+        "--startup-s", str(startup_s), f"--planner-start-s={start_s}", f"--request-stats-offset-s={stats_offset_s}",
+        *(["--staggered-load-reports"] if staggered else []),
+        "--seed", str(args.seed if seed is None else seed), "--out", str(out), "--no-progress", "--no-png",
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"kvmesh simulate failed: {done.stderr[-2000:]}")
@@ -565,11 +657,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # simulated one is started at the same phase, so that the two decide at the same instants until a change
     # restarts an interval.
     phase_s = planner_phase_s([w - live["t0"] for w, _ in live["texts"]], args.adjustment_interval)
-    sim = _simulate(args, trace, startup_s, phase_s, out / "sim")
+    lives = request_lives(live["results"], shifted, live["t0"], args.output_tokens)
+    inputs: dict[str, Any] = {"from": sim_inputs_of(args)}
+    if inputs["from"] == "live" and lives:
+        # The simulated side on what the live planner was fed (simulated_inputs): the sends, a planner started one
+        # interval before its first decision, the frontend's report phase.
+        wall = report_phase_s(live["report_walls"])
+        got = simulated_inputs(lives, live["t0"], phase_s, args.adjustment_interval, wall)
+        sim_trace = out / "sim-trace.jsonl"
+        write_trace(sim_trace, got["arrivals_s"], args.prompt_tokens, args.output_tokens)
+        lags = sorted(a - b for a, b in zip(sorted(x["start_s"] for x in lives), shifted, strict=False))
+        inputs |= {
+            "trace": str(sim_trace),
+            "first_send_s": got["first_send_s"],
+            "send_lag_ms": {"min": round(lags[0] * 1e3, 1), "median": round(statistics.median(lags) * 1e3, 1),
+                            "max": round(lags[-1] * 1e3, 1)},
+            "planner_start_s": got["planner_start_s"],
+            "frontend_reports_heard": len(live["report_walls"]),
+            "request_stats_offset_s": got["request_stats_offset_s"],
+        }  # fmt: skip
+        inputs["staggered_load_reports"] = True
+        sim = _simulate(
+            args, sim_trace, startup_s, got["planner_start_s"], out / "sim", got["request_stats_offset_s"], True
+        )
+        shift_s = got["first_send_s"]  # the simulation's clock starts at the first send: back onto the live one's
+    else:
+        inputs |= {"trace": str(trace), "planner_start_s": phase_s, "request_stats_offset_s": 0.0}
+        sim = _simulate(args, trace, startup_s, phase_s, out / "sim")
+        shift_s = 0.0
     sim_actions = [
-        {f: a[f] for f in ("pool", "direction", "from", "to", "decided_s", "reason")}
+        {f: round(a[f] + shift_s, 3) if f == "decided_s" else a[f] for f in _ACTION_FIELDS}
         for a in sim["summary"]["scaling_actions"]
-        if a["decided_s"] <= window_end
+        if a["decided_s"] + shift_s <= window_end
     ]
     verdict = compare(live_in, sim_actions, args.adjustment_interval)
     # One worker's KV capacity in requests at once, and the requests in flight the peak offers by Little's law with
@@ -597,6 +716,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "startup_s": {"measured": delays, "used": startup_s},
         "planner_phase_s": phase_s,
+        "simulated_inputs": inputs,
         "live": {
             "actions": live_in,
             "actions_outside_window": len(live_actions) - len(live_in),
@@ -610,7 +730,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if sla:
         # Only the sla mode adds these (the load mode's JSON stays as it was).
-        lives = request_lives(live["results"], shifted, live["t0"], args.output_tokens)
         windows = scale_down_windows(live_in, live["planner_log"], live["t0"], live["stopping_s"])
         overlap = scale_down_overlap(lives, windows)
         # Each live request's life, for reading the verdict again (a window, an error) without another run.
@@ -642,7 +761,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     if args.png:
         png = out / "planner-live.png"
-        report["png"] = str(png) if _draw(png, shifted, live["pools"], sim["pools"], live_in) else None
+        sim_pools = [(t + shift_s, n) for t, n in sim["pools"]]
+        report["png"] = str(png) if _draw(png, shifted, live["pools"], sim_pools, live_in) else None
     (out / "planner-live.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -737,11 +857,141 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=3.0,
         help="worker start-up for the simulation when the live run measured none (no scale-up), seconds (default 3)",
     )
+    p.add_argument(
+        "--sim-inputs",
+        choices=("live", "scheduled"),
+        default=None,
+        help="what the simulated side replays: live (the sla mode's default) the live run's inputs: the load "
+        "generator's actual sends, a planner started one adjustment interval before the live one's first decision "
+        "(as the live planner starts with the deployment, before the load) and the live frontend's request-report "
+        "phase (heard for ~3 s before the load); scheduled (the load mode's default) the trace's scheduled "
+        "arrivals, a planner started at the live one's phase, reports at whole seconds",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts (default 0)")
+    p.add_argument(
+        "--resimulate",
+        action="store_true",
+        help="no live run: the simulated side of the run already in --out (same flags as that run) again, --draws "
+        "times, each arrival moved by up to +-(--jitter-ms): how many distinct action sequences the simulated side "
+        "makes on the same inputs, and how many match the live run's (resimulated.json)",
+    )
+    p.add_argument("--draws", type=int, default=20, help="--resimulate: simulations (default 20)")
+    p.add_argument(
+        "--no-stagger",
+        action="store_true",
+        help="--resimulate: the workers' load reports all at one tick even where the run's simulated side "
+        "staggered them (for comparison)",
+    )
+    p.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=2.0,
+        help="--resimulate: each arrival moved by a uniform draw within +- this, ms (default 2: the load "
+        "generator's sends here are 3-7 ms after their schedule, within 1-2 ms of their median lag)",
+    )
     p.add_argument("--png", action=argparse.BooleanOptionalAction, default=True, help="write planner-live.png")
 
 
+def jittered(arrivals_s: list[float], jitter_s: float, rng: random.Random) -> list[float]:
+    """``arrivals_s``, each moved by a uniform draw within +-``jitter_s``, to the trace's millisecond, sorted."""
+    return sorted(round(t + rng.uniform(-jitter_s, jitter_s), 3) for t in arrivals_s)
+
+
+def spread(live: list[dict[str, Any]], draws: list[list[dict[str, Any]]], tolerance_s: float) -> dict[str, Any]:
+    """The simulated side's action sequences over ``draws`` (each a list of actions, times on the live clock): every
+    distinct sequence (its actions as ``pool:from->to@decided``), how many draws made it and whether it matches
+    ``live`` by ``compare``'s rule; how many draws match; how many distinct sequences of actions with the times left
+    out. Most frequent first."""
+    seen: dict[str, dict[str, Any]] = {}
+    shapes: set[str] = set()
+    for acts in draws:
+        key = " ".join(f"{a['pool']}:{a['from']}->{a['to']}@{a['decided_s']:.1f}" for a in acts)
+        shapes.add(" ".join(f"{a['pool']}:{a['from']}->{a['to']}" for a in acts))
+        if key not in seen:
+            seen[key] = {"actions": key, "draws": 0, "matches_live": compare(live, acts, tolerance_s)["same_sequence"]}
+        seen[key]["draws"] += 1
+    sequences = sorted(seen.values(), key=lambda x: -x["draws"])
+    return {
+        "draws": len(draws),
+        "matching_live": sum(x["draws"] for x in sequences if x["matches_live"]),
+        "distinct_sequences": len(sequences),
+        "distinct_without_times": len(shapes),
+        "sequences": sequences,
+    }
+
+
+def resimulate(args: argparse.Namespace) -> dict[str, Any]:
+    """``--resimulate``: the simulated side of the run in ``--out`` again, ``--draws`` times, each arrival moved by
+    up to +-``--jitter-ms`` (seeded by ``--seed``) and each draw with its own simulation seed (``--seed`` + draw: the
+    router's tie-breaks, the staggered load reports' phases), on the inputs that run's simulated side had
+    (``simulated_inputs``; a run without them: the scheduled ones); ``spread`` of the outcomes against the live
+    actions. Writes ``resimulated.json``; each draw's files under ``resim/``."""
+    args = resolve_mode_defaults(args)
+    out = Path(args.out).resolve()
+    ran = json.loads((out / "planner-live.json").read_text())
+    live = ran["live"]["actions"]
+    scheduled = [row["timestamp"] / 1000 for row in map(json.loads, (out / "trace.jsonl").read_text().splitlines())]
+    window_end = scheduled[-1] + args.adjustment_interval
+    inputs = ran.get("simulated_inputs") or {"from": "scheduled"}
+    phase_s, startup_s = ran["planner_phase_s"], ran["startup_s"]["used"]
+    if inputs["from"] == "live":
+        lives = json.loads((out / "live-requests.json").read_text())
+        base = sorted(x["start_s"] for x in lives)
+        # The report phase on the live clock (the simulation's clock starts at each draw's first send).
+        report_s = inputs["request_stats_offset_s"] + inputs["first_send_s"]
+    else:
+        base, report_s = scheduled, 0.0
+    rng = random.Random(args.seed)
+    draws = []
+    for d in range(args.draws):
+        arrivals = jittered(base, args.jitter_ms / 1e3, rng)
+        first = arrivals[0]
+        trace = out / "resim" / f"trace-{d}.jsonl"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        write_trace(trace, arrivals, args.prompt_tokens, args.output_tokens)
+        start_s = phase_s - (args.adjustment_interval if inputs["from"] == "live" else 0.0) - first
+        offset_s = round((report_s - first) % REQUEST_STATS_INTERVAL_S, 3) % REQUEST_STATS_INTERVAL_S
+        staggered = bool(inputs.get("staggered_load_reports", False)) and not args.no_stagger
+        # Each draw its own simulation seed (the run's, then the next ones): the router's tie-breaks and, staggered,
+        # the workers' report phases, which the live run does not fix either.
+        sim = _simulate(
+            args, trace, startup_s, round(start_s, 3), out / "resim" / str(d), offset_s, staggered, args.seed + d
+        )
+        acts = [
+            {f: round(a[f] + first, 3) if f == "decided_s" else a[f] for f in _ACTION_FIELDS}
+            for a in sim["summary"]["scaling_actions"]
+            if a["decided_s"] + first <= window_end
+        ]
+        draws.append(acts)
+    report = {
+        "bench": "planner-live --resimulate",
+        "run": str(out),
+        "inputs": inputs["from"],
+        "staggered_load_reports": bool(inputs.get("staggered_load_reports", False)) and not args.no_stagger,
+        "jitter_ms": args.jitter_ms,
+        "seed": args.seed,
+        "live": " ".join(f"{a['pool']}:{a['from']}->{a['to']}@{a['decided_s']:.1f}" for a in live),
+        "spread": spread(live, draws, args.adjustment_interval),
+    }
+    (out / "resimulated.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.resimulate:
+        try:
+            again = resimulate(args)
+        except (RuntimeError, ValueError, OSError, KeyError) as e:
+            print(f"kvmesh bench planner-live --resimulate: {e!r}", file=sys.stderr)
+            return 1
+        sp = again["spread"]
+        print(
+            f"{sp['draws']} draws (+-{args.jitter_ms:g} ms): {sp['distinct_sequences']} distinct sequences "
+            f"({sp['distinct_without_times']} without times); {sp['matching_live']} match the live one",
+            file=sys.stderr,
+        )
+        print(json.dumps(again))
+        return 0
     try:
         report = run(args)
     except (RuntimeError, ValueError, OSError) as e:

@@ -14,15 +14,20 @@ from components.cli.bench.planner_live import (
     add_arguments,
     align,
     compare,
+    jittered,
     log_time,
     one_worker_capacity,
     overrides,
     parse_decisions,
     planner_phase_s,
+    report_phase_s,
     request_lives,
     resolve_mode_defaults,
     scale_down_overlap,
     scale_down_windows,
+    sim_inputs_of,
+    simulated_inputs,
+    spread,
     startup_delays,
     write_trace,
 )
@@ -97,6 +102,60 @@ def test_the_live_planners_phase_is_its_first_adjustment_modulo_the_interval():
     # First adjustment 23.4 s before the load started: later ones fall at -23.4 + 10 k, i.e. 6.6 s past each 10 s.
     assert planner_phase_s([-23.4, -13.4], 10.0) == pytest.approx(6.6)
     assert planner_phase_s([], 10.0) == 0.0
+
+
+def test_the_simulated_side_is_fed_the_live_runs_inputs():
+    # Seed 0's run of 2026-11-29 17:40 UTC, its numbers: the load generator started at t0 = 1000 (here), its sends
+    # 4 ms late or so (and out of order by a millisecond), the live planner's decisions at 8.382 + 10 k s after t0
+    # (its first pull at -1.62, with the deployment), the frontend's reports received at 0.135 + whole seconds.
+    lives = [{"index": 0, "start_s": 0.004}, {"index": 1, "start_s": 1.503}, {"index": 2, "start_s": 1.502}]
+    wall = report_phase_s([1001.135, 1002.137, 1003.134])  # one 2 ms late: the median of the offsets is 0
+    assert wall == pytest.approx(1001.135)
+    got = simulated_inputs(lives, 1000.0, 8.382, 10.0, wall)
+    # The simulation's clock starts at the first send: a trace of the sends, sorted.
+    assert got["arrivals_s"] == [0.004, 1.502, 1.503] and got["first_send_s"] == 0.004
+    # Its planner one interval before the live one's first decision (8.382 - 10 = -1.618 after t0, -1.622 after
+    # the first send), so that it makes that decision too, on the window (-1.622, 8.378] of its clock.
+    assert got["planner_start_s"] == pytest.approx(-1.622)
+    # The reports at 1.135 - 0.004 s past each second of the simulation's clock.
+    assert got["request_stats_offset_s"] == pytest.approx(0.131)
+    # Reports around a whole second: the median offset from the first's grid, across the wrap.
+    assert report_phase_s([1000.999, 1002.001, 1003.0]) == pytest.approx(1001.0)
+    # None heard: the simulator's default phase.
+    assert report_phase_s([]) is None
+    assert simulated_inputs(lives, 1000.0, 8.382, 10.0, None)["request_stats_offset_s"] == 0.0
+    # The sla mode's default is these inputs; the load mode keeps the scheduled ones; either can be chosen.
+    assert sim_inputs_of(parsed("--mode", "sla")) == "live" and sim_inputs_of(parsed()) == "scheduled"
+    assert sim_inputs_of(parsed("--mode", "sla", "--sim-inputs", "scheduled")) == "scheduled"
+
+
+def test_the_arrivals_move_within_the_jitter_and_stay_a_trace():
+    import random
+
+    base = [0.0, 0.001, 0.5, 2.0]
+    moved = jittered(base, 0.002, random.Random(1))
+    assert moved == sorted(moved) and all(round(t, 3) == t for t in moved)
+    # Each within 2 ms of an arrival (0.0 and 0.001 may swap places: sorted again, as a trace is).
+    assert len(moved) == len(base) and all(min(abs(m - b) for b in base) <= 0.002 + 1e-9 for m in moved)
+    assert jittered(base, 0.002, random.Random(1)) == moved  # seeded
+    assert jittered(base, 0.0, random.Random(1)) == base
+
+
+def test_the_simulated_sides_spread_counts_each_sequence_and_which_match_the_live_one():
+    def a(before: int, after: int, t: float) -> dict:
+        return {"pool": "decode", "direction": "up" if after > before else "down", "from": before, "to": after,
+                "decided_s": t}  # fmt: skip
+
+    live = [a(1, 2, 8.4), a(2, 3, 37.4), a(3, 4, 74.4)]
+    same = [a(1, 2, 8.4), a(2, 3, 37.4), a(3, 4, 74.4)]
+    within = [a(1, 2, 8.4), a(2, 3, 38.4), a(3, 4, 78.4)]  # the same actions, each within one interval
+    extra = [a(1, 2, 8.4), a(2, 3, 37.4), a(3, 4, 40.4), a(4, 3, 58.4), a(3, 4, 74.4)]
+    got = spread(live, [same, extra, within, same], 10.0)
+    assert got["draws"] == 4 and got["matching_live"] == 3
+    assert got["distinct_sequences"] == 3 and got["distinct_without_times"] == 2
+    first = got["sequences"][0]
+    assert first == {"actions": "decode:1->2@8.4 decode:2->3@37.4 decode:3->4@74.4", "draws": 2, "matches_live": True}
+    assert [x["matches_live"] for x in got["sequences"]] == [True, False, True]
 
 
 # -- the sla mode ------------------------------------------------------------------------------------------------------

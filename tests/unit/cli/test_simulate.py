@@ -164,6 +164,18 @@ def test_a_graph_with_a_planner_runs_its_planner_and_reports_each_scaling_action
     shifted = json.loads(stdout.strip().splitlines()[-1])
     assert shifted["planner_start_s"] == 2.5 and shifted["scaling_actions"]
     assert all((a["decided_s"] - 2.5) == pytest.approx(round(a["decided_s"] - 2.5)) for a in shifted["scaling_actions"])
+    # A negative start: the planner (and the fleet it watches) start before the first arrival, as a live planner
+    # started with its deployment does; its pulls, and so its decisions, fall at -2.5 s + whole seconds. The request
+    # reports' phase is echoed; one of a whole interval or more is refused.
+    code, stdout, err = run(capsys, *argv, "--out", str(tmp_path / "o4"), "--planner-start-s=-2.5",
+                            "--request-stats-offset-s", "0.25", "--no-png", "--no-tensorboard")  # fmt: skip
+    assert code == 0, err
+    early = json.loads(stdout.strip().splitlines()[-1])
+    assert early["planner_start_s"] == -2.5 and early["request_stats_offset_s"] == 0.25 and early["scaling_actions"]
+    assert all((a["decided_s"] + 2.5) == pytest.approx(round(a["decided_s"] + 2.5)) for a in early["scaling_actions"])
+    code, _, err = run(capsys, *argv, "--out", str(tmp_path / "o5"), "--request-stats-offset-s", "1", "--no-png",
+                       "--no-tensorboard")  # fmt: skip
+    assert code == 1 and "--request-stats-offset-s must be below" in err
 
     # --without-planner: the fleet as it starts, never resized.
     code, stdout, err = run(capsys, *argv, "--out", str(tmp_path / "o2"), "--without-planner", "--no-png",
