@@ -362,9 +362,12 @@ class PromptHashes(Sequence[int]):
             avail_bytes = min(n_bytes, len(view) // stride * stride)  # whole blocks packed
             off = done * stride
             asked = k * stride
+            # Ahead, a chunk is taken while it is packed whole: ``min(off + size, n_bytes) <= avail_bytes``, which
+            # (``avail_bytes <= n_bytes``) is ``off + size <= avail_bytes`` unless the whole prompt is packed.
+            whole = avail_bytes >= n_bytes
             # A chunk per pass: those asked for, then those ahead while they are packed whole. A hit is a digest, a
             # lookup and a copy (~1 us warm); the loop's own steps are kept small (locals, counters added at the end).
-            while off < asked or (off < avail_bytes and min(off + size, n_bytes) <= avail_bytes):  # asked or ahead
+            while off < asked or (off < avail_bytes and (whole or off + size <= avail_bytes)):  # asked or ahead
                 piece = view[off : off + size]  # a view: no copy (xxh3 reads any buffer)
                 key = peek_key if off == peek_off else _xxh3_128(piece, last)
                 hashes = get(key)

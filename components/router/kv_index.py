@@ -502,34 +502,39 @@ class KvIndex:
         lo, m_lo = 0, active
         first = self._first_stop
         start = len(groups)
-        probes: tuple[int, ...] = (first - 1, first) if 1 < first < min(n, max_step) else ()
+        # The two probes at the last first stop, taken first (-1: none left).
+        p0, p1 = (first - 1, first) if 1 < first < min(n, max_step) else (-1, -1)
         hint_key = -1  # the hash of the block where this search's first group stops (-1: none found yet)
         hints: tuple[int, ...] = ()  # what the last search from that block probed to find the stops past it
+        nh = 0  # len(hints)
         j = 0  # the next of ``hints`` to consider
         h = 0
+        have = len(hs)  # hashes readable in ``hs`` (it grows in place, only at ``need``: kept, not asked per probe)
         while m_lo:
             if lo + 1 < max_step:
                 hi = (1 << (lo + 1).bit_length()) - 1  # the gallop: 1, 3, 7, ..., the first 2**k - 1 past lo
             else:
                 hi = lo + max_step - (lo + 1) % max_step  # then the next max_step - 1 + j * max_step
-            if probes:
-                hi, probes = probes[0], probes[1:]
-            elif hints:
-                while j < len(hints) and hints[j] <= lo:
+            if p0 >= 0:
+                hi, p0, p1 = p0, p1, -1
+            elif j < nh:
+                while j < nh and hints[j] <= lo:
                     j += 1
-                if j < len(hints):
+                if j < nh:
                     p = hints[j]
-                    if p <= hi or p < len(hs):
+                    if p <= hi or p < have:
                         hi = p  # a hinted probe, reading no further than the gallop's next probe or the hashes at hand
-                    elif len(hs) - 1 > hi:
-                        hi = len(hs) - 1  # towards it, as far as the hashes at hand go
+                    elif have - 1 > hi:
+                        hi = have - 1  # towards it, as far as the hashes at hand go
             if hi >= n:
                 hi, m_hi = n, 0  # past the end: nobody holds block n
-                if n > len(hs):
+                if n > have:
                     need(n)
+                    have = len(hs)
             else:
-                if hi >= len(hs):  # (``hs`` grows in place: most probes find their hash there already)
+                if hi >= have:  # (most probes find their hash there already)
                     need(hi + 1)
+                    have = len(hs)
                 h = hs[hi]
                 m_hi = get(h, 0) & m_lo
             if m_hi != m_lo:
@@ -538,9 +543,10 @@ class KvIndex:
                     stop = groups[start][1]
                     hint_key = h if stop == hi else hs[stop]
                     hints = self._hints.get(hint_key, ())
+                    nh = len(hints)
             lo, m_lo = hi, m_hi
         if len(groups) > start:
-            self._first_stop = min(d for _, d in groups[start:])
+            self._first_stop = groups[start][1]  # the least: groups are appended in ascending depth (``_split``)
         if hint_key >= 0:
             found = tuple(p for _, d in groups[start + 1 :] for p in (d - 1, d))
             if found != hints:

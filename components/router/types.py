@@ -188,6 +188,16 @@ class WorkerSnapshot(NamedTuple):
         return self.metrics_received_s is not None and now_s < self.metrics_stale_after_s
 
 
+def _cost_terms(w: WorkerSnapshot) -> tuple[float, float, float, float]:
+    """``WorkerTable.cost_terms``'s four numbers for ``w``."""
+    return (
+        w.prefill_ms_per_token,
+        float(w.queued_prefill_tokens),
+        w.step_residual_ms if w.queued_prefill_tokens else 0.0,
+        w.decode_step_ms,
+    )
+
+
 class WorkerTable(Sequence[WorkerSnapshot]):
     """A model's workers as the router hands them to a policy: their snapshots in ascending ``instance_id``, plus
     what a decision would otherwise walk every snapshot for, kept up to date as the router replaces one snapshot at a
@@ -201,13 +211,14 @@ class WorkerTable(Sequence[WorkerSnapshot]):
       worker holding it is the next to report, so it moves with nearly every report: ~4 us a decision at 256);
     - ``load_range()``: the fewest and most ``active_requests``, for the ``kv`` imbalance test (a count per value,
       and the two ends kept as snapshots are replaced: found again only when the last worker at an end leaves it);
-    - ``prefill_rates``, ``queued_tokens``, ``residuals``, ``decode_steps``: per position, the snapshot's
-      ``prefill_ms_per_token``, ``queued_prefill_tokens`` (as a float: the value ``int + float`` converts it to),
-      ``step_residual_ms`` where prefill is queued (else 0.0) and ``decode_step_ms``, in ``array('d')``s (read them,
-      do not modify them): the four numbers of the ``kv`` cost, each read from one 2 KB array at 256 workers that
-      every decision reads, where a snapshot's fields are separate float objects of a tuple rebuilt at the worker's
-      last change, out of the CPU caches by the time a decision asks (four cache misses a worker, ~6 workers a
-      decision: ``policies/kv.py``, ``lowest_ttft``);
+    - ``cost_terms``: per position ``i``, at ``4 * i`` to ``4 * i + 3``, the snapshot's ``prefill_ms_per_token``,
+      ``queued_prefill_tokens`` (as a float: the value ``int + float`` converts it to), ``step_residual_ms`` where
+      prefill is queued (else 0.0) and ``decode_step_ms``, in one ``array('d')`` (read it, do not modify it): the
+      four numbers of the ``kv`` cost side by side, 32 bytes a worker, so that a worker's four are one CPU cache line
+      (8 KB at 256 workers). A snapshot's fields are separate float objects of a tuple rebuilt at the worker's last
+      change, out of the caches by the time a decision asks (four misses a worker); four arrays of one number each
+      (until main at ad3b26b) still cost four lines a worker, ~6 workers a decision (``policies/kv.py``,
+      ``lowest_ttft``), where the load reports and KV events between decisions have evicted them;
     - ``by_queued_wait()``: ``(queued_wait_ms, position)`` pairs, ascending, where ``queued_wait_ms`` is how long
       the worker's prefill queue holds a new prompt (``queued_wait_ms(w)``), with
       ``prefill_ms_floor`` and ``decode_ms_floor``, the least ``prefill_ms_per_token`` and ``decode_step_ms`` any
@@ -231,13 +242,10 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         "_wait_order",
         "_wait_stale",
         "_workers",
+        "cost_terms",
         "decode_ms_floor",
-        "decode_steps",
         "positions",
         "prefill_ms_floor",
-        "prefill_rates",
-        "queued_tokens",
-        "residuals",
     )
 
     def __init__(self, workers: Iterable[WorkerSnapshot]) -> None:
@@ -256,10 +264,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
         self._wait_stale: set[int] = set()  # positions replaced since by_queued_wait last sorted them
         self.prefill_ms_floor = min((w.prefill_ms_per_token for w in ws), default=0.0)
         self.decode_ms_floor = min((w.decode_step_ms for w in ws), default=0.0)
-        self.prefill_rates = array("d", [w.prefill_ms_per_token for w in ws])
-        self.queued_tokens = array("d", [w.queued_prefill_tokens for w in ws])
-        self.residuals = array("d", [w.step_residual_ms if w.queued_prefill_tokens else 0.0 for w in ws])
-        self.decode_steps = array("d", [w.decode_step_ms for w in ws])
+        self.cost_terms = array("d", [x for w in ws for x in _cost_terms(w)])
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -303,10 +308,7 @@ class WorkerTable(Sequence[WorkerSnapshot]):
                 elif n > self._load_hi:
                     self._load_hi = n
         self._wait_stale.add(i)  # re-sorted when next asked (``by_queued_wait``: kv only)
-        self.prefill_rates[i] = w.prefill_ms_per_token
-        self.queued_tokens[i] = w.queued_prefill_tokens
-        self.residuals[i] = w.step_residual_ms if w.queued_prefill_tokens else 0.0
-        self.decode_steps[i] = w.decode_step_ms
+        self.cost_terms[4 * i : 4 * i + 4] = array("d", _cost_terms(w))
         if w.prefill_ms_per_token < self.prefill_ms_floor:
             self.prefill_ms_floor = w.prefill_ms_per_token
         if w.decode_step_ms < self.decode_ms_floor:

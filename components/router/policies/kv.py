@@ -206,15 +206,16 @@ def lowest_ttft(
     cost: dict[int, float] = {}  # position -> cost, as ttft_costs computes it
     best = math.inf
     positions = table.positions
-    # The snapshots' four numbers, from the table's arrays (``WorkerTable``: the same values, fewer cache misses);
-    # ``q + sbase`` with ``q`` a float is what ``ttft_costs`` computes with the int, and adding the 0.0 residual of a
-    # worker with nothing queued is adding nothing, so every cost is ``ttft_costs``'s to the bit.
-    rates, queued, residuals, steps = table.prefill_rates, table.queued_tokens, table.residuals, table.decode_steps
+    # The snapshots' four numbers, side by side in the table's ``cost_terms`` (the same values, one cache line a
+    # worker); ``q + sbase`` with ``q`` a float is what ``ttft_costs`` computes with the int, and adding the 0.0
+    # residual of a worker with nothing queued is adding nothing, so every cost is ``ttft_costs``'s to the bit.
+    terms = table.cost_terms
     for iid, blocks in overlaps.items():
         i = positions.get(iid)
         if i is not None:
-            rate = rates[i]
-            c = rate * (queued[i] + sbase) + residuals[i] + decode_weight * steps[i]
+            k = 4 * i
+            rate = terms[k]
+            c = rate * (terms[k + 1] + sbase) + terms[k + 2] + decode_weight * terms[k + 3]
             if blocks > floor:
                 c -= rate * (scale * min((blocks - floor) * bs, base - 1))
             cost[i] = c
@@ -231,12 +232,16 @@ def lowest_ttft(
         budget -= 1
         if budget < 0:
             return None
-        c = rates[i] * (queued[i] + sbase) + residuals[i] + decode_weight * steps[i]
+        k = 4 * i
+        c = terms[k] * (terms[k + 1] + sbase) + terms[k + 2] + decode_weight * terms[k + 3]
         cost[i] = c
         if c < best:
             best = c
             stop = best + 1e-9 * best + 1e-9
-    return sorted(i for i, c in cost.items() if c == best), best
+    tied = [i for i, c in cost.items() if c == best]  # positions in the order first computed: sorted if several
+    if len(tied) > 1:
+        tied.sort()
+    return tied, best
 
 
 def _lowest_tiered(
@@ -398,6 +403,63 @@ def _chosen(
     return w, why, overlap, kind
 
 
+def _plain(config: RouterConfig) -> bool:
+    """Whether ``config`` leaves ``choose`` nothing to do before the cost but the imbalance test: no busy thresholds
+    (``common.not_busy`` keeps every candidate) and temperature 0 (the lowest cost wins)."""
+    return (
+        config.active_decode_blocks_threshold is None
+        and config.active_prefill_tokens_threshold is None
+        and config.router_temperature <= 0.0
+    )
+
+
+def _lowest_on_table(
+    request: RouteRequest, table: WorkerTable, config: RouterConfig, rng: random.Random
+) -> RouteDecision | None:
+    """``KvPolicy.select``'s decision in the usual case, in one function: a ``WorkerTable`` of 2 or more workers,
+    none stale, no pin, none excluded, no host tier, a ``_plain`` config, no imbalance; None otherwise, having drawn
+    nothing from ``rng`` (the caller then takes the general path, which decides as it always did).
+
+    Where it decides, it is the general path's steps with their outcomes known in advance: ``common.prelude`` returns
+    the table itself and an empty note (no pin, nothing excluded, ``none_stale``), ``common.not_busy`` the same (no
+    thresholds), the imbalance test passes (tested here, as ``choose`` does), temperature 0 takes ``lowest_ttft``
+    (or, where it declines, ``ttft_costs`` and ``common.pick_min``, as ``choose``), ``host_extra_of`` is 0 (no host
+    overlaps): the same worker, ``rng`` draws, overlap, kind and reason (``_chosen``'s template and arguments). It
+    saves the general path's ~10 calls and their checks (~4-8 us of a decision in ``kvmesh bench router``'s flow,
+    where a decision's code and data are out of the CPU caches: docs/router.md, "Cost")."""
+    if (
+        request.pinned_instance_id is not None
+        or request.excluded_instance_ids
+        or request.host_overlap_blocks
+        or request.common_host_overlap_blocks
+    ):
+        return None
+    n = len(table)
+    if n < 2 or not table.none_stale(request.now_s):
+        return None
+    lo, hi = table.load_range()
+    if hi - lo > config.balance_abs_threshold and hi > config.balance_rel_threshold * lo:
+        return None  # the imbalance override: ``choose``'s
+    found = lowest_ttft(request, table, config.decode_weight, config.successor_weight)
+    if found is not None:
+        tied, best = found
+        ties = len(tied)
+        i = tied[rng.randrange(ties)] if ties > 1 else tied[0]  # common.pick_min's draw: the k-th tied, in order
+    else:
+        costs = ttft_costs(request, table, config.decode_weight, config.successor_weight)
+        i, ties = common.pick_min(costs, rng)
+        best = costs[i]
+    iid = table[i].instance_id
+    floor = request.common_overlap_blocks
+    overlap = request.overlap_blocks.get(iid, floor)
+    bs = request.block_size or DEFAULT_BLOCK_SIZE
+    n_blocks = len(request.block_hashes) if request.block_hashes is not None else len(request.token_ids) // bs
+    why = lazy_reason(
+        "kv: {}/{} blocks cached, cost {:.1f} {}, {}{}", overlap, n_blocks, best, "ms", _lowest_of(n, ties), ""
+    )
+    return RouteDecision(iid, why, overlap, DecisionKind.CACHE_HIT if overlap > floor else DecisionKind.LOAD, 0)
+
+
 class KvPolicy:
     name = "kv"
     uses_kv = True
@@ -406,6 +468,8 @@ class KvPolicy:
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
+        self._plain_of: RouterConfig | None = None  # the config ``_is_plain`` was computed for
+        self._is_plain = False
 
     def initial_state(self) -> None:
         return None
@@ -413,6 +477,13 @@ class KvPolicy:
     def select(
         self, request: RouteRequest, workers: Sequence[WorkerSnapshot], state: None, rng: random.Random
     ) -> tuple[RouteDecision, None]:
+        config = self.config
+        if config is not self._plain_of:  # (a config replaced after construction is seen here)
+            self._is_plain, self._plain_of = _plain(config), config
+        if self._is_plain and self.cost == TTFT and type(workers) is WorkerTable:
+            decision = _lowest_on_table(request, workers, config, rng)
+            if decision is not None:
+                return decision, state
         placed, cands, note = common.prelude(request, workers)
         if placed is not None:
             return placed, state

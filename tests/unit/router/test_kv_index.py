@@ -503,3 +503,34 @@ def test_expanding_a_mask_lists_its_workers_in_bit_order_whatever_the_number_of_
         result: dict[int, int] = {}
         idx._expand(mask, 5, result)  # (the private step under test)
         assert list(result.items()) == [(owners[b], 5) for b in bits]
+
+
+class _CountingLen(list):
+    """A list that counts how often its length is asked."""
+
+    lens = 0
+
+    def __len__(self):
+        type(self).lens += 1
+        return super().__len__()
+
+
+def test_a_search_asks_the_length_of_the_hashes_once_not_per_probe():
+    # The search keeps how many hashes it can read (they grow in place, only when it asks for more), instead of
+    # asking ``len`` up to three times a probe (a call each, ~25 probes here): with hashes all at hand, ``len`` is
+    # asked once by ``overlaps_with_floor`` and once by the search, whatever the probes. Same answer as before.
+    import random
+
+    rng = random.Random(9)
+    system = list(range(1, 16 * 32 + 1))
+    conv = system + [rng.randrange(2**17) for _ in range(16 * 480)]
+    chain = block_hashes(conv, BS)
+    idx = KvIndex()
+    depths = {0: 100, 1: 250, 2: 480, 3: 481, 4: 17}
+    for w in range(12):
+        idx.apply(w, [stored(0, chain[: depths.get(w, 32)])])
+    expected = {w: depths.get(w, 32) for w in range(12)}
+    for _ in range(2):  # the gallop and bisections first, then the hinted probes
+        _CountingLen.lens = 0
+        assert idx.overlaps(_CountingLen(chain)) == expected
+        assert _CountingLen.lens == 2

@@ -76,11 +76,14 @@ def check_table(table: WorkerTable, ws: list[WorkerSnapshot]) -> None:
     assert all(table.prefill_ms_floor <= w.prefill_ms_per_token for w in ws)
     assert all(table.decode_ms_floor <= w.decode_step_ms for w in ws)
     assert table.positions == {w.instance_id: i for i, w in enumerate(ws)}
-    # kv's four numbers per position, as the snapshots have them (the residual only where prefill is queued).
-    assert list(table.prefill_rates) == [w.prefill_ms_per_token for w in ws]
-    assert list(table.queued_tokens) == [w.queued_prefill_tokens for w in ws]
-    assert list(table.residuals) == [w.step_residual_ms if w.queued_prefill_tokens else 0.0 for w in ws]
-    assert list(table.decode_steps) == [w.decode_step_ms for w in ws]
+    # kv's four numbers per position, side by side, as the snapshots have them (the residual only where prefill is
+    # queued): one array, four entries a worker.
+    terms = table.cost_terms
+    assert len(terms) == 4 * len(ws)
+    assert list(terms[0::4]) == [w.prefill_ms_per_token for w in ws]
+    assert list(terms[1::4]) == [w.queued_prefill_tokens for w in ws]
+    assert list(terms[2::4]) == [w.step_residual_ms if w.queued_prefill_tokens else 0.0 for w in ws]
+    assert list(terms[3::4]) == [w.decode_step_ms for w in ws]
 
 
 @pytest.mark.parametrize("ties", [False, True])
@@ -172,19 +175,19 @@ def test_lowest_ttft_reads_only_the_workers_that_can_win():
     req = RouteRequest(list(range(1024)), "m", NOW, block_size=BS)
     reads = 0
 
-    class Counting(list):  # a worker's numbers are read from the table's arrays, its rate first
+    class Counting(list):  # a worker's four numbers are read from the table's cost_terms
         def __getitem__(self, i):  # type: ignore[override]
-            nonlocal reads
-            reads += 1
+            reads.add(i // 4)
             return list.__getitem__(self, i)
 
+    reads: set[int] = set()
     table = WorkerTable(ws)
-    table.prefill_rates = Counting(table.prefill_rates)  # type: ignore[assignment]
+    table.cost_terms = Counting(table.cost_terms)  # type: ignore[assignment]
     found = kv.lowest_ttft(req, table, 1.0)
     assert found == ([0], min(kv.ttft_costs(req, ws, 1.0)))
     # Every worker runs at the floor rates here, so a worker's bound is its cost: the walk reads worker 0 and stops
     # at worker 1, whose bound is 100 tokens (~2 ms) above worker 0's cost.
-    assert reads == 1
+    assert reads == {0}
 
 
 def test_the_reason_is_formatted_once_and_only_when_read():
@@ -225,3 +228,47 @@ def test_the_load_range_follows_its_ends_as_workers_leave_and_reach_them():
     assert table.load_range() == (0, 6)
     table.replace(2, ws[2]._replace(active_requests=20))  # from inside the range to past its high end
     assert table.load_range() == (0, 20)
+
+
+def test_kv_decides_the_usual_case_over_a_table_in_one_step_and_every_other_case_as_before(monkeypatch):
+    # The usual case (a table of 2+ workers, none stale, no pin, nothing excluded, no host tier, no busy thresholds,
+    # temperature 0, no imbalance) is decided by ``kv._lowest_on_table`` without the general steps
+    # (``common.prelude``, ``kv.choose``); any other case takes them. Either way the decision is the one over a plain
+    # list: worker, overlap, kind, reason, and the random draws.
+    from components.router.policies import common
+
+    calls = {"prelude": 0, "choose": 0}
+
+    def counting(name, f):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return f(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(common, "prelude", counting("prelude", common.prelude))
+    monkeypatch.setattr(kv, "choose", counting("choose", kv.choose))
+    rng = random.Random(12)
+    ws = [snapshot(rng, 1000 + 7 * i, ties=False, stale_ones=False) for i in range(40)]
+    ws = [w._replace(active_requests=2, metrics_stale_after_s=NOW + 1.0) for w in ws]  # no imbalance, none stale
+    overlaps = {ws[3].instance_id: 200, ws[9].instance_id: 100}
+
+    def req(**fields: Any) -> RouteRequest:
+        return RouteRequest(list(range(8192)), "m", NOW, block_size=BS, overlap_blocks=overlaps, **fields)
+
+    def check(config: dict[str, Any], r: RouteRequest, fleet: list[WorkerSnapshot], general: int, chose: int = -1):
+        calls.update(prelude=0, choose=0)
+        over_table = decide("kv", config, r, WorkerTable(fleet), 3)
+        assert calls == {"prelude": general, "choose": general if chose < 0 else chose}, config
+        assert over_table == decide("kv", config, r, fleet, 3)
+
+    check({}, req(common_overlap_blocks=32), ws, 0)
+    check({"decode_weight": 0.0, "successor_weight": 2.0}, req(), ws, 0)
+    check({}, req(pinned_instance_id=ws[5].instance_id), ws, 1, 0)  # (the pin wins: choose is not reached)
+    check({}, req(excluded_instance_ids=frozenset([ws[3].instance_id])), ws, 1)
+    check({}, req(host_overlap_blocks={ws[4].instance_id: 300}), ws, 1)
+    check({"active_prefill_tokens_threshold": 4000}, req(), ws, 1)
+    check({"router_temperature": 0.5}, req(), ws, 1)
+    check({}, req(), [ws[0]._replace(metrics_stale_after_s=NOW - 1.0), *ws[1:]], 1)  # a stale worker
+    check({}, req(), [ws[0]._replace(active_requests=0), *ws[1:-1], ws[-1]._replace(active_requests=40)], 1)
+    check({}, req(), ws[:1], 1)
