@@ -82,8 +82,9 @@ policy ~8 us at 256 workers, warm, on one core of the 2-core EPYC dev VM); other
 candidates filtered) ``ttft_costs`` computes every candidate's (~57 us). Both give the same decision, to the bit.
 ``KvPolicy.select`` decides the usual case over a table (nothing pinned, excluded, stale or busy, no host tier,
 temperature 0, no imbalance) in one function, ``_lowest_on_table``, without the general steps' ~10 calls: the same
-decision, reason and random draws (the policy took ~15 instead of ~19 us at p50 in ``kvmesh bench router``'s flow,
-where a decision's code and data have left the CPU caches since the last one; docs/router.md, "Cost").
+decision, reason and random draws (with the table's ``cost_terms``, the policy took ~18 instead of ~23-28 us at p50
+in ``kvmesh bench router``'s flow on the shared 2-core VM at a load of ~10, where a decision's code and data have left
+the CPU caches since the last one; docs/router.md, "Cost").
 
 Pure: imports only the standard library and ``components.router``'s ``types``/``config``.
 """

@@ -517,8 +517,8 @@ class _CountingLen(list):
 
 def test_a_search_asks_the_length_of_the_hashes_once_not_per_probe():
     # The search keeps how many hashes it can read (they grow in place, only when it asks for more), instead of
-    # asking ``len`` up to three times a probe (a call each, ~25 probes here): with hashes all at hand, ``len`` is
-    # asked once by ``overlaps_with_floor`` and once by the search, whatever the probes. Same answer as before.
+    # asking ``len`` at every probe (on main, 10 times in all here): with hashes all at hand, ``len`` is asked
+    # once by ``overlaps_with_floor`` and once by the search, whatever the probes. Same answer as before.
     import random
 
     rng = random.Random(9)
