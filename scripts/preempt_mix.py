@@ -93,6 +93,33 @@ SIDES: dict[str, tuple[tuple[str, ...], dict[str, Any]] | None] = {
             "rescheduling_req_select_value": 0.1,
         },
     ),
+    # waiting_fit with d07_i100's balancing (docs/rescheduler.md, "TTFT and imbalance together"), tried on the
+    # exploration seeds (3-5): waiting_fit first or last, its headroom; waiting_fit every 100 ms at Llumnix's threshold.
+    "wfd07_i100": (
+        ("waiting_fit", *BASE),
+        {"rescheduling_neutral_load_threshold": 0.7, "rescheduling_interval_ms": 100},
+    ),
+    "d07wf_i100": (
+        (*BASE, "waiting_fit"),
+        {"rescheduling_neutral_load_threshold": 0.7, "rescheduling_interval_ms": 100},
+    ),
+    "wfd07_i100_h05": (
+        ("waiting_fit", *BASE),
+        {
+            "rescheduling_neutral_load_threshold": 0.7,
+            "rescheduling_interval_ms": 100,
+            "rescheduling_waiting_fit_headroom": 0.05,
+        },
+    ),
+    "wfd07_i100_h10": (
+        ("waiting_fit", *BASE),
+        {
+            "rescheduling_neutral_load_threshold": 0.7,
+            "rescheduling_interval_ms": 100,
+            "rescheduling_waiting_fit_headroom": 0.1,
+        },
+    ),
+    "wf_i100": (("waiting_fit", *BASE), {"rescheduling_interval_ms": 100}),
     # Llumnix's unit scope (no threshold: a unit's highest with its lowest, whatever their loads; the simulated
     # workers share one node, so one unit).
     "unit": (BASE, {"rescheduling_load_balance_scope": "unit"}),
