@@ -51,10 +51,11 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress, repeat
+from itertools import chain, compress, islice, repeat
+from typing import Any
 
 from components.protocol.kv_hashing import PromptHashes
-from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot
+from components.protocol.messages import KV_MEDIUM_HOST, KvEvent, KvEventKind, KvStateSnapshot
 
 
 @dataclasses.dataclass
@@ -75,6 +76,8 @@ class _WorkerState:
 # The parent of a block loaded from a snapshot (``KvStateSnapshot`` lists hashes, not their chain). Never a real hash:
 # hashes are non-negative.
 _UNKNOWN = -1
+# ``dict.pop``'s default for a block not held (``_drop_blocks``): no parent is ever this object.
+_ABSENT: Any = object()
 
 # b"0" -> 0 and b"1" -> 1: a mask's bin() digits as compress() selectors.
 _BIN_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
@@ -82,6 +85,9 @@ _BIN_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
 # digits (~3-4 us at 256 workers, whatever the number of bits: a 258-character string made, reversed, translated
 # and walked by ``compress``).
 _FEW_BITS = 16
+# From this many blocks, a chain new to its worker is stored with C-level dict updates (``KvIndex._store_fresh``);
+# below, the per-block loop's setup is cheaper than theirs.
+_FRESH_MIN_BLOCKS = 4
 
 
 def _have(k: int) -> None:
@@ -226,32 +232,41 @@ class KvIndex:
         keep = ~st.bit
         blocks = st.blocks
         children = st.children
+        pop = blocks.pop
+        unknown = _UNKNOWN
+        absent = _ABSENT
         for h in hashes:
-            p = blocks.pop(h, _UNKNOWN - 1)
-            if p == _UNKNOWN - 1:
+            p = pop(h, absent)
+            if p is absent:
                 continue  # not held
             m = masks.get(h, 0) & keep
             if m:
                 masks[h] = m
             else:
                 masks.pop(h, None)
-            if p == _UNKNOWN:
-                st.unknown -= 1
-            elif p is not None:
-                n = children[p] - 1
-                if n:
-                    children[p] = n
+            if p is not None:
+                if p == unknown:
+                    st.unknown -= 1
                 else:
-                    del children[p]
-                if p not in blocks:
-                    st.orphans -= 1  # it was an orphan
-            c = children.get(h)
-            if c:
-                st.orphans += c  # its held children lose their parent
+                    n = children[p] - 1
+                    if n:
+                        children[p] = n
+                    else:
+                        del children[p]
+                    if p not in blocks:
+                        st.orphans -= 1  # it was an orphan
+            if children:
+                c = children.get(h)
+                if c:
+                    st.orphans += c  # its held children lose their parent
         self._update_closed(st)
 
-    def _store(self, st: _WorkerState, hashes: Sequence[int], parent: int | None) -> None:
-        """``hashes`` are a chain: ``parent`` is the parent of ``hashes[0]``, each later one's parent the one before."""
+    def _store(self, st: _WorkerState, hashes: Sequence[int], parent: int | None, fresh: bool = False) -> None:
+        """``hashes`` are a chain: ``parent`` is the parent of ``hashes[0]``, each later one's parent the one before.
+        ``fresh``: the caller knows that the worker holds none of them."""
+        if len(hashes) >= _FRESH_MIN_BLOCKS and parent != _UNKNOWN and not st.orphans:
+            if (fresh or st.blocks.keys().isdisjoint(hashes)) and self._store_fresh(st, hashes, parent):
+                return
         masks = self._masks
         bit = st.bit
         get = masks.get
@@ -276,6 +291,40 @@ class KvIndex:
                 p = h
         self._update_closed(st)
 
+    def _store_fresh(self, st: _WorkerState, hashes: Sequence[int], parent: int | None) -> bool:
+        """``_store`` of a chain none of whose blocks the worker holds, into a worker with no orphans (the usual
+        case: a prefill's new blocks, a routed request's provisional ones), with dict updates that loop in C rather
+        than a Python step per block (~0.15 us a block instead of ~0.45 on the dev VM). The same state as ``_store``'s
+        loop: with no orphans, every key of ``children`` is a held block (an orphan's parent is the only other kind of
+        key), so the new blocks have no children yet; each one but the last becomes its successor's parent; the first
+        one's parent gains a child, an orphan if the worker does not hold it. False (nothing done) for a chain with a
+        repeated hash, which the loop handles."""
+        n = len(hashes)
+        blocks = st.blocks
+        before = len(blocks)
+        # (h0, parent), (h1, h0), ...: zip stops at the last hash.
+        blocks.update(zip(hashes, chain((parent,), hashes), strict=False))
+        if len(blocks) - before != n:  # a hash repeated: undo, and leave it to the loop
+            for h in hashes:
+                blocks.pop(h, None)
+            return False
+        masks = self._masks
+        bit = st.bit
+        shared = masks.keys() & hashes  # blocks other workers hold already
+        if shared:
+            get = masks.get
+            masks.update([(h, get(h, 0) | bit) for h in hashes])
+        else:
+            masks.update(dict.fromkeys(hashes, bit))
+        children = st.children
+        children.update(zip(islice(hashes, n - 1), repeat(1)))
+        if parent is not None:
+            children[parent] = children.get(parent, 0) + 1
+            if parent not in blocks:
+                st.orphans += 1
+        self._update_closed(st)
+        return True
+
     # -- events ----------------------------------------------------------------------------------------------------
 
     def apply(self, worker_id: int, events: Sequence[KvEvent], now_s: float | None = None) -> bool:
@@ -284,43 +333,54 @@ class KvIndex:
         confirmation latency of predicted blocks (``KvIndexStats.confirm_latency_s``)."""
         st = self._worker(worker_id)
         self._now_s = now_s
+        stats = self.stats
+        host = self.host
+        # One pass, the checks of an event inline (a method call and the ``is_host`` property per event were ~40% of
+        # applying a worker's single-block decode events).
         for ev in events:
             if st.stale:
                 if len(st.buffered) >= self.MAX_BUFFERED_EVENTS:
                     del st.buffered[0]
                 st.buffered.append(ev)
                 continue
-            if st.last_event_id >= 0 and ev.event_id != st.last_event_id + 1:
-                if ev.event_id <= st.last_event_id:
+            eid = ev.event_id
+            last = st.last_event_id
+            if last >= 0 and eid != last + 1:
+                if eid <= last:
                     continue  # a duplicate (redelivery after a resync): already reflected
                 st.stale = True
-                self.stats.num_gaps += 1
+                stats.num_gaps += 1
                 st.buffered.append(ev)
                 continue
-            self._apply_one(st, ev)
-        return not st.stale
-
-    def _apply_one(self, st: _WorkerState, ev: KvEvent) -> None:
-        st.last_event_id = ev.event_id
-        if ev.is_host is not self.host:
-            return  # the other medium's: its id counted, its blocks not ours
-        self.stats.num_events += 1
-        if ev.kind == KvEventKind.BLOCK_STORED:
-            if st.routed:
-                self._confirm(st, ev.block_hashes)
-            self._store(st, ev.block_hashes, ev.parent_hash)
-            self.stats.num_blocks_stored += len(ev.block_hashes)
-        elif ev.kind == KvEventKind.BLOCK_REMOVED:
-            if st.routed:
+            st.last_event_id = eid
+            if (ev.medium == KV_MEDIUM_HOST) is not host:
+                continue  # the other medium's: its id counted, its blocks not ours
+            stats.num_events += 1
+            kind = ev.kind
+            hashes = ev.block_hashes
+            if kind == KvEventKind.BLOCK_STORED:
                 routed = st.routed
-                for h in ev.block_hashes:
-                    if routed.pop(h, None) is not None:
-                        self.stats.num_routed_dropped += 1
-            self._drop_blocks(st, ev.block_hashes)
-            self.stats.num_blocks_removed += len(ev.block_hashes)
-        elif ev.kind == KvEventKind.ALL_CLEARED:
-            self._clear(st)
-            self._update_closed(st)
+                if routed and not routed.keys().isdisjoint(hashes):
+                    if self._confirm(st, hashes) == len(hashes):
+                        # Every block was a prediction (a routed request's prefill, confirmed), so the worker holds
+                        # them all already (a prediction is a held block): nothing to store, where ``_store``'s loop
+                        # would look each one up in the worker's blocks to find that out.
+                        stats.num_blocks_stored += len(hashes)
+                        continue
+                self._store(st, hashes, ev.parent_hash)
+                stats.num_blocks_stored += len(hashes)
+            elif kind == KvEventKind.BLOCK_REMOVED:
+                if st.routed:
+                    routed = st.routed
+                    for h in hashes:
+                        if routed.pop(h, None) is not None:
+                            stats.num_routed_dropped += 1
+                self._drop_blocks(st, hashes)
+                stats.num_blocks_removed += len(hashes)
+            elif kind == KvEventKind.ALL_CLEARED:
+                self._clear(st)
+                self._update_closed(st)
+        return not st.stale
 
     def load_snapshot(self, worker_id: int, snap: KvStateSnapshot) -> None:
         """Replace the worker's blocks with a snapshot (its medium's list), then replay buffered events newer than
@@ -334,17 +394,18 @@ class KvIndex:
         self.stats.num_resyncs += 1
         self.apply(worker_id, [e for e in buffered if e.event_id > snap.last_event_id])
 
-    def _confirm(self, st: _WorkerState, hashes: Sequence[int]) -> None:
-        """The worker stored these blocks: predictions of them are real blocks now (their TTL no longer applies)."""
-        routed = st.routed
-        now = self._now_s
-        ttl = self.approx_ttl_s
-        for h in hashes:
-            t = routed.pop(h, None)
-            if t is not None:
-                self.stats.num_routed_confirmed += 1
-                if now is not None:
-                    self.stats.confirm_latency_s.append(now - (t - ttl))
+    def _confirm(self, st: _WorkerState, hashes: Sequence[int]) -> int:
+        """The worker stored these blocks: predictions of them are real blocks now (their TTL no longer applies).
+        Returns how many of them were predictions."""
+        pop = st.routed.pop
+        expiries = [t for t in map(pop, hashes, repeat(None)) if t is not None]
+        if expiries:
+            self.stats.num_routed_confirmed += len(expiries)
+            now = self._now_s
+            if now is not None:
+                ttl = self.approx_ttl_s
+                self.stats.confirm_latency_s.extend([now - (t - ttl) for t in expiries])
+        return len(expiries)
 
     # -- routed blocks: approximate mode, provisional blocks --------------------------------------------------------
 
@@ -359,15 +420,22 @@ class KvIndex:
         blocks = st.blocks
         routed = st.routed
         t = now_s + self.approx_ttl_s
-        new = 0
-        for h in hashes:
-            if h in routed:
-                routed[h] = t
-            elif h not in blocks:
-                routed[h] = t
-                new += 1
+        fresh = blocks.keys().isdisjoint(hashes)
+        if fresh:
+            # The usual case (on_routed's blocks past what the worker holds): every hash is new, bar repeats.
+            before = len(routed)
+            routed.update(zip(hashes, repeat(t)))
+            new = len(routed) - before
+        else:
+            new = 0
+            for h in hashes:
+                if h in routed:
+                    routed[h] = t
+                elif h not in blocks:
+                    routed[h] = t
+                    new += 1
         self.stats.num_routed += new
-        self._store(st, hashes, parent)
+        self._store(st, hashes, parent, fresh)
         self._approx.append((t, worker_id, tuple(hashes)))
 
     def expire(self, now_s: float) -> int:
@@ -381,6 +449,8 @@ class KvIndex:
             if st is None or not st.routed:
                 continue
             routed = st.routed
+            if routed.keys().isdisjoint(hashes):
+                continue  # all confirmed or gone (the usual end of a provisional record): a C loop over them
             gone = [h for h in hashes if routed.get(h, math.inf) <= now_s]
             for h in gone:
                 routed.pop(h, None)
