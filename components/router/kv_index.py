@@ -51,7 +51,7 @@ import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import chain, compress, islice, repeat
+from itertools import compress, repeat
 from typing import Any
 
 from components.protocol.kv_hashing import PromptHashes
@@ -85,9 +85,6 @@ _BIN_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
 # digits (~3-4 us at 256 workers, whatever the number of bits: a 258-character string made, reversed, translated
 # and walked by ``compress``).
 _FEW_BITS = 16
-# From this many blocks, a chain new to its worker is stored with C-level dict updates (``KvIndex._store_fresh``);
-# below, the per-block loop's setup is cheaper than theirs.
-_FRESH_MIN_BLOCKS = 4
 
 
 def _have(k: int) -> None:
@@ -261,12 +258,8 @@ class KvIndex:
                     st.orphans += c  # its held children lose their parent
         self._update_closed(st)
 
-    def _store(self, st: _WorkerState, hashes: Sequence[int], parent: int | None, fresh: bool = False) -> None:
-        """``hashes`` are a chain: ``parent`` is the parent of ``hashes[0]``, each later one's parent the one before.
-        ``fresh``: the caller knows that the worker holds none of them."""
-        if len(hashes) >= _FRESH_MIN_BLOCKS and parent != _UNKNOWN and not st.orphans:
-            if (fresh or st.blocks.keys().isdisjoint(hashes)) and self._store_fresh(st, hashes, parent):
-                return
+    def _store(self, st: _WorkerState, hashes: Sequence[int], parent: int | None) -> None:
+        """``hashes`` are a chain: ``parent`` is the parent of ``hashes[0]``, each later one's parent the one before."""
         masks = self._masks
         bit = st.bit
         get = masks.get
@@ -291,40 +284,6 @@ class KvIndex:
                 p = h
         self._update_closed(st)
 
-    def _store_fresh(self, st: _WorkerState, hashes: Sequence[int], parent: int | None) -> bool:
-        """``_store`` of a chain none of whose blocks the worker holds, into a worker with no orphans (the usual
-        case: a prefill's new blocks, a routed request's provisional ones), with dict updates that loop in C rather
-        than a Python step per block (~0.15 us a block instead of ~0.45 on the dev VM). The same state as ``_store``'s
-        loop: with no orphans, every key of ``children`` is a held block (an orphan's parent is the only other kind of
-        key), so the new blocks have no children yet; each one but the last becomes its successor's parent; the first
-        one's parent gains a child, an orphan if the worker does not hold it. False (nothing done) for a chain with a
-        repeated hash, which the loop handles."""
-        n = len(hashes)
-        blocks = st.blocks
-        before = len(blocks)
-        # (h0, parent), (h1, h0), ...: zip stops at the last hash.
-        blocks.update(zip(hashes, chain((parent,), hashes), strict=False))
-        if len(blocks) - before != n:  # a hash repeated: undo, and leave it to the loop
-            for h in hashes:
-                blocks.pop(h, None)
-            return False
-        masks = self._masks
-        bit = st.bit
-        shared = masks.keys() & hashes  # blocks other workers hold already
-        if shared:
-            get = masks.get
-            masks.update([(h, get(h, 0) | bit) for h in hashes])
-        else:
-            masks.update(dict.fromkeys(hashes, bit))
-        children = st.children
-        children.update(zip(islice(hashes, n - 1), repeat(1)))
-        if parent is not None:
-            children[parent] = children.get(parent, 0) + 1
-            if parent not in blocks:
-                st.orphans += 1
-        self._update_closed(st)
-        return True
-
     # -- events ----------------------------------------------------------------------------------------------------
 
     def apply(self, worker_id: int, events: Sequence[KvEvent], now_s: float | None = None) -> bool:
@@ -335,8 +294,8 @@ class KvIndex:
         self._now_s = now_s
         stats = self.stats
         host = self.host
-        # One pass, the checks of an event inline (a method call and the ``is_host`` property per event were ~40% of
-        # applying a worker's single-block decode events).
+        # The checks of an event inline: a worker's decode blocks come one event each, so a method call and the
+        # ``is_host`` property per event were a good part of applying them.
         for ev in events:
             if st.stale:
                 if len(st.buffered) >= self.MAX_BUFFERED_EVENTS:
@@ -420,8 +379,7 @@ class KvIndex:
         blocks = st.blocks
         routed = st.routed
         t = now_s + self.approx_ttl_s
-        fresh = blocks.keys().isdisjoint(hashes)
-        if fresh:
+        if blocks.keys().isdisjoint(hashes):
             # The usual case (on_routed's blocks past what the worker holds): every hash is new, bar repeats.
             before = len(routed)
             routed.update(zip(hashes, repeat(t)))
@@ -435,7 +393,7 @@ class KvIndex:
                     routed[h] = t
                     new += 1
         self.stats.num_routed += new
-        self._store(st, hashes, parent, fresh)
+        self._store(st, hashes, parent)
         self._approx.append((t, worker_id, tuple(hashes)))
 
     def expire(self, now_s: float) -> int:

@@ -508,11 +508,8 @@ def test_expanding_a_mask_lists_its_workers_in_bit_order_whatever_the_number_of_
 
 
 class _LoopOnlyIndex(KvIndex):
-    """A KvIndex that stores every chain with ``_store``'s per-block loop (the reference for ``_store_fresh``), and
-    every BLOCK_STORED with it, predicted or not (the reference for ``apply``'s skip of wholly predicted ones)."""
-
-    def _store_fresh(self, st, hashes, parent):
-        return False
+    """A KvIndex that stores every BLOCK_STORED's blocks, predicted or not (the reference for ``apply``'s skip of
+    wholly predicted ones), and records predictions block by block (the reference for ``record_routed``'s)."""
 
     def _confirm(self, st, hashes):
         super()._confirm(st, hashes)
@@ -548,10 +545,10 @@ def _state(idx: KvIndex):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_bulk_stores_and_confirmations_leave_the_state_the_per_block_loop_leaves(seed):
-    # ``_store_fresh`` (a new chain stored with dict updates), the confirmation that skips ``_store`` when every block
-    # of a BLOCK_STORED was a prediction, and ``expire``'s skip of confirmed records must leave exactly what the
-    # per-block loop leaves: the same masks, parents, children counts, orphans, predictions and statistics, after
+def test_predictions_and_their_confirmations_leave_the_state_the_per_block_loop_leaves(seed):
+    # ``record_routed``'s bulk update of a new chain's predictions, the confirmation that skips ``_store`` when every
+    # block of a BLOCK_STORED was a prediction, and ``expire``'s skip of confirmed records must leave exactly what the
+    # block-by-block code left: the same masks, parents, children counts, orphans, predictions and statistics, after
     # every step of random predictions (some repeated, some with a parent not held), their confirmations (whole,
     # partial, with hashes repeated), stores of chains others hold, holes, evictions, snapshots and clears.
     import random
