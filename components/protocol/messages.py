@@ -184,6 +184,9 @@ class KvEventKind(enum.StrEnum):
     ALL_CLEARED = "cleared"
 
 
+_KV_EVENT_KINDS: dict[str, KvEventKind] = {str(k): k for k in KvEventKind}
+
+
 @dataclasses.dataclass(slots=True)
 class KvEvent:
     """One change to an engine's prefix cache, as a real engine emits it.
@@ -221,13 +224,19 @@ class KvEvent:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvEvent:
+        # A router parses every event of every worker (~7 per request served): the kind through a dict rather than
+        # the enum's call, the fields positionally, and a list of hashes (msgpack's) kept as it is, not copied.
+        kind = _KV_EVENT_KINDS.get(d["kind"])
+        if kind is None:
+            kind = KvEventKind(d["kind"])  # raises ValueError, as before
+        hashes = d.get("block_hashes")
         return cls(
-            event_id=d["event_id"],
-            kind=KvEventKind(d["kind"]),
-            block_hashes=list(d.get("block_hashes") or []),
-            parent_hash=d.get("parent_hash"),
-            num_tokens_per_block=d.get("num_tokens_per_block", 0),
-            medium=d.get("medium"),
+            d["event_id"],
+            kind,
+            hashes if type(hashes) is list else list(hashes or ()),
+            d.get("parent_hash"),
+            d.get("num_tokens_per_block", 0),
+            d.get("medium"),
         )
 
 

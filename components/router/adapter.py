@@ -79,7 +79,7 @@ from components.fleet.model import LoadRecord
 from components.fleet.rules import DOWN_HOLD_S, LOAD_REPORTS, StaleRule
 from components.fleet.state import FleetState
 from components.protocol.kv_hashing import HASH_SCHEME_VERSION, HashMemo, PromptHashes
-from components.protocol.messages import KvEvent, KvStateSnapshot, LoadSnapshot
+from components.protocol.messages import KV_MEDIUM_HOST, KvEvent, KvStateSnapshot, LoadSnapshot
 from components.protocol.metadata import WorkerMetadata, WorkerRole
 from components.protocol.migration import WorkerStatus
 from components.router.config import RouterConfig
@@ -109,7 +109,8 @@ __all__ = ["DOWN_HOLD_S", "Router", "RouterStats", "make_policy"]  # DOWN_HOLD_S
 # metrics_stale_after_s; and their values before a first report.
 _Report = tuple[float | None, int | None, int | None, int | None, float | None, float | None, float]
 _NO_REPORT: _Report = (None, None, None, None, None, None, math.inf)
-_new_tuple = tuple.__new__  # a named tuple from its fields in order, without its Python-level __new__
+_new_tuple = tuple.__new__
+_medium = operator.attrgetter("medium")  # a named tuple from its fields in order, without its Python-level __new__
 
 # ``select`` and ``prepare`` copy the request on every decision. ``dataclasses.replace`` walks the fields in Python
 # and calls the keyword __init__ (~4 us for RouteRequest's 12 fields, ~10 us on a busy core); reading every field
@@ -160,8 +161,10 @@ def _to_compute(hashes: Sequence[int] | None, held: int) -> tuple[int | None, li
     end = min(len(hashes), held + MAX_PROVISIONAL_BLOCKS)
     if end <= held:
         return None, []
-    hs = hashes.ensure(end) if isinstance(hashes, PromptHashes) else hashes
-    return (int(hs[held - 1]) if held else None), [int(h) for h in hs[held:end]]
+    if isinstance(hashes, PromptHashes):
+        hs = hashes.ensure(end)  # an array('Q'): its slice's tolist() gives ints in C
+        return (hs[held - 1] if held else None), hs[held:end].tolist()
+    return (int(hashes[held - 1]) if held else None), [int(h) for h in hashes[held:end]]
 
 
 def make_policy(config: RouterConfig | str) -> RoutingPolicy[Any]:
@@ -692,21 +695,24 @@ class Router:
             self._sub(old)
         self._inflight[request_id] = a
         self._add(a)
-        msg: dict[str, Any] = {"op": "routed", "a": a.to_list()}
+        extra: tuple[str, Any] | None = None
         if self.approximate:
             if request.block_hashes is None:
                 request = self.prepare(request)
             hashes = list(request.block_hashes or ())
             self.index.record_routed(iid, hashes, request.now_s)
-            msg["hashes"] = hashes
+            extra = ("hashes", hashes)
         elif self.provisional:
             if request.block_hashes is None:
                 request = self.prepare(request)
             parent, todo = _to_compute(request.block_hashes, decision.overlap_blocks)
             if todo:
                 self.index.record_routed(iid, todo, request.now_s, parent)
-                msg["pv"] = [parent, todo]
-        if self.sync_listeners:
+                extra = ("pv", [parent, todo])
+        if self.sync_listeners:  # the message only for replicas (``to_list`` per request costs ~1 us)
+            msg: dict[str, Any] = {"op": "routed", "a": a.to_list()}
+            if extra is not None:
+                msg[extra[0]] = extra[1]
             self._emit(msg)
         self._flush()  # eagerly: this worker's snapshot, off the next decision's path (class docstring)
 
@@ -813,7 +819,7 @@ class Router:
         if instance_id in self._foreign_hashes or self.fleet.has_departed(instance_id):
             return True
         host = self.host_index
-        if host is None and any(e.is_host for e in events):
+        if host is None and KV_MEDIUM_HOST in map(_medium, events):  # a C loop (``any(e.is_host ...)``: a call each)
             host = self.host_index = KvIndex(approx_ttl_s=self.config.router_ttl_s, host=True)
         ok = self.index.apply(instance_id, events, now_s)
         if host is not None:

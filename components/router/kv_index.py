@@ -52,9 +52,10 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, repeat
+from typing import Any
 
 from components.protocol.kv_hashing import PromptHashes
-from components.protocol.messages import KvEvent, KvEventKind, KvStateSnapshot
+from components.protocol.messages import KV_MEDIUM_HOST, KvEvent, KvEventKind, KvStateSnapshot
 
 
 @dataclasses.dataclass
@@ -75,6 +76,8 @@ class _WorkerState:
 # The parent of a block loaded from a snapshot (``KvStateSnapshot`` lists hashes, not their chain). Never a real hash:
 # hashes are non-negative.
 _UNKNOWN = -1
+# ``dict.pop``'s default for a block not held (``_drop_blocks``): no parent is ever this object.
+_ABSENT: Any = object()
 
 # b"0" -> 0 and b"1" -> 1: a mask's bin() digits as compress() selectors.
 _BIN_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
@@ -226,28 +229,33 @@ class KvIndex:
         keep = ~st.bit
         blocks = st.blocks
         children = st.children
+        pop = blocks.pop
+        unknown = _UNKNOWN
+        absent = _ABSENT
         for h in hashes:
-            p = blocks.pop(h, _UNKNOWN - 1)
-            if p == _UNKNOWN - 1:
+            p = pop(h, absent)
+            if p is absent:
                 continue  # not held
             m = masks.get(h, 0) & keep
             if m:
                 masks[h] = m
             else:
                 masks.pop(h, None)
-            if p == _UNKNOWN:
-                st.unknown -= 1
-            elif p is not None:
-                n = children[p] - 1
-                if n:
-                    children[p] = n
+            if p is not None:
+                if p == unknown:
+                    st.unknown -= 1
                 else:
-                    del children[p]
-                if p not in blocks:
-                    st.orphans -= 1  # it was an orphan
-            c = children.get(h)
-            if c:
-                st.orphans += c  # its held children lose their parent
+                    n = children[p] - 1
+                    if n:
+                        children[p] = n
+                    else:
+                        del children[p]
+                    if p not in blocks:
+                        st.orphans -= 1  # it was an orphan
+            if children:
+                c = children.get(h)
+                if c:
+                    st.orphans += c  # its held children lose their parent
         self._update_closed(st)
 
     def _store(self, st: _WorkerState, hashes: Sequence[int], parent: int | None) -> None:
@@ -284,43 +292,54 @@ class KvIndex:
         confirmation latency of predicted blocks (``KvIndexStats.confirm_latency_s``)."""
         st = self._worker(worker_id)
         self._now_s = now_s
+        stats = self.stats
+        host = self.host
+        # The checks of an event inline: a worker's decode blocks come one event each, so a method call and the
+        # ``is_host`` property per event were a good part of applying them.
         for ev in events:
             if st.stale:
                 if len(st.buffered) >= self.MAX_BUFFERED_EVENTS:
                     del st.buffered[0]
                 st.buffered.append(ev)
                 continue
-            if st.last_event_id >= 0 and ev.event_id != st.last_event_id + 1:
-                if ev.event_id <= st.last_event_id:
+            eid = ev.event_id
+            last = st.last_event_id
+            if last >= 0 and eid != last + 1:
+                if eid <= last:
                     continue  # a duplicate (redelivery after a resync): already reflected
                 st.stale = True
-                self.stats.num_gaps += 1
+                stats.num_gaps += 1
                 st.buffered.append(ev)
                 continue
-            self._apply_one(st, ev)
-        return not st.stale
-
-    def _apply_one(self, st: _WorkerState, ev: KvEvent) -> None:
-        st.last_event_id = ev.event_id
-        if ev.is_host is not self.host:
-            return  # the other medium's: its id counted, its blocks not ours
-        self.stats.num_events += 1
-        if ev.kind == KvEventKind.BLOCK_STORED:
-            if st.routed:
-                self._confirm(st, ev.block_hashes)
-            self._store(st, ev.block_hashes, ev.parent_hash)
-            self.stats.num_blocks_stored += len(ev.block_hashes)
-        elif ev.kind == KvEventKind.BLOCK_REMOVED:
-            if st.routed:
+            st.last_event_id = eid
+            if (ev.medium == KV_MEDIUM_HOST) is not host:
+                continue  # the other medium's: its id counted, its blocks not ours
+            stats.num_events += 1
+            kind = ev.kind
+            hashes = ev.block_hashes
+            if kind == KvEventKind.BLOCK_STORED:
                 routed = st.routed
-                for h in ev.block_hashes:
-                    if routed.pop(h, None) is not None:
-                        self.stats.num_routed_dropped += 1
-            self._drop_blocks(st, ev.block_hashes)
-            self.stats.num_blocks_removed += len(ev.block_hashes)
-        elif ev.kind == KvEventKind.ALL_CLEARED:
-            self._clear(st)
-            self._update_closed(st)
+                if routed and not routed.keys().isdisjoint(hashes):
+                    if self._confirm(st, hashes) == len(hashes):
+                        # Every block was a prediction (a routed request's prefill, confirmed), so the worker holds
+                        # them all already (a prediction is a held block): nothing to store, where ``_store``'s loop
+                        # would look each one up in the worker's blocks to find that out.
+                        stats.num_blocks_stored += len(hashes)
+                        continue
+                self._store(st, hashes, ev.parent_hash)
+                stats.num_blocks_stored += len(hashes)
+            elif kind == KvEventKind.BLOCK_REMOVED:
+                if st.routed:
+                    routed = st.routed
+                    for h in hashes:
+                        if routed.pop(h, None) is not None:
+                            stats.num_routed_dropped += 1
+                self._drop_blocks(st, hashes)
+                stats.num_blocks_removed += len(hashes)
+            elif kind == KvEventKind.ALL_CLEARED:
+                self._clear(st)
+                self._update_closed(st)
+        return not st.stale
 
     def load_snapshot(self, worker_id: int, snap: KvStateSnapshot) -> None:
         """Replace the worker's blocks with a snapshot (its medium's list), then replay buffered events newer than
@@ -334,17 +353,18 @@ class KvIndex:
         self.stats.num_resyncs += 1
         self.apply(worker_id, [e for e in buffered if e.event_id > snap.last_event_id])
 
-    def _confirm(self, st: _WorkerState, hashes: Sequence[int]) -> None:
-        """The worker stored these blocks: predictions of them are real blocks now (their TTL no longer applies)."""
-        routed = st.routed
-        now = self._now_s
-        ttl = self.approx_ttl_s
-        for h in hashes:
-            t = routed.pop(h, None)
-            if t is not None:
-                self.stats.num_routed_confirmed += 1
-                if now is not None:
-                    self.stats.confirm_latency_s.append(now - (t - ttl))
+    def _confirm(self, st: _WorkerState, hashes: Sequence[int]) -> int:
+        """The worker stored these blocks: predictions of them are real blocks now (their TTL no longer applies).
+        Returns how many of them were predictions."""
+        pop = st.routed.pop
+        expiries = [t for t in map(pop, hashes, repeat(None)) if t is not None]
+        if expiries:
+            self.stats.num_routed_confirmed += len(expiries)
+            now = self._now_s
+            if now is not None:
+                ttl = self.approx_ttl_s
+                self.stats.confirm_latency_s.extend([now - (t - ttl) for t in expiries])
+        return len(expiries)
 
     # -- routed blocks: approximate mode, provisional blocks --------------------------------------------------------
 
@@ -359,13 +379,19 @@ class KvIndex:
         blocks = st.blocks
         routed = st.routed
         t = now_s + self.approx_ttl_s
-        new = 0
-        for h in hashes:
-            if h in routed:
-                routed[h] = t
-            elif h not in blocks:
-                routed[h] = t
-                new += 1
+        if blocks.keys().isdisjoint(hashes):
+            # The usual case (on_routed's blocks past what the worker holds): every hash is new, bar repeats.
+            before = len(routed)
+            routed.update(zip(hashes, repeat(t)))
+            new = len(routed) - before
+        else:
+            new = 0
+            for h in hashes:
+                if h in routed:
+                    routed[h] = t
+                elif h not in blocks:
+                    routed[h] = t
+                    new += 1
         self.stats.num_routed += new
         self._store(st, hashes, parent)
         self._approx.append((t, worker_id, tuple(hashes)))
@@ -381,6 +407,8 @@ class KvIndex:
             if st is None or not st.routed:
                 continue
             routed = st.routed
+            if routed.keys().isdisjoint(hashes):
+                continue  # all confirmed or gone (the usual end of a provisional record): a C loop over them
             gone = [h for h in hashes if routed.get(h, math.inf) <= now_s]
             for h in gone:
                 routed.pop(h, None)

@@ -1,5 +1,7 @@
 """KvIndex against event sequences: stores, removals, clears, gaps and resyncs, departures, approximate mode."""
 
+import dataclasses
+
 import pytest
 
 from components.protocol.kv_hashing import block_hashes
@@ -534,3 +536,99 @@ def test_a_search_asks_the_length_of_the_hashes_once_not_per_probe():
         _CountingLen.lens = 0
         assert idx.overlaps(_CountingLen(chain)) == expected
         assert _CountingLen.lens == 2
+
+
+class _LoopOnlyIndex(KvIndex):
+    """A KvIndex that stores every BLOCK_STORED's blocks, predicted or not (the reference for ``apply``'s skip of
+    wholly predicted ones), and records predictions block by block (the reference for ``record_routed``'s)."""
+
+    def _confirm(self, st, hashes):
+        super()._confirm(st, hashes)
+        return -1  # never "all of them": ``apply`` stores the event's blocks as the loop did before
+
+    def record_routed(self, worker_id, hashes, now_s, parent=None):
+        # main's at ad3b26b, block by block
+        if not hashes:
+            return
+        st = self._worker(worker_id)
+        t = now_s + self.approx_ttl_s
+        new = 0
+        for h in hashes:
+            if h in st.routed:
+                st.routed[h] = t
+            elif h not in st.blocks:
+                st.routed[h] = t
+                new += 1
+        self.stats.num_routed += new
+        self._store(st, hashes, parent)
+        self._approx.append((t, worker_id, tuple(hashes)))
+
+
+def _state(idx: KvIndex):
+    """Everything the index keeps, in a form that compares equal when two indexes hold the same."""
+    workers = {
+        w: (st.bit, dict(st.blocks), dict(st.children), st.orphans, st.unknown, dict(st.routed), st.last_event_id)
+        for w, st in idx._workers.items()
+    }
+    stats = dataclasses.asdict(idx.stats)
+    stats["confirm_latency_s"] = list(idx.stats.confirm_latency_s)
+    return dict(idx._masks), workers, idx._closed, stats, list(idx._approx)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_predictions_and_their_confirmations_leave_the_state_the_per_block_loop_leaves(seed):
+    # ``record_routed``'s bulk update of a new chain's predictions, the confirmation that skips ``_store`` when every
+    # block of a BLOCK_STORED was a prediction, and ``expire``'s skip of confirmed records must leave exactly what the
+    # block-by-block code left: the same masks, parents, children counts, orphans, predictions and statistics, after
+    # every step of random predictions (some repeated, some with a parent not held), their confirmations (whole,
+    # partial, with hashes repeated), stores of chains others hold, holes, evictions, snapshots and clears.
+    import random
+
+    rng = random.Random(seed)
+    chains = [block_hashes(p, BS) for p in _random_tree_prompts(rng, 40, 30)]
+    fast, ref = KvIndex(approx_ttl_s=5.0), _LoopOnlyIndex(approx_ttl_s=5.0)
+    eid = dict.fromkeys(range(5), 0)
+    predicted: list[tuple[int, list[int], int, int, int | None]] = []
+    now = 0.0
+    for _step in range(400):
+        now += rng.expovariate(20)
+        w = rng.randrange(5)
+        c = rng.choice(chains)
+        a = rng.randrange(len(c))
+        b = rng.randrange(a, len(c)) + 1
+        run = c[a:b]
+        if rng.random() < 0.05:
+            run = run + run[:2]  # a hash repeated: left to the loop
+        parent = c[a - 1] if a and rng.random() < 0.9 else (rng.getrandbits(63) if a else None)
+        op = rng.random()
+        if op < 0.3:
+            for idx in (fast, ref):
+                idx.record_routed(w, run, now, parent)
+            predicted.append((w, c, a, b, parent))
+        else:
+            if op < 0.45 and predicted:
+                # The worker's own events after a prediction: the predicted run, part of it, or more than it.
+                w, c, a, b, parent = rng.choice(predicted[-20:])
+                e = rng.choice((b, rng.randrange(a, len(c)) + 1))
+                ev = KvEvent(eid[w], KvEventKind.BLOCK_STORED, c[rng.choice((a, a, e - 1)) : e], parent, BS)
+            elif op < 0.6:
+                ev = KvEvent(eid[w], KvEventKind.BLOCK_STORED, run, parent, BS)
+            elif op < 0.8:
+                ev = removed(eid[w], rng.sample(run, min(len(run), rng.randrange(1, 6))))
+            elif op < 0.9:
+                ev = removed(eid[w], run[::-1])  # tail first
+            elif op < 0.95:
+                for idx in (fast, ref):
+                    snap = sorted(idx._workers[w].blocks) if w in idx._workers else []
+                    idx.load_snapshot(w, KvStateSnapshot(last_event_id=eid[w] - 1, block_size=BS, block_hashes=snap))
+                continue
+            else:
+                ev = cleared(eid[w])
+            eid[w] += 1
+            for idx in (fast, ref):
+                assert idx.apply(w, [ev], now)
+        if rng.random() < 0.2:
+            assert fast.expire(now) == ref.expire(now)
+        assert _state(fast) == _state(ref)
+        for c in chains[:3]:
+            assert fast.overlaps(c) == ref.overlaps(c)

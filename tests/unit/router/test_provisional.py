@@ -145,3 +145,25 @@ def test_provisional_blocks_off_and_their_message_capped():
     w = route(a, "x", long_prompt)
     assert a.index.num_blocks(w) == MAX_PROVISIONAL_BLOCKS
     assert max(sizes) < MAX_PROVISIONAL_BLOCKS * 9 + 80
+
+
+def test_the_routed_message_carries_plain_ints_and_a_router_without_replicas_builds_none():
+    # The prompt comes packed (as the frontend hands it over), so its hashes are an array('Q'): the message's parent
+    # and hashes are ints all the same (msgpack packs ints; ``to_compute`` reads the array's slice with tolist()).
+    from array import array
+
+    sent: list[dict[str, Any]] = []
+    r = kv()
+    w = route(r, "x", prompt(1))
+    assert r.index.num_blocks(w) == N  # no sync listener: the predictions all the same, no message
+    r.sync_listeners.append(sent.append)
+    req = r.prepare(RouteRequest(array("I", PREFIX + list(range(5000, 5000 + 2 * BS))), "m", 0.0))
+    d = r.select(req)
+    r.on_routed("y", d, req)
+    assert d.instance_id == w and d.overlap_blocks == N
+    (msg,) = sent
+    parent, todo = msg["pv"]
+    assert parent == H[N - 1] and type(parent) is int
+    assert todo == block_hashes(PREFIX + list(range(5000, 5000 + 2 * BS)), BS)[N:]
+    assert all(type(h) is int for h in todo)
+    assert msg["op"] == "routed" and msg["a"][:2] == ["y", w]
