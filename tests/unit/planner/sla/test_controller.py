@@ -632,7 +632,8 @@ def test_the_correction_factors_move_the_sizing():
     # Sizing at 60 s: a prompt takes 1.75 x 50 = 87.5 ms, rho = 2 (0.5 - 0.0875) / (1 - 0.0875), one worker
     # rho x 1000 / 0.0875 tokens/s, 100000 tokens/s need 9.68; decode steps in 1.75 (5 + 0.053 b) <= 20 ms up to
     # b = floor((20 / 1.75 - 5) / 0.053) = 121, 20000 tokens/s over 121 / (1.75 x (5 + 0.053 x 121)) ms: 3.30.
-    # 9.68 + 3.30 = 12.98 -> 13 workers, against 7 uncorrected.
+    # 9.68 + 3.30 = 12.98 -> 13 workers, against 7 uncorrected. The factors as measured: no deadband here (its test
+    # is test_an_itl_factor_within_the_deadband_sizes_as_the_model).
     rho = 2 * (0.5 - 0.0875) / (1 - 0.0875)
     prefill = 100000 / (rho * 1000 / 0.0875)
     assert math.floor((20 / 1.75 - 5) / 0.053) == 121
@@ -640,7 +641,7 @@ def test_the_correction_factors_move_the_sizing():
     assert math.ceil(prefill + decode) == 13
     fleet = Fleet(decode=1)
     fleet.set_load(Pool.DECODE, num_running=40, batch_size=40, num_kv_tokens=44_000)
-    ctl = SlaController(config(no_correction=False), MODEL)
+    ctl = SlaController(config(no_correction=False, itl_correction_deadband=0.0), MODEL)
     for t in (0.0, 10.0, 20.0):
         pull(ctl, fleet, t)
     fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=0.01424)
@@ -802,14 +803,16 @@ def test_the_itl_correction_weighs_each_report_by_the_tokens_it_stands_for():
 def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
     # Light load: no pull sees a worker decoding, but the frontends report tokens 5.053 ms apart, a lone sequence's
     # step at the mean context 1000 + 200 / 2 = 1100: 5 + 0.02 + 0.033 ms. That is the prediction, so a factor of 3
-    # (say, left by a burst) moves to 0.5 x 1.0 + 0.5 x 3 = 2.0, not staying at 3 for want of a prediction.
+    # (say, left by a burst) moves to 0.5 x 1.0 + 0.5 x 3 = 2.0, not staying at 3 for want of a prediction; applied
+    # as 2.0 - 0.05 = 1.95 (the deadband).
     fleet = Fleet(decode=1)
     ctl = SlaController(config(no_correction=False), MODEL)
-    ctl.itl_correction = 3.0
+    ctl.itl_correction_measured = 3.0
     pull(ctl, fleet, 0.0)
     fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, itl_s=0.005053)
     pull(ctl, fleet, 30.0)
-    assert ctl.itl_correction == pytest.approx(2.0)
+    assert ctl.itl_correction_measured == pytest.approx(2.0)
+    assert ctl.itl_correction == pytest.approx(1.95)
 
 
 def test_an_interval_in_which_a_worker_queued_keeps_the_ttft_factor():
