@@ -244,7 +244,9 @@ class PlannerRunConfig(BaseModel):
 # queue wait in prefill sizing, on: the fix for ai-dynamo/dynamo issue 10528), ``min_gpu_budget`` (the load planner's
 # name; 0: no minimum beyond ``min_endpoint``), ``load_predictor_season``, ``scale_down_tolerance`` (0.1: the
 # Kubernetes HorizontalPodAutoscaler's default tolerance), ``scale_down_window`` (1 interval: the autoscaler's
-# scale-down stabilisation window is 5 min; one 30 s interval here keeps the SLA planner's savings on a 150 s period).
+# scale-down stabilisation window is 5 min; one 30 s interval here keeps the SLA planner's savings on a 150 s period),
+# ``itl_correction_deadband`` (0.05: the ITL factor's noise between runs that differ by 2 ms of arrival jitter,
+# docs/sla-planner.md "Robust to small input noise").
 #
 # This module imports only the standard library and pydantic.
 
@@ -363,6 +365,15 @@ class SlaPlannerConfig(BaseModel):
         description="A removal is sized for this fraction more than the larger of the predicted and the observed "
         "load (0.1: 10%, the Kubernetes autoscaler's tolerance), so a load whose need sits at a pool-size boundary "
         "does not move the pool up and down on its noise.",
+    )
+    itl_correction_deadband: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="The ITL correction factor moves the sizing only by how far it is beyond this fraction of 1 "
+        "(0.05: a factor within 0.95-1.05 sizes as 1, 1.08 as 1.03): the interval's factor is a sample of the steps "
+        "in progress at a few pulls, noisy by a few percent, and the decode sizing's batch is a step function of it "
+        "(0: the factor as measured).",
     )
     worker_startup_s: float = Field(
         default=30.0,

@@ -911,9 +911,14 @@ def spread(live: list[dict[str, Any]], draws: list[list[dict[str, Any]]], tolera
             seen[key] = {"actions": key, "draws": 0, "matches_live": compare(live, acts, tolerance_s)["same_sequence"]}
         seen[key]["draws"] += 1
     sequences = sorted(seen.values(), key=lambda x: -x["draws"])
+    # How often the simulated side agrees with itself: the share of pairs of draws that match each other by the same
+    # rule; the live run matching a draw about as often is all a comparison against one draw can ask for.
+    pairs = [(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :]]
+    agreeing = sum(1 for a, b in pairs if compare(a, b, tolerance_s)["same_sequence"])
     return {
         "draws": len(draws),
         "matching_live": sum(x["draws"] for x in sequences if x["matches_live"]),
+        "draw_pairs_matching": round(agreeing / len(pairs), 3) if pairs else None,
         "distinct_sequences": len(sequences),
         "distinct_without_times": len(shapes),
         "sequences": sequences,
@@ -987,7 +992,8 @@ def main(args: argparse.Namespace) -> int:
         sp = again["spread"]
         print(
             f"{sp['draws']} draws (+-{args.jitter_ms:g} ms): {sp['distinct_sequences']} distinct sequences "
-            f"({sp['distinct_without_times']} without times); {sp['matching_live']} match the live one",
+            f"({sp['distinct_without_times']} without times); {sp['matching_live']} match the live one; "
+            f"two draws match each other {sp['draw_pairs_matching']}",
             file=sys.stderr,
         )
         print(json.dumps(again))

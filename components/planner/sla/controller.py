@@ -42,6 +42,10 @@ Throughput loop (every ``adjustment_interval``)
    queue's history (a draining backlog read 4x, the bound, on a 150 s sinusoid in the simulator), not the engine's
    speed. An interval whose pulls caught no worker decoding, though tokens were sent, predicts ITL as a lone
    sequence's step at the mean context (else a factor raised in a burst would stay up through the quiet after it).
+   The ITL factor is applied through a deadband (``itl_correction_deadband``, ``correction.deadband``): within 5% of
+   1 it sizes as 1, beyond by its excess. Its estimate is a handful of sampled steps, a few percent apart between
+   runs 2 ms apart, and the batch that meets the target is a step function of it; the TTFT factor sizes prefill
+   continuously (tokens/s at a utilisation), with no such step, and is applied as measured.
 4. Several workers per step: the new size is absolute, not one worker at a time. A pool the throughput loop cannot
    size (no output length heard yet) holds at its decision, but the fast loop's raise at that pull stands.
 
@@ -253,6 +257,9 @@ class SlaController:
         self.num_adjustments = 0
         self.interval_start_s: float | None = None
         self.ttft_correction = 1.0
+        # The ITL factor as measured (smoothed: the state each interval updates), and as applied to every ITL
+        # prediction and sizing: within ``itl_correction_deadband`` of 1 as 1 (``correction.deadband``).
+        self.itl_correction_measured = 1.0
         self.itl_correction = 1.0
         self.floor: dict[Pool, int] = {}  # the throughput loop's sizes
         self.target: dict[Pool, int] = {}  # what the planner steers to (floor, raised by the fast loop, budgeted)
@@ -802,9 +809,17 @@ class SlaController:
                 # burst would stay up through every quiet interval after it.
                 context = self._last_isl + self._last_osl / 2
                 predicted_itl_s = self._pool_perf(loads[Pool.DECODE]).decode_ms(1, context) / 1e3
-            i = correction.update_correction(self.itl_correction, window.mean_itl_s, predicted_itl_s)
-            self.ttft_correction, self.itl_correction = t.factor, i.factor
-            notes.append(f"TTFT correction {t.factor:.3f} ({t.reason}); ITL correction {i.factor:.3f} ({i.reason})")
+            i = correction.update_correction(self.itl_correction_measured, window.mean_itl_s, predicted_itl_s)
+            self.ttft_correction, self.itl_correction_measured = t.factor, i.factor
+            self.itl_correction = correction.deadband(i.factor, cfg.itl_correction_deadband)
+            applied = (
+                f", applied as {self.itl_correction:.3f} (beyond {cfg.itl_correction_deadband:g} of 1 only)"
+                if cfg.itl_correction_deadband > 0
+                else ""
+            )
+            notes.append(
+                f"TTFT correction {t.factor:.3f} ({t.reason}); ITL correction {i.factor:.3f} ({i.reason}){applied}"
+            )
 
         means, rates, isls, osls, times = self._horizon(rate)
         self._predicted = (means[0], isls[0] if isls else None, osls[0] if osls else None)

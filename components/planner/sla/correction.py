@@ -24,6 +24,15 @@ Defaults, and why:
 
 No sample (no request finished in the interval, or no prediction) keeps the previous factor, with the reason
 (STYLE.md habit 3). ``--no-correction`` is the caller not calling this (factor 1.0).
+
+``deadband`` is what a factor is *applied* as: within ``width`` of 1 as 1, beyond it by its excess (continuous, so
+no new threshold at the band's edge). The SLA controller applies it to the ITL factor (``itl_correction_deadband``):
+its prediction samples the steps in progress at a few pulls, so two runs that differ by 2 ms of arrival jitter read
+factors a few percent apart, and the decode sizing's batch, the largest whose corrected step meets the target, is a
+step function of the factor (20 + 3 ms a sequence against 50 ms: a batch of 9 up to 1.059, 10 up to 0.996, 11 up
+to 0.940), so a 3% difference moved a pool's size by 8% of a worker's capacity and decided a removal (kvmesh bench
+planner-live --resimulate, docs/sla-planner.md "Robust to small input noise"). The smoothed factor (the state the
+next interval updates) is kept as measured; only what sizes with it is banded.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["Correction", "update_correction"]
+__all__ = ["Correction", "deadband", "update_correction"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,3 +83,14 @@ def update_correction(
         off = hi if new > hi else 1 / lo
         reason += f", held at {clamped:g} (the model is more than {off:g}x off: check the profile)"
     return Correction(clamped, raw, reason)
+
+
+def deadband(factor: float, width: float) -> float:
+    """``factor`` as applied: 1 within ``width`` of 1, else moved towards 1 by ``width`` (module docstring)."""
+    if not 0 <= width < 1:
+        raise ValueError(f"width must be within [0, 1), got {width}")
+    if factor > 1 + width:
+        return factor - width
+    if factor < 1 - width:
+        return factor + width
+    return 1.0

@@ -156,6 +156,10 @@ def test_the_simulated_sides_spread_counts_each_sequence_and_which_match_the_liv
     first = got["sequences"][0]
     assert first == {"actions": "decode:1->2@8.4 decode:2->3@37.4 decode:3->4@74.4", "draws": 2, "matches_live": True}
     assert [x["matches_live"] for x in got["sequences"]] == [True, False, True]
+    # Draw against draw by the same rule: of the 6 pairs, the two sames with each other and each with `within`
+    # match; the 3 with `extra` do not: 3 of 6.
+    assert got["draw_pairs_matching"] == 0.5
+    assert spread(live, [same], 10.0)["draw_pairs_matching"] is None  # one draw: no pair
 
 
 # -- the sla mode ------------------------------------------------------------------------------------------------------

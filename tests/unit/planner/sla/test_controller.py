@@ -632,7 +632,8 @@ def test_the_correction_factors_move_the_sizing():
     # Sizing at 60 s: a prompt takes 1.75 x 50 = 87.5 ms, rho = 2 (0.5 - 0.0875) / (1 - 0.0875), one worker
     # rho x 1000 / 0.0875 tokens/s, 100000 tokens/s need 9.68; decode steps in 1.75 (5 + 0.053 b) <= 20 ms up to
     # b = floor((20 / 1.75 - 5) / 0.053) = 121, 20000 tokens/s over 121 / (1.75 x (5 + 0.053 x 121)) ms: 3.30.
-    # 9.68 + 3.30 = 12.98 -> 13 workers, against 7 uncorrected.
+    # 9.68 + 3.30 = 12.98 -> 13 workers, against 7 uncorrected. The factors as measured: no deadband here (its test
+    # is test_an_itl_factor_within_the_deadband_sizes_as_the_model).
     rho = 2 * (0.5 - 0.0875) / (1 - 0.0875)
     prefill = 100000 / (rho * 1000 / 0.0875)
     assert math.floor((20 / 1.75 - 5) / 0.053) == 121
@@ -640,7 +641,7 @@ def test_the_correction_factors_move_the_sizing():
     assert math.ceil(prefill + decode) == 13
     fleet = Fleet(decode=1)
     fleet.set_load(Pool.DECODE, num_running=40, batch_size=40, num_kv_tokens=44_000)
-    ctl = SlaController(config(no_correction=False), MODEL)
+    ctl = SlaController(config(no_correction=False, itl_correction_deadband=0.0), MODEL)
     for t in (0.0, 10.0, 20.0):
         pull(ctl, fleet, t)
     fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=0.01424)
@@ -654,6 +655,35 @@ def test_the_correction_factors_move_the_sizing():
     assert (ctl.ttft_correction, ctl.itl_correction) == (pytest.approx(1.75), pytest.approx(1.75))
     assert fleet.count(Pool.DECODE) == 13
     assert out.sla is not None and (out.sla.ttft_correction, out.sla.itl_correction) == pytest.approx((1.75, 1.75))
+
+
+def test_an_itl_factor_within_the_deadband_sizes_as_the_model():
+    # Disaggregated, 214 requests/s, isl 1000, osl 200: the decode pool serves 42,800 output tokens/s. The workers
+    # report a batch of 40 over 44,000 KV tokens: the model's step is 5 + 0.8 + 1.32 = 7.12 ms.
+    # - The frontends read 7.12 ms: factor 1.0, batch 283, 14,151 tokens/s a worker: 3.02 workers' worth -> 4.
+    # - They read 0.94 x 7.12 ms: factor 0.5 x 0.94 + 0.5 x 1.0 = 0.97 (the noise two runs 2 ms apart differ by).
+    #   As measured it sizes a batch of floor((20 / 0.97 - 5) / 0.053) = 294 stepping in 0.97 x (5 + 0.053 x 294)
+    #   = 19.97 ms, 14,726 tokens/s a worker: 2.91 -> 3, a worker fewer on 3% (main's code did). Within the 5% band
+    #   it is applied as 1.0: 4, as the model says.
+    # - They read 0.80 x 7.12 ms: factor 0.90, beyond the band, applied as 0.95 (its excess): batch
+    #   floor((20 / 0.95 - 5) / 0.053) = 302 in 0.95 x (5 + 0.053 x 302) = 19.96 ms, 15,133 tokens/s: 2.83 -> 3.
+    assert math.ceil(214 * 200 / DECODE_TOKENS_PER_S) == 4
+    for factor, batch, size in ((0.97, 294, 3), (0.95, 302, 3)):
+        assert math.floor((20 / factor - 5) / 0.053) == batch
+        assert math.ceil(214 * 200 / (batch / (factor * (5 + 0.053 * batch)) * 1e3)) == size
+    floors, applied = {}, {}
+    for raw in (1.0, 0.94, 0.80):
+        fleet = Fleet(decode=1, prefill=1)
+        fleet.set_load(Pool.DECODE, num_running=40, batch_size=40, num_kv_tokens=44_000)
+        ctl = SlaController(config(no_correction=False, max_gpu_budget=32), MODEL)
+        for t in (0.0, 10.0, 20.0):
+            pull(ctl, fleet, t)
+        fleet.requests(30.0, 30.0, rate=214, isl=1000, osl=200, itl_s=raw * 0.00712)
+        pull(ctl, fleet, 30.0)
+        floors[raw], applied[raw] = ctl.floor[Pool.DECODE], ctl.itl_correction
+    assert floors == {1.0: 4, 0.94: 4, 0.80: 3}
+    assert applied == {1.0: pytest.approx(1.0), 0.94: pytest.approx(1.0), 0.80: pytest.approx(0.95)}
+    assert ctl.itl_correction_measured == pytest.approx(0.90)
 
 
 def test_no_operation_reports_what_it_would_do_and_changes_nothing():
@@ -802,14 +832,16 @@ def test_the_itl_correction_weighs_each_report_by_the_tokens_it_stands_for():
 def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
     # Light load: no pull sees a worker decoding, but the frontends report tokens 5.053 ms apart, a lone sequence's
     # step at the mean context 1000 + 200 / 2 = 1100: 5 + 0.02 + 0.033 ms. That is the prediction, so a factor of 3
-    # (say, left by a burst) moves to 0.5 x 1.0 + 0.5 x 3 = 2.0, not staying at 3 for want of a prediction.
+    # (say, left by a burst) moves to 0.5 x 1.0 + 0.5 x 3 = 2.0, not staying at 3 for want of a prediction; applied
+    # as 2.0 - 0.05 = 1.95 (the deadband).
     fleet = Fleet(decode=1)
     ctl = SlaController(config(no_correction=False), MODEL)
-    ctl.itl_correction = 3.0
+    ctl.itl_correction_measured = 3.0
     pull(ctl, fleet, 0.0)
     fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, itl_s=0.005053)
     pull(ctl, fleet, 30.0)
-    assert ctl.itl_correction == pytest.approx(2.0)
+    assert ctl.itl_correction_measured == pytest.approx(2.0)
+    assert ctl.itl_correction == pytest.approx(1.95)
 
 
 def test_an_interval_in_which_a_worker_queued_keeps_the_ttft_factor():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.planner.sla.correction import update_correction
+from components.planner.sla.correction import deadband, update_correction
 
 pytestmark = pytest.mark.unit
 
@@ -45,3 +45,13 @@ def test_a_model_far_off_is_held_at_the_bound_with_the_reason():
     for _ in range(3):
         f = update_correction(f, 0.001, 0.100).factor
     assert f == 0.25
+
+
+def test_the_deadband_applies_a_factor_within_it_as_1_and_beyond_it_by_its_excess():
+    # Width 0.05: 0.95-1.05 is the model (1.0); 1.08 is 3% slow, 0.90 5% fast; continuous at the edges.
+    assert [deadband(f, 0.05) for f in (1.0, 0.97, 1.04, 0.95, 1.05)] == [1.0] * 5
+    assert deadband(1.08, 0.05) == pytest.approx(1.03) and deadband(0.90, 0.05) == pytest.approx(0.95)
+    assert deadband(1.050001, 0.05) == pytest.approx(1.0) and deadband(2.0, 0.05) == pytest.approx(1.95)
+    assert deadband(0.97, 0.0) == 0.97  # no band: as measured
+    with pytest.raises(ValueError, match="width"):
+        deadband(1.0, 1.0)
