@@ -30,6 +30,12 @@ at the load's starting level (``--warmup-s``):
   grace period, the same start-up and budget;
 * ``clairvoyant_sla``: the same schedule under the SLA planner's decision interval with any number of workers per
   decision and no pause (the most a schedule deciding that often can save);
+* ``sla+resched`` (with ``--enable-rescheduling``, off by default): the ``sla`` side with the rescheduler's
+  policies running beside it (``components.sim.rescheduling.PolicyRescheduler``, as ``kvmesh simulate`` runs it),
+  configured by ``kvmesh rescheduler``'s own flags (``--rescheduling-policies``, ``--rescheduling-interval-ms``
+  divided by the compression, ...): e.g. ``--enable-rescheduling --rescheduling-policies waiting_fit`` moves the
+  queue that piles on the workers alive during a start-up to the new ones once they register. Judged as ``sla``;
+  its ``rescheduler`` reports the requests moved;
 * ``reactive_sla`` (the step's, and every load's with ``--reactive-bound``): the ``clairvoyant_sla`` schedule on
   the load seen a start-up late (``Delayed``): it adds workers the moment the load changes, no sooner. On the step
   (flat before and after one instant, which falls on a decision) that is the most any planner without a forecast
@@ -73,6 +79,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from components import sim
 from components.cli.bench.clairvoyant import Oracle
 from components.cli.bench.loads import STEP_LENGTHS, Step, TraceLoad, dynamo_sinusoid, slow_sinusoid
@@ -95,6 +103,9 @@ from components.cli.bench.scaling import (
 )
 from components.planner.config import LoadPredictorName, PlannerConfig
 from components.planner.sla.config import SlaPlannerConfig
+from components.rescheduler.config import ReschedulerConfig
+from components.rescheduler.run_config import flag_problems
+from components.runtime.flags import add_model_arguments, model_from_args
 from components.sim import FleetSpec
 from components.sim.replay import REQUEST_STATS_INTERVAL_S
 from components.sim.report import Slo, percentile
@@ -102,7 +113,9 @@ from components.sim.workloads import from_trace
 from components.workers.simulated import MockEngineConfig
 
 LOADS = ("sinusoid", "slow", "trace", "step")
-SIDES = ("fixed_peak", "planner", "sla", "clairvoyant_planner", "clairvoyant_sla", "reactive_sla")
+SIDES = ("fixed_peak", "planner", "sla", "sla+resched", "clairvoyant_planner", "clairvoyant_sla", "reactive_sla")
+# The SLA planner with the rescheduler beside it (--enable-rescheduling), judged as the SLA side.
+SLA_RESCHED = "sla+resched"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -193,13 +206,14 @@ def warmup_arrivals(shape: LoadShape, warmup_s: float, capacity_rps: float, seed
 
 
 def simulate_side(run: LoadRun, name: str, workers: int, config: PlannerConfig | SlaPlannerConfig, startup_s: float,
-                  oracle: Oracle | None = None) -> dict[str, Any]:  # fmt: skip
+                  oracle: Oracle | None = None,
+                  rescheduler: ReschedulerConfig | None = None) -> dict[str, Any]:  # fmt: skip
     """One side's replay of ``run`` (the planner resizes it unless ``oracle`` does; a fixed fleet's planner is in
-    no-operation)."""
+    no-operation; ``rescheduler``: its policies run beside, on the simulation's clock)."""
     t0 = time.process_time()
     # The frontend's request reports every virtual second, divided by the time compression as the intervals are.
     spec = ScalingSpec(run.engine, workers, config, startup_s=startup_s, policy=run.policy, controller=oracle,
-                       request_stats_interval_s=run.request_stats_interval_s)  # fmt: skip
+                       request_stats_interval_s=run.request_stats_interval_s, rescheduler=rescheduler)  # fmt: skip
     res = simulate(
         OrderedSource(run.source, run.order),
         run.arrivals,
@@ -466,6 +480,19 @@ def sla_config(
     return SlaPlannerConfig.model_validate(cfg.model_dump() | update)
 
 
+def rescheduler_config(args: argparse.Namespace) -> ReschedulerConfig | None:
+    """The ``sla+resched`` side's rescheduler: ``kvmesh rescheduler``'s flags as given (every other field at its
+    default), its interval divided by the time compression (whole milliseconds, at least 1); None without
+    ``--enable-rescheduling``. Raises pydantic's ``ValidationError`` on a bad flag (``problems`` reports it)."""
+    cfg = model_from_args(ReschedulerConfig, args)
+    if not cfg.enable_rescheduling:
+        return None
+    k = args.time_compression
+    if k != 1:
+        cfg = cfg.model_copy(update={"rescheduling_interval_ms": max(1, round(cfg.rescheduling_interval_ms / k))})
+    return cfg
+
+
 def recurrence_s(shape: LoadShape) -> float | None:
     """How often the load repeats, for ``--sla-season period`` and ``--sla-warm-start-periods``: a sinusoid's period;
     the step's whole run (a step that comes at the same time every day, as a nightly batch or a working day's start
@@ -562,6 +589,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     paths = {name: (None if w is None else w[0]) for name, w in warm.items()}
     infos = {name: (None if w is None else w[1]) for name, w in warm.items()}
     slas = {(name, up): sla_config(args, up, r, paths[name]) for name, r in runs.items() for up in ups}
+    resched = rescheduler_config(args)
     for name, r in runs.items():
         start = _start_workers(r, args.peak_workers)
         tasks.append((simulate_side, r, "fixed_peak", args.peak_workers, fixed_cfg, ups[0]))
@@ -569,6 +597,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sla = slas[(name, up)]
             tasks.append((simulate_side, r, "planner", start, cfg, up))
             tasks.append((simulate_side, r, "sla", start, sla, up))
+            if resched is not None:
+                tasks.append((simulate_side, r, SLA_RESCHED, start, sla, up, None, resched))
             planner_budget = max(1, cfg.max_gpu_budget // cfg.decode_engine_num_gpu)
             sla_budget = max(1, sla.max_gpu_budget // sla.decode_engine_num_gpu)
             oracles[(name, up, "clairvoyant_planner")] = oracle_for(
@@ -613,6 +643,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if out["name"] == "fixed_peak" or out["startup_s"] != up:
                     continue
                 sides[out["name"]] = side_summary(out["result"], r, slo) | {"cpu_s": out["cpu_s"]}
+                if out["result"].rescheduler is not None:
+                    sides[out["name"]]["rescheduler"] = {
+                        "migrations": out["result"].migrations,
+                        **out["result"].rescheduler,
+                    }
                 series[name][label][out["name"]] = out["result"]
             t0, t1 = r.warmup_s, r.warmup_s + r.shape.duration_s
             fixed_ws = fixed["worker_seconds"]
@@ -642,25 +677,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sides[side]["clairvoyant"] = clair
                 sides[planner_side]["start_workers"] = _start_workers(r, args.peak_workers)
                 verdicts[planner_side] = verdict(name, sides[planner_side], fixed, clair)
-            if "reactive_sla" in sides:
-                gap = fixed["slo_attainment_pct"]["both"] - sides["reactive_sla"]["slo_attainment_pct"]["both"]
-                verdicts["sla"]["attainment"]["reactive_bound_points_below_fixed_peak"] = round(gap, 2)
-            if "reactive_sla" in sides and "goodput" in verdicts["sla"]:
-                g = sides["reactive_sla"]["goodput_rps"]
-                verdicts["sla"]["goodput"]["reactive_bound_share_of_fixed_peak"] = (
-                    round(g / fixed["goodput_rps"], 4) if fixed["goodput_rps"] > 0 else None
-                )
-                verdicts["sla"]["goodput"]["reactive_bound_rule"] = (
-                    "the clairvoyant schedule under the SLA planner's rules on the load seen a start-up late: it "
-                    "adds workers the moment the load changes, as no planner without a forecast can beat"
-                )
+                if planner_side == "sla" and SLA_RESCHED in sides:
+                    sides[SLA_RESCHED]["start_workers"] = sides["sla"]["start_workers"]
+                    verdicts[SLA_RESCHED] = verdict(name, sides[SLA_RESCHED], fixed, clair)
+            sla_sides = [x for x in ("sla", SLA_RESCHED) if x in sides]
+            for x in sla_sides:
+                if "reactive_sla" in sides:
+                    gap = fixed["slo_attainment_pct"]["both"] - sides["reactive_sla"]["slo_attainment_pct"]["both"]
+                    verdicts[x]["attainment"]["reactive_bound_points_below_fixed_peak"] = round(gap, 2)
+                if "reactive_sla" in sides and "goodput" in verdicts[x]:
+                    g = sides["reactive_sla"]["goodput_rps"]
+                    verdicts[x]["goodput"]["reactive_bound_share_of_fixed_peak"] = (
+                        round(g / fixed["goodput_rps"], 4) if fixed["goodput_rps"] > 0 else None
+                    )
+                    verdicts[x]["goodput"]["reactive_bound_rule"] = (
+                        "the clairvoyant schedule under the SLA planner's rules on the load seen a start-up late: it "
+                        "adds workers the moment the load changes, as no planner without a forecast can beat"
+                    )
             for side, interval in (
                 ("planner", cfg.adjustment_interval),
-                ("sla", slas[(name, up)].adjustment_interval),
+                *((x, slas[(name, up)].adjustment_interval) for x in sla_sides),
             ):
                 sides[side]["oscillations"] = oscillations(sides[side]["scaling_actions"]["actions"], interval, r.shape)
-            sides["sla"]["sla_config"] = slas[(name, up)].model_dump(mode="json")
-            sides["sla"]["warm_start"] = infos[name]
+            for x in sla_sides:
+                sides[x]["sla_config"] = slas[(name, up)].model_dump(mode="json")
+                sides[x]["warm_start"] = infos[name]
+            if resched is not None:
+                sides[SLA_RESCHED]["rescheduler"]["config"] = resched.model_dump(mode="json")
             per_startup[label] = {
                 "startup_s": round(up * k, 3),
                 "startup_s_simulated": round(up, 4),
@@ -779,7 +822,7 @@ def plot(name: str, report: dict[str, Any], run: LoadRun, series: dict[str, dict
     peak = report["peak_workers"]
     fig, axes = plt.subplots(2, len(labels), figsize=(7 * len(labels), 6.5), sharex=True, squeeze=False)
     colours = {"fixed_peak": "tab:gray", "planner": "tab:blue", "sla": "tab:red", "clairvoyant_planner": "tab:green",
-               "clairvoyant_sla": "tab:olive", "reactive_sla": "tab:cyan"}  # fmt: skip
+               "clairvoyant_sla": "tab:olive", "reactive_sla": "tab:cyan", SLA_RESCHED: "tab:brown"}  # fmt: skip
     t0, t1 = run.warmup_s, run.warmup_s + run.shape.duration_s
     for col, label in enumerate(labels):
         top, bottom = axes[0, col], axes[1, col]
@@ -900,11 +943,16 @@ def add_arguments(p: argparse.ArgumentParser, positive: Any, fraction: Any, leng
     )
     p.add_argument("--slo-ttft-ms", type=positive, default=SLO_TTFT_MS, help="--load: TTFT target, ms (default 500)")
     p.add_argument("--slo-itl-ms", type=positive, default=SLO_ITL_MS, help="--load: mean ITL target, ms (default 50)")
+    # kvmesh rescheduler's flags: --enable-rescheduling adds the sla+resched side (module docstring), the others
+    # configure its rescheduler. Where it runs live does not matter here: the colocation switch is left out.
+    add_model_arguments(p, ReschedulerConfig, skip={"colocated_rescheduling_mode"})
 
 
 def problems(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     if args.load is None:
+        if args.enable_rescheduling:
+            out.append("--enable-rescheduling runs the sla+resched side of --load: give --load")
         return out
     if not args.startups_s:
         out.append("--startups-s needs at least one start-up")
@@ -918,6 +966,10 @@ def problems(args: argparse.Namespace) -> list[str]:
         out.append("--sla-season must be at least 2 intervals (or 'period')")
     if args.lengths:
         out.append("--load takes its request mix from --trace (and --step-lengths), not --lengths")
+    try:
+        rescheduler_config(args)
+    except ValidationError as e:
+        out.append(f"rescheduler flags: {flag_problems(e)}")
     return out
 
 

@@ -43,6 +43,7 @@ from components.planner.controller import build_observation, request_totals
 from components.planner.policy import NEW_DECODE_WORKER_GRACE_PERIOD, pull_figures
 from components.planner.simulated import PlannerPull, SimulatedPlanner
 from components.planner.sla.config import SlaPlannerConfig
+from components.rescheduler.config import ReschedulerConfig
 from components.sim import MODEL, FleetSpec, replay
 from components.sim.dynamics import (
     DECODE,
@@ -55,6 +56,7 @@ from components.sim.dynamics import (
 )
 from components.sim.replay import REQUEST_STATS_INTERVAL_S
 from components.sim.report import RequestTimes
+from components.sim.rescheduling import PolicyRescheduler
 from components.sim.traces import MooncakeBlocks, TraceRow, read_trace, token_ids
 from components.sim.workload import SimRequest, Workload
 from components.workers.simulated import MockEngineConfig
@@ -294,6 +296,9 @@ class ScalingSpec:
     controller: Controller | None = None
     # The simulated frontend's request reports (the SLA planner's input), every this many virtual seconds.
     request_stats_interval_s: float = REQUEST_STATS_INTERVAL_S
+    # With a config: the rescheduler's policies run beside the planner (a fresh ``PolicyRescheduler`` per replay,
+    # its cycle every ``interval_s`` of the simulation's clock), moving requests between the pool's workers.
+    rescheduler: ReschedulerConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -320,6 +325,9 @@ class ScalingResult:
     end_s: float  # when the last request finished
     preemptions: int
     output_tokens: int
+    # With a rescheduler: requests it moved, and its counters (``PolicyRescheduler.counters``).
+    migrations: int = 0
+    rescheduler: dict[str, object] | None = None
 
 
 class SourceRequests(Sequence[SimRequest]):
@@ -434,12 +442,14 @@ def simulate(
         scaler = SimulatedPlanner(spec.planner, start_s=planner_from_s, until_s=planner_until_s)
     gaps = GapHistogram()
     workload = Workload(source.name, SourceRequests(source, arrivals))
+    resched = None if spec.rescheduler is None else PolicyRescheduler(spec.rescheduler)
     res = replay(
         workload,
         fleet,
         spec.policy,
         seed,
         scaler=scaler,
+        rescheduler=resched,
         itl_sink=gaps,
         itl_from_s=planner_from_s,
         request_stats_interval_s=spec.request_stats_interval_s,
@@ -465,6 +475,8 @@ def simulate(
         end_s=res.last_finish_s,
         preemptions=res.preemptions,
         output_tokens=res.output_tokens,
+        migrations=res.migrations,
+        rescheduler=None if resched is None else resched.counters(),
     )
 
 

@@ -263,3 +263,53 @@ def test_the_sla_flags_of_the_load_bench_are_checked(tmp_path):
         "--sla-warm-start-periods must be >= 0"
     ]
     assert problems(args_for(trace, load="sinusoid", sla_season="period", sla_warm_start_periods=2.0)) == []
+
+
+def test_the_rescheduler_flags_add_an_sla_side_whose_rescheduler_moves_the_start_up_backlog(tmp_path, monkeypatch):
+    """``--enable-rescheduling --rescheduling-policies waiting_fit`` (kvmesh rescheduler's own flags) adds the
+    ``sla+resched`` side: the SLA planner's side with the rescheduler beside it. A small step: 2 peak workers with
+    1,024 KV blocks each (16,384 tokens: 7 requests of 2,200), 1 worker at the start; the step to 6 req/s (the
+    capacity given, more than the 2 workers drain) puts about 60 requests on it during the 10 s start-up of the
+    second, more than its KV admits: waiting_fit moves waiting ones to the new worker once it registers; the ``sla``
+    side, without a rescheduler, moves none."""
+    from components.cli.bench import planner_loads
+
+    trace = azure_trace(tmp_path / "t.csv", [(0.0, 10, 5), (1.0, 10, 5)])
+    flags = ["--load", "step", "--peak-workers", "2", "--duration-s", "40", "--warmup-s", "5", "--startups-s", "10",
+             "--step-lengths", "2000:200", "--num-gpu-blocks", "1024", "--jobs", "2", "--trace", trace, "--png", "",
+             "--enable-rescheduling", "--rescheduling-policies", "waiting_fit", "--rescheduling-interval-ms", "400",
+             "--time-compression", "2"]  # fmt: skip
+    p = argparse.ArgumentParser()
+    planner.add_arguments(p)
+    a = p.parse_args(flags)
+    assert planner_loads.problems(a) == []
+    cfg = planner_loads.rescheduler_config(a)
+    # The flags as `kvmesh rescheduler` reads them, the interval divided by the compression as the planners' are.
+    assert cfg is not None and [str(x) for x in cfg.rescheduling_policies] == ["waiting_fit"]
+    assert cfg.rescheduling_interval_ms == 200
+    assert planner_loads.rescheduler_config(p.parse_args(["--load", "step"])) is None
+    assert planner_loads.problems(p.parse_args(["--enable-rescheduling"])) == [
+        "--enable-rescheduling runs the sla+resched side of --load: give --load"
+    ]
+    assert (
+        "rescheduler flags: --rescheduling-policies"
+        in planner_loads.problems(
+            p.parse_args(["--load", "step", "--enable-rescheduling", "--rescheduling-policies", "nope"])
+        )[0]
+    )
+    # The capacity given, not searched: 6 req/s for the 2 workers, above what they drain (the step overloads them).
+    monkeypatch.setattr(planner_loads, "measure_capacity", lambda *args: (6.0, {"given": True}))
+    a = p.parse_args([*flags, "--time-compression", "1", "--rescheduling-interval-ms", "200"])
+    report = planner_loads.run(a)
+    sides = report["loads"]["step"]["runs"]["startup_10s"]["sides"]
+    assert list(sides) == list(planner_loads.SIDES)
+    moved = sides["sla+resched"]["rescheduler"]
+    assert moved["migrations"] > 0 and moved["migrations_by_policy"]["waiting_fit"] == moved["migrations"]
+    assert moved["config"]["rescheduling_interval_ms"] == 200
+    assert "rescheduler" not in sides["sla"]
+    # Both SLA sides judged alike: same requests, their own verdicts with the reactive bound beside them.
+    verdicts = report["loads"]["step"]["runs"]["startup_10s"]["verdict"]
+    assert sides["sla+resched"]["requests"] == sides["sla"]["requests"] > 0
+    for side in ("sla", "sla+resched"):
+        assert "reactive_bound_share_of_fixed_peak" in verdicts[side]["goodput"]
+        assert sides[side]["oscillations"]["count"] >= 0
