@@ -97,11 +97,15 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   the target (no pool size helps), with the reason.
 * ITL: to the smallest size at which each worker's share of the pool's current batch and KV steps within target
   (the concurrency is what it is; spread over more workers each steps faster), at most ``_FAST_MAX_FACTOR`` x. The
-  trigger is the decode step alone, as the replica formula sizes it; the prefill chunk a worker's own queue adds to
-  its steps is that backlog's, which the TTFT rule handles. The ITL reported (``SlaFigures.predicted_itl_s``) and
-  compared with the frontends' for the correction is the whole step a token sees, the chunk the step computes
-  included (the report's ``num_prefill_tokens``; the queue only where an engine does not say), weighted by the
-  tokens each worker's step sends (``itl.py``), so that a prefill burst does not read as a slow decode engine.
+  pool is counted as asked for: a worker of an addition in progress takes its share of the batch before it
+  registers, as one that registered and decodes nothing yet does. A breach at the target's edge (one sequence fewer
+  per worker steps within it) is raised only once it held ``ITL_RAISE_PULLS`` pulls at one size with every worker
+  asked for registered; beyond the edge, at the pull that sees it. The trigger is the decode step alone, as the
+  replica formula sizes it; the prefill chunk a worker's own queue adds to its steps is that backlog's, which the
+  TTFT rule handles. The ITL reported (``SlaFigures.predicted_itl_s``) and compared with the frontends' for the
+  correction is the whole step a token sees, the chunk the step computes included (the report's
+  ``num_prefill_tokens``; the queue only where an engine does not say), weighted by the tokens each worker's step
+  sends (``itl.py``), so that a prefill burst does not read as a slow decode engine.
 
 The next throughput decision may bring a raised pool back down only through the consolidation check.
 
@@ -196,7 +200,12 @@ FAST_TREND_PULLS = 5
 # it held this many pulls running at one pool size. One pull's batch is an instant: a decode pool sized at the edge
 # read 50.2-54.6 ms on single pulls against a 50 ms target and fell back the next (kvmesh bench planner-live, seeds
 # 0-2), so a one-pull raise decided on when the pull happened to land. A breach beyond the edge (a burst: batch 10
-# where 7 fit, tests/e2e/test_planner_sla.py) is raised at the pull that sees it.
+# where 7 fit, tests/e2e/test_planner_sla.py) is raised at the pull that sees it. Pulls with a worker of the pool still
+# starting do not count: the pull a start-up after a raise to 3 read 29-30 sequences on the 2 registered workers, 1 ms
+# before the third registered, and raised to 4 at once (15 a worker: beyond the edge of 2) in the draws whose ITL
+# factor was applied as 1.000; over the 3 asked for that is 10 a worker, 50.2 ms against 50 (the edge), which fell
+# within target two pulls later (planner-live --resimulate of /tmp/pl7/sla-s0, docs/sla-planner.md "A raise on a worker
+# still starting").
 ITL_RAISE_PULLS = 2
 
 
@@ -452,6 +461,8 @@ class SlaController:
         cfg = self.config
         load = loads[pool]
         n = len(load.workers)
+        # The pool as the ITL rule counts it: registered, or the target of an addition in progress (``_current``).
+        asked = max(n, self._current(obs).get(pool, n))
         reading = self._ttft_reading(pool, loads, obs, snap, perf_of[pool])
         # A disaggregated prefill pool is also raised (on the recent rate) when the decode workers' own queues break
         # the target: the prefill queue's cap turns long prompts away to them when the prefill pool is short, so a
@@ -500,8 +511,10 @@ class SlaController:
                 # joined and decodes nothing yet is part of the pool, not absent from it. Averaging over the decoding
                 # workers only read one busy old worker's batch as every worker's, one pull after a scale-up, and
                 # raised again (kvmesh bench planner-live, seed 0: "batch 14 on each of 2: 4 workers").
-                batch = sum(i.load.snapshot.batch_size for i in decoding if i.load) / n
-                kv_tokens = sum(i.load.snapshot.num_kv_tokens for i in decoding if i.load) / n
+                # The same holds one step earlier for a worker asked for and still starting (an addition in
+                # progress): the pool it is raised to takes the load once it registers, a start-up on.
+                batch = sum(i.load.snapshot.batch_size for i in decoding if i.load) / asked
+                kv_tokens = sum(i.load.snapshot.num_kv_tokens for i in decoding if i.load) / asked
 
         need: int | None = None
         reasons: list[str] = []
@@ -587,9 +600,15 @@ class SlaController:
         if itl_ms is not None:
             spread_ms = self._pool_perf(load).decode_ms(math.ceil(batch - 1e-9), kv_tokens)
         breach = itl_ms is not None and spread_ms is not None and self.itl_correction * spread_ms > cfg.itl
-        size_then, pulls = self._itl_breaches.get(pool, (n, 0))
-        pulls = pulls + 1 if breach and size_then == n else int(breach)
-        self._itl_breaches[pool] = (n, pulls)
+        # Pulls running over the target at one pool size, counted once the workers asked for have registered: while
+        # one is starting, the spread over the pool it will make is a hypothesis (the old workers' batch, which
+        # arrivals will spread over the new one), not a reading of that pool, so it does not count toward holding.
+        size_then, pulls = self._itl_breaches.get(pool, (asked, 0))
+        if asked > n:
+            pulls = 0
+        else:
+            pulls = pulls + 1 if breach and size_then == asked else int(breach)
+        self._itl_breaches[pool] = (asked, pulls)
         # At the edge: one sequence fewer on each worker would step within target (an arrival landing before a
         # departure, the batch's own flicker). A breach beyond that is no flicker and is raised at once.
         edge = (
@@ -599,9 +618,14 @@ class SlaController:
         )
         if edge and pulls < ITL_RAISE_PULLS:
             assert itl_ms is not None and spread_ms is not None
+            counted = (
+                f"on {pulls} pull(s)"
+                if asked == n
+                else f"of {asked}, {asked - n} of them starting (pulls counted once they have registered)"
+            )
             reasons.append(
                 f"predicted ITL {self.itl_correction * spread_ms:.1f} ms > {cfg.itl:g} ms target with the load "
-                f"spread over the pool on {pulls} pull(s), at its edge (one sequence fewer per worker steps within "
+                f"spread over the pool {counted}, at its edge (one sequence fewer per worker steps within "
                 f"it): raised after {ITL_RAISE_PULLS} pulls running"
             )
         elif breach:
@@ -610,20 +634,25 @@ class SlaController:
                 f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms target, "
                 f"{self.itl_correction * spread_ms:.1f} ms with the load spread over the pool "
                 f"({pulls} pulls running)"
+                if asked == n
+                else f"{self.itl_correction * spread_ms:.1f} ms with the load spread over the {asked} asked for"
             )
             perf = self._pool_perf(load)
             found: int | None = None
-            for m in range(n + 1, n * _FAST_MAX_FACTOR + 1):
-                share = math.ceil(batch * n / m - 1e-9)
-                if self.itl_correction * perf.decode_ms(share, kv_tokens * n / m) <= cfg.itl:
+            for m in range(asked + 1, asked * _FAST_MAX_FACTOR + 1):
+                share = math.ceil(batch * asked / m - 1e-9)
+                if self.itl_correction * perf.decode_ms(share, kv_tokens * asked / m) <= cfg.itl:
                     found = m
                     break
             if found is None:
-                size = n * _FAST_MAX_FACTOR
+                size = asked * _FAST_MAX_FACTOR
                 reasons.append(f"{seen}: no size up to {size} meets it; asking for {size}")
             else:
                 size = found
-                reasons.append(f"{seen} (batch {batch:.0f} on each of {n}): {size} workers step within target")
+                starting = f", {asked - n} of them starting" if asked > n else ""
+                reasons.append(
+                    f"{seen} (batch {batch:.0f} on each of {asked}{starting}): {size} workers step within target"
+                )
             need = max(need or 0, size)
         broken = []
         if ttft_ms is not None and self.ttft_correction * ttft_ms > cfg.ttft:
