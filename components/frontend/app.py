@@ -66,6 +66,20 @@ _CLIENT_CLOSED = 499  # nginx's code for "the client went away first", used only
 _PUBLIC_PATHS = {"/health"}
 
 
+class _EventStream(web.StreamResponse):
+    """An SSE response whose status line and headers leave with its first bytes of body, in one write.
+
+    aiohttp's ``StreamResponse`` writes its headers as ``prepare`` returns (one ``writelines`` syscall on its own);
+    a plain ``Response`` holds them back and sends them with its body (``_send_headers_immediately``, aiohttp >= 3.11;
+    older versions do not read it and send them at once, as before). A stream's client reads nothing before its first
+    chunk anyway, so holding them saves one write per request: ~1 of the ~4-5 a 64-token stream took, ~2.5% of the
+    frontend's py-spy samples (docs/frontend.md, "Headers with the first chunk"). The headers still leave before the
+    first token's chunk, never later: the chunk itself carries them.
+    """
+
+    _send_headers_immediately = False
+
+
 def status_of(e: FrontendError) -> tuple[int, str]:
     for cls, status, kind in _STATUS:
         if isinstance(e, cls):
@@ -314,7 +328,7 @@ class FrontendApp:
         deadline: float | None,
     ) -> tuple[web.StreamResponse, int]:
         enc = _ChunkEncoder(p, chat, req.include_usage, req.continuous_usage)
-        response = web.StreamResponse(
+        response = _EventStream(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
