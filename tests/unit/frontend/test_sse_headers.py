@@ -79,3 +79,70 @@ async def test_the_bytes_on_the_wire_are_those_of_a_stream_response() -> None:
     theirs = b"".join(calls)
     strip = [line for line in ours.split(b"\r\n") if not line.startswith(b"Date: ")]
     assert strip == [line for line in theirs.split(b"\r\n") if not line.startswith(b"Date: ")]
+
+
+class _Gen:
+    """A ``Generation`` whose outputs have all arrived (``ready``) or arrive one at a time (not ``ready``)."""
+
+    def __init__(self, texts: list[str], ready: bool) -> None:
+        self._texts = texts
+        self._ready = ready
+        self.num_output_tokens = 0
+        self.num_prompt_tokens = 7
+        self.num_cached_tokens = 0
+
+    def ready(self) -> bool:
+        return self._ready and self.num_output_tokens < len(self._texts)
+
+    async def __aiter__(self) -> Any:
+        for i, text in enumerate(self._texts):
+            self.num_output_tokens += 1
+            yield text, ("length" if i == len(self._texts) - 1 else None)
+
+
+async def _stream_of(texts: list[str], ready: bool) -> list[bytes]:
+    """The writes of ``FrontendApp._stream`` for a completion streaming ``texts``, one token each."""
+    from types import SimpleNamespace
+
+    from components.frontend.app import FrontendApp
+
+    transport = _Transport()
+    writer = StreamWriter(_Protocol(transport), asyncio.get_running_loop())  # type: ignore[arg-type]
+    request = make_mocked_request("POST", "/v1/completions", writer=writer, transport=transport)
+    req = SimpleNamespace(include_usage=True, continuous_usage=False)
+    p = SimpleNamespace(request_id="r1", model=SimpleNamespace(name="m"))
+    app = SimpleNamespace(config=SimpleNamespace(request_timeout_s=60.0), _error_event=FrontendApp._error_event)
+    await FrontendApp._stream(app, request, req, p, _Gen(texts, ready), False, None)  # type: ignore[arg-type]
+    return transport.calls
+
+
+def _events(calls: list[bytes]) -> list[bytes]:
+    body = b"".join(calls).partition(b"\r\n\r\n")[2]
+    out, rest = b"", body
+    while rest:  # undo the chunked encoding
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        out, rest = out + rest[:n], rest[n + 2 :]
+    return [e for e in out.split(b"\n\n") if e]
+
+
+async def test_tokens_that_arrived_together_leave_in_one_write() -> None:
+    # 64 tokens already there when the first is read (a frontend behind its workers): every chunk, the usage and
+    # [DONE] in one write with the headers; 16 chunks a write before (4 writes and the end).
+    texts = [f" w{i}" for i in range(64)]
+    calls = await _stream_of(texts, ready=True)
+    assert len(calls) == 1
+    events = _events(calls)
+    assert len(events) == 64 + 2 and events[-1] == b"data: [DONE]"
+    assert [e.split(b'"text":')[1].split(b",")[0] for e in events[:64]] == [f'"{t}"'.encode() for t in texts]
+
+
+async def test_a_stream_far_behind_still_leaves_in_pieces_and_one_token_at_a_time_is_never_held() -> None:
+    big = ["x" * 1000] * 100  # ~100 KB of chunks, all there: pieces of at most ~32 KiB (and one chunk more)
+    calls = await _stream_of(big, ready=True)
+    assert 3 <= len(calls) <= 5
+    assert all(len(c) < 32 * 1024 + 1200 + 400 for c in calls[:-1])
+    assert len(_events(calls)) == 100 + 2
+    # Tokens arriving one at a time: each leaves at once, in its own write (the last with usage and [DONE]).
+    calls = await _stream_of([f" w{i}" for i in range(5)], ready=False)
+    assert len(calls) == 5
