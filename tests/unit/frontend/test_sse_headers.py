@@ -11,7 +11,11 @@ from aiohttp.test_utils import make_mocked_request
 
 from components.frontend.app import _EventStream
 
-pytestmark = pytest.mark.unit
+pytestmark = [
+    pytest.mark.unit,
+    # aiohttp < 3.12 writes a response's headers at prepare whatever the class says (nothing to hold back there).
+    pytest.mark.skipif(not hasattr(StreamWriter, "send_headers"), reason="aiohttp < 3.12 sends headers at once"),
+]
 
 
 class _Transport:
