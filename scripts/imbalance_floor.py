@@ -28,9 +28,16 @@ Floors per tick (``components.sim.balance``; in fractions of a worker's blocks, 
   needs no copy of them), else every request on a trace worker would be one group;
 * ``group_pinned``: as ``group`` with the residual left on its worker (a prefilling request does not move: kvmesh's
   rescheduler lists no request before its first token);
-* each as ``lower`` (no placement does better) and ``best`` (a placement found); ``exact`` when they meet.
+* each as ``lower`` (no placement does better) and ``best`` (a placement found); ``exact`` when they meet;
+* the verdict (``safe``, and ``group_safe`` for the prefix-kept version): 0.80 is out of reach when the P95 of a
+  valid lower bound per tick (``req_whole``'s, or ``req``'s at the ticks where a residual may be two prompts) is above
+  0.8 x off's P95; within reach of a free re-placement at every tick when the P95 of ``req_whole``'s placements
+  (each a whole-request placement: two prompts taken as one item still are) is at or below it; else open.
 
-And: ``lone_blocked``: the share of ticks over the target (0.8 x off's P95) where no single request of the fullest
+And: ``residual_split_share``: the share of ticks with more prompts in prefill (requests in flight, neither
+listed nor waiting) than workers with a residual, where ``req_whole`` and ``group`` may take two prompts for one
+item (there they are not a floor of whole-request moves, only ``req`` is); ``lone_blocked``: the share of ticks
+over the target (0.8 x off's P95) where no single request of the fullest
 worker narrows the gap to the emptiest; ``big_over_target``: the share where the largest item alone exceeds the
 target spread.
 """
@@ -63,7 +70,7 @@ class Lister:
     interval_s = 0.1
 
     def __init__(self) -> None:
-        self.records: list[tuple[float, dict[int, list[tuple[int, int]]]]] = []
+        self.records: list[tuple[float, dict[int, list[tuple[int, int]]], int]] = []
 
     def cycle(
         self, now_s: float, fleet: FleetSnapshot, running: Mapping[int, Sequence[RunningRequest]]
@@ -72,7 +79,8 @@ class Lister:
             iid: [(int(r.request_id[1:]), r.prompt_tokens + r.output_tokens) for r in rs if not r.waiting]
             for iid, rs in running.items()
         }
-        self.records.append((now_s, held))
+        waiting = sum(1 for rs in running.values() for r in rs if r.waiting)
+        self.records.append((now_s, held, waiting))
         return ()
 
 
@@ -80,11 +88,12 @@ class Ticks:
     """The bench's observer (``_KvSamples``) keeping the instant and the active blocks too."""
 
     def __init__(self) -> None:
-        self.ticks: list[tuple[float, tuple[int, ...], int]] = []
+        self.ticks: list[tuple[float, tuple[int, ...], int, int]] = []
 
     def __call__(self, s: Sample) -> None:
         if s.arrived > s.finished and s.loads:
-            self.ticks.append((s.now_s, tuple(x.num_active_blocks for x in s.loads), s.loads[0].num_total_blocks))
+            active = tuple(x.num_active_blocks for x in s.loads)
+            self.ticks.append((s.now_s, active, s.loads[0].num_total_blocks, s.arrived - s.finished))
 
 
 def _blocks(hashes: Sequence[int], rid: int, tokens: int, bs: int) -> list[Any]:
@@ -150,6 +159,7 @@ def tick_floors(
     out["lone_narrows"] = lone_move_narrows(sizes_by_worker[fullest], gap)
     out["biggest"] = max(grp_items, default=0) / total
     out["common"] = n_common / total
+    out["workers_with_residual"] = len(whole_rest)
     return out
 
 
@@ -164,13 +174,19 @@ def run_one(task: tuple[str, str, float, int, Sequence[int], float, int]) -> dic
     res = sim.replay(w, fleet, dispatch, seed, observer=ticks, rescheduler=lister)
     rows = []
     j = -1
-    for now, active, total in ticks.ticks:
+    for now, active, total, in_flight in ticks.ticks:
         while j + 1 < len(lister.records) and lister.records[j + 1][0] <= now + 1e-9:
             j += 1
-        held = lister.records[j][1] if j >= 0 else {i: [] for i in range(len(active))}
+        held, waiting = (lister.records[j][1], lister.records[j][2]) if j >= 0 else ({}, 0)
+        held = held or {i: [] for i in range(len(active))}
         if len(held) != len(active):
             raise ValueError("a tick's workers differ from the lists'")
-        rows.append(tick_floors(held, active, total, hashes, bs, max_nodes))
+        row = tick_floors(held, active, total, hashes, bs, max_nodes)
+        # Requests in flight that no list holds: prompts in their first prefill. More of them than workers with a
+        # residual: some worker's residual is two prompts or more, which req_whole and group take as one item.
+        unlisted = in_flight - waiting - sum(len(v) for v in held.values())
+        row["residual_split"] = unlisted > row["workers_with_residual"]
+        rows.append(row)
     off_p95 = pct([x["off"] for x in rows], Q)
     assert off_p95 is not None
     target = IMBALANCE_CUT * off_p95
@@ -192,10 +208,22 @@ def run_one(task: tuple[str, str, float, int, Sequence[int], float, int]) -> dic
             "reachable": "yes" if best <= target else ("no" if lo > target else "undecided"),
             "ticks_lower_over_target": sum(1 for x in rows if x[key][0] > target) / len(rows),
         }  # fmt: skip
+    # The verdict's pair: lower = req_whole's bound where no worker's residual may be two prompts, else req's (valid
+    # everywhere); achievable = req_whole's placement (two prompts taken as one item is still a whole-request
+    # placement). The same with group's for the prefix-kept version.
+    for key, whole in (("safe", "req_whole"), ("group_safe", "group")):
+        lo = pct([x["req"][0] if x["residual_split"] else x[whole][0] for x in rows], Q)
+        best = pct([x[whole][1] for x in rows], Q)
+        assert lo is not None and best is not None
+        out[key] = {
+            "lower_p95": lo, "best_p95": best, "lower_ratio": lo / off_p95, "best_ratio": best / off_p95,
+            "reachable": "yes" if best <= target else ("no" if lo > target else "undecided"),
+        }  # fmt: skip
     over = [x for x in rows if x["off"] > target]
     out["ticks_off_over_target"] = len(over) / len(rows)
     out["lone_blocked_share_of_over"] = (sum(1 for x in over if not x["lone_narrows"]) / len(over)) if over else None
     out["big_over_target_share"] = sum(1 for x in rows if x["biggest"] > target) / len(rows)
+    out["residual_split_share"] = sum(1 for x in rows if x["residual_split"]) / len(rows)
     return out
 
 
@@ -205,6 +233,51 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def table(paths: Sequence[str]) -> str:
+    """Markdown rows from the JSON lines in ``paths``: per (workload, dispatch, load), each seed's off P95 and each
+    floor's ratio to it (lower bound; a placement found where it differs) with its verdict, then the medians over the
+    seeds against 0.8 x off's median (the bench judges on medians)."""
+    import statistics
+
+    rows = [json.loads(line) for path in paths for line in open(path) if line.startswith("{")]
+    keys = sorted({(r["workload"], r["dispatch"], r["load"]) for r in rows})
+    out = [
+        "| workload | dispatch | load | off P95 (seeds) | "
+        + " | ".join(f"{k} / off" for k in VARIANTS)
+        + " | 0.80 reachable per seed (whole; prefix kept) | on the medians (whole; prefix kept) | prefill split |"
+        " lone move blocked |",
+        "|---" * (8 + len(VARIANTS)) + "|",
+    ]
+    for key in keys:
+        rs = sorted((r for r in rows if (r["workload"], r["dispatch"], r["load"]) == key), key=lambda r: r["seed"])
+        off = [r["off_p95"] for r in rs]
+        cells = []
+        for k in VARIANTS:
+            per = []
+            for r in rs:
+                v = r[k]
+                lo, best = v["lower_ratio"], v["best_ratio"]
+                per.append(f"{lo:.2f}" if abs(lo - best) < 0.005 else f"{lo:.2f}-{best:.2f}")
+            cells.append(" / ".join(per))
+        med_off = statistics.median(off)
+        verdicts = []
+        for k in ("safe", "group_safe"):
+            lo = statistics.median(r[k]["lower_p95"] for r in rs)
+            best = statistics.median(r[k]["best_p95"] for r in rs)
+            v = "yes" if best <= 0.8 * med_off else ("no" if lo > 0.8 * med_off else "open")
+            verdicts.append(f"{v} ({lo / med_off:.2f}-{best / med_off:.2f})")
+        seeds = " / ".join(f"{r['safe']['reachable']}; {r['group_safe']['reachable']}" for r in rs)
+        split = " / ".join(f"{r['residual_split_share']:.0%}" for r in rs)
+        lone = " / ".join("-" if r["lone_blocked_share_of_over"] is None else f"{r['lone_blocked_share_of_over']:.0%}"
+                          for r in rs)  # fmt: skip
+        out.append(
+            f"| {key[0]} | {key[1]} | {key[2]:g} | {' / '.join(f'{x:.3f}' for x in off)} | "
+            + " | ".join(cells)
+            + f" | {seeds} | {'; '.join(verdicts)} | {split} | {lone} |"
+        )
+    return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -218,7 +291,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--capacity", action="append", default=[], help="WORKLOAD=REQ_PER_S (the bench's, seed 0's)")
     p.add_argument("--max-nodes", type=int, default=20_000)
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument(
+        "--table", nargs="+", default=None, help="print markdown rows from these JSON-line files, run nothing"
+    )
     args = p.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return
     caps = {k: float(v) for k, v in (c.split("=") for c in args.capacity)}
     fleet_seeds = args.fleet_seeds or args.seeds
     tasks = [

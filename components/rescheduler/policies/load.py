@@ -18,9 +18,9 @@ worth a migration. Llumnix refuses a pair whose difference is below the threshol
 too, so a threshold of 0 never pairs two equally loaded workers. Ties in load are broken by instance id.
 
 Each pair moves what ``--rescheduling-req-select-rule/-order/-value`` say (1,024 tokens, shortest running first), or
-with ``rescheduling_load_balance_budget`` ``half_gap`` (not Llumnix's) ``kv_ratio`` of half the pair's gap in the
-configured order: loads 0.9 -> 0.3 move up to 0.3 of the source's KV, and the selection's "closest" rule takes no
-request of 0.6 or more (a move of s across a gap g leaves |g - 2 s|, narrower only when s < g).
+with ``rescheduling_load_balance_gap_budget`` x > 0 (not Llumnix's) ``kv_ratio`` x times the pair's gap in the
+configured order: at 0.5, loads 0.9 -> 0.3 move up to 0.3 of the source's KV, and the selection's "closest" rule
+takes no request of 0.6 or more (a move of s across a gap g leaves |g - 2 s|, narrower only when s < g).
 
 Pure: the standard library and this package only.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from components.rescheduler.config import SELECT_RULES, LoadBalanceBudget, LoadBalanceScope, Policy, ReschedulerConfig
+from components.rescheduler.config import SELECT_RULES, LoadBalanceScope, Policy, ReschedulerConfig
 from components.rescheduler.policies.common import fence, healthy, projected_kv_use
 from components.rescheduler.types import InstanceView, MigrationPair, PolicyResult, Rejection, Role
 
@@ -93,8 +93,8 @@ def balance(policy: Policy, views: Sequence[InstanceView], config: ReschedulerCo
                 )
                 continue
             rule, value = config.rescheduling_req_select_rule, config.rescheduling_req_select_value
-            if config.rescheduling_load_balance_budget == LoadBalanceBudget.HALF_GAP:
-                rule, value = SELECT_RULES["RATIO"], min(1.0, gap / 2)
+            if config.rescheduling_load_balance_gap_budget > 0:
+                rule, value = SELECT_RULES["RATIO"], min(1.0, config.rescheduling_load_balance_gap_budget * gap)
             pairs.append(
                 MigrationPair(
                     source_id=src.instance_id,
