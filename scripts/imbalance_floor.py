@@ -2,7 +2,9 @@
 imbalance on the trace and the documents shape", 2026-11-30): what a rescheduler moving whole requests could reach on
 the off run's own instants, against the 20% cut issue 26 asks.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/imbalance_floor.py --seeds 0,1,2 --jobs 2 > floor.jsonl
+    PYTHONPATH=$PWD .venv/bin/python scripts/imbalance_floor.py --seeds 0,1,2 --jobs 2 \
+      --capacity trace=4.107282557970586 --capacity documents=4.329757503591208 > floor.jsonl
+    PYTHONPATH=$PWD .venv/bin/python scripts/imbalance_floor.py --table floor.jsonl
 
 Per (workload, dispatch, load, seed): the bench's off cell (``kvmesh bench rescheduling``'s workload, fleet and rate:
 ``Spec``, ``build``, ``fleet_for`` over ``--fleet-seeds``, ``--capacity`` times the load), replayed once with two
