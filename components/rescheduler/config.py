@@ -159,6 +159,20 @@ class LlumnixConfig(BaseModel):
         "threshold to destinations below it; unit: balance within each failure unit, at any load (no threshold, "
         "as in Llumnix): the unit's most loaded worker to its least loaded, and so on inwards.",
     )
+    # Not Llumnix's. A fixed budget takes the same tokens from a pair 0.05 apart as from one 0.9 apart: on the trace
+    # and the documents shape (requests of up to a whole worker's KV) 1,024 tokens move nothing that matters, 16,384
+    # tokens overshoot small gaps (docs/rescheduler.md, "Larger budgets"). A share x of the gap, read by the
+    # "closest" rule (a request is taken while its cost < 2 x the budget left), takes only requests smaller than
+    # 2 x the gap: at 0.5 each leaves the pair closer than it found it (a move of s across a gap g leaves |g - 2 s|),
+    # at 0.25 it also never turns the pair around (s < g / 2).
+    rescheduling_load_balance_gap_budget: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="decode_load/neutral_load: 0 (Llumnix's): a pair moves the rescheduling_req_select_* budget; "
+        "x > 0: a pair moves kv_ratio x times its projected-KV-use gap (at most 1) in "
+        "rescheduling_req_select_order; 0.5: each request taken is smaller than the gap, 0.25: than half of it.",
+    )
     instance_staleness_seconds: float = Field(
         default=60.0,
         gt=0,

@@ -26,6 +26,7 @@ from .analysis import (
     pooled_fleet,
     probe,
     ttft_floor_s,
+    with_causal_cold_start,
     without_cached_prefixes,
 )
 from .replay import MODEL, NO_ROOM, FleetSpec, RunResult, Sample, Sink, Timed, account_chunk, replay, simulate
@@ -60,5 +61,6 @@ __all__ = [
     "replay",
     "simulate",
     "ttft_floor_s",
+    "with_causal_cold_start",
     "without_cached_prefixes",
 ]

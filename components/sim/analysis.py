@@ -264,6 +264,15 @@ def causal_ttft_floor_s(workload: Workload, fleet: FleetSpec, hashes: Sequence[S
     chunked prefill of ``x`` tokens, which keeps the availability times lower bounds and this a floor that no router
     on any fleet of these engines can beat. A request's own remaining prefill is the chunked one of ``ttft_floor_s``.
     """
+    return [t for t, _, _ in _causal_plan(workload, fleet, hashes)]
+
+
+def _causal_plan(
+    workload: Workload, fleet: FleetSpec, hashes: Sequence[Sequence[int]]
+) -> list[tuple[float, int, float]]:
+    """``causal_ttft_floor_s``'s computation, with each request's choice: ``(ttft_s, k, ready_s)``, where the best
+    first token waits for the first ``k`` blocks of the prompt (0: computes all of it) until ``ready_s`` (the
+    arrival where ``k`` is 0, or where those blocks were available at arrival already)."""
     c = fleet.engine
     m = c.step_time_model
     bs = c.block_size
@@ -280,6 +289,7 @@ def causal_ttft_floor_s(workload: Workload, fleet: FleetSpec, hashes: Sequence[S
         a = r.arrival_s
         usable = (n - 1) // bs  # at most all but the last token from a cache, as ``PromptBlocks``
         best = own_s(n)
+        best_k, best_ready = 0, a
         ready = a
         # min over k of ready_k - slope * k * bs: where r's own computation of later blocks can start from
         start = a
@@ -293,11 +303,41 @@ def causal_ttft_floor_s(workload: Workload, fleet: FleetSpec, hashes: Sequence[S
             k += 1
             start = min(start, ready - slope_s * k * bs)
             if k <= usable:
-                best = min(best, ready - a + own_s(n - k * bs))
-        out.append(best)
+                v = ready - a + own_s(n - k * bs)
+                if v < best:
+                    best, best_k, best_ready = v, k, ready
+        out.append((best, best_k, best_ready))
         for i in range(k, len(hs)):  # first computed by r: available from its earliest possible computation
             avail[hs[i]] = start + slope_s * (i + 1) * bs
     return out
+
+
+def with_causal_cold_start(
+    workload: Workload, fleet: FleetSpec, hashes: Sequence[Sequence[int]]
+) -> tuple[Workload, list[int], list[float]]:
+    """``without_cached_prefixes`` with the cold start kept: each request as the causal floor (``causal_ttft_floor_s``)
+    serves it best, either waiting for the first ``k`` blocks of its prompt to exist somewhere and then computing the
+    rest (it arrives at the time they exist, its prompt cut by those ``k`` blocks), or computing all of it from its
+    arrival (its prompt whole). Replayed on a fleet, what any routing would see if every block reached every worker
+    the moment any worker could first have computed it (free, instant copies to all: the most replication could
+    do), with the fleet's queueing kept: a request arriving ``d`` into the first computation of its document's
+    ``P`` waits ``P - d`` or computes the document cold, the choice the floor makes for it.
+
+    Returns the workload sorted by its new arrival times, each of its requests' index in ``workload``, and each one's
+    delay (new arrival less the original: add it to the replay's TTFT). Optimistic as ``without_cached_prefixes`` is,
+    and more: a block's availability is the floor's, as if its first computation had started on arrival on an idle
+    worker at the engine's best per-token rate, while in the replay that request queues like any other."""
+    bs = fleet.engine.block_size
+    plan = _causal_plan(workload, fleet, hashes)
+    moved = []
+    for i, (r, (_, k, ready)) in enumerate(zip(workload.requests, plan, strict=True)):
+        if k:
+            r = dataclasses.replace(r, arrival_s=ready, prompt=r.prompt[k * bs :])
+        moved.append((r.arrival_s, i, r))
+    moved.sort(key=lambda x: (x[0], x[1]))
+    index = [i for _, i, _ in moved]
+    delays = [r.arrival_s - workload.requests[i].arrival_s for _, i, r in moved]
+    return dataclasses.replace(workload, requests=tuple(r for _, _, r in moved)), index, delays
 
 
 def without_cached_prefixes(workload: Workload, block_size: int) -> Workload:

@@ -77,6 +77,20 @@ def test_the_seeds_load_balance_example_pairs_highest_with_lowest():
     assert "0.900 -> 0.200" in first.reason and "gap 0.700" in first.reason
 
 
+def test_a_gap_budget_moves_a_share_of_each_pairs_gap():
+    # The seeds' example with rescheduling_load_balance_gap_budget 0.5: 0.9 -> 0.2 (gap 0.7) gets kv_ratio 0.35 of
+    # the source's KV, 0.8 -> 0.3 (gap 0.5) 0.25; at 0.25, 0.175 and 0.125. The order stays the configured one.
+    views = [view(i, load) for i, load in enumerate([0.9, 0.3, 0.8, 0.2, 0.4], start=1)]
+    for share, values in ((0.5, [0.35, 0.25]), (0.25, [0.175, 0.125])):
+        plan = plan_cycle(
+            views,
+            cfg("decode_load", rescheduling_decode_load_threshold=0.7, rescheduling_load_balance_gap_budget=share),
+        )
+        assert pairs_of(plan) == [(1, 4), (3, 2)]
+        assert [(p.select_rule, p.select_order) for p in plan.pairs] == [("kv_ratio", "shortest_running")] * 2
+        assert [p.select_value for p in plan.pairs] == [pytest.approx(v) for v in values]
+
+
 def test_the_waiting_queue_makes_a_source():
     # 0.5 in use + 0.3 needed by the queue = 0.8 >= 0.7: a source although its plain KV use is below the threshold.
     views = [view(1, 0.5, num_waiting_blocks=30), view(2, 0.2)]

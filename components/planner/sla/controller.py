@@ -80,13 +80,17 @@ mean breaks a target the pool is raised, above the throughput loop's size, never
   second's report said 9.0 requests/s, 6.24 workers' worth: 7 of the 8 the load needs, and the 8th a pull later;
   the one worker would still hold 236 prompts when the new ones came, so 7.24 -> 8 at that pull. A 1.23 s start-up
   leaves a backlog of a few prompts, a small fraction of a worker over an interval.
-  An aggregated pool's raise also reads the rate from its workers' queues: they report at every pull, and no prompt
-  leaves a queue but into service, so the prompts by which the queued prompt tokens grew since the last pull (same
-  pool, every worker reporting) over its seconds are a floor on the arrival rate; the raise takes it when it is
-  above the reports' rate. A frontend's report of the second that just ended may land just after the pull: on the
+  An aggregated pool's raise also reads the rate from its workers' load reports: they report at every pull, and no
+  prompt leaves a queue but into service, so the prompts by which the queued prompt tokens grew since the last pull
+  (same pool, every worker reporting) over its seconds are a floor on the arrival rate; and no request leaves an
+  engine but by finishing, so the requests the workers hold, queued or running, grew by no more than the arrivals
+  either. The raise takes the larger floor when it is above the reports' rate. The queue alone misses the prompts
+  taken into service over the pull: on the step one worker prefills ~6 of the 8,000-token prompts a second, so its
+  queue grew by 2.9-5.9 prompts in the step's first second where its requests grew by 9-12 (seeds 3-5).
+  A frontend's report of the second that just ended may land just after the pull: on the
   step the pull a second after it read the second before (~0.4 requests/s, the pool "served") while 3-6 prompts had
-  queued, and added one worker on the queue's trend (kvmesh bench planner --load step, seeds 3-5: now 1 -> 3, 4
-  or 6 at that pull, on 2.9-5.9 requests/s of growth).
+  queued, and added one worker on the queue's trend (kvmesh bench planner --load step, seeds 3-5: then 1 -> 3, 4
+  or 6 at that pull on the queue's 2.9-5.9 requests/s of growth; 1 -> 8, 7, 8 on the requests' 12, 9, 11).
   When that sizing says the pool
   suffices (or nothing was heard) but the queue will not
   be back within target an adjustment interval from now at its recent pace (the last ``FAST_TREND_PULLS`` pulls'
@@ -281,9 +285,10 @@ class SlaController:
         # each pool's (size, mean queue wait ms) at its last settled pulls, oldest first
         self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
         self._itl_breaches: dict[Pool, tuple[int, int]] = {}  # pool -> (its size, pulls running over the ITL target)
-        # An aggregated pool's (size, pull time, prompt tokens queued on its workers) at the last pull every worker
-        # reported: the queue's growth over a pull is a floor on the arrivals (module docstring, "Fast loop").
-        self._queued: dict[Pool, tuple[int, float, float]] = {}
+        # An aggregated pool's (size, pull time, prompt tokens queued on its workers, requests on its workers, queued
+        # or running) at the last pull every worker reported: their growth over a pull is a floor on the arrivals
+        # (module docstring, "Fast loop").
+        self._queued: dict[Pool, tuple[int, float, float, int]] = {}
         self._issued: dict[Pool, int] = {}  # each pool's count as last asked for by an issued step
         self._asked: dict[Pool, int] = {}  # the fast loop's largest need per pool since the last decision
         # Per pool, the most asked for (forecast sizing or fast-loop raise) in each of the last scale_down_window
@@ -547,7 +552,7 @@ class SlaController:
             if grown is not None and self._last_isl is not None and (recent is None or grown > recent[0]):
                 # The workers report at every pull; a frontend's report of the same second may land just after it.
                 recent = (grown, self._last_isl, recent[2] if recent is not None else self._last_osl)
-                heard = "the workers' queues' growth over the last pull (arrivals at least that):"
+                heard = "the growth of the workers' queues or requests over the last pull (arrivals at least that):"
             size: int | None = None
             if own >= cfg.ttft:
                 reasons.append(f"{seen}, but a prompt alone takes {own:.0f} ms: more workers do not help")
@@ -662,18 +667,24 @@ class SlaController:
         return _Fast(ttft_ms, sampled.mean_ms, sampled, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
 
     def _queue_growth(self, pool: Pool, obs: Observation, load: _PoolLoad, now_s: float) -> float | None:
-        """Prompts/s by which an aggregated pool's queues grew since its last pull (every worker reporting, the same
-        pool): no prompt leaves a queue but into service, so the arrivals were at least that. None: not known."""
+        """Requests/s by which an aggregated pool's workers' load grew since its last pull (every worker reporting,
+        the same pool), the larger of two floors on the arrivals: their queued prompt tokens over the prompt length
+        (no prompt leaves a queue but into service), and their requests, queued or running (none leaves an engine
+        but by finishing; a preempted one stays, queued again). The second counts the prompts the workers took into
+        service over the pull, which the first misses. None: not known."""
         if pool != Pool.DECODE or obs.prefill is not None or not load.fresh or len(load.fresh) != len(load.workers):
             self._queued.pop(pool, None)
             return None
         n = len(load.workers)
-        tokens = float(sum(i.load.snapshot.num_waiting_prefill_tokens for i in load.fresh if i.load is not None))
+        snaps = [i.load.snapshot for i in load.fresh if i.load is not None]
+        tokens = float(sum(s.num_waiting_prefill_tokens for s in snaps))
+        requests = sum(s.num_running + s.num_waiting for s in snaps)
         before = self._queued.get(pool)
-        self._queued[pool] = (n, now_s, tokens)
+        self._queued[pool] = (n, now_s, tokens, requests)
         if before is None or before[0] != n or now_s <= before[1] or not self._last_isl:
             return None
-        return (tokens - before[2]) / self._last_isl / (now_s - before[1])
+        span = now_s - before[1]
+        return max((tokens - before[2]) / self._last_isl, float(requests - before[3])) / span
 
     def _backlog_held(
         self,

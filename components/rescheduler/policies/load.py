@@ -17,7 +17,10 @@ A pair is made only when the source's load exceeds the destination's by more tha
 worth a migration. Llumnix refuses a pair whose difference is below the threshold; here one equal to it is refused
 too, so a threshold of 0 never pairs two equally loaded workers. Ties in load are broken by instance id.
 
-Each pair moves what ``--rescheduling-req-select-rule/-order/-value`` say (1,024 tokens, shortest running first).
+Each pair moves what ``--rescheduling-req-select-rule/-order/-value`` say (1,024 tokens, shortest running first), or
+with ``rescheduling_load_balance_gap_budget`` x > 0 (not Llumnix's) ``kv_ratio`` x times the pair's gap in the
+configured order: at 0.5, loads 0.9 -> 0.3 move up to 0.3 of the source's KV, and the selection's "closest" rule
+takes no request of 0.6 or more (a move of s across a gap g leaves |g - 2 s|, narrower only when s < g).
 
 Pure: the standard library and this package only.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from components.rescheduler.config import LoadBalanceScope, Policy, ReschedulerConfig
+from components.rescheduler.config import SELECT_RULES, LoadBalanceScope, Policy, ReschedulerConfig
 from components.rescheduler.policies.common import fence, healthy, projected_kv_use
 from components.rescheduler.types import InstanceView, MigrationPair, PolicyResult, Rejection, Role
 
@@ -89,15 +92,18 @@ def balance(policy: Policy, views: Sequence[InstanceView], config: ReschedulerCo
                     )
                 )
                 continue
+            rule, value = config.rescheduling_req_select_rule, config.rescheduling_req_select_value
+            if config.rescheduling_load_balance_gap_budget > 0:
+                rule, value = SELECT_RULES["RATIO"], min(1.0, config.rescheduling_load_balance_gap_budget * gap)
             pairs.append(
                 MigrationPair(
                     source_id=src.instance_id,
                     destination_id=dst.instance_id,
                     model=model,
                     policy=policy,
-                    select_rule=config.rescheduling_req_select_rule,
+                    select_rule=rule,
                     select_order=config.rescheduling_req_select_order,
-                    select_value=config.rescheduling_req_select_value,
+                    select_value=value,
                     reason=f"projected KV use {s_load:.3f} -> {d_load:.3f} ({where}; gap {gap:.3f} > "
                     f"{config.rescheduling_load_balance_threshold:g})",
                 )

@@ -81,6 +81,32 @@ def test_the_ideal_reference_says_whether_a_missed_target_was_in_reach():
     assert k["reachable_by_ideal_per_seed"] == [False, None] and k["ideal_speedup"]["median"] == pytest.approx(1.333)
 
 
+def test_the_ideal_reference_with_the_cold_start_says_apart_whether_a_missed_target_was_in_reach():
+    # RR 1000, floor 600: target 1.471x. Without the cold start the reference is far below (100 ms: 10x, in reach);
+    # with it, 720 ms at 0.8 (1000 / 720 = 1.389x < 1.471x: out of reach) and 600 ms at 1 (1.667x: in reach).
+    e = entry(0.4, 1000, 900, 700, 600)
+    e["ttft_ideal_ms"] = {
+        "0.8": {"p99": 100.0, "policy": "kv", "cold_start": {"p99": 720.0, "policy": "kv"}},
+        "1": {"p99": 100.0, "policy": "kv", "cold_start": {"p99": 600.0, "policy": "least_loaded"}},
+    }
+    out = rb.check_targets(e, [0.8, 1.0])
+    at08, at1 = out["kv_p99_speedup_over_round_robin_at_0.8"], out["kv_p99_speedup_over_round_robin_at_1"]
+    assert at08["reachable_by_ideal"] is True and at1["reachable_by_ideal"] is True
+    assert at08["ideal_cold_start_speedup"] == pytest.approx(1.389, abs=1e-3)
+    assert at08["reachable_by_ideal_cold_start"] is False
+    assert at1["ideal_cold_start_speedup"] == pytest.approx(1.667, abs=1e-3)
+    assert at1["reachable_by_ideal_cold_start"] is True
+    assert at08["met"] is False and at1["met"] is False  # the verdict itself does not change
+    # An older report's ideal entry without the cold start says nothing about it.
+    old = entry(0.4, 1000, 900, 700, 600)
+    old["ttft_ideal_ms"] = {"0.8": {"p99": 100.0, "policy": "kv"}, "1": {"p99": 100.0, "policy": "kv"}}
+    old_out = rb.check_targets(old, [0.8, 1.0])
+    assert "ideal_cold_start_speedup" not in old_out["kv_p99_speedup_over_round_robin_at_0.8"]
+    over = rb.targets_over_seeds([out, old_out])["kv_p99_speedup_over_round_robin_at_0.8"]
+    assert over["reachable_by_ideal_cold_start_per_seed"] == [False, None]
+    assert over["ideal_cold_start_speedup"]["median"] == pytest.approx(1.389)
+
+
 def test_targets_over_seeds_hold_only_when_met_on_every_replicate_that_judges_them():
     met = {"k": {"target": 2.0, "measured": 2.5, "met": True, "judged": True}}
     missed = {"k": {"target": 1.5, "measured": 1.2, "met": False, "judged": True}}

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from components import sim
-from components.cli.bench.routing import check_targets, oracle_reuse_lru, summarize_targets
+from components.cli.bench.routing import check_targets, cold_start_ttft_s, oracle_reuse_lru, summarize_targets
 from components.protocol.messages import GenerateRequest, SamplingParams
 from components.sim import FleetSpec, SimRequest, Workload
 from components.sim.workloads import SHAPES, from_trace, synthetic
@@ -169,6 +169,43 @@ def test_without_cached_prefixes_cuts_each_prompt_to_what_no_earlier_prompt_had(
     # What is cut is what the infinite one-worker cache serves.
     hits = sim.PromptBlocks([r.prompt for r in reqs], BS).hits_per_prompt()
     assert [len(a.prompt) - len(b.prompt) for a, b in zip(reqs, cut.requests, strict=True)] == hits
+
+
+def test_the_cold_start_reference_waits_for_a_document_still_being_computed_and_keeps_the_queueing():
+    # The causal floor's example on ONE worker, every request one output token (it ends at its first token):
+    # the document's first request (161 tokens, 80.5 ms) makes block i exist at 8 (i + 1) ms.
+    cfg = MockEngineConfig(block_size=BS, max_num_batched_tokens=1000, prefill_base_ms=0, prefill_ms_per_token=0.5,
+                           prefill_ms_per_token_sq=0)  # fmt: skip
+    fleet = FleetSpec(workers=1, engine=cfg)
+    doc = sum((block(k) for k in range(10)), ())  # 160 tokens, 10 blocks
+    reqs = (
+        SimRequest(0.0, (*doc, 1), 1),  # computes all of it
+        # 40 ms in, blocks 0-4 exist: it starts from them and computes 81 tokens (40.5 ms; waiting for all 10 and
+        # computing 1 token is 40 + 0.5, a tie, and the first best is kept): arrives at 40 ms with 81 tokens.
+        SimRequest(0.040, (*doc, 2), 1),
+        # 78 ms in: waiting 2 ms for all 10 blocks and computing 1 token (2.5 ms) beats starting from the 9 that
+        # exist (8.5 ms): it arrives at 80 ms with 1 token, after the next request's original arrival.
+        SimRequest(0.078, (*doc, 3), 1),
+        SimRequest(0.079, (*block(50), *block(51), 5), 1),  # nothing shared: whole, 33 tokens
+        SimRequest(1.0, (*doc, 4), 1),  # long after: everything exists, 1 token
+    )
+    w = Workload("w", reqs)
+    hashes = sim.PromptBlocks([r.prompt for r in reqs], BS).hashes
+    moved, index, delays = sim.with_causal_cold_start(w, fleet, hashes)
+    assert index == [0, 1, 3, 2, 4]  # sorted by the new arrivals: the waiting request moved behind the unshared one
+    assert [r.arrival_s for r in moved.requests] == pytest.approx([0.0, 0.040, 0.079, 0.080, 1.0])
+    assert [len(r.prompt) for r in moved.requests] == [161, 81, 33, 1, 1]
+    assert delays == pytest.approx([0.0, 0.0, 0.0, 0.002, 0.0])
+    assert moved.requests[1].prompt == (*doc[80:], 2)
+    floor = sim.causal_ttft_floor_s(w, fleet, hashes)
+    assert floor == pytest.approx([0.0805, 0.0405, 0.0025, 0.0165, 0.0005])
+    # Replayed on the one worker, the queueing the floor leaves out is kept: the first request's step ends at
+    # 80.5 ms; the three waiting then (81 + 33 + 1 = 115 tokens) share one step of 57.5 ms, ending at 138 ms:
+    # TTFTs 98 ms, 60 ms (its 2 ms wait included) and 59 ms, in the workload's order.
+    for policy in ("round_robin", "least_loaded", "kv"):
+        ttft = cold_start_ttft_s(w, fleet, hashes, policy, 0)
+        assert ttft == pytest.approx([0.0805, 0.098, 0.060, 0.059, 0.0005], abs=1e-9)
+        assert all(t >= f - 1e-9 for t, f in zip(ttft, floor, strict=True))
 
 
 def test_the_pooled_fleet_is_one_engine_with_the_fleets_kv_and_an_even_share_of_each_step():

@@ -538,7 +538,39 @@ def test_a_fast_raise_reads_the_arrivals_from_the_queues_growth_when_the_fronten
     assert out.adjustment is not None
     d = out.adjustment.decisions[0]
     assert (d.direction, d.current, d.target) == (Direction.UP, 2, 5)
-    assert "the workers' queues' growth over the last pull (arrivals at least that): 60.0 requests/s need 5" in d.reason
+    assert (
+        "the growth of the workers' queues or requests over the last pull (arrivals at least that): "
+        "60.0 requests/s need 5" in d.reason
+    )
+
+
+def test_a_fast_raise_counts_the_prompts_the_workers_took_into_service_as_arrivals_too():
+    # The step's first pull: the frontends' reports say 10 requests/s (the step's second is not in yet). Between the
+    # pulls at 31 and 32 s each of the 2 workers went from 5 requests running and none queued to 25 running (it
+    # took 20 prompts into service) and 20 queued (20000 prompt tokens). The queued tokens grew by 2 x 20 prompts
+    # in the second: at least 40 arrived. But a request leaves an engine only by finishing, so the 2 x 40 requests
+    # they gained are a floor on the arrivals too: at least 80. 80 requests/s are 5.35 workers' worth, with the
+    # queue the 2 hold (40 prompts, no start-up: 0.09 of a worker over the next 30 s) 6; the queue's growth alone
+    # (40 requests/s) asks for 3.
+    def size(rate: float) -> int:
+        worth = prefill_need(rate) + decode_need(rate)
+        return math.ceil(worth + 40 * (worth / rate) / 30)
+
+    assert (size(80), size(40)) == (6, 3)
+    fleet, ctl = fast_fleet()
+    fleet.set_load(Pool.DECODE, num_running=5)
+    fleet.requests(31.0, 1.0, rate=10, isl=1000, osl=200)
+    assert pull(ctl, fleet, 31.0).adjustment is None
+    fleet.requests(32.0, 1.0, rate=10, isl=1000, osl=200)
+    fleet.set_load(Pool.DECODE, num_running=25, num_waiting=20, num_waiting_prefill_tokens=20000)
+    out = pull(ctl, fleet, 32.0)
+    assert out.adjustment is not None
+    d = out.adjustment.decisions[0]
+    assert (d.direction, d.current, d.target) == (Direction.UP, 2, 6)
+    assert (
+        "the growth of the workers' queues or requests over the last pull (arrivals at least that): "
+        "80.0 requests/s need" in d.reason
+    )
 
 
 def test_a_short_start_up_leaves_a_backlog_too_small_to_hold_a_worker():
