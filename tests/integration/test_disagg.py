@@ -23,9 +23,10 @@ from components.workers.worker import Worker
 from tests.integration.test_worker import MOCK_WORKER_FLAGS, ready_instance_id, tokens_of, worker_env
 from tests.support.waiting import wait_until, wait_until_async
 
-# alone: a fresh-clone suite run on two pytest-xdist workers failed the killed-decode-worker test (the decode worker
-# never heard the prefill worker in 50 tries under the other worker's load), so scripts/dev.sh runs this module in its
-# one-process phase.
+# alone: a fresh-clone suite run on two pytest-xdist workers failed the killed-decode-worker test (read then as the
+# decode worker never hearing the prefill worker in 50 tries under the other worker's load), so scripts/dev.sh runs
+# this module in its one-process phase. It failed there too: its 50 tries repeated one prompt, which the decode
+# worker's prefix cache made local after the first (the test's comment); each try now has a prompt of its own.
 pytestmark = [pytest.mark.integration, pytest.mark.alone]
 MODEL = "mock-model"
 
@@ -267,15 +268,24 @@ async def test_a_decode_worker_killed_during_its_remote_prefill_leaves_nothing_r
         # The decode worker hears the prefill worker's reports within a few intervals; until then it prefills
         # locally. Each attempt waits for whichever comes first: the prefill worker takes the item (remote: the
         # stream cannot end before the item is delivered) or the stream ends (prefilled locally: try again). No fixed
-        # window: on a loaded machine the pull can take longer than any window chosen here.
+        # window: on a loaded machine the pull can take longer than any window chosen here. Each attempt has a prompt
+        # of its own: a prompt prefilled locally stays in the decode worker's prefix cache, and the same prompt again
+        # is then short (uncached part <= max_local_prefill_length) and local whatever the reports say: once the first
+        # attempt went local, the next 49 were all 'short' (~4 s; how a CI run failed, reproduced by starting the
+        # prefill worker after the first attempt). Attempts are bounded by a deadline, not a count: a local attempt
+        # takes ~0.1 s, so a count is only a short window in disguise.
         pending: asyncio.Future | None = None
-        for attempt in range(50):
-            stream = await client.direct(req(f"orphan-{attempt}", PROMPT), iid)
+        deadline = time.monotonic() + 60
+        attempt = 0
+        while True:
+            stream = await client.direct(req(f"orphan-{attempt}", PROMPT, offset=attempt), iid)
             pending = fut = asyncio.ensure_future(tokens_of(stream))
             await wait_until(lambda fut=fut: prefill.prefill_loop.busy or fut.done(), timeout_s=60)
             if prefill.prefill_loop.busy:
                 break
-            await pending  # prefilled locally, complete: the next attempt
+            await pending  # prefilled locally, complete: the next attempt, with a new prompt
+            attempt += 1
+            assert time.monotonic() < deadline, f"{attempt} prompts in 60 s, all prefilled locally"
         assert prefill.prefill_loop.busy
         proc.kill()  # the decode worker dies while the prefill worker computes its prompt
         proc.wait(10)
