@@ -242,7 +242,12 @@ class EtcdDiscovery:
         while True:
             await asyncio.sleep(delay_s)
             try:
-                reply = await asyncio.wait_for(self._c().refresh_lease(st.server_id), interval_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 a cancel (close, revoke_lease) that lands in the loop
+                # iteration where the refresh completes is swallowed by wait_for, and this loop then ran on while
+                # its canceller awaited it for good (a CI test teardown hung past 120 s; a prefill worker's stop hung
+                # at revoking its lease). tests/unit/runtime/test_lease_keep_alive.py
+                async with asyncio.timeout(interval_s):
+                    reply = await self._c().refresh_lease(st.server_id)
                 if reply is None or reply.TTL <= 0:
                     await self._reacquire(st)
                 st.last_ok_s = time.monotonic()
