@@ -310,7 +310,8 @@ class Deployment:
                     on_waiting(waiting, now - t0)
                     next_progress = now + self.cfg.progress_interval_s
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.cfg.poll_interval_s)
+                    async with asyncio.timeout(self.cfg.poll_interval_s):
+                        await stop.wait()
         finally:
             await runtime.shutdown(drain_timeout_s=1.0)
 
@@ -350,7 +351,8 @@ class Deployment:
         assert self.launcher is not None
         while not stop.is_set() and not self.launcher.stopping:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.cfg.server_check_interval_s)
+                async with asyncio.timeout(self.cfg.server_check_interval_s):
+                    await stop.wait()
             self.refresh()
             await self.supervise_servers()
 

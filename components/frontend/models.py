@@ -119,7 +119,8 @@ class ModelRegistry:
                 await self._changed.wait()
             return self.models[name]
 
-        return await asyncio.wait_for(wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await wait()
 
     def _rebuild(self) -> None:
         """Recompute models from every client's instance list; called on each discovery change."""

@@ -211,7 +211,8 @@ class Replicas:
                 logger.warning("frontend replica %d exited (%s) after %.1f s; starting it again in %.1f s",
                                r.index, code, lived_s, delay)  # fmt: skip
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await stop.wait()
                 if stop.is_set():
                     return 0, "STOPPED"
                 await self._spawn(r)
@@ -234,7 +235,8 @@ class Replicas:
                 p.send_signal(signal.SIGTERM)
         grace_s = self.cfg.shutdown_timeout_s + 10.0
         try:
-            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace_s)
+            async with asyncio.timeout(grace_s):
+                await asyncio.gather(*(p.wait() for p in procs))
         except TimeoutError:
             for p in procs:
                 if p.returncode is None:

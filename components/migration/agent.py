@@ -426,7 +426,8 @@ class MigrationAgent:
             if left <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._slot_freed.wait()
         return True
 
     async def _run_out(self, m: Migration, t: _Tracked, component: str, mode: MigrationMode) -> None:
@@ -499,7 +500,8 @@ class MigrationAgent:
             t.park = t.decision = None
             return await self._settle_failure(m, t, component, S.ABORTED_BY_SOURCE, "the request ended", reserved)
         try:
-            parked = await asyncio.wait_for(asyncio.shield(t.park), cfg.migration_call_timeout_s)
+            async with asyncio.timeout(cfg.migration_call_timeout_s):
+                parked = await asyncio.shield(t.park)
         except TimeoutError:
             parked = None
         if parked is None or parked is _ENDED:
@@ -612,7 +614,8 @@ class MigrationAgent:
         (``kv_transfer_params``). Without a hand-off (the engine failed, or took longer than the call timeout) the
         commit goes without one and the destination computes the request again (counted as recompute)."""
         try:
-            params = await asyncio.wait_for(self.engine.export_kv(m.request_id), self.config.migration_call_timeout_s)
+            async with asyncio.timeout(self.config.migration_call_timeout_s):
+                params = await self.engine.export_kv(m.request_id)
         except TimeoutError:
             params = None
         if not params:

@@ -32,7 +32,8 @@ async def copy_prefix(
         items = [item async for item in await client.direct(body, destination_id)]
         return ImportPrefixReply.from_dict(items[0]) if items else ImportPrefixReply(error="no reply")
 
-    return await asyncio.wait_for(call(), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await call()
 
 
 async def drop_prefix_client(runtime: Runtime, namespace: str, component: str) -> Client:
@@ -51,4 +52,5 @@ async def drop_prefix(
         items = [item async for item in await client.direct(body, instance_id)]
         return DropPrefixReply.from_dict(items[0]) if items else DropPrefixReply(error="no reply")
 
-    return await asyncio.wait_for(call(), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await call()

@@ -288,7 +288,8 @@ class RouterFeed:
             wait = next_state - loop.time()
             if wait > 0:
                 try:
-                    msg = await asyncio.wait_for(outbox.get(), wait)
+                    async with asyncio.timeout(wait):
+                        msg = await outbox.get()
                 except TimeoutError:
                     msg = None
             else:

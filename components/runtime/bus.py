@@ -434,8 +434,8 @@ class NatsBus:
 
         try:
             # With reconnects unbounded, nats-py retries the first connection forever too: bound it here.
-            self._nc = await asyncio.wait_for(
-                nats.connect(
+            async with asyncio.timeout(self._config.connect_timeout_s):
+                self._nc = await nats.connect(
                     self._config.nats_url,
                     name=self._name,
                     connect_timeout=self._config.connect_timeout_s,
@@ -446,9 +446,7 @@ class NatsBus:
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     **nats_credentials(),
-                ),
-                self._config.connect_timeout_s,
-            )
+                )
         except (nats.errors.NoServersError, OSError, TimeoutError) as e:
             raise ConnectError("NATS", self._config.nats_url, f"{type(e).__name__} {e}".strip()) from e
         finally:
@@ -475,7 +473,8 @@ class NatsBus:
             # Woken by the reconnect callback; re-checked every 50 ms as the callback may lag nats-py's own state.
             self._connected.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._connected.wait(), min(0.05, left_s))
+                async with asyncio.timeout(min(0.05, left_s)):
+                    await self._connected.wait()
         return self.is_connected
 
     async def close(self) -> None:
@@ -489,7 +488,8 @@ class NatsBus:
             with contextlib.suppress(nats.errors.Error, ValueError):
                 await q._psub.unsubscribe()
         try:
-            await asyncio.wait_for(self._nc.drain(), 5.0)
+            async with asyncio.timeout(5.0):
+                await self._nc.drain()
         except Exception as e:  # noqa: BLE001
             logger.debug("nats drain: %s", e)
         if not self._nc.is_closed:

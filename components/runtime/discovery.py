@@ -153,7 +153,8 @@ class EtcdDiscovery:
                 client = self._new_client()
                 left = max(0.05, deadline - time.monotonic())
                 try:
-                    await asyncio.wait_for(self._probe(client), left)
+                    async with asyncio.timeout(left):
+                        await self._probe(client)
                 except (TimeoutError, aetcd.exceptions.ClientError, OSError) as e:
                     reasons.append(f"{self._config.etcd_endpoints[i]}: {type(e).__name__} {e}".strip())
                     with contextlib.suppress(Exception):
@@ -190,7 +191,8 @@ class EtcdDiscovery:
         if revoke and self._client is not None:
             for st in list(self._leases.values()):
                 try:
-                    await asyncio.wait_for(self._client.revoke_lease(st.server_id), 2.0)
+                    async with asyncio.timeout(2.0):
+                        await self._client.revoke_lease(st.server_id)
                 except (TimeoutError, aetcd.exceptions.ClientError) as e:
                     logger.warning("could not revoke lease %x on close: %s", st.server_id, e)
         self._closed = True
@@ -350,6 +352,8 @@ class EtcdDiscovery:
             finally:
                 if watch is not None:
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watch.cancel(), 1.0)
+                        async with asyncio.timeout(1.0):
+                            await watch.cancel()
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(client.close(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await client.close()

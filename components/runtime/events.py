@@ -55,7 +55,8 @@ class EventSubscription(Generic[T]):
         return await self._q.get()
 
     async def get(self, timeout_s: float) -> Event[T]:
-        return await asyncio.wait_for(self._q.get(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await self._q.get()
 
     async def close(self) -> None:
         if self._sub is not None:

@@ -377,7 +377,8 @@ class _MemWorkQueue:
                 if left_s <= 0:
                     return None
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), left_s)
+                    async with asyncio.timeout(left_s):
+                        await changed.wait()
         finally:
             self._pullers -= 1
 
@@ -460,7 +461,8 @@ class MemoryBus:
 
     async def wait_connected(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._connected.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._connected.wait()
         return self.is_connected
 
     async def request(self, subject: str, data: bytes, timeout_s: float) -> bytes:
@@ -475,7 +477,8 @@ class MemoryBus:
         try:
             await self.publish(subject, data, reply=inbox)
             try:
-                msg = await asyncio.wait_for(fut, timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    msg = await fut
             except TimeoutError:
                 raise RequestTimeoutError(f"request on {subject}", timeout_s) from None
             if is_no_responders(msg):

@@ -376,7 +376,8 @@ class InstanceServer:
         """
         self.draining = True
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
         left = list(self._inflight.values())
         for t in left:
             t.cancel()

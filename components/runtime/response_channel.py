@@ -96,7 +96,8 @@ class ResponseListener:
         for c in list(self.connections):
             c.close()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            async with asyncio.timeout(2.0):
+                await self._server.wait_closed()
         self._server = None
 
 
@@ -165,7 +166,8 @@ class ResponseConnections:
         loop = asyncio.get_running_loop()
         try:
             host, port = split_address(conn.address)
-            await asyncio.wait_for(loop.create_connection(lambda: conn, host, port), self._connect_timeout_s)
+            async with asyncio.timeout(self._connect_timeout_s):
+                await loop.create_connection(lambda: conn, host, port)
         except Exception as e:  # noqa: BLE001 - unreachable (firewall, another network): the bus carries it
             logger.warning("response channel: cannot connect to %s (%s); answering over the bus", conn.address, e)
             self._unreachable.add(conn.address)

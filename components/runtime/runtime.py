@@ -483,7 +483,8 @@ class Client:
             async with self._changed:
                 await self._changed.wait_for(lambda: len(self._ids) >= n)
 
-        await asyncio.wait_for(wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await wait()
         return self.instance_ids()
 
     def _pick(self, mode: RouterMode) -> int:

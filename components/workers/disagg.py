@@ -212,7 +212,8 @@ class RemotePrefiller:
         if self._queue is None:
             return None
         try:
-            stats = await asyncio.wait_for(self._queue.stats(), QUEUE_STATS_TIMEOUT_S)
+            async with asyncio.timeout(QUEUE_STATS_TIMEOUT_S):
+                stats = await self._queue.stats()
         except (QueueUnavailableError, TimeoutError) as e:
             logger.debug("prefill queue depth unknown: %s", e)
             return None
@@ -250,7 +251,8 @@ class RemotePrefiller:
                 self.counters.remote_failed += 1
                 return None
             try:
-                result = await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    result = await asyncio.shield(fut)
             except TimeoutError:
                 logger.warning(
                     "request %s: no remote prefill result in %g s (remote_prefill_timeout_s): prefilling locally",
@@ -486,7 +488,8 @@ class PrefillLoop:
                 items_done=self.counters.delivered + self.counters.refused + self.counters.expired,
             )
             try:
-                stats = await asyncio.wait_for(self._queue.stats(), QUEUE_STATS_TIMEOUT_S)
+                async with asyncio.timeout(QUEUE_STATS_TIMEOUT_S):
+                    stats = await self._queue.stats()
                 report.waiting = stats.waiting
                 report.in_flight = stats.in_flight
                 report.oldest_age_s = stats.oldest_age_s

@@ -47,7 +47,8 @@ async def _measure_fleet(cfg: RuntimeConfig, args: argparse.Namespace, num_worke
     rt = None
     try:
         assert child.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 120)
+        async with asyncio.timeout(120):
+            line = await asyncio.to_thread(child.stdout.readline)
         if not line.startswith("READY"):
             raise RuntimeError(f"fleet did not start: {line!r}")
         rt = await Runtime.connect(cfg, name="bench-fleet-client")

@@ -359,7 +359,8 @@ def _worker_process(cfg: RuntimeConfig) -> subprocess.Popen[str]:
 
 async def _ready(proc: subprocess.Popen[str]) -> int:
     assert proc.stdout is not None
-    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+    async with asyncio.timeout(60):
+        line = await asyncio.to_thread(proc.stdout.readline)
     if not line.startswith("READY 1 workers: "):
         raise RuntimeError(f"worker did not start: {line!r}")
     return int(line.split(": ")[1], 16)
@@ -442,7 +443,8 @@ async def failover_round(cfg: RuntimeConfig, args: argparse.Namespace, limit: in
                 await asyncio.sleep(0.01)
             killed_at = time.monotonic()
             procs[1].send_signal(signal.SIGKILL)
-            await asyncio.wait_for(load, 300)
+            async with asyncio.timeout(300):
+                await load
         dead = ids[1]
         down_at = router.down_since(dead)
         to_dead = [t for t, iid in routed if iid == dead]

@@ -198,7 +198,8 @@ def _spawn(cfg: RuntimeConfig, *argv: str) -> subprocess.Popen[str]:
 
 async def _ready(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
     assert proc.stdout is not None
-    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        line = await asyncio.to_thread(proc.stdout.readline)
     if not line.startswith("READY "):
         raise RuntimeError(f"process did not start: {line!r}")
     return line.strip()
@@ -306,7 +307,8 @@ async def one_round(
         rc = await asyncio.to_thread(leaving.wait, args.round_timeout_s)
         t_exit = time.monotonic()
         in_flight_at_exit = sum(not s.task.done() for s in streams)
-        await asyncio.wait_for(asyncio.gather(*(s.task for s in streams + new)), args.round_timeout_s)
+        async with asyncio.timeout(args.round_timeout_s):
+            await asyncio.gather(*(s.task for s in streams + new))
         committed = await _migrations_committed(metrics_url) if metrics_url else None
         cycle = await _last_pairs_cycle(rt, ns) if side == MIGRATE else None
         during = [g for s in streams for g in gaps_in(s.times, t_term, t_exit)]
@@ -462,7 +464,8 @@ async def serve_round(args: argparse.Namespace, index: int, side: str, rng: rand
                 in_flight_at_exit = sum(not s.task.done() for s in streams)
                 await change
                 t_done = time.monotonic()
-                await asyncio.wait_for(asyncio.gather(*(s.task for s in streams + new)), args.round_timeout_s)
+                async with asyncio.timeout(args.round_timeout_s):
+                    await asyncio.gather(*(s.task for s in streams + new))
             during = [g for s in streams for g in gaps_in(s.times, t0, t_exit)]
             after = [g for s in streams for g in gaps_in(s.times, t0, float("inf"))]
             ttfts = [t for s in new if (t := s.ttft_ms) is not None]

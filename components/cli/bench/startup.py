@@ -68,11 +68,13 @@ async def _stop(proc: asyncio.subprocess.Process, timeout_s: float) -> float:
     if proc.returncode is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await proc.wait()
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            await asyncio.wait_for(proc.wait(), 10)
+            async with asyncio.timeout(10):
+                await proc.wait()
     return time.monotonic() - t0
 
 
@@ -97,7 +99,8 @@ async def one_run(cfg: RuntimeConfig, kind: str, timeout_s: float, stop_timeout_
         try:
             await client.wait_for_instances(1, timeout_s=timeout_s)
             registered = time.monotonic() - t0
-            ready_line = await asyncio.wait_for(ready, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                ready_line = await ready
         finally:
             ready.cancel()
             stopped = await _stop(proc, stop_timeout_s)

@@ -118,7 +118,8 @@ async def _run(args: argparse.Namespace, etcd: str, nats_url: str) -> dict[str, 
     bare: BareClient | None = None
     try:
         assert child.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+        async with asyncio.timeout(60):
+            line = await asyncio.to_thread(child.stdout.readline)
         if line.strip() != b"READY":
             raise RuntimeError(f"bench server did not start: {line!r}")
         bare = await BareClient.connect(nats_url, BARE_SUBJECT)

@@ -74,7 +74,8 @@ class KvEventSubscriber:
         want = self.next_seq
         if self.replay_endpoint is not None:
             try:
-                await asyncio.wait_for(self._replay(upto), REPLAY_TIMEOUT_S)
+                async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                    await self._replay(upto)
             except TimeoutError:
                 logger.warning("KV-event replay from %s timed out after %.0f s", self.replay_endpoint, REPLAY_TIMEOUT_S)
         if self.next_seq < upto:
