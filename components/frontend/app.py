@@ -349,15 +349,28 @@ class FrontendApp:
                 # syscall): never a wait, only less work when the frontend falls behind the workers. The last chunk
                 # (it carries the finish reason) waits for nothing either: it leaves below, in one write with the
                 # usage chunk, [DONE] and the end of the body, where they took three more.
+                # What is here already is taken with ``gen.poll()`` (no coroutine per item); the ``async for``
+                # waits for the rest.
                 num_sent = 0
                 gathered = 0  # bytes in pending
                 async for text, finish in gen:
-                    if text or finish is not None or gen.num_output_tokens != num_sent:
-                        num_sent = gen.num_output_tokens
-                        chunk = enc.chunk(text, finish, gen)
-                        pending.append(chunk)
-                        gathered += len(chunk)
-                    if finish is None and pending and (gathered >= _MAX_GATHERED_BYTES or not gen.ready()):
+                    while True:
+                        if text or finish is not None or gen.num_output_tokens != num_sent:
+                            num_sent = gen.num_output_tokens
+                            chunk = enc.chunk(text, finish, gen)
+                            pending.append(chunk)
+                            gathered += len(chunk)
+                        if finish is not None:
+                            break
+                        if gathered >= _MAX_GATHERED_BYTES:
+                            await write(b"".join(pending))
+                            pending.clear()
+                            gathered = 0
+                        polled = gen.poll()
+                        if polled is None:
+                            break
+                        text, finish = polled
+                    if finish is None and pending:
                         await write(pending[0] if len(pending) == 1 else b"".join(pending))
                         pending.clear()
                         gathered = 0
