@@ -48,6 +48,9 @@ from components.frontend.service import FrontendService, Generation, Prepared, r
 logger = logging.getLogger(__name__)
 
 _dumps = json.dumps
+# What ``json.dumps`` of a str returns with its default arguments (``ensure_ascii``), called without the two Python
+# frames ``dumps`` -> ``JSONEncoder.encode`` put around the C function: once per streamed chunk.
+_dumps_str = json.encoder.encode_basestring_ascii
 
 # Most specific first: the first matching class decides (status, OpenAI error type).
 _STATUS: list[tuple[type[FrontendError], int, str]] = [
@@ -437,7 +440,7 @@ class _ChunkEncoder:
             tail = b'}],"usage":' + _dumps(_usage(gen)).encode() + b"}\n\n"
         else:
             tail = self._tail_null
-        return b"".join((head, _dumps(text).encode(), self._after, fr, tail))
+        return b"".join((head, _dumps_str(text).encode(), self._after, fr, tail))
 
     def usage(self, gen: Generation) -> bytes:
         return self._usage_head + b',"usage":' + _dumps(_usage(gen)).encode() + b"}\n\n"
