@@ -48,6 +48,9 @@ from components.frontend.service import FrontendService, Generation, Prepared, r
 logger = logging.getLogger(__name__)
 
 _dumps = json.dumps
+# What ``json.dumps`` of a str returns with its default arguments (``ensure_ascii``), called without the two Python
+# frames ``dumps`` -> ``JSONEncoder.encode`` put around the C function: once per streamed chunk.
+_dumps_str = json.encoder.encode_basestring_ascii
 
 # Most specific first: the first matching class decides (status, OpenAI error type).
 _STATUS: list[tuple[type[FrontendError], int, str]] = [
@@ -349,15 +352,28 @@ class FrontendApp:
                 # syscall): never a wait, only less work when the frontend falls behind the workers. The last chunk
                 # (it carries the finish reason) waits for nothing either: it leaves below, in one write with the
                 # usage chunk, [DONE] and the end of the body, where they took three more.
+                # What is here already is taken with ``gen.poll()`` (no coroutine per item); the ``async for``
+                # waits for the rest.
                 num_sent = 0
                 gathered = 0  # bytes in pending
                 async for text, finish in gen:
-                    if text or finish is not None or gen.num_output_tokens != num_sent:
-                        num_sent = gen.num_output_tokens
-                        chunk = enc.chunk(text, finish, gen)
-                        pending.append(chunk)
-                        gathered += len(chunk)
-                    if finish is None and pending and (gathered >= _MAX_GATHERED_BYTES or not gen.ready()):
+                    while True:
+                        if text or finish is not None or gen.num_output_tokens != num_sent:
+                            num_sent = gen.num_output_tokens
+                            chunk = enc.chunk(text, finish, gen)
+                            pending.append(chunk)
+                            gathered += len(chunk)
+                        if finish is not None:
+                            break
+                        if gathered >= _MAX_GATHERED_BYTES:
+                            await write(b"".join(pending))
+                            pending.clear()
+                            gathered = 0
+                        polled = gen.poll()
+                        if polled is None:
+                            break
+                        text, finish = polled
+                    if finish is None and pending:
                         await write(pending[0] if len(pending) == 1 else b"".join(pending))
                         pending.clear()
                         gathered = 0
@@ -424,7 +440,7 @@ class _ChunkEncoder:
             tail = b'}],"usage":' + _dumps(_usage(gen)).encode() + b"}\n\n"
         else:
             tail = self._tail_null
-        return b"".join((head, _dumps(text).encode(), self._after, fr, tail))
+        return b"".join((head, _dumps_str(text).encode(), self._after, fr, tail))
 
     def usage(self, gen: Generation) -> bytes:
         return self._usage_head + b',"usage":' + _dumps(_usage(gen)).encode() + b"}\n\n"

@@ -50,8 +50,8 @@ Metrics: every decision the router returns is counted by its kind (``ModelMetric
 that produced the first item by its worker, prompt and cached tokens (``count_placement``): a request retried
 before its first output counts on the worker it ran on only.
 
-Hot path: ``next_item`` is one ``__anext__`` and one finish-reason check per chunk; everything else runs once per
-attempt.
+Hot path: ``next_item`` is one ``__anext__`` and one finish-reason check per chunk, ``poll`` the same without a
+coroutine for a chunk that is here already; everything else runs once per attempt.
 
 Imports: the router (no I/O parts), the runtime's client side, the protocol; never aiohttp.
 """
@@ -213,6 +213,8 @@ class Dispatch:
         # Output tokens delivered to the Generation so far (the splice point), and which.
         self.position = 0
         self.output_ids: list[int] = []
+        # An item ``poll`` took from the stream but left to ``next_item`` (out of order, an abort, a moved stream).
+        self._stash: dict[str, Any] | None = None
         self.num_failovers = 0  # re-issues after a worker died (bounded by migration_limit)
         self.num_live_moves = 0  # moves made by the workers, noticed on the stream
 
@@ -361,7 +363,12 @@ class Dispatch:
         assert stream is not None, "start() first"
         while True:
             try:
-                item: dict[str, Any] = await stream.__anext__()
+                stash = self._stash
+                if stash is not None:
+                    self._stash = None
+                    item: dict[str, Any] = stash
+                else:
+                    item = await stream.__anext__()
             except StopAsyncIteration:
                 raise UpstreamError("the worker ended the stream without a finish reason") from None
             except RemoteHandlerError as e:
@@ -385,7 +392,30 @@ class Dispatch:
     def ready(self) -> bool:
         """Whether ``next_item`` has an item here already (it may still wait: a repeat that brings nothing new)."""
         stream = self.stream
-        return stream is not None and stream.ready()
+        return stream is not None and (self._stash is not None or stream.ready())
+
+    def poll(self) -> dict[str, Any] | None:
+        """The next item if it is here already and follows on at the client's position: what ``next_item`` would
+        return, taken without waiting. None otherwise; an item this cannot settle without ``next_item`` (an abort,
+        a position that is not the client's, a stream that moved) is kept for it."""
+        stream = self.stream
+        if stream is None or self._stash is not None:
+            return None
+        item: dict[str, Any] | None = stream.poll()
+        if item is None:
+            return None
+        ids: list[int] = item["token_ids"]
+        if (
+            stream.instance_id != self.instance_id
+            or item["finish_reason"] == "abort"
+            or (ids and item.get("position", self.position) != self.position)
+        ):
+            self._stash = item
+            return None
+        if ids:  # _accept's in-order case
+            self.position += len(ids)
+            self.output_ids += ids
+        return item
 
     def _accept(self, item: dict[str, Any]) -> dict[str, Any] | None:
         """Splice ``item`` at the client's position (module docstring): the item to deliver (trimmed of tokens the

@@ -186,6 +186,21 @@ class Generation:
         """Whether the next item is here already: a writer can gather what arrived together into one write."""
         return self._first is not None or (self.finish_reason is None and self._dispatch.ready())
 
+    def poll(self) -> tuple[str, str | None] | None:
+        """The next ``(text, finish_reason)`` if its item is here already, processed as ``__anext__`` would; None
+        when it is not (or the generation has finished): then ``__anext__`` waits for it. A writer takes what
+        arrived together this way and writes it in one go, without a coroutine per item."""
+        if self.finish_reason is not None:
+            return None
+        item = self._first
+        if item is not None:
+            self._first = None
+        else:
+            item = self._dispatch.poll()
+            if item is None:
+                return None
+        return self._process(item)
+
     def _process(self, item: dict[str, Any]) -> tuple[str, str | None]:
         ids: list[int] = item["token_ids"]
         finish: str | None = item["finish_reason"]

@@ -805,6 +805,23 @@ class ResponseStream:
             return head[1] == self._next_seq and head[2] == DATA
         return bool(self._held) and self._next_seq in self._held
 
+    def poll(self) -> Any:
+        """The next item if it is here already and in order (what ``ready`` says, less a held frame): taken as
+        ``__anext__`` would take it, without a coroutine; None otherwise, and then ``__anext__`` decides what comes
+        (a wait, a held frame, an end, an error, a hand-over, a probe). A reader of a stream whose items arrive
+        together takes them ~10x cheaper this way (no await chain through ``_next_frame``)."""
+        if self._held or self._done:
+            return None
+        head = self._q.peek()
+        if head is None or head[1] != self._next_seq or head[2] != DATA:
+            return None
+        self._q.get_nowait()
+        self._last = self._loop.time()  # as _next_frame's hot path
+        self._probe_deadline = None
+        self._reprobe_s = 0.0
+        self._next_seq += 1
+        return head[3]
+
     def __aiter__(self) -> ResponseStream:
         return self
 

@@ -449,3 +449,48 @@ async def test_after_no_responders_the_next_attempt_waits_a_doubling_pause(make_
     gen = generation(fleet, d, first)
     assert await read_all(gen) == "hi"
     await gen.aclose()
+
+
+async def read_polling(gen: Generation) -> tuple[str, int]:
+    """As the SSE writer reads (app.py): one item awaited, then every item that is here already taken with
+    ``poll``. The text, and how many items ``poll`` gave."""
+    texts, polled = [], 0
+    async for text, finish in gen:
+        texts.append(text)
+        while finish is None:
+            item = gen.poll()
+            if item is None:
+                break
+            polled += 1
+            text, finish = item
+            texts.append(text)
+    assert gen.poll() is None  # finished: nothing more, whatever is left on the stream
+    return "".join(texts), polled
+
+
+async def test_items_that_arrived_together_are_taken_by_poll_with_the_text_and_positions_awaiting_gives(make_fleet):
+    fleet = await make_fleet({A: [at([104], 0), at([105], 1), at([33], 2), at([63], 3, "length")]})
+    d = fleet.dispatch(fleet.prepared("p1"))
+    gen = generation(fleet, d, await d.start())
+    assert await read_polling(gen) == ("hi!?", 3) and gen.finish_reason == "length"
+    assert d.output_ids == [104, 105, 33, 63] and gen.num_output_tokens == 4
+    await gen.aclose()
+
+
+async def test_what_poll_cannot_settle_is_left_to_next_item_which_splices_and_fails_over_as_before(make_fleet):
+    # A gap (position 3 after 1), an overlap, and an abort: each left to next_item, which splices or fails over
+    # exactly as when every item is awaited (the tests above).
+    fleet = await make_fleet(
+        {
+            A: [at([104], 0), at([105], 1), at([63], 3)],
+            B: [at([105, 33], 1), at([63], 3), chunk([], "abort")],
+            0xC3: [at([42], 4, "length")],
+        }
+    )
+    d = fleet.dispatch(fleet.prepared("p2", pin=A))
+    gen = generation(fleet, d, await d.start())
+    text, polled = await read_polling(gen)
+    assert text == "hi!?*" and polled >= 1
+    assert d.output_ids == [104, 105, 33, 63, 42] and d.num_failovers == 2 and gen.finish_reason == "length"
+    await gen.aclose()
+    assert fleet.active() == {A: 0, B: 0, 0xC3: 0}

@@ -131,3 +131,32 @@ def test_the_offset_free_encoder_gives_transformers_ids_on_prompts_and_chat_temp
     messages = [{"role": "system", "content": texts[3][:300]}, {"role": "user", "content": texts[5]}]
     text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert tok.apply_chat_template(messages) == hf.encode(text, add_special_tokens=False)
+
+
+def test_the_byte_table_streams_what_the_rust_decode_stream_streams_chunk_for_chunk(tok: Tokenizer):
+    # The byte-level fast path (Tokenizer.byte_table) against tokenizers' DecodeStream, which it replaces: random
+    # bytes (invalid UTF-8 and characters split over chunks included), special tokens, ids the tokenizer does not
+    # have, in random chunkings, must give the same text in every chunk, not only in all.
+    assert tok.byte_table is not None and len(tok.byte_table) == 384
+    rust = load_tokenizer(MODEL_PATH)
+    rust.byte_table = None  # the DecodeStream path
+    assert rust.streams_in_rust
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.randrange(1, 80)
+        ids = [rng.randrange(-2, 400) if rng.random() < 0.02 else rng.randrange(384) for _ in range(n)]
+        ids += list("日🙂".encode())[: rng.randrange(0, 7)]  # sometimes ends inside a character
+        sizes = [rng.choice((1, 1, 1, 2, 3, 5)) for _ in range(len(ids))]
+        prompt = [rng.randrange(384) for _ in range(rng.randrange(0, 8))]
+        assert stream(tok, ids, sizes, prompt) == stream(rust, ids, sizes, prompt)
+
+
+def test_a_tokenizer_that_does_not_decode_bytes_gets_no_byte_table(tok: Tokenizer):
+    from tokenizers import decoders
+
+    from components.frontend.tokenizer import byte_table
+
+    backend = load_tokenizer(MODEL_PATH)._backend
+    assert byte_table(backend) is not None
+    backend.decoder = decoders.Metaspace()  # decodes "▁" as a space, and drops a leading one: not ByteLevel
+    assert byte_table(backend) is None

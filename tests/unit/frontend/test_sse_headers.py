@@ -86,7 +86,8 @@ async def test_the_bytes_on_the_wire_are_those_of_a_stream_response() -> None:
 
 
 class _Gen:
-    """A ``Generation`` whose outputs have all arrived (``ready``) or arrive one at a time (not ``ready``)."""
+    """A ``Generation`` whose outputs have all arrived (``poll`` gives them) or arrive one at a time (``poll`` gives
+    nothing: each is awaited)."""
 
     def __init__(self, texts: list[str], ready: bool) -> None:
         self._texts = texts
@@ -95,13 +96,21 @@ class _Gen:
         self.num_prompt_tokens = 7
         self.num_cached_tokens = 0
 
-    def ready(self) -> bool:
-        return self._ready and self.num_output_tokens < len(self._texts)
+    def _next(self) -> tuple[str, str | None]:
+        i = self.num_output_tokens
+        self.num_output_tokens += 1
+        return self._texts[i], ("length" if i == len(self._texts) - 1 else None)
 
-    async def __aiter__(self) -> Any:
-        for i, text in enumerate(self._texts):
-            self.num_output_tokens += 1
-            yield text, ("length" if i == len(self._texts) - 1 else None)
+    def poll(self) -> tuple[str, str | None] | None:
+        return self._next() if self._ready and self.num_output_tokens < len(self._texts) else None
+
+    def __aiter__(self) -> _Gen:
+        return self
+
+    async def __anext__(self) -> tuple[str, str | None]:
+        if self.num_output_tokens >= len(self._texts):
+            raise StopAsyncIteration
+        return self._next()
 
 
 async def _stream_of(texts: list[str], ready: bool) -> list[bytes]:
