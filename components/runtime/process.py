@@ -7,7 +7,8 @@ rescheduler to come) does around its own work, written once.
 - ``run_component``: connect the runtime, install SIGTERM/SIGINT handling, start the component, freeze the start-up
   heap, print ``READY <what>``, wait for a signal or for the component to end by itself, stop it, leave the mesh and
   print its last line (``STOPPED``, or why it ended). Tests and ``kvmesh serve`` read those lines. A stop still
-  running after ``SLOW_STOP_REPORT_S`` logs, once, every task of the process and where each one waits.
+  running after ``SLOW_STOP_REPORT_S`` logs, once, every task of the process and where each one waits; a process
+  still alive ``eventloop.EXIT_REPORT_S`` after that writes its threads' stacks to stderr.
 
 A component is anything with the ``Component`` protocol's three methods; it never imports ``components.cli``.
 """
@@ -97,6 +98,9 @@ async def run_component(
                 report.cancel()
                 await asyncio.gather(report, return_exceptions=True)
     print(last, flush=True)
+    # What is left runs outside this coroutine: the loop's teardown (every task cancelled and awaited, the default
+    # executor's threads joined), then the interpreter's (non-daemon threads joined).
+    eventloop.report_a_slow_exit()
     return code
 
 
