@@ -12,6 +12,7 @@ Imports: the standard library; ``uvloop`` lazily.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import logging
 import os
@@ -24,6 +25,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ENV_UVLOOP = "KVMESH_UVLOOP"
+
+# A process still alive this long after its main coroutine returned (the loop's teardown waits for a task that
+# ignores its cancel or for an executor thread; the interpreter joins a thread that never ends) writes every thread's
+# Python stack to stderr, its log under ``kvmesh serve``. A supervisor SIGKILLs it at its graceful timeout otherwise
+# with nothing said (issue 28: a worker SIGKILLed at 75 s, cause unknown; the stop itself is covered by
+# ``process.report_slow_stop``). A healthy exit takes well under a second.
+EXIT_REPORT_S = 20.0
 
 
 def uvloop_wanted() -> bool:
@@ -40,6 +48,13 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         else:
             return uvloop.run(main)
     return asyncio.run(main)
+
+
+def report_a_slow_exit(after_s: float = EXIT_REPORT_S) -> None:
+    """Call once a process is done and about to exit: if it is still alive ``after_s`` later, every thread's Python
+    stack goes to stderr (``EXIT_REPORT_S``). faulthandler's own watchdog thread does it: it holds nothing up and
+    needs neither the event loop nor the main thread; a process that exits first cancels it."""
+    faulthandler.dump_traceback_later(after_s, exit=False)
 
 
 def stop_on_signals() -> asyncio.Event:

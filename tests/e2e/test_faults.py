@@ -315,8 +315,22 @@ def stop_in_normal_time(state_dir: Path, st: ServeState) -> float:
     assert done.returncode == 0, done.stderr
     assert wait_gone(st.all_processes(), 10) == []
     # Workers drain in well under their 60 s timeout when nothing is left running (issue 18 measured 61 s).
-    assert took < 30, f"kvmesh stop took {took:.1f} s"
+    assert took < 30, f"kvmesh stop took {took:.1f} s; the processes' logs end:\n{stop_logs(state_dir)}"
     return took
+
+
+def stop_logs(state_dir: Path, max_lines: int = 400) -> str:
+    """What each process logged from its first slow-stop or slow-exit report on (``SLOW_STOP_REPORT_S`` into a stop:
+    every task and where it waits; ``EXIT_REPORT_S`` after it: every thread's stack, faulthandler's "Timeout (...)!"),
+    or its last 20 lines where it wrote neither: a CI run keeps only the test's output, and the two 76 s stops of
+    issue 28 left nothing saying which wait held a worker."""
+    out = []
+    for log in sorted((state_dir / "logs").glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if "still stopping after" in line or line.startswith("Timeout (")]
+        shown = lines[starts[0] :][:max_lines] if starts else lines[-20:]
+        out.append(f"--- {log.name}\n" + "\n".join(shown))
+    return "\n".join(out)
 
 
 def kill(pid: int) -> None:

@@ -5,13 +5,18 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 
 from components.runtime import eventloop
 
 pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 async def _loop_class() -> str:
@@ -49,3 +54,34 @@ def test_freezing_the_start_up_heap_keeps_it_out_of_collections():
         gc.unfreeze()
     gc.collect()
     assert ref() is None
+
+
+def test_a_process_that_lingers_after_its_main_coroutine_dumps_its_threads_stacks():
+    """Issue 28: a worker SIGKILLed at its 75 s graceful timeout said nothing about what held it. Here the
+    interpreter's exit joins a thread that ends only after the report's time (``run_component`` arms the report as
+    it returns): the dump names where that thread waits."""
+    script = (
+        "import threading\n"
+        "from components.runtime import eventloop\n"
+        "def held_at_exit():\n"
+        "    threading.Event().wait(5)\n"
+        "async def main():\n"
+        "    threading.Thread(target=held_at_exit).start()\n"
+        "    eventloop.report_a_slow_exit(0.5)\n"
+        "eventloop.run(main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "Timeout (0:00:00.500000)!" in done.stderr
+    assert "in held_at_exit" in done.stderr
+
+
+def test_a_process_that_exits_at_once_dumps_nothing():
+    script = (
+        "from components.runtime import eventloop\n"
+        "async def main():\n"
+        "    eventloop.report_a_slow_exit(0.5)\n"
+        "eventloop.run(main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and done.stderr == ""
