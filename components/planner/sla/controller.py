@@ -33,9 +33,11 @@ Throughput loop (every ``adjustment_interval``)
 3. Corrections (unless ``no_correction``): ``correction.update_correction`` with the interval's observed mean TTFT
    and ITL against the mean of what the fast loop predicted (uncorrected) at the interval's pulls: TTFT including
    queue wait, so the factor corrects the engine's speed and not queueing the model already counts (the larger of
-   the pools' TTFTs at each pull, for a disaggregated model); ITL as the mean step the tokens saw, from each worker's
-   step in progress at each pull weighted by the tokens it sends (``itl.py``: a mean over pulls weighs a step by its
-   time, and a long prefill chunk step sends no more tokens than a short decode step). An interval without a
+   the pools' TTFTs at each pull, for a disaggregated model); ITL as the mean step the tokens saw: its decode part
+   from each worker's step in progress at each pull, weighted by the tokens it sends (``itl.py``: a mean over pulls
+   weighs a step by its time, and a long prefill chunk step sends no more tokens than a short decode step), and its
+   prefill chunks' part in expectation from the prompts the interval prefilled (``_predicted_itl_ms``,
+   ``itl.expected_step_ms``; a disaggregated decode pool's chunks sampled from the reports). An interval without a
    prediction (no prompt length known yet) or an observation keeps the factor, and so does one in which any
    worker's predicted TTFT went over target at a pull: while a queue builds or drains, the first tokens sent in an
    interval are of prompts that waited behind an earlier queue than the pulls saw, so the ratio measures the
