@@ -33,9 +33,11 @@ Throughput loop (every ``adjustment_interval``)
 3. Corrections (unless ``no_correction``): ``correction.update_correction`` with the interval's observed mean TTFT
    and ITL against the mean of what the fast loop predicted (uncorrected) at the interval's pulls: TTFT including
    queue wait, so the factor corrects the engine's speed and not queueing the model already counts (the larger of
-   the pools' TTFTs at each pull, for a disaggregated model); ITL as the mean step the tokens saw, from each worker's
-   step in progress at each pull weighted by the tokens it sends (``itl.py``: a mean over pulls weighs a step by its
-   time, and a long prefill chunk step sends no more tokens than a short decode step). An interval without a
+   the pools' TTFTs at each pull, for a disaggregated model); ITL as the mean step the tokens saw: its decode part
+   from each worker's step in progress at each pull, weighted by the tokens it sends (``itl.py``: a mean over pulls
+   weighs a step by its time, and a long prefill chunk step sends no more tokens than a short decode step), and its
+   prefill chunks' part in expectation from the prompts the interval prefilled (``_predicted_itl_ms``,
+   ``itl.expected_step_ms``; a disaggregated decode pool's chunks sampled from the reports). An interval without a
    prediction (no prompt length known yet) or an observation keeps the factor, and so does one in which any
    worker's predicted TTFT went over target at a pull: while a queue builds or drains, the first tokens sent in an
    interval are of prompts that waited behind an earlier queue than the pulls saw, so the ratio measures the
@@ -160,7 +162,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from components.fleet.model import FleetInstance, FleetSnapshot, RequestRecord
+from components.fleet.model import FleetInstance, FleetSnapshot, RequestRecord, RequestWindow
 from components.perf.model import DEFAULT_MODEL
 from components.perf.profile import PerfModel
 from components.perf.queueing import predicted_ttft_ms
@@ -232,6 +234,9 @@ class _Fast:
     itl_ms: float | None = None
     # the samples behind ``itl_ms``, which the interval's prediction sums
     itl_sum: itl.ItlSum = dataclasses.field(default_factory=itl.ItlSum)
+    # the same samples' decode parts alone (each report's step without its chunk), token-weighted: the interval's
+    # prediction adds the chunk part in expectation to them (``itl.expected_step_ms``)
+    itl_decode_sum: itl.ItlSum = dataclasses.field(default_factory=itl.ItlSum)
     need: int | None = None  # the size the fast loop asks for (None: no raise)
     reason: str = ""
     broken: str = ""  # which corrected prediction is over its target now ("" none): the pool may not shrink
@@ -282,6 +287,10 @@ class SlaController:
         self._ttft_pred: list[float] = []  # this interval's fast-loop TTFT predictions (ms, uncorrected)
         self._ttft_max = 0.0  # the largest one worker's predicted TTFT at any of this interval's pulls (ms)
         self._itl_pred = itl.ItlSum()  # and ITL: this interval's token-weighted step samples (itl.py)
+        self._itl_decode = itl.ItlSum()  # their decode parts alone
+        # the decode pool's registered workers summed over this interval's pulls, and the pulls: its mean size, over
+        # which the interval's prompts are shared (``_predicted_itl_ms``)
+        self._worker_pulls, self._interval_pulls = 0, 0
         # each pool's (size, mean queue wait ms) at its last settled pulls, oldest first
         self._waits: dict[Pool, collections.deque[tuple[int, float]]] = {}
         self._itl_breaches: dict[Pool, tuple[int, int]] = {}  # pool -> (its size, pulls running over the ITL target)
@@ -330,6 +339,9 @@ class SlaController:
         self._ttft_max = max([self._ttft_max, *(f.ttft_max_ms for f in fast.values() if f.ttft_max_ms is not None)])
         itl_ms = fast[Pool.DECODE].itl_ms
         self._itl_pred += fast[Pool.DECODE].itl_sum
+        self._itl_decode += fast[Pool.DECODE].itl_decode_sum
+        self._worker_pulls += len(loads[Pool.DECODE].workers)
+        self._interval_pulls += 1
 
         adj: Adjustment | None = None
         sla = SlaFigures(now_s=now, interval=False)
@@ -342,7 +354,8 @@ class SlaController:
         ):
             adj, sla = self._throughput(snap, obs, loads, fast)
             self.interval_start_s = now
-            self._ttft_pred, self._itl_pred, self._ttft_max = [], itl.ItlSum(), 0.0
+            self._ttft_pred, self._itl_pred, self._itl_decode, self._ttft_max = [], itl.ItlSum(), itl.ItlSum(), 0.0
+            self._worker_pulls, self._interval_pulls = 0, 0
             self._asked = {}
         if adj is None:
             adj = self._fast_raise(obs, fast)
@@ -486,6 +499,7 @@ class SlaController:
         )
         itl_ms: float | None = None  # the decode step alone: what the ITL raise can spread
         sampled = itl.ItlSum()  # the steps the tokens see, each worker's step in progress with its chunk (itl.py)
+        decode_sampled = itl.ItlSum()  # the same steps' decode parts alone
         batch = kv_tokens = 0.0
         if pool == Pool.DECODE:
             decoding = [i for i in load.fresh if i.load is not None and i.load.snapshot.batch_size > 0]
@@ -510,6 +524,7 @@ class SlaController:
                         free_kv_tokens=free,
                     )
                     sampled = sampled.add(s.batch_size, ms)
+                    decode_sampled = decode_sampled.add(s.batch_size, steps[-1])
                 itl_ms = sum(steps) / len(steps)
                 # The pool's batch and KV spread over all its n workers (the router spreads new requests over
                 # every worker; running ones stay put, but each finishes within its output): a worker that just
@@ -664,7 +679,16 @@ class SlaController:
             broken.append(f"predicted TTFT {self.ttft_correction * ttft_ms:.0f} ms > {cfg.ttft:g} ms")
         if itl_ms is not None and self.itl_correction * itl_ms > cfg.itl:
             broken.append(f"predicted ITL {self.itl_correction * itl_ms:.1f} ms > {cfg.itl:g} ms")
-        return _Fast(ttft_ms, sampled.mean_ms, sampled, need, "; ".join(reasons), " and ".join(broken), ttft_max_ms)
+        return _Fast(
+            ttft_ms,
+            sampled.mean_ms,
+            sampled,
+            decode_sampled,
+            need,
+            "; ".join(reasons),
+            " and ".join(broken),
+            ttft_max_ms,
+        )
 
     def _queue_growth(self, pool: Pool, obs: Observation, load: _PoolLoad, now_s: float) -> float | None:
         """Requests/s by which an aggregated pool's workers' load grew since its last pull (every worker reporting,
@@ -771,6 +795,40 @@ class SlaController:
     # ----------------------------------------------------------------------------------------------------------------
     # Throughput loop
 
+    def _predicted_itl_ms(self, window: RequestWindow, loads: Mapping[Pool, _PoolLoad]) -> float | None:
+        """The interval's predicted ITL, ms, uncorrected: what the correction divides the frontends' observed mean
+        ITL by. None: nothing to predict it from (no pull caught a worker decoding and no lengths heard yet).
+
+        Aggregated: the decode part sampled (each fresh worker's decode step at every pull, token-weighted,
+        ``itl.ItlSum``: its spread between runs 2 ms apart is under 1%), and the prefill chunks' part in expectation
+        (``itl.expected_step_ms``) from the prompts the interval prefilled, shared evenly over the pool's mean
+        registered size. Reading the chunks from the 1-5 of an interval's 14-20 reports that landed in a chunk step
+        made the prediction a lottery: 3.5-8% apart between re-simulated draws whose observed ITL agreed to 0.5 ms
+        (docs/sla-planner.md, "The chunk part in expectation"). The prompts counted are the first tokens the
+        frontends sent in the interval (``ttft_count``): a prompt's first token comes out of its last chunk step, so
+        they are the prompts whose prefill ended in it, where the prompts handed to the router (``requests``) also
+        count those still queued at its end. Their mean length is the interval's mean prompt (the latest heard when
+        none was handed over). No pull caught a worker decoding (light load: short requests between pulls), yet tokens
+        were sent: the decode part is a lone sequence's step at the mean context (without it, a factor raised in a
+        burst would stay up through every quiet interval after it).
+
+        Disaggregated (a prefill pool): the decode workers prefill only the prompts kept local, which the frontends'
+        counts do not tell apart; their chunks stay sampled from the reports (``num_prefill_tokens``)."""
+        perf = self._pool_perf(loads[Pool.DECODE])
+        if Pool.PREFILL in loads and self._itl_pred.mean_ms is not None:
+            return self._itl_pred.mean_ms
+        decode_ms, batch = self._itl_decode.mean_ms, self._itl_decode.mean_batch
+        if decode_ms is None or batch is None:
+            if self._last_isl is None or self._last_osl is None:
+                return None
+            decode_ms, batch = perf.decode_ms(1, self._last_isl + self._last_osl / 2), 1.0
+        isl = window.mean_isl if window.mean_isl is not None else self._last_isl
+        workers = self._worker_pulls / self._interval_pulls if self._interval_pulls else 0.0
+        if Pool.PREFILL in loads or isl is None or workers <= 0 or window.duration_s <= 0:
+            return decode_ms
+        prompts_per_s = window.ttft_count / window.duration_s / workers
+        return itl.expected_step_ms(perf, decode_ms, batch, prompts_per_s, isl)
+
     def _throughput(
         self, snap: FleetSnapshot, obs: Observation, loads: Mapping[Pool, _PoolLoad], fast: Mapping[Pool, _Fast]
     ) -> tuple[Adjustment, SlaFigures]:
@@ -841,14 +899,8 @@ class SlaController:
                 )
             else:
                 t = correction.update_correction(self.ttft_correction, window.mean_ttft_s, predicted_ttft_s)
-            itl_mean_ms = self._itl_pred.mean_ms
+            itl_mean_ms = self._predicted_itl_ms(window, loads)
             predicted_itl_s = itl_mean_ms / 1e3 if itl_mean_ms is not None else None
-            if predicted_itl_s is None and self._last_isl is not None and self._last_osl is not None:
-                # No pull caught a worker decoding (light load: short requests between pulls), yet tokens were
-                # sent: a lone sequence at the mean context is what they saw. Without this a factor raised in a
-                # burst would stay up through every quiet interval after it.
-                context = self._last_isl + self._last_osl / 2
-                predicted_itl_s = self._pool_perf(loads[Pool.DECODE]).decode_ms(1, context) / 1e3
             i = correction.update_correction(self.itl_correction_measured, window.mean_itl_s, predicted_itl_s)
             self.ttft_correction, self.itl_correction_measured = t.factor, i.factor
             self.itl_correction = correction.deadband(i.factor, cfg.itl_correction_deadband)

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from components.fleet import MemoryFleet
 from components.perf.model import StepTimeModel
 from components.planner.policy import Direction, Pool
+from components.planner.sla import itl
 from components.planner.sla.config import SlaPlannerConfig
 from components.planner.sla.controller import SlaController
 from components.protocol.messages import LoadSnapshot, RequestStatsReport
@@ -657,7 +658,10 @@ def test_the_fast_loop_adds_a_worker_when_a_backlog_would_still_break_target_an_
 
 def test_the_correction_factors_move_the_sizing():
     # Aggregated, 100 requests/s (7 workers uncorrected). The workers report batch 40 over 44000 KV tokens each: the
-    # model's step is 5 + 0.8 + 1.32 = 7.12 ms, and the frontends observe 14.24 ms (2x). A new prompt's predicted
+    # model's decode step is 5 + 0.8 + 1.32 = 7.12 ms, and the frontends observe 2x the step a token sees: that decode
+    # part with the prompts' chunks in expectation (``itl.expected_step_ms``, checked by hand in test_itl.py), at
+    # 100 prompts/s over the pool's workers (1 in the first interval: every step a full chunk, 343.2 ms; the pool the
+    # first decision asked for in the second). A new prompt's predicted
     # TTFT is 50 ms (nothing queued); observed 100 ms (2x). Smoothing 0.5: each interval's factor is
     # 0.5 x 2 + 0.5 x the previous one. Interval 1's only TTFT prediction is the one at its last pull (30 s: the
     # prompt length is heard there): at 30 s both go 1.0 -> 1.5; at 60 s both 1.5 -> 1.75.
@@ -676,13 +680,19 @@ def test_the_correction_factors_move_the_sizing():
     ctl = SlaController(config(no_correction=False, itl_correction_deadband=0.0), MODEL)
     for t in (0.0, 10.0, 20.0):
         pull(ctl, fleet, t)
-    fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=0.01424)
+
+    def observed_itl_s(workers: int) -> float:
+        return 2 * itl.expected_step_ms(ROUND, 7.12, 40, 100 / workers, 1000) / 1e3
+
+    assert observed_itl_s(1) == pytest.approx(2 * (7.12 + 10 + 0.04 * (8192 - 40)) / 1e3)
+    fleet.requests(30.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=observed_itl_s(1))
     out = pull(ctl, fleet, 30.0)
     assert (ctl.ttft_correction, ctl.itl_correction) == (pytest.approx(1.5), pytest.approx(1.5))
-    assert out.sla is not None and out.sla.observed_itl_s == pytest.approx(0.01424)
+    assert out.sla is not None and out.sla.observed_itl_s == pytest.approx(observed_itl_s(1))
     for t in (40.0, 50.0):
         pull(ctl, fleet, t)
-    fleet.requests(60.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=0.01424)
+    itl_s = observed_itl_s(fleet.count(Pool.DECODE))
+    fleet.requests(60.0, 30.0, rate=100, isl=1000, osl=200, ttft_s=0.1, itl_s=itl_s)
     out = pull(ctl, fleet, 60.0)
     assert (ctl.ttft_correction, ctl.itl_correction) == (pytest.approx(1.75), pytest.approx(1.75))
     assert fleet.count(Pool.DECODE) == 13
@@ -812,17 +822,20 @@ def test_a_worker_whose_cache_is_full_steps_its_decodes_without_a_prefill_chunk(
         assert out.sla is not None and out.sla.predicted_itl_s == pytest.approx(expected_s), kv_usage
 
 
-def itl_interval(reports: list[dict[str, int]], observed_itl_s: float) -> SlaController:
-    """One worker decoding 20 sequences over 22000 KV tokens; its load reports at pulls 1-30 s are ``reports`` (extra
-    LoadSnapshot fields), the frontends' mean ITL over the interval ``observed_itl_s``; the controller after the
-    decision at 30 s, its ITL factor from 1.0 (smoothing 0.5)."""
-    fleet = Fleet(decode=1)
+def itl_interval(
+    reports: list[dict[str, int]], observed_itl_s: float, *, prefill: int | None = None, ttft_s: float | None = None
+) -> SlaController:
+    """One worker decoding 20 sequences over 22000 KV tokens (``prefill``: and that many prefill workers); its load
+    reports at pulls 1-30 s are ``reports`` (extra LoadSnapshot fields); the frontends report 1 request/s of 1000
+    prompt tokens over the interval, their mean ITL ``observed_itl_s`` (and, ``ttft_s`` given, the 30 first tokens
+    with that mean TTFT); the controller after the decision at 30 s, its ITL factor from 1.0 (smoothing 0.5)."""
+    fleet = Fleet(decode=1, prefill=prefill)
     ctl = SlaController(config(itl=50.0, no_correction=False), MODEL)
     pull(ctl, fleet, 0.0)  # the interval's first pull, the worker idle (a pull's sample counts in its interval)
     for t, extra in enumerate(reports, start=1):
         fleet.set_load(Pool.DECODE, num_running=20, batch_size=20, num_kv_tokens=22_000, **extra)
         if t == 30:
-            fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, itl_s=observed_itl_s)
+            fleet.requests(30.0, 30.0, rate=1, isl=1000, osl=200, ttft_s=ttft_s, itl_s=observed_itl_s)
         pull(ctl, fleet, float(t), apply=False)
     return ctl
 
@@ -832,7 +845,9 @@ DECODE_20_MS = 5 + 0.02 * 20 + 3e-5 * 22_000
 
 
 def test_the_itl_correction_counts_the_chunk_of_the_step_each_report_lands_in():
-    # Prompts come one at a time and go into the next step whole, so the queue is empty at every report; a third of
+    # Disaggregated (a prefill pool beside): the decode worker prefills only the prompts kept local, which the
+    # frontends' counts do not tell apart, so its chunks are sampled from its reports. Prompts come one at a time
+    # and go into the next step whole, so the queue is empty at every report; a third of
     # the reports land in a step computing a 2000-token chunk (10 + 80 + 6.06 = 96.06 ms), as the engine spends a
     # third of its time in them. The tokens' mean gap is the worker's second over its steps:
     # 1000 / (333.3 / 96.06 + 666.7 / 6.06) = 8.812 ms, what the frontends report. Predicted as the reports' batch
@@ -843,12 +858,13 @@ def test_the_itl_correction_counts_the_chunk_of_the_step_each_report_lands_in():
     observed_ms = 1000 / ((1000 / 3) / chunk_ms + (2000 / 3) / DECODE_20_MS)
     assert observed_ms == pytest.approx(600 / (10 * 20 / chunk_ms + 20 * 20 / DECODE_20_MS))
     reports = [{"num_prefill_tokens": 2000}] * 10 + [{"num_prefill_tokens": 0}] * 20
-    ctl = itl_interval(reports, observed_ms / 1e3)
+    ctl = itl_interval(reports, observed_ms / 1e3, prefill=1)
     assert ctl.itl_correction == pytest.approx(1.0)
 
 
 def test_the_itl_correction_weighs_each_report_by_the_tokens_it_stands_for():
-    # An engine that does not report its step's chunk: the queue is read instead (5000 tokens waiting at a third of
+    # Disaggregated, as above (the chunks sampled). An engine that does not report its step's chunk: the queue is
+    # read instead (5000 tokens waiting at a third of
     # the reports: steps of 10 + 200 + 6.06 = 216.06 ms, as on the step load's plateau, where a backlog of
     # 8,000-token prompts waits). A report lands in a step in proportion to its time, and a 216 ms step sends the
     # tokens a 6 ms one does: the tokens' mean gap is 1000 / (333.3 / 216.06 + 666.7 / 6.06) = 8.964 ms. The mean
@@ -857,8 +873,49 @@ def test_the_itl_correction_weighs_each_report_by_the_tokens_it_stands_for():
     chunk_ms = 10 + 0.04 * 5000 + DECODE_20_MS
     observed_ms = 1000 / ((1000 / 3) / chunk_ms + (2000 / 3) / DECODE_20_MS)
     reports = [{"num_waiting_prefill_tokens": 5000}] * 10 + [{}] * 20
-    ctl = itl_interval(reports, observed_ms / 1e3)
+    ctl = itl_interval(reports, observed_ms / 1e3, prefill=1)
     assert ctl.itl_correction == pytest.approx(1.0)
+
+
+def expected_step_by_hand_ms(decode_ms: float, prompts_per_s: float) -> float:
+    """ROUND's mean step with 1000-token prompts arriving at ``prompts_per_s``: a step takes, with the decode part,
+    the prompts that arrived during the step before, K ~ Poisson(prompts_per_s x t) of them (k x 1000 tokens within
+    the 8192 - 20 budget for every k that matters here), 10 + 40 k ms; so E[chunk] = 10 (1 - exp(-mu)) + 40 mu and the
+    mean step solves t = decode_ms + 10 (1 - exp(-prompts_per_s x t / 1000)) + 0.04 x prompts_per_s x t (t in ms),
+    iterated to its fixed point (a contraction: the slope is under 0.05)."""
+    t = decode_ms
+    for _ in range(100):
+        t = decode_ms + 10 * (1 - math.exp(-prompts_per_s * t / 1e3)) + 0.04 * prompts_per_s * t
+    return t
+
+
+def test_the_itl_correction_predicts_the_chunk_part_in_expectation():
+    # Aggregated: 30 prompts of 1000 tokens prefilled over the 30 s interval (30 first tokens), one worker: 1 prompt/s.
+    # Its mean step is 6.379 ms (expected_step_by_hand_ms: 6.06 + 10 (1 - exp(-0.006379)) + 0.04 x 6.379), what the
+    # frontends report: the factor stays 1.0 whether 1 or 5 of the 30 reports landed in a 1000-token chunk step (the
+    # lottery of the live check's re-simulated draws). The sampled chunks moved it: main's code, 1 of 30 in a chunk
+    # step (10 + 40 + 6.06 = 56.06 ms), predicted 600 / (20 x 29 / 6.06 + 20 / 56.06) = 6.246 ms: factor
+    # 0.5 x 6.379 / 6.246 + 0.5 = 1.011; 5 of 30: 600 / (20 x 25 / 6.06 + 5 x 20 / 56.06) = 7.118 ms, factor 0.948.
+    observed_ms = expected_step_by_hand_ms(DECODE_20_MS, 1.0)
+    assert observed_ms == pytest.approx(6.379, abs=5e-4)
+    factors = []
+    for landed in (1, 5):
+        reports = [{"num_prefill_tokens": 1000}] * landed + [{"num_prefill_tokens": 0}] * (30 - landed)
+        ctl = itl_interval(reports, observed_ms / 1e3, ttft_s=0.05)
+        factors.append(ctl.itl_correction_measured)
+    assert factors == [pytest.approx(1.0, abs=1e-6)] * 2
+
+
+def test_the_itl_correction_counts_the_prompts_the_interval_prefilled():
+    # The same worker and reports (none in a chunk step), the frontends' ITL 2 x 6.379 ms. With the interval's 30
+    # first tokens the prediction is the hand computation's 6.379 ms: factor 0.5 x 2 + 0.5 = 1.5. Had no first token
+    # been counted (no prompt prefilled: no chunk part), the decode part alone, 6.06 ms: 0.5 x 2 x 6.379 / 6.06 + 0.5.
+    observed_ms = 2 * expected_step_by_hand_ms(DECODE_20_MS, 1.0)
+    reports = [{"num_prefill_tokens": 0}] * 30
+    ctl = itl_interval(reports, observed_ms / 1e3, ttft_s=0.05)
+    assert ctl.itl_correction_measured == pytest.approx(1.5, abs=1e-6)
+    ctl = itl_interval(reports, observed_ms / 1e3)
+    assert ctl.itl_correction_measured == pytest.approx(0.5 * observed_ms / DECODE_20_MS + 0.5)
 
 
 def test_an_interval_whose_pulls_caught_no_decoding_still_corrects_itl():
